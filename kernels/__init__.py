@@ -1,0 +1,36 @@
+"""Backend selection: Triton kernels on CUDA, the torch reference on CPU.
+
+``KVSERVE_ATTENTION_BACKEND=triton|torch`` overrides the choice; Triton on a CPU tensor needs
+``TRITON_INTERPRET=1`` (slow; for tests). The engine calls only ``get_backend()``.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+
+BACKENDS = ("triton", "torch")
+
+
+def backend_name(device: torch.device | str | None = None) -> str:
+    """The backend the engine uses on ``device``: the env override, else triton on CUDA, torch elsewhere."""
+    forced = os.environ.get("KVSERVE_ATTENTION_BACKEND", "").strip().lower()
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"KVSERVE_ATTENTION_BACKEND={forced!r}: expected one of {BACKENDS}")
+        return forced
+    dev = torch.device(device) if device is not None else None
+    return "triton" if dev is not None and dev.type == "cuda" else "torch"
+
+
+def get_backend(device: torch.device | str | None = None) -> ModuleType:
+    """A module exposing store_kv, decode_attention, prefill_attention, copy_blocks, swap_blocks."""
+    if backend_name(device) == "triton":
+        from kernels import triton_backend
+
+        return triton_backend
+    from kernels import reference
+
+    return reference

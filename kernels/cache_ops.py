@@ -1,0 +1,306 @@
+"""Triton cache ops over the fixed KV layout: store K/V by slot, copy blocks, swap blocks.
+
+KV cache, one tensor per layer (DESIGN.md): ``[2, num_blocks, block_size, num_kv_heads, head_dim]``;
+``slot = block_id * block_size + offset``; a negative slot is skipped.
+
+Kernels
+    ``_store_kv_kernel``     grid (token, kv-head tile): scatter one token's K and V into its slot.
+    ``_copy_blocks_kernel``  grid (pair, K|V, chunk): copy whole blocks between two caches on one device
+                             (``copy_blocks`` passes the same cache twice).
+
+Launchers have the signatures of their torch twins in ``kernels.reference``.
+
+NOTE: block copies move raw bits (the caches are reinterpreted as same-width integers), so they are
+bit-exact for every dtype (NaN payloads, -0.0) and also run under the CPU interpreter for bf16.
+NOTE: offsets are int64: ``block_id * stride_block`` overflows int32 in big pools.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_BITS_DTYPE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+COPY_CHUNK = 2048  # elements per program of a block copy
+
+
+# --------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    value_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]  (kv_cache[0])
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]  (kv_cache[1])
+    slot_mapping_ptr,  # [num_tokens] int32/int64, negative = skip
+    num_kv_heads,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_c_block,
+    stride_c_slot,
+    stride_c_head,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # KV heads per program (power of two)
+):
+    """One program = one token x BLOCK_H KV heads.
+
+    Contract: ``0 <= slot < num_blocks * block_size`` for every non-negative slot (not checked on device);
+    a negative slot writes nothing. K/V are cast to the cache's dtype.
+    """
+    tok = tl.program_id(0).to(tl.int64)
+    head_tile = tl.program_id(1)
+    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+
+    offs_h = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    offs_d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
+    mask = (offs_h < num_kv_heads)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    heads = offs_h.to(tl.int64)[:, None]
+
+    k = tl.load(key_ptr + tok * stride_k_tok + heads * stride_k_head + offs_d[None, :], mask=mask)
+    v = tl.load(value_ptr + tok * stride_v_tok + heads * stride_v_head + offs_d[None, :], mask=mask)
+    dst = block * stride_c_block + offset * stride_c_slot + heads * stride_c_head + offs_d[None, :]
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _copy_blocks_kernel(
+    src_ptr,  # [2, num_src_blocks, BLOCK_NUMEL] (inner block contiguous)
+    dst_ptr,  # [2, num_dst_blocks, BLOCK_NUMEL]
+    src_ids_ptr,  # [n] int32/int64
+    dst_ids_ptr,  # [n] int32/int64
+    stride_src_kv,
+    stride_src_block,
+    stride_dst_kv,
+    stride_dst_block,
+    BLOCK_NUMEL: tl.constexpr,  # block_size * num_kv_heads * head_dim
+    CHUNK: tl.constexpr,  # elements per program (power of two)
+):
+    """One program = one chunk of K or V of one (src block -> dst block) pair; a raw element copy.
+
+    Contract: ids are in range; destination ids are distinct (else the winner is unspecified), and a
+    destination block is not also a source block of the same launch.
+    """
+    pair = tl.program_id(0)
+    kv = tl.program_id(1).to(tl.int64)
+    chunk = tl.program_id(2)
+    src_block = tl.load(src_ids_ptr + pair).to(tl.int64)
+    dst_block = tl.load(dst_ids_ptr + pair).to(tl.int64)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)  # [CHUNK]
+    mask = offs < BLOCK_NUMEL
+    x = tl.load(src_ptr + kv * stride_src_kv + src_block * stride_src_block + offs, mask=mask)
+    tl.store(dst_ptr + kv * stride_dst_kv + dst_block * stride_dst_block + offs, x, mask=mask)
+
+
+# --------------------------------------------------------------------------------------------- checks
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def _triton_runs_on(device: torch.device) -> bool:
+    return device.type == "cuda" or (device.type == "cpu" and _interpreting())
+
+
+def _check_cache(name: str, cache: torch.Tensor, what: str = "kv_cache") -> None:
+    if cache.dim() != 5 or cache.shape[0] != 2:
+        raise ValueError(f"{name}: {what} must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
+                         f"got {tuple(cache.shape)}")
+    _, _, block_size, num_kv_heads, head_dim = cache.shape
+    if cache.stride(4) != 1 or cache.stride(3) != head_dim or cache.stride(2) != num_kv_heads * head_dim:
+        raise ValueError(f"{name}: {what} needs contiguous blocks (strides of the last three dims "
+                         f"{(num_kv_heads * head_dim, head_dim, 1)}), got {cache.stride()[2:]}")
+
+
+def _check_ids(name: str, src: torch.Tensor, dst: torch.Tensor) -> None:
+    if src.dim() != 1 or dst.dim() != 1 or src.shape != dst.shape:
+        raise ValueError(f"{name}: block id lists must be 1-D and equally long, "
+                         f"got {tuple(src.shape)} and {tuple(dst.shape)}")
+    if src.dtype not in _INDEX_DTYPES or dst.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"{name}: block ids must be int32 or int64, got {src.dtype}/{dst.dtype}")
+
+
+def _as_bits(t: torch.Tensor) -> torch.Tensor:
+    """The same memory reinterpreted as an integer dtype of the same width (for bit-exact copies)."""
+    return t.view(_BITS_DTYPE[t.element_size()])
+
+
+def _launch_block_copy(src_cache: torch.Tensor, dst_cache: torch.Tensor,
+                       src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
+    """Both caches on one Triton-capable device, same dtype and block shape; ids on that device."""
+    n = src_ids.shape[0]
+    if n == 0:
+        return
+    block_numel = src_cache.shape[2] * src_cache.shape[3] * src_cache.shape[4]
+    chunk = min(COPY_CHUNK, triton.next_power_of_2(block_numel))
+    src_bits, dst_bits = _as_bits(src_cache), _as_bits(dst_cache)
+    _copy_blocks_kernel[(n, 2, triton.cdiv(block_numel, chunk))](
+        src_bits, dst_bits, src_ids.contiguous(), dst_ids.contiguous(),
+        src_bits.stride(0), src_bits.stride(1), dst_bits.stride(0), dst_bits.stride(1),
+        BLOCK_NUMEL=block_numel,
+        CHUNK=chunk,
+        num_warps=4,
+    )
+
+
+# --------------------------------------------------------------------------------------------- launchers
+
+
+def store_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, negative = skip
+) -> None:
+    """Write each token's K and V into its slot of the paged cache (in place).
+
+    Args:
+        key, value: any token/head strides (e.g. slices of a fused QKV output), contiguous last dim.
+        kv_cache: one layer's cache; blocks must be contiguous (a view of a bigger tensor is fine).
+        slot_mapping: ``block_id * block_size + offset`` per token; negative = skip.
+    Raises:
+        ValueError: on shape/dtype/stride/device mismatches or an unsupported device.
+    """
+    name = "store_kv"
+    _check_cache(name, kv_cache)
+    num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+    for t, what in ((key, "key"), (value, "value")):
+        if t.dim() != 3 or t.shape[1:] != (num_kv_heads, head_dim):
+            raise ValueError(f"{name}: {what} must be [num_tokens, {num_kv_heads}, {head_dim}], got {tuple(t.shape)}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{name}: {what} dtype must be one of {_FLOAT_DTYPES}, got {t.dtype}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: {what} needs a contiguous last (head_dim) dimension")
+        if t.device != kv_cache.device:
+            raise ValueError(f"{name}: {what} is on {t.device}, kv_cache on {kv_cache.device}")
+    num_tokens = key.shape[0]
+    if value.shape[0] != num_tokens or slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"{name}: key {tuple(key.shape)}, value {tuple(value.shape)} and slot_mapping "
+                         f"{tuple(slot_mapping.shape)} disagree on num_tokens")
+    if slot_mapping.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"{name}: slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    if slot_mapping.device != kv_cache.device:
+        raise ValueError(f"{name}: slot_mapping is on {slot_mapping.device}, kv_cache on {kv_cache.device}")
+    if not _triton_runs_on(kv_cache.device):
+        raise ValueError(f"{name}: kv_cache is on {kv_cache.device}: Triton needs CUDA "
+                         "(or TRITON_INTERPRET=1 on CPU, set before triton is imported)")
+    if kv_cache.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name}: kv_cache dtype must be one of {_FLOAT_DTYPES}, got {kv_cache.dtype}")
+    if num_tokens == 0:
+        return
+    if key.dtype == value.dtype == kv_cache.dtype:
+        # NOTE: same dtype -> move bits (exact, and lets bf16 run under the CPU interpreter).
+        key, value, kv_cache = _as_bits(key), _as_bits(value), _as_bits(kv_cache)
+    elif kv_cache.device.type == "cpu" and torch.bfloat16 in (key.dtype, value.dtype, kv_cache.dtype):
+        raise ValueError(f"{name}: bfloat16 conversion is not supported by the Triton interpreter on CPU")
+    k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_h = min(triton.next_power_of_2(num_kv_heads), max(1, 4096 // triton.next_power_of_2(head_dim)))
+    grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
+    _store_kv_kernel[grid](
+        key, value, k_cache, v_cache, slot_mapping.contiguous(),
+        num_kv_heads,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        BLOCK_SIZE=kv_cache.shape[2],
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_H=block_h,
+        num_warps=4,
+    )
+
+
+def copy_blocks(
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    src: torch.Tensor,  # [n] int64 block ids
+    dst: torch.Tensor,  # [n] int64 block ids
+) -> None:
+    """Copy whole blocks inside one cache (copy-on-write), bit-exact.
+
+    Raises:
+        ValueError: on bad shapes, non-contiguous blocks, ids on another device, or an unsupported device.
+    """
+    name = "copy_blocks"
+    _check_cache(name, kv_cache)
+    _check_ids(name, src, dst)
+    if src.device != kv_cache.device or dst.device != kv_cache.device:
+        raise ValueError(f"{name}: block ids must be on the cache's device {kv_cache.device}")
+    if not _triton_runs_on(kv_cache.device):
+        raise ValueError(f"{name}: kv_cache is on {kv_cache.device}: Triton needs CUDA "
+                         "(or TRITON_INTERPRET=1 on CPU)")
+    _launch_block_copy(kv_cache, kv_cache, src, dst)
+
+
+def swap_blocks(
+    src_cache: torch.Tensor,  # [2, num_src_blocks, block_size, num_kv_heads, head_dim]
+    dst_cache: torch.Tensor,  # [2, num_dst_blocks, block_size, num_kv_heads, head_dim]
+    src_ids: torch.Tensor,  # [n] int64 block ids in src_cache
+    dst_ids: torch.Tensor,  # [n] int64 block ids in dst_cache
+) -> None:
+    """Move blocks between two caches (device pool <-> host swap space); bit-exact.
+
+    Same device: one Triton block-copy launch (plain torch indexing for two CPU caches when the Triton
+    interpreter is off). Across devices: one gather on the source device, one bulk transfer through
+    pinned host memory, one scatter on the destination device; no per-block Python loop.
+
+    NOTE: device -> host waits for the transfer (the host-side scatter reads the pinned staging
+    buffer on the CPU), so the host blocks are complete on return. Host -> device is asynchronous on
+    the current stream; later kernels on that stream see the blocks.
+
+    Raises:
+        ValueError: on mismatched block shapes/dtypes or bad id lists.
+    """
+    name = "swap_blocks"
+    _check_cache(name, src_cache, "src_cache")
+    _check_cache(name, dst_cache, "dst_cache")
+    _check_ids(name, src_ids, dst_ids)
+    if src_cache.shape[0] != dst_cache.shape[0] or src_cache.shape[2:] != dst_cache.shape[2:]:
+        raise ValueError(f"{name}: block shapes differ: {tuple(src_cache.shape)} vs {tuple(dst_cache.shape)}")
+    if src_cache.dtype != dst_cache.dtype:
+        raise ValueError(f"{name}: dtypes differ: {src_cache.dtype} vs {dst_cache.dtype}")
+    if src_ids.shape[0] == 0:
+        return
+    src_dev, dst_dev = src_cache.device, dst_cache.device
+    src_ids = src_ids.to(src_dev, non_blocking=True)
+    dst_ids = dst_ids.to(dst_dev, non_blocking=True)
+
+    if src_dev == dst_dev:
+        if _triton_runs_on(src_dev):
+            _launch_block_copy(src_cache, dst_cache, src_ids, dst_ids)
+        else:
+            dst_cache.index_copy_(1, dst_ids.long(), src_cache.index_select(1, src_ids.long()))
+        return
+
+    staged_shape = (2, src_ids.shape[0], *src_cache.shape[2:])  # [2, n, block_size, num_kv_heads, head_dim]
+    if src_dev.type == "cpu":
+        # host -> device: gather straight into pinned memory, then one async H2D copy and a scatter.
+        pinned = torch.empty(staged_shape, dtype=src_cache.dtype, pin_memory=dst_dev.type == "cuda")
+        torch.index_select(src_cache, 1, src_ids.long(), out=pinned)
+        staged = pinned.to(dst_dev, non_blocking=True)
+        dst_cache.index_copy_(1, dst_ids.long(), staged)
+        return
+    # device -> host (or device -> other device): gather on the source, one bulk copy, scatter.
+    gathered = src_cache.index_select(1, src_ids.long())  # [2, n, block_size, num_kv_heads, head_dim]
+    if dst_dev.type == "cpu":
+        host = torch.empty(staged_shape, dtype=src_cache.dtype, pin_memory=src_dev.type == "cuda")
+        host.copy_(gathered, non_blocking=True)
+        if src_dev.type == "cuda":
+            torch.cuda.current_stream(src_dev).synchronize()
+        dst_cache.index_copy_(1, dst_ids.long(), host)
+        return
+    dst_cache.index_copy_(1, dst_ids.long(), gathered.to(dst_dev))

@@ -1,0 +1,12 @@
+"""The Triton backend: the kernels of ``kernels.attention`` and ``kernels.cache_ops`` under the names
+``kernels.get_backend()`` promises (same signatures as ``kernels.reference``).
+
+Importing this module imports triton; on CPU set ``TRITON_INTERPRET=1`` before that import.
+"""
+
+from __future__ import annotations
+
+from kernels.attention import decode_attention, prefill_attention
+from kernels.cache_ops import copy_blocks, store_kv, swap_blocks
+
+__all__ = ["store_kv", "decode_attention", "prefill_attention", "copy_blocks", "swap_blocks"]

@@ -1,0 +1,40 @@
+"""The prefix-cache block hash, shared by workers and the router (one function, one module).
+
+``h_i = H(h_{i-1}, tokens of full block i, extra)``, H = sha256 truncated to 64 bits. ``extra`` is
+the cache salt (per tenant) and the model id, so tenants and models never share cached blocks.
+Only full blocks are hashed. Never Python ``hash()``: it is salted per process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+# Parent of the first block: a fixed value so chains are comparable across processes.
+ROOT_HASH = 0
+
+
+def hash_block(parent: int, token_ids: Sequence[int], extra: str = "") -> int:
+    """Hash of one full block given its parent's hash; a stable unsigned 64-bit int."""
+    h = hashlib.sha256()
+    h.update(struct.pack("<Q", parent))
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    h.update(extra.encode())
+    return int.from_bytes(h.digest()[:8], "little")
+
+
+def hash_blocks(
+    token_ids: Sequence[int], block_size: int, extra: str = "", parent: int = ROOT_HASH
+) -> list[int]:
+    """Hash chain of every full block of ``token_ids`` (a trailing partial block is not hashed)."""
+    hashes: list[int] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size], extra)
+        hashes.append(parent)
+    return hashes
+
+
+def cache_extra(model_id: str, cache_salt: str | None) -> str:
+    """The ``extra`` input of the hash: model id plus tenant salt."""
+    return f"{model_id}\x00{cache_salt or ''}"

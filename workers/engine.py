@@ -1,0 +1,306 @@
+"""The engine: one ``step()`` = schedule, run the model, sample, update.
+
+``LLMEngine`` is the streaming core a worker drives; ``LLM`` is the offline convenience API::
+
+    llm = LLM(model="path/to/hf_dir", block_size=16, kv_cache_memory="2GiB")
+    outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=64, temperature=0.0))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from workers.block_pool import BlockPool
+from workers.config import EngineConfig
+from workers.kv_cache import KVCache, bytes_per_block
+from workers.loader import load_model
+from workers.model_config import ModelConfig, parse_dtype
+from workers.model_runner import ModelRunner
+from workers.outputs import CompletionOutput, RequestOutput
+from workers.request import Request
+from workers.sampler import Sampler, make_generator
+from workers.sampling_params import SamplingParams
+from workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from workers.stop_checker import check_stop, stop_holdback_len, truncate_at_stop
+from workers.tokenizer import IncrementalDetokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """A paged-KV engine for one device. Not thread-safe: one thread owns it (DESIGN.md)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
+        )
+        self.model_config = ModelConfig.from_dir(config.model)
+        mc = self.model_config
+        self.dtype = mc.dtype if config.dtype == "auto" else parse_dtype(config.dtype)
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        torch.manual_seed(config.seed)
+        self.model = load_model(
+            config.model, self.dtype, self.device, max(self.max_model_len, mc.max_position_embeddings)
+        )
+        self.tokenizer = load_tokenizer(config.model)
+        self.eos_token_id = (
+            self.tokenizer.eos_token_id if self.tokenizer is not None else (mc.eos_token_ids or (None,))[0]
+        )
+        self.model_id = config.model_id or str(Path(config.model).resolve())
+
+        block_bytes = bytes_per_block(mc, config.block_size, self.dtype)
+        num_blocks = self._num_blocks(block_bytes)
+        num_swap_blocks = config.swap_bytes // block_bytes
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); swap: %d blocks",
+            num_blocks, config.block_size, num_blocks * config.block_size,
+            num_blocks * block_bytes / 2**20, num_swap_blocks,
+        )  # fmt: skip
+        self.kv_cache = KVCache(mc, num_blocks, config.block_size, self.dtype, self.device, num_swap_blocks)
+        self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
+        self.swap_pool = BlockPool(num_swap_blocks, enable_caching=False) if num_swap_blocks else None
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                block_size=config.block_size,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                watermark=config.watermark,
+                preemption_mode=config.preemption_mode,
+            ),
+            self.pool,
+            self.swap_pool,
+            self.model_id,
+        )
+        self.runner = ModelRunner(self.model, self.kv_cache, Sampler())
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+
+    def _num_blocks(self, block_bytes: int) -> int:
+        c = self.config
+        if c.num_gpu_blocks is not None:
+            return c.num_gpu_blocks
+        if self.device.type == "cuda":
+            return self._profile_cuda_blocks(block_bytes)
+        n = c.kv_cache_bytes // block_bytes
+        if n <= 0:
+            raise ValueError(f"kv_cache_memory={c.kv_cache_memory!r} holds no {block_bytes}-byte KV block")
+        return n
+
+    @torch.inference_mode()
+    def _profile_cuda_blocks(self, block_bytes: int) -> int:
+        """gpu_memory_utilization x card memory, minus weights and the activation peak of the
+        largest batch this engine will run."""
+        c = self.config
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = min(c.max_num_batched_tokens, self.max_model_len)
+        blocks = -(-num_tokens // c.block_size)
+        scratch = KVCache(self.model_config, blocks, c.block_size, self.dtype, self.device)
+        probe = Request("__profile__", [0] * num_tokens, SamplingParams(max_tokens=1, temperature=0.0))
+        probe.block_table = list(range(blocks))
+        ModelRunner(self.model, scratch, Sampler()).execute(SchedulerOutput(scheduled=[(probe, num_tokens)]))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del scratch
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        free_for_kv = int(total * c.gpu_memory_utilization) - peak
+        n = free_for_kv // block_bytes
+        if n <= 0:
+            raise ValueError(
+                f"no memory left for the KV cache: {total / 2**30:.1f} GiB x {c.gpu_memory_utilization} "
+                f"< peak {peak / 2**30:.1f} GiB; raise gpu_memory_utilization or lower max_num_batched_tokens"
+            )
+        return n
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Validate and queue a request. Raises ValueError (nothing allocated) on bad input."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        token_ids = self.encode(prompt)
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}")
+        self.scheduler.check_fits(len(token_ids), params.max_tokens)
+        req = Request(request_id, token_ids, params, priority=priority, cache_salt=cache_salt)
+        req.generator = make_generator(params.seed, self.device)
+        if self.tokenizer is not None:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Prompt text or ids -> validated token ids."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompt given but the model has no tokenizer.json; pass token ids")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        return token_ids
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks; None if it is unknown or already finished."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.finish(req, "abort")
+        return self._output(req, (), "")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one batch. Returns news for every request that produced a token or finished."""
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        sampled = self.runner.execute(scheduled)
+        grew = self.scheduler.update(scheduled, sampled)
+        self.num_steps += 1
+        return [self._on_new_token(req) for req in grew]
+
+    def _on_new_token(self, req: Request) -> RequestOutput:
+        params = req.sampling_params
+        token = req.output_token_ids[-1]
+        detok = req.detokenizer
+        text = new_chars = None
+        if detok is not None:
+            new_chars = len(detok.add(token))
+            text = detok.text
+        reason = check_stop(
+            req.output_token_ids, text, params, self.eos_token_id,
+            req.num_tokens >= self.max_model_len, new_char_count=new_chars,
+        )  # fmt: skip
+        visible = ""
+        if detok is not None:
+            if reason is not None:
+                detok.flush()
+                visible = truncate_at_stop(detok.text, params.stop) if params.stop else detok.text
+            else:
+                visible = detok.text[: len(detok.text) - stop_holdback_len(detok.text, params.stop)]
+        delta = visible[len(req.output_text) :]
+        req.output_text += delta
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+            del self.requests[req.request_id]
+        return self._output(req, (token,), delta)
+
+    @staticmethod
+    def _output(req: Request, new_ids: tuple[int, ...], delta: str) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new_ids,
+            text_delta=delta,
+            finish_reason=req.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_output_tokens=req.num_output_tokens,
+            num_preemptions=req.num_preemptions,
+            num_swaps=req.num_swaps,
+        )
+
+    def check_integrity(self) -> None:
+        """Pool invariants plus ref counts == block-table references (tests call this every step)."""
+        self.pool.check_integrity(self.scheduler.block_tables())
+        if self.swap_pool is not None:
+            self.swap_pool.check_integrity([r.swap_table for r in self.scheduler.swapped])
+
+
+class LLM:
+    """Offline batch generation over an ``LLMEngine``. Keyword args are ``EngineConfig`` fields."""
+
+    def __init__(self, model: str, **kwargs: object) -> None:
+        fields = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = set(kwargs) - fields
+        if unknown:
+            raise TypeError(f"unknown engine arguments {sorted(unknown)}; valid: {sorted(fields - {'model'})}")
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))  # type: ignore[arg-type]
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        check_integrity: bool = False,
+    ) -> list[CompletionOutput]:
+        """Generate for every prompt; results in input order. Invalid prompts raise before any runs."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params or SamplingParams()
+        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        engine = self.engine
+        ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        added: list[str] = []
+        try:
+            for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
+                engine.add_request(rid, prompt, p)
+                added.append(rid)
+        except ValueError:
+            for rid in added:
+                engine.abort_request(rid)
+            raise
+        results = {rid: CompletionOutput(rid, engine.requests[rid].prompt_token_ids, [], "", None, 0, 0) for rid in ids}
+        with _progress(len(ids), use_tqdm) as advance:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    res = results[out.request_id]
+                    res.token_ids.extend(out.new_token_ids)
+                    res.text += out.text_delta
+                    res.num_cached_tokens = out.num_cached_tokens
+                    res.num_preemptions = out.num_preemptions
+                    if out.finished:
+                        res.finish_reason = out.finish_reason
+                        advance()
+                if check_integrity:
+                    engine.check_integrity()
+        return [results[rid] for rid in ids]
+
+
+class _progress:
+    """A rich progress bar over finished requests (to stderr), or nothing."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled = total, enabled
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda: None
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+        self._bar = Progress(
+            "generating", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=Console(stderr=True)
+        )
+        self._bar.start()
+        task = self._bar.add_task("generate", total=self.total)
+        return lambda: self._bar.advance(task)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled:
+            self._bar.stop()

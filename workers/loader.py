@@ -1,0 +1,125 @@
+"""Load a HuggingFace Llama-family directory: config.json + (sharded) safetensors.
+
+HF stores q/k/v and gate/up as separate tensors; our model fuses them, so the loader splices each
+HF tensor into its slice of the fused parameter and checks that every parameter was written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from workers.model import CausalLM
+from workers.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: single file or the shards named by the index."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index}: corrupt safetensors index ({e})") from e
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+    elif (model_dir / "model.safetensors").is_file():
+        files = [model_dir / "model.safetensors"]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights found")
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"{f}: shard named in the index is missing")
+    return files
+
+
+def _targets(model: CausalLM, name: str) -> tuple[torch.Tensor, int, int] | None:
+    """Where an HF tensor goes: (parameter, row offset, rows) or None for tensors we do not use."""
+    c = model.config
+    if name == "model.embed_tokens.weight":
+        return model.embed_tokens.weight, 0, c.vocab_size
+    if name == "model.norm.weight":
+        return model.norm.weight, 0, c.hidden_size
+    if name == "lm_head.weight":
+        return None if model.lm_head is None else (model.lm_head.weight, 0, c.vocab_size)
+    m = _LAYER.match(name)
+    if m is None:
+        return None
+    idx, rest = int(m.group(1)), m.group(2)
+    if idx >= c.num_layers:
+        return None
+    layer = model.layers[idx]
+    attn, mlp = layer.self_attn, layer.mlp
+    q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
+    table: dict[str, tuple[torch.Tensor, int, int]] = {
+        "self_attn.q_proj.weight": (attn.qkv_proj.weight, 0, q),
+        "self_attn.k_proj.weight": (attn.qkv_proj.weight, q, kv),
+        "self_attn.v_proj.weight": (attn.qkv_proj.weight, q + kv, kv),
+        "self_attn.o_proj.weight": (attn.o_proj.weight, 0, c.hidden_size),
+        "mlp.gate_proj.weight": (mlp.gate_up_proj.weight, 0, inter),
+        "mlp.up_proj.weight": (mlp.gate_up_proj.weight, inter, inter),
+        "mlp.down_proj.weight": (mlp.down_proj.weight, 0, c.hidden_size),
+        "input_layernorm.weight": (layer.input_layernorm.weight, 0, c.hidden_size),
+        "post_attention_layernorm.weight": (layer.post_attention_layernorm.weight, 0, c.hidden_size),
+    }
+    if attn.qkv_proj.bias is not None:
+        table["self_attn.q_proj.bias"] = (attn.qkv_proj.bias, 0, q)
+        table["self_attn.k_proj.bias"] = (attn.qkv_proj.bias, q, kv)
+        table["self_attn.v_proj.bias"] = (attn.qkv_proj.bias, q + kv, kv)
+    return table.get(rest)
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    max_positions: int | None = None,
+) -> CausalLM:
+    """Build the model for ``model_dir`` and fill it from its safetensors.
+
+    Raises:
+        FileNotFoundError: missing config or weights.
+        ValueError: unknown architecture, corrupt file, wrong shape, or a parameter never loaded.
+    """
+    model_dir = Path(model_dir)
+    config = ModelConfig.from_dir(model_dir)
+    dtype = dtype or config.dtype
+    files = checkpoint_files(model_dir)
+    with torch.device(device):
+        model = CausalLM(config, max_positions or config.max_position_embeddings)
+    model = model.to(dtype)
+    model.rotary.float()  # NOTE: the cos/sin table stays fp32 (cast per use) as in HF.
+    written: dict[int, int] = {}  # id(param) -> rows written
+    with torch.no_grad():
+        for f in files:
+            try:
+                handle = safe_open(str(f), framework="pt", device="cpu")
+            except (SafetensorError, OSError) as e:
+                raise ValueError(f"{f}: cannot read safetensors ({e})") from e
+            with handle:
+                for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    target = _targets(model, name)
+                    if target is None:
+                        continue
+                    param, offset, rows = target
+                    tensor = handle.get_tensor(name)
+                    expected = (rows, *param.shape[1:])
+                    if tuple(tensor.shape) != expected:
+                        raise ValueError(f"{f}: {name} has shape {tuple(tensor.shape)}, expected {expected}")
+                    param[offset : offset + rows].copy_(tensor.to(dtype))
+                    written[id(param)] = written.get(id(param), 0) + rows
+    missing = [n for n, p in model.named_parameters() if written.get(id(p), 0) != p.shape[0]]
+    if missing:
+        raise ValueError(f"{model_dir}: checkpoint lacks weights for {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    logger.info("loaded %s (%s, %d layers) from %s", config.architecture, dtype, config.num_layers, model_dir)
+    return model.eval()

@@ -1,0 +1,303 @@
+"""Continuous batching: which requests run this step, with how many tokens, in which blocks.
+
+Policy lives here; the BlockPool is mechanism. One ``schedule()`` call per engine step:
+
+1. Running requests, most important first (priority desc, arrival asc), each gets its remaining
+   tokens (1 for decode, a chunk for an unfinished prefill) within the token budget. A request
+   that cannot get the blocks it needs preempts the least important running request (lowest
+   priority, latest arrival) until it fits, or is itself the victim.
+2. If nothing was preempted this step: swapped requests come back (swap-in), then waiting ones
+   are admitted in priority/arrival order. Admission looks up the prefix cache and reserves
+   blocks for the whole known sequence plus a watermark, so a long prompt admitted in chunks
+   cannot be starved of blocks half-way (thrash).
+
+Preemption modes: ``recompute`` (free the blocks, recompute later; prefix caching often revives
+them), ``swap`` (copy the blocks to host swap space), ``auto`` (swap when host space fits and the
+context is long enough that recomputing would cost more than copying).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from workers.block_hash import cache_extra
+from workers.block_pool import BlockPool
+from workers.request import Request, RequestStatus
+
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    max_model_len: int = 4096
+    watermark: float = 0.01  # fraction of the pool kept free at admission
+    preemption_mode: str = "recompute"
+    # auto mode: swap contexts at least this long (shorter ones are cheaper to recompute)
+    swap_min_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+
+
+@dataclass
+class SchedulerOutput:
+    """What the runner executes this step. ``scheduled`` pairs a request with its new-token count."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+def _importance(req: Request) -> tuple[int, float]:
+    """Sort key: most important first (higher priority, then earlier arrival)."""
+    return (-req.priority, req.arrival_time)
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class Scheduler:
+    """Owns the waiting / running / swapped queues of one engine and the request-to-block mapping."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        pool: BlockPool,
+        swap_pool: BlockPool | None = None,
+        model_id: str = "",
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.swap_pool = swap_pool
+        self.model_id = model_id
+        self.block_size = config.block_size
+        self.watermark_blocks = int(config.watermark * pool.num_blocks)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self.num_preemptions = {"recompute": 0, "swap": 0}
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of which found cached
+
+    # ---- queues --------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        """Queue a validated request (see ``check_fits``)."""
+        req.status = RequestStatus.WAITING
+        self._insert(self.waiting, req)
+
+    @staticmethod
+    def _insert(queue: list[Request], req: Request) -> None:
+        key = _importance(req)
+        i = len(queue)
+        while i > 0 and _importance(queue[i - 1]) > key:
+            i -= 1
+        queue.insert(i, req)
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ValueError if a request could never run in this pool, before any block is taken."""
+        total = self.pool.num_blocks
+        need_prompt = blocks_for(num_prompt_tokens, self.block_size)
+        if need_prompt > total - self.watermark_blocks:
+            raise ValueError(
+                f"prompt of {num_prompt_tokens} tokens needs {need_prompt} KV blocks; the pool has "
+                f"{total} ({self.watermark_blocks} kept as watermark)"
+            )
+        longest = min(num_prompt_tokens + max_tokens, self.config.max_model_len)
+        if blocks_for(longest, self.block_size) > total:
+            raise ValueError(
+                f"prompt + max_tokens = {longest} tokens needs {blocks_for(longest, self.block_size)} KV "
+                f"blocks; the whole pool has {total}"
+            )
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def tokens_in_flight(self) -> int:
+        return sum(r.num_tokens for r in self.running)
+
+    # ---- the step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        self.running.sort(key=_importance)
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self._grow(req, req.num_computed_tokens + num_new, out):
+                out.scheduled.append((req, num_new))
+                budget -= num_new
+                i += 1
+
+        if not out.preempted:
+            budget = self._swap_in(out, budget)
+            self._admit(out, budget)
+        return out
+
+    def _grow(self, req: Request, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Give ``req`` blocks for ``num_tokens`` tokens, preempting from the tail; False if it was the victim."""
+        need = blocks_for(num_tokens, self.block_size) - len(req.block_table)
+        while need > 0:
+            blocks = self.pool.allocate(need)
+            if blocks is not None:
+                req.block_table.extend(blocks)
+                return True
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        out.preempted.append(req)
+        req.num_preemptions += 1
+        # A victim already scheduled this step would leave its tokens half-applied: unschedule it.
+        out.scheduled = [(r, n) for r, n in out.scheduled if r is not req]
+        if self._should_swap(req):
+            host = self.swap_pool.allocate(len(req.block_table))  # type: ignore[union-attr]
+            if host is not None:
+                out.swap_out.extend(zip(req.block_table, host, strict=True))
+                self.pool.free(reversed(req.block_table))
+                req.block_table, req.swap_table = [], host
+                req.status = RequestStatus.SWAPPED
+                req.num_swaps += 1
+                self.num_preemptions["swap"] += 1
+                self.swapped.append(req)
+                return
+        self.pool.free(reversed(req.block_table))
+        req.block_table = []
+        req.num_computed_tokens = 0
+        req.num_cached_blocks = 0
+        req.skip_store_below = 0
+        self.num_preemptions["recompute"] += 1
+        self.add(req)
+
+    def _should_swap(self, req: Request) -> bool:
+        mode = self.config.preemption_mode
+        if mode == "recompute" or self.swap_pool is None:
+            return False
+        if self.swap_pool.num_free_blocks < len(req.block_table):
+            return False
+        return mode == "swap" or req.num_computed_tokens >= self.config.swap_min_tokens
+
+    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        """Bring swapped requests back in arrival order while blocks (and the budget) allow."""
+        self.swapped.sort(key=_importance)
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.swapped[0]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            # Re-reserve what the request held (a chunked prefill reserved its whole prompt).
+            need = max(len(req.swap_table), blocks_for(req.num_tokens, self.block_size))
+            if self.pool.num_free_blocks - need < self.watermark_blocks:
+                break
+            blocks = self.pool.allocate(need)
+            assert blocks is not None
+            out.swap_in.extend(zip(req.swap_table, blocks[: len(req.swap_table)], strict=True))
+            self.swap_pool.free(req.swap_table)  # type: ignore[union-attr]
+            req.swap_table, req.block_table = [], blocks
+            req.num_cached_blocks = 0  # fresh device blocks: re-register their hashes after the step
+            req.status = RequestStatus.RUNNING
+            self.swapped.pop(0)
+            self.running.append(req)
+            out.scheduled.append((req, num_new))
+            budget -= num_new
+        return budget
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        bs = self.block_size
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            req.update_block_hashes(bs, cache_extra(self.model_id, req.cache_salt), req.num_tokens)
+            hits = self.pool.find_prefix(req.block_hashes)
+            num_hit_tokens = len(hits) * bs
+            need = blocks_for(req.num_tokens, bs) - len(hits)
+            revived = sum(1 for b in hits if self.pool.ref_cnt[b] == 0)
+            if self.pool.num_free_blocks - revived - need < self.watermark_blocks:
+                break
+            self.waiting.pop(0)
+            self.pool.touch(hits)
+            blocks = self.pool.allocate(need)
+            assert blocks is not None
+            req.block_table = hits + blocks
+            req.num_cached_blocks = len(hits)
+            # A full hit still runs the last token for its logits; its K/V is already cached.
+            req.num_computed_tokens = min(num_hit_tokens, req.num_tokens - 1)
+            req.skip_store_below = num_hit_tokens
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit_tokens
+                self.prefix_queries += req.num_prompt_tokens
+                self.prefix_hits += min(num_hit_tokens, req.num_prompt_tokens)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            out.scheduled.append((req, num_new))
+            budget -= num_new
+
+    # ---- after the model ran ----------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: Sequence[int | None]) -> list[Request]:
+        """Apply a step's results. ``sampled[i]`` is the token for ``out.scheduled[i]`` (None: mid-prefill).
+
+        Returns the requests that got a new token (the caller checks stop conditions).
+        """
+        grew: list[Request] = []
+        for (req, num_new), token in zip(out.scheduled, sampled, strict=True):
+            req.num_computed_tokens += num_new
+            self._cache_full_blocks(req)
+            if token is not None:
+                req.append_output(token)
+                grew.append(req)
+        return grew
+
+    def _cache_full_blocks(self, req: Request) -> None:
+        if not self.pool.enable_caching:
+            return
+        full = req.num_computed_tokens // self.block_size
+        if full <= req.num_cached_blocks:
+            return
+        req.update_block_hashes(self.block_size, cache_extra(self.model_id, req.cache_salt), full * self.block_size)
+        for i in range(req.num_cached_blocks, full):
+            self.pool.cache_block(req.block_table[i], req.block_hashes[i])
+        req.num_cached_blocks = full
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Release everything ``req`` holds; it leaves every queue. Idempotent."""
+        if req.status is RequestStatus.FINISHED:
+            return
+        for queue in (self.running, self.waiting, self.swapped):
+            if req in queue:
+                queue.remove(req)
+        if req.block_table:
+            self.pool.free(reversed(req.block_table))
+            req.block_table = []
+        if req.swap_table:
+            self.swap_pool.free(req.swap_table)  # type: ignore[union-attr]
+            req.swap_table = []
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+
+    def block_tables(self) -> list[list[int]]:
+        """Every live device block table (for ``BlockPool.check_integrity``)."""
+        return [r.block_table for r in self.running if r.block_table]

@@ -1,0 +1,225 @@
+"""Text <-> token ids for a model directory (``tokenizer.json`` via the ``tokenizers`` library).
+
+No transformers at runtime: ``Tokenizer`` reads ``tokenizer.json`` plus the few settings it needs
+from ``tokenizer_config.json``, ``config.json`` and ``generation_config.json``.
+``IncrementalDetokenizer`` turns a stream of output ids into text deltas that never split a
+UTF-8 character.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import tokenizers
+
+# What the tokenizers library decodes an incomplete UTF-8 byte sequence to.
+REPLACEMENT_CHAR = "\ufffd"
+
+# Prompt tokens kept as left context for the first output deltas: enough for decoders (e.g.
+# SentencePiece's Metaspace) whose output for a token depends on what precedes it.
+_PROMPT_CONTEXT_TOKENS = 5
+
+
+class Tokenizer:
+    """Encode/decode for one model.
+
+    BOS handling, kept simple: when ``tokenizer_config.json`` has ``add_bos_token``, that flag
+    decides and the BOS id is prepended by hand (``tokenizer.json``'s post-processor is skipped);
+    when the key is absent, ``tokenizer.json``'s own post-processor decides (Llama-3 and Qwen2
+    style files carry their special-token template there).
+    """
+
+    def __init__(
+        self,
+        hf_tokenizer: tokenizers.Tokenizer,
+        *,
+        eos_token_ids: Sequence[int] = (),
+        bos_token_id: int | None = None,
+        add_bos_token: bool | None = None,
+    ) -> None:
+        """
+        Args:
+            hf_tokenizer: The loaded ``tokenizers.Tokenizer``.
+            eos_token_ids: EOS ids, the primary one first (may be empty).
+            bos_token_id: BOS id, needed only when ``add_bos_token`` is True.
+            add_bos_token: True/False to force BOS on/off; None to defer to the post-processor.
+
+        Raises:
+            ValueError: when add_bos_token is True but there is no BOS id.
+        """
+        if add_bos_token and bos_token_id is None:
+            raise ValueError("add_bos_token is set but no BOS token id is known")
+        self._tok = hf_tokenizer
+        self._eos_token_ids = tuple(eos_token_ids)
+        self.bos_token_id = bos_token_id
+        self.add_bos_token = add_bos_token
+        self._vocab_size = hf_tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        """Load from an HF model directory.
+
+        Raises:
+            FileNotFoundError: when ``model_dir/tokenizer.json`` is missing.
+        """
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():  # tokenizers raises a bare Exception here
+            raise FileNotFoundError(f"no tokenizer.json in {model_dir}")
+        hf_tokenizer = tokenizers.Tokenizer.from_file(str(path))
+        tok_config = _read_json(model_dir / "tokenizer_config.json")
+        model_config = _read_json(model_dir / "config.json")
+        gen_config = _read_json(model_dir / "generation_config.json")
+
+        eos_ids = _as_id_list(model_config.get("eos_token_id")) or _as_id_list(gen_config.get("eos_token_id"))
+        if not eos_ids:
+            eos_ids = _as_id_list(_special_token_id(hf_tokenizer, tok_config.get("eos_token")))
+        bos_id = _special_token_id(hf_tokenizer, tok_config.get("bos_token"))
+        if bos_id is None:
+            bos_ids = _as_id_list(model_config.get("bos_token_id"))
+            bos_id = bos_ids[0] if bos_ids else None
+        add_bos = tok_config.get("add_bos_token")
+        return cls(
+            hf_tokenizer,
+            eos_token_ids=eos_ids,
+            bos_token_id=bos_id,
+            add_bos_token=None if add_bos is None else bool(add_bos),
+        )
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The primary EOS id (config.json's, the first when it lists several), or None."""
+        return self._eos_token_ids[0] if self._eos_token_ids else None
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every EOS id the model config lists (Llama-3 style configs list several)."""
+        return self._eos_token_ids
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer knows, added tokens included (may be < the model's vocab)."""
+        return self._vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, with BOS per the class's BOS rule; no EOS is added."""
+        if self.add_bos_token is None:
+            return self._tok.encode(text, add_special_tokens=True).ids
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if self.add_bos_token:
+            assert self.bos_token_id is not None  # checked in __init__
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``. Ids outside the tokenizer's vocabulary (a model's padded vocab rows,
+        a random model's output) decode to nothing instead of raising. Incomplete UTF-8 decodes to
+        U+FFFD."""
+        known = [i for i in ids if 0 <= i < self._vocab_size]
+        return self._tok.decode(known, skip_special_tokens=skip_special_tokens)
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
+    """The model directory's tokenizer, or None when it has no ``tokenizer.json`` (prompts must
+    then be given as token ids)."""
+    if not (Path(model_dir) / "tokenizer.json").is_file():
+        return None
+    return Tokenizer.from_dir(model_dir)
+
+
+class IncrementalDetokenizer:
+    """Turns output ids, one at a time, into text deltas (vLLM's ``detokenize_incrementally``).
+
+    Keeps two offsets into the ids: text is decoded over ``ids[prefix_offset:]`` and the part
+    beyond ``decode(ids[prefix_offset:read_offset])`` is new. Decoding a short window keeps each
+    step O(1) and the left context keeps decoders that look at neighbours (leading-space rules)
+    right. While the window's text ends in U+FFFD (a multi-byte character split across tokens),
+    the incomplete tail is held back, so a delta never carries a broken character.
+
+    Contract: when the output ids form valid UTF-8, ``"".join(deltas) + flush()`` equals
+    ``tokenizer.decode(output_ids)`` (given no prompt context; with a prompt, the first delta may
+    keep a leading space that a standalone decode would strip).
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> None:
+        """
+        Args:
+            tokenizer: The model's tokenizer.
+            prompt_ids: The prompt, used only as left context (its text is never emitted).
+            skip_special_tokens: Leave special tokens (EOS...) out of the text.
+        """
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        # Chars beyond decode(ids[prefix:read]) already emitted while the tail was incomplete.
+        self._emitted_in_window = 0
+        self.text = ""  # everything emitted so far
+
+    def add(self, token_id: int) -> str:
+        """Feed the next output id; return the newly complete text (possibly "")."""
+        self._ids.append(token_id)
+        prefix_text, window_text = self._decode_window()
+        start = len(prefix_text) + self._emitted_in_window
+        if window_text.endswith(REPLACEMENT_CHAR):
+            # Emit what precedes the incomplete tail, but keep the window open: the next tokens
+            # may turn the trailing U+FFFD into a real character.
+            stable_end = len(window_text.rstrip(REPLACEMENT_CHAR))
+            delta = window_text[start:stable_end] if stable_end > start else ""
+            self._emitted_in_window += len(delta)
+        else:
+            delta = window_text[start:] if len(window_text) > start else ""
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+            self._emitted_in_window = 0
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """At finish: return any held-back tail (with its U+FFFD, as a full decode would show it)."""
+        prefix_text, window_text = self._decode_window()
+        start = len(prefix_text) + self._emitted_in_window
+        delta = window_text[start:] if len(window_text) > start else ""
+        self._prefix_offset = self._read_offset = len(self._ids)
+        self._emitted_in_window = 0
+        self.text += delta
+        return delta
+
+    def _decode_window(self) -> tuple[str, str]:
+        ids, skip = self._ids, self._skip_special
+        prefix_text = self._tokenizer.decode(ids[self._prefix_offset : self._read_offset], skip)
+        window_text = self._tokenizer.decode(ids[self._prefix_offset :], skip)
+        return prefix_text, window_text
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    with path.open(encoding="utf-8") as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
+
+
+def _as_id_list(value: object) -> list[int]:
+    """An id or list of ids from a config, as a list (empty for None/garbage)."""
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+def _special_token_id(tok: tokenizers.Tokenizer, token: object) -> int | None:
+    """Id of a special token given as in tokenizer_config.json: a string or ``{"content": ...}``."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    if not isinstance(token, str):
+        return None
+    return tok.token_to_id(token)
