@@ -240,6 +240,13 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))  # type: ignore[arg-type]
         self._ids = itertools.count()
 
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(config)
+        llm._ids = itertools.count()
+        return llm
+
     def generate(
         self,
         prompts: Sequence[str | Sequence[int]],

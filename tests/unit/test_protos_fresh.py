@@ -40,7 +40,7 @@ def test_wire_round_trip():
         seq=7,
         block_events=worker_pb2.BlockEvents(
             events=[
-                worker_pb2.BlockEvent(seq=1, stored=worker_pb2.BlocksStored(hashes=[2**64 - 1, 3])),
+                worker_pb2.BlockEvent(seq=1, stored=worker_pb2.BlockStored(hashes=[2**64 - 1, 3])),
                 worker_pb2.BlockEvent(seq=2, cleared=worker_pb2.AllBlocksCleared()),
             ]
         ),

@@ -125,10 +125,17 @@ def test_deltas_concatenate_to_text(tok: Tokenizer, text: str) -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(ids=st.lists(st.integers(min_value=0, max_value=VOCAB_SIZE + 100), max_size=40))
+@given(
+    ids=st.lists(
+        # Ids 3..258 are the single-byte tokens: weight them so broken UTF-8 is common.
+        st.one_of(
+            st.integers(min_value=3, max_value=258), st.integers(min_value=0, max_value=VOCAB_SIZE + 100)
+        ),
+        max_size=40,
+    )
+)
 def test_random_ids_do_not_crash(tok: Tokenizer, ids: list[int]) -> None:
     # Random models emit any id, including lone UTF-8 continuation bytes and out-of-vocab ids.
     deltas, tail = _stream(tok, ids)
-    assert isinstance(tail, str)
-    if REPLACEMENT_CHAR not in tok.decode(ids):
-        assert "".join(deltas) + tail == tok.decode(ids)
+    # Byte-level decoding never rewrites a complete character, so even invalid UTF-8 adds up.
+    assert "".join(deltas) + tail == tok.decode(ids)

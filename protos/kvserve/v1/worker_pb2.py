@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvserve/v1/worker.proto\x12\nkvserve.v1\"\xe9\x02\n\rWorkerMessage\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\"\n\x05hello\x18\x02 \x01(\x0b\x32\x11.kvserve.v1.HelloH\x00\x12/\n\x0cstep_outputs\x18\x03 \x01(\x0b\x32\x17.kvserve.v1.StepOutputsH\x00\x12.\n\x08pressure\x18\x04 \x01(\x0b\x32\x1a.kvserve.v1.PressureReportH\x00\x12/\n\x0c\x62lock_events\x18\x05 \x01(\x0b\x32\x17.kvserve.v1.BlockEventsH\x00\x12\x33\n\x0e\x62lock_snapshot\x18\x06 \x01(\x0b\x32\x19.kvserve.v1.BlockSnapshotH\x00\x12\x31\n\rexport_result\x18\x07 \x01(\x0b\x32\x18.kvserve.v1.ExportResultH\x00\x12%\n\x03\x61\x63k\x18\x08 \x01(\x0b\x32\x16.kvserve.v1.CommandAckH\x00\x42\x06\n\x04\x62ody\"\xf5\x01\n\x05Hello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x04\x12\x13\n\x0bswap_blocks\x18\x05 \x01(\x04\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x14\n\x07node_id\x18\x07 \x01(\tH\x00\x88\x01\x01\x12\x14\n\x07\x61\x64\x64ress\x18\x08 \x01(\tH\x01\x88\x01\x01\x12\x13\n\x0bincarnation\x18\t \x01(\t\x12\x18\n\x10last_command_seq\x18\n \x01(\x04\x42\n\n\x08_node_idB\n\n\x08_address\"N\n\x0bStepOutputs\x12\x13\n\x0b\x64\x65\x63ode_step\x18\x01 \x01(\x04\x12*\n\x07outputs\x18\x02 \x03(\x0b\x32\x19.kvserve.v1.RequestOutput\"\xd6\x01\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x12\n\ntext_delta\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\r\x12\x11\n\tnum_swaps\x18\x08 \x01(\r\x12\r\n\x05\x65rror\x18\t \x01(\t\"\xbd\x03\n\x0ePressureReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x14\n\x0ctotal_blocks\x18\x03 \x01(\x04\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\x04\x12\x13\n\x0bused_blocks\x18\x05 \x01(\x04\x12\x1f\n\x17\x63\x61\x63hed_evictable_blocks\x18\x06 \x01(\x04\x12\x19\n\x11swap_blocks_total\x18\x07 \x01(\x04\x12\x18\n\x10swap_blocks_free\x18\x08 \x01(\x04\x12\x13\n\x0bnum_running\x18\t \x01(\r\x12\x13\n\x0bnum_waiting\x18\n \x01(\r\x12\x13\n\x0bnum_swapped\x18\x0b \x01(\r\x12\x18\n\x10tokens_in_flight\x18\x0c \x01(\x04\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\r \x01(\x04\x12\x17\n\x0fstep_latency_ms\x18\x0e \x01(\x01\x12\x1d\n\x15num_preemptions_total\x18\x0f \x01(\x04\x12\'\n\x1fprefix_cache_query_tokens_total\x18\x10 \x01(\x04\x12%\n\x1dprefix_cache_hit_tokens_total\x18\x11 \x01(\x04\"5\n\x0b\x42lockEvents\x12&\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x16.kvserve.v1.BlockEvent\"\xac\x01\n\nBlockEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12*\n\x06stored\x18\x02 \x01(\x0b\x32\x18.kvserve.v1.BlocksStoredH\x00\x12,\n\x07removed\x18\x03 \x01(\x0b\x32\x19.kvserve.v1.BlocksRemovedH\x00\x12/\n\x07\x63leared\x18\x04 \x01(\x0b\x32\x1c.kvserve.v1.AllBlocksClearedH\x00\x42\x06\n\x04kind\"\x1e\n\x0c\x42locksStored\x12\x0e\n\x06hashes\x18\x01 \x03(\x04\"\x1f\n\rBlocksRemoved\x12\x0e\n\x06hashes\x18\x01 \x03(\x04\"\x12\n\x10\x41llBlocksCleared\",\n\rBlockSnapshot\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0e\n\x06hashes\x18\x02 \x03(\x04\"\xb2\x01\n\x0c\x45xportResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63ommand_seq\x18\x02 \x01(\x04\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x06 \x03(\x05\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\r\x12\x11\n\tnum_swaps\x18\x08 \x01(\r\"P\n\nCommandAck\x12\x13\n\x0b\x63ommand_seq\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\x9d\x02\n\rRouterCommand\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\"\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x11.kvserve.v1.AbortH\x00\x12&\n\x07preempt\x18\x03 \x01(\x0b\x32\x13.kvserve.v1.PreemptH\x00\x12%\n\x07swap_in\x18\x04 \x01(\x0b\x32\x12.kvserve.v1.SwapInH\x00\x12$\n\x06\x65xport\x18\x05 \x01(\x0b\x32\x12.kvserve.v1.ExportH\x00\x12\"\n\x05\x64rain\x18\x06 \x01(\x0b\x32\x11.kvserve.v1.DrainH\x00\x12\x37\n\x10request_snapshot\x18\x07 \x01(\x0b\x32\x1b.kvserve.v1.RequestSnapshotH\x00\x42\t\n\x07\x63ommand\"\x1b\n\x05\x41\x62ort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"|\n\x07Preempt\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x04mode\x18\x02 \x01(\x0e\x32\x18.kvserve.v1.Preempt.Mode\"5\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tRECOMPUTE\x10\x01\x12\x08\n\x04SWAP\x10\x02\"\x1c\n\x06SwapIn\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1c\n\x06\x45xport\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x07\n\x05\x44rain\"\x11\n\x0fRequestSnapshot2Q\n\nWorkerLink\x12\x43\n\x07\x43onnect\x12\x19.kvserve.v1.WorkerMessage\x1a\x19.kvserve.v1.RouterCommand(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvserve/v1/worker.proto\x12\nkvserve.v1\"\xe9\x02\n\rWorkerMessage\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\"\n\x05hello\x18\x02 \x01(\x0b\x32\x11.kvserve.v1.HelloH\x00\x12/\n\x0cstep_outputs\x18\x03 \x01(\x0b\x32\x17.kvserve.v1.StepOutputsH\x00\x12.\n\x08pressure\x18\x04 \x01(\x0b\x32\x1a.kvserve.v1.PressureReportH\x00\x12/\n\x0c\x62lock_events\x18\x05 \x01(\x0b\x32\x17.kvserve.v1.BlockEventsH\x00\x12\x33\n\x0e\x62lock_snapshot\x18\x06 \x01(\x0b\x32\x19.kvserve.v1.BlockSnapshotH\x00\x12\x31\n\rexport_result\x18\x07 \x01(\x0b\x32\x18.kvserve.v1.ExportResultH\x00\x12%\n\x03\x61\x63k\x18\x08 \x01(\x0b\x32\x16.kvserve.v1.CommandAckH\x00\x42\x06\n\x04\x62ody\"\xf5\x01\n\x05Hello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x04\x12\x13\n\x0bswap_blocks\x18\x05 \x01(\x04\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x14\n\x07node_id\x18\x07 \x01(\tH\x00\x88\x01\x01\x12\x14\n\x07\x61\x64\x64ress\x18\x08 \x01(\tH\x01\x88\x01\x01\x12\x13\n\x0bincarnation\x18\t \x01(\t\x12\x18\n\x10last_command_seq\x18\n \x01(\x04\x42\n\n\x08_node_idB\n\n\x08_address\"N\n\x0bStepOutputs\x12\x13\n\x0b\x64\x65\x63ode_step\x18\x01 \x01(\x04\x12*\n\x07outputs\x18\x02 \x03(\x0b\x32\x19.kvserve.v1.RequestOutput\"\xd6\x01\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x12\n\ntext_delta\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\r\x12\x11\n\tnum_swaps\x18\x08 \x01(\r\x12\r\n\x05\x65rror\x18\t \x01(\t\"\xbd\x03\n\x0ePressureReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x14\n\x0ctotal_blocks\x18\x03 \x01(\x04\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\x04\x12\x13\n\x0bused_blocks\x18\x05 \x01(\x04\x12\x1f\n\x17\x63\x61\x63hed_evictable_blocks\x18\x06 \x01(\x04\x12\x19\n\x11swap_blocks_total\x18\x07 \x01(\x04\x12\x18\n\x10swap_blocks_free\x18\x08 \x01(\x04\x12\x13\n\x0bnum_running\x18\t \x01(\r\x12\x13\n\x0bnum_waiting\x18\n \x01(\r\x12\x13\n\x0bnum_swapped\x18\x0b \x01(\r\x12\x18\n\x10tokens_in_flight\x18\x0c \x01(\x04\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\r \x01(\x04\x12\x17\n\x0fstep_latency_ms\x18\x0e \x01(\x01\x12\x1d\n\x15num_preemptions_total\x18\x0f \x01(\x04\x12\'\n\x1fprefix_cache_query_tokens_total\x18\x10 \x01(\x04\x12%\n\x1dprefix_cache_hit_tokens_total\x18\x11 \x01(\x04\"5\n\x0b\x42lockEvents\x12&\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x16.kvserve.v1.BlockEvent\"\xaa\x01\n\nBlockEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12)\n\x06stored\x18\x02 \x01(\x0b\x32\x17.kvserve.v1.BlockStoredH\x00\x12+\n\x07removed\x18\x03 \x01(\x0b\x32\x18.kvserve.v1.BlockRemovedH\x00\x12/\n\x07\x63leared\x18\x04 \x01(\x0b\x32\x1c.kvserve.v1.AllBlocksClearedH\x00\x42\x06\n\x04kind\"\x1d\n\x0b\x42lockStored\x12\x0e\n\x06hashes\x18\x01 \x03(\x04\"\x1e\n\x0c\x42lockRemoved\x12\x0e\n\x06hashes\x18\x01 \x03(\x04\"\x12\n\x10\x41llBlocksCleared\",\n\rBlockSnapshot\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0e\n\x06hashes\x18\x02 \x03(\x04\"\xb2\x01\n\x0c\x45xportResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63ommand_seq\x18\x02 \x01(\x04\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x06 \x03(\x05\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\r\x12\x11\n\tnum_swaps\x18\x08 \x01(\r\"P\n\nCommandAck\x12\x13\n\x0b\x63ommand_seq\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\x9d\x02\n\rRouterCommand\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\"\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x11.kvserve.v1.AbortH\x00\x12&\n\x07preempt\x18\x03 \x01(\x0b\x32\x13.kvserve.v1.PreemptH\x00\x12%\n\x07swap_in\x18\x04 \x01(\x0b\x32\x12.kvserve.v1.SwapInH\x00\x12$\n\x06\x65xport\x18\x05 \x01(\x0b\x32\x12.kvserve.v1.ExportH\x00\x12\"\n\x05\x64rain\x18\x06 \x01(\x0b\x32\x11.kvserve.v1.DrainH\x00\x12\x37\n\x10request_snapshot\x18\x07 \x01(\x0b\x32\x1b.kvserve.v1.RequestSnapshotH\x00\x42\t\n\x07\x63ommand\"\x1b\n\x05\x41\x62ort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"|\n\x07Preempt\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x04mode\x18\x02 \x01(\x0e\x32\x18.kvserve.v1.Preempt.Mode\"5\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tRECOMPUTE\x10\x01\x12\x08\n\x04SWAP\x10\x02\"\x1c\n\x06SwapIn\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1c\n\x06\x45xport\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x07\n\x05\x44rain\"\x11\n\x0fRequestSnapshot2Q\n\nWorkerLink\x12\x43\n\x07\x43onnect\x12\x19.kvserve.v1.WorkerMessage\x1a\x19.kvserve.v1.RouterCommand(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,35 +44,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BLOCKEVENTS']._serialized_start=1396
   _globals['_BLOCKEVENTS']._serialized_end=1449
   _globals['_BLOCKEVENT']._serialized_start=1452
-  _globals['_BLOCKEVENT']._serialized_end=1624
-  _globals['_BLOCKSSTORED']._serialized_start=1626
-  _globals['_BLOCKSSTORED']._serialized_end=1656
-  _globals['_BLOCKSREMOVED']._serialized_start=1658
-  _globals['_BLOCKSREMOVED']._serialized_end=1689
-  _globals['_ALLBLOCKSCLEARED']._serialized_start=1691
-  _globals['_ALLBLOCKSCLEARED']._serialized_end=1709
-  _globals['_BLOCKSNAPSHOT']._serialized_start=1711
-  _globals['_BLOCKSNAPSHOT']._serialized_end=1755
-  _globals['_EXPORTRESULT']._serialized_start=1758
-  _globals['_EXPORTRESULT']._serialized_end=1936
-  _globals['_COMMANDACK']._serialized_start=1938
-  _globals['_COMMANDACK']._serialized_end=2018
-  _globals['_ROUTERCOMMAND']._serialized_start=2021
-  _globals['_ROUTERCOMMAND']._serialized_end=2306
-  _globals['_ABORT']._serialized_start=2308
-  _globals['_ABORT']._serialized_end=2335
-  _globals['_PREEMPT']._serialized_start=2337
-  _globals['_PREEMPT']._serialized_end=2461
-  _globals['_PREEMPT_MODE']._serialized_start=2408
-  _globals['_PREEMPT_MODE']._serialized_end=2461
-  _globals['_SWAPIN']._serialized_start=2463
-  _globals['_SWAPIN']._serialized_end=2491
-  _globals['_EXPORT']._serialized_start=2493
-  _globals['_EXPORT']._serialized_end=2521
-  _globals['_DRAIN']._serialized_start=2523
-  _globals['_DRAIN']._serialized_end=2530
-  _globals['_REQUESTSNAPSHOT']._serialized_start=2532
-  _globals['_REQUESTSNAPSHOT']._serialized_end=2549
-  _globals['_WORKERLINK']._serialized_start=2551
-  _globals['_WORKERLINK']._serialized_end=2632
+  _globals['_BLOCKEVENT']._serialized_end=1622
+  _globals['_BLOCKSTORED']._serialized_start=1624
+  _globals['_BLOCKSTORED']._serialized_end=1653
+  _globals['_BLOCKREMOVED']._serialized_start=1655
+  _globals['_BLOCKREMOVED']._serialized_end=1685
+  _globals['_ALLBLOCKSCLEARED']._serialized_start=1687
+  _globals['_ALLBLOCKSCLEARED']._serialized_end=1705
+  _globals['_BLOCKSNAPSHOT']._serialized_start=1707
+  _globals['_BLOCKSNAPSHOT']._serialized_end=1751
+  _globals['_EXPORTRESULT']._serialized_start=1754
+  _globals['_EXPORTRESULT']._serialized_end=1932
+  _globals['_COMMANDACK']._serialized_start=1934
+  _globals['_COMMANDACK']._serialized_end=2014
+  _globals['_ROUTERCOMMAND']._serialized_start=2017
+  _globals['_ROUTERCOMMAND']._serialized_end=2302
+  _globals['_ABORT']._serialized_start=2304
+  _globals['_ABORT']._serialized_end=2331
+  _globals['_PREEMPT']._serialized_start=2333
+  _globals['_PREEMPT']._serialized_end=2457
+  _globals['_PREEMPT_MODE']._serialized_start=2404
+  _globals['_PREEMPT_MODE']._serialized_end=2457
+  _globals['_SWAPIN']._serialized_start=2459
+  _globals['_SWAPIN']._serialized_end=2487
+  _globals['_EXPORT']._serialized_start=2489
+  _globals['_EXPORT']._serialized_end=2517
+  _globals['_DRAIN']._serialized_start=2519
+  _globals['_DRAIN']._serialized_end=2526
+  _globals['_REQUESTSNAPSHOT']._serialized_start=2528
+  _globals['_REQUESTSNAPSHOT']._serialized_end=2545
+  _globals['_WORKERLINK']._serialized_start=2547
+  _globals['_WORKERLINK']._serialized_end=2628
 # @@protoc_insertion_point(module_scope)

@@ -132,18 +132,18 @@ class BlockEvent(_message.Message):
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     CLEARED_FIELD_NUMBER: _ClassVar[int]
     seq: int
-    stored: BlocksStored
-    removed: BlocksRemoved
+    stored: BlockStored
+    removed: BlockRemoved
     cleared: AllBlocksCleared
-    def __init__(self, seq: _Optional[int] = ..., stored: _Optional[_Union[BlocksStored, _Mapping]] = ..., removed: _Optional[_Union[BlocksRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
+    def __init__(self, seq: _Optional[int] = ..., stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
 
-class BlocksStored(_message.Message):
+class BlockStored(_message.Message):
     __slots__ = ("hashes",)
     HASHES_FIELD_NUMBER: _ClassVar[int]
     hashes: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
-class BlocksRemoved(_message.Message):
+class BlockRemoved(_message.Message):
     __slots__ = ("hashes",)
     HASHES_FIELD_NUMBER: _ClassVar[int]
     hashes: _containers.RepeatedScalarFieldContainer[int]

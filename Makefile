@@ -1,0 +1,39 @@
+# kvserve — `make demo` (first run) and `make test` (what CI runs) work on a fresh machine.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# NOTE: torch is pinned to the CPU wheel on local disk; a bare `torch` can pull a multi-GB CUDA build.
+TORCH  ?= torch==2.13.0
+
+.PHONY: setup test lint demo proto clean prometheus
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+# Prometheus + promtool for the metrics tests (Debian package; skipped if it cannot be installed).
+prometheus:
+	@command -v promtool >/dev/null 2>&1 || { \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null) \
+	  || echo "warning: could not install prometheus; its tests will be skipped"; }
+
+lint: setup
+	$(BIN)/ruff check .
+
+test: setup prometheus lint
+	$(BIN)/python -m pytest -q
+
+demo: setup
+	$(BIN)/kvserve demo
+
+proto: setup
+	$(BIN)/python protos/regen.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,177 @@
+"""The ``kvserve`` command line: model, generate, serve, status, top, demo, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+
+def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default="auto", help="auto (checkpoint) | float32 | float16 | bfloat16")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--num-gpu-blocks", type=int, default=None, help="pool size in blocks (overrides memory)")
+    g.add_argument("--kv-cache-memory", default="2GiB", help="KV pool size on CPU, e.g. 2GiB")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument("--preemption-mode", default="recompute", choices=("recompute", "swap", "auto"))
+    g.add_argument("--swap-space", type=float, default=0.0, help="GiB of host memory for swapped KV blocks")
+    g.add_argument("--seed", type=int, default=0, help="global seed for unseeded sampling")
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from workers.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+        preemption_mode=args.preemption_mode,
+        swap_space=args.swap_space,
+        seed=args.seed,
+    )
+
+
+def _add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=16)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed (reproducible sampling)")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params_from_args(args: argparse.Namespace):
+    from workers.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.sampling_seed,
+        stop=tuple(args.stop),
+        stop_token_ids=tuple(args.stop_token_id),
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def read_prompts(args: argparse.Namespace) -> list:
+    """Prompts from ``--prompt`` (text, repeatable) and/or ``--prompt-token-ids FILE`` (JSON list of lists)."""
+    prompts: list = list(args.prompt or [])
+    if args.prompt_token_ids:
+        path = Path(args.prompt_token_ids)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise SystemExit(f"error: --prompt-token-ids {path}: {e}") from e
+        if not isinstance(data, list) or not all(
+            isinstance(p, list) and all(isinstance(t, int) for t in p) for p in data
+        ):
+            raise SystemExit(f"error: --prompt-token-ids {path}: expected a JSON list of token-id lists")
+        prompts.extend(data)
+    if not prompts:
+        raise SystemExit("error: give --prompt TEXT and/or --prompt-token-ids FILE")
+    return prompts
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompts = read_prompts(args)
+    params = sampling_params_from_args(args)
+    if args.server:
+        from cluster.client import generate_remote
+
+        results = generate_remote(args, prompts, params)
+    else:
+        from workers.engine import LLM
+
+        try:
+            llm = LLM.from_config(engine_config_from_args(args))
+            outs = llm.generate(prompts, params, use_tqdm=not args.json and sys.stderr.isatty())
+        except (ValueError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        results = [(o.token_ids, o.text, o.finish_reason) for o in outs]
+    if args.json:
+        print(json.dumps([ids for ids, _, _ in results]))
+    else:
+        for prompt, (ids, text, reason) in zip(prompts, results, strict=True):
+            shown = prompt if isinstance(prompt, str) else f"<{len(prompt)} token ids>"
+            print(f"prompt: {shown!r}\noutput: {text!r}\ntoken_ids: {ids}\nfinish_reason: {reason}\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description="A Ray-based LLM serving cluster with a paged KV cache")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    model = sub.add_parser("model", help="model utilities")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    from workers.random_model import add_init_random_arguments, run_init_random
+
+    init = model_sub.add_parser("init-random", help="write a random-weight HF-format checkpoint + tokenizer.json")
+    add_init_random_arguments(init)
+    init.set_defaults(func=run_init_random)
+
+    gen = sub.add_parser("generate", help="generate offline (or against a server with --server)")
+    gen.add_argument("--model", help="HF model directory (offline mode)")
+    gen.add_argument("--server", default=None, help="HOST:PORT of a kvserve router (remote mode)")
+    gen.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    gen.add_argument("--prompt-token-ids", help="JSON file: a list of token-id lists")
+    gen.add_argument("--json", action="store_true", help="print only a JSON list of generated-id lists")
+    _add_sampling_arguments(gen)
+    _add_engine_arguments(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    for register in _optional_commands():
+        register(sub)
+    return parser
+
+
+def _optional_commands():
+    """Subcommands living in their own modules (serve, status, top, demo, bench)."""
+    import importlib
+
+    out = []
+    for mod in ("cluster.bench.cli",):
+        try:
+            out.append(importlib.import_module(mod).register)
+        except ModuleNotFoundError:
+            continue
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.command == "generate" and not args.server and not args.model:
+        parser.error("generate needs --model DIR (offline) or --server HOST:PORT")
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

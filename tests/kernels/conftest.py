@@ -1,0 +1,15 @@
+"""Kernel tests: without CUDA, Triton kernels run under the interpreter (fp32/fp16 only).
+
+NOTE: ``TRITON_INTERPRET`` must be set before ``kernels.attention`` / ``kernels.cache_ops`` are imported
+(``triton.jit`` picks interpreter vs compiler at decoration time), so it is set here, at import.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,0 +1,279 @@
+"""Triton paged attention (kernels.attention) against the torch reference (kernels.reference).
+
+Every case builds a NaN-poisoned block pool, fills only the blocks the block tables name (shuffled,
+non-consecutive ids, optionally near the top of the pool), and NaN-poisons the output before the launch,
+so reading a wrong block or leaving an output element unwritten fails the comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import kernels
+from kernels import attention, reference
+
+HAS_CUDA = torch.cuda.is_available()
+DEV = "cuda" if HAS_CUDA else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One attention test case; ``q_lens`` None means decode (one query per sequence)."""
+
+    dtype: torch.dtype
+    block_size: int
+    num_kv_heads: int
+    group: int
+    head_dim: int
+    context_lens: tuple[int, ...]
+    q_lens: tuple[int, ...] | None = None
+    num_splits: int | None = None
+    window: int | None = None
+    pool_blocks: int = 0  # 0: just enough (+ spare); else a pool this big, blocks taken near its top
+
+
+@dataclasses.dataclass
+class Paged:
+    """Tensors of one built case."""
+
+    query: torch.Tensor  # [num_tokens, num_heads, head_dim] (non-contiguous head stride)
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32 (a column slice of a wider table)
+    context_lens: torch.Tensor  # [num_seqs] int32
+    cu_seqlens_q: torch.Tensor | None  # [num_seqs + 1] int32 (prefill only)
+    scale: float
+
+
+def build(case: Case, device: str = DEV, dtype: torch.dtype | None = None, seed: int = 0) -> Paged:
+    """Build a paged cache whose unused blocks are NaN, with shuffled block tables."""
+    dtype = dtype or case.dtype
+    gen = torch.Generator().manual_seed(seed)
+    bs = case.block_size
+    need = [(c + bs - 1) // bs for c in case.context_lens]
+    used = sum(need)
+    num_blocks = case.pool_blocks or used + 7
+    # Distinct, shuffled ids; near the top of the pool when the pool is big.
+    lo = num_blocks - 2 * used - 3 if case.pool_blocks else 0
+    ids = (lo + torch.randperm(num_blocks - lo, generator=gen)[:used]).to(torch.int32)
+    kv_cache = torch.full((2, num_blocks, bs, case.num_kv_heads, case.head_dim), float("nan"), dtype=dtype)
+    kv_cache[:, ids.long()] = torch.randn(2, used, bs, case.num_kv_heads, case.head_dim, generator=gen).to(dtype)
+
+    max_blocks = max(max(need), 1)
+    table = torch.full((len(need), max_blocks + 3), int(ids[0]), dtype=torch.int32)  # pad: a valid id
+    start = 0
+    for s, n in enumerate(need):
+        table[s, :n] = ids[start : start + n]
+        start += n
+    block_tables = table.to(device)[:, :max_blocks]  # non-contiguous rows (stride 0 > width)
+
+    num_heads = case.num_kv_heads * case.group
+    q_lens = case.q_lens if case.q_lens is not None else (1,) * len(need)
+    wide = torch.randn(sum(q_lens), num_heads, case.head_dim + 8, generator=gen).to(dtype)
+    query = wide.to(device)[..., : case.head_dim]  # [num_tokens, num_heads, head_dim], strided
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return Paged(
+        query=query,
+        kv_cache=kv_cache.to(device),
+        block_tables=block_tables,
+        context_lens=torch.tensor(case.context_lens, dtype=torch.int32, device=device),
+        cu_seqlens_q=cu if case.q_lens is not None else None,
+        scale=case.head_dim**-0.5,
+    )
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float(), ref.float()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def run_decode(p: Paged, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.full(p.query.shape, float("nan"), dtype=p.query.dtype, device=p.query.device)
+    got = attention.decode_attention(p.query, p.kv_cache, p.block_tables, p.context_lens, p.scale,
+                                     case.window, out=out, num_splits=case.num_splits)
+    assert got is out
+    ref_dtype = torch.float32 if p.query.dtype == torch.bfloat16 else p.query.dtype
+    ref = reference.decode_attention(p.query.to(ref_dtype), p.kv_cache.to(ref_dtype), p.block_tables,
+                                     p.context_lens, p.scale, case.window)
+    return out, ref
+
+
+def run_prefill(p: Paged, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.full(p.query.shape, float("nan"), dtype=p.query.dtype, device=p.query.device)
+    got = attention.prefill_attention(p.query, p.kv_cache, p.block_tables, p.cu_seqlens_q, p.context_lens,
+                                      p.scale, case.window, out=out)
+    assert got is out
+    ref_dtype = torch.float32 if p.query.dtype == torch.bfloat16 else p.query.dtype
+    ref = reference.prefill_attention(p.query.to(ref_dtype), p.kv_cache.to(ref_dtype), p.block_tables,
+                                      p.cu_seqlens_q, p.context_lens, p.scale, case.window)
+    return out, ref
+
+
+F32, F16 = torch.float32, torch.float16
+# Compact on purpose (the CPU interpreter is slow): each axis is covered, not the cartesian product.
+DECODE_CASES = {
+    "f32-bs16-g4-single": Case(F32, 16, 2, 4, 64, (1, 15, 17, 40), num_splits=1),
+    "f32-bs16-g4-split3": Case(F32, 16, 2, 4, 64, (1, 15, 17, 40), num_splits=3),
+    "f16-bs1-g1-hd128-split2": Case(F16, 1, 2, 1, 128, (1, 15, 17), num_splits=2),
+    "f32-bs32-g1-hd128-single": Case(F32, 32, 2, 1, 128, (17, 33, 1), num_splits=1),
+    "f16-bs32-g8-ctx1025-auto": Case(F16, 32, 1, 8, 64, (1025,)),
+    "f16-bs16-g4-window-split3": Case(F16, 16, 2, 4, 64, (1, 15, 17, 50), num_splits=3, window=8),
+    "f32-bs1-g8-window-single": Case(F32, 1, 1, 8, 64, (5, 30), num_splits=1, window=16),
+    "f16-bs16-g4-toppool-split2": Case(F16, 16, 1, 4, 64, (17, 40), num_splits=2, pool_blocks=1 << 13),
+    "f32-bs16-g3-split8-short": Case(F32, 16, 2, 3, 64, (3, 70), num_splits=8),
+}
+PREFILL_CASES = {
+    "f32-bs16-g4-noprefix": Case(F32, 16, 2, 4, 64, (5, 17, 1), q_lens=(5, 17, 1)),
+    "f16-bs32-g1-hd128-prefix": Case(F16, 32, 1, 1, 128, (40, 20, 7, 33), q_lens=(3, 20, 0, 1)),
+    "f32-bs1-g3-prefix": Case(F32, 1, 2, 3, 64, (30, 100), q_lens=(9, 70)),
+    "f16-bs16-g8-prefix": Case(F16, 16, 1, 8, 64, (47, 33), q_lens=(15, 33)),
+    "f16-bs16-g2-window-prefix": Case(F16, 16, 2, 2, 64, (30, 100), q_lens=(9, 70), window=5),
+    "f32-bs32-g4-hd128-window": Case(F32, 32, 1, 4, 128, (40,), q_lens=(40,), window=16),
+    "f16-bs16-g4-toppool-prefix": Case(F16, 16, 1, 4, 64, (17, 40), q_lens=(2, 17), pool_blocks=1 << 13),
+}
+
+
+@pytest.mark.parametrize("name", list(DECODE_CASES))
+def test_decode_matches_reference(name: str) -> None:
+    case = DECODE_CASES[name]
+    out, ref = run_decode(build(case), case)
+    assert not out.isnan().any(), "unwritten or poisoned output"
+    assert rel_err(out, ref) <= TOL[case.dtype]
+
+
+@pytest.mark.parametrize("name", list(PREFILL_CASES))
+def test_prefill_matches_reference(name: str) -> None:
+    case = PREFILL_CASES[name]
+    out, ref = run_prefill(build(case), case)
+    assert not out.isnan().any(), "unwritten or poisoned output"
+    assert rel_err(out, ref) <= TOL[case.dtype]
+
+
+def test_auto_split_case_really_splits() -> None:
+    case = DECODE_CASES["f16-bs32-g8-ctx1025-auto"]
+    assert attention.choose_num_splits(1, case.num_kv_heads, 1025, case.block_size) > 1
+
+
+def test_prefill_of_single_tokens_equals_decode() -> None:
+    case = Case(F32, 16, 2, 4, 64, (1, 15, 17, 40), q_lens=(1, 1, 1, 1), window=9)
+    p = build(case)
+    dec = attention.decode_attention(p.query, p.kv_cache, p.block_tables, p.context_lens, p.scale, case.window,
+                                     num_splits=2)
+    pre = attention.prefill_attention(p.query, p.kv_cache, p.block_tables, p.cu_seqlens_q, p.context_lens,
+                                      p.scale, case.window, max_query_len=1)
+    assert rel_err(pre, dec) <= 1e-6
+
+
+def test_choose_num_splits_policy() -> None:
+    # batch 1 fills the GPU by splitting a long context, short contexts stay lightly split ...
+    assert attention.choose_num_splits(1, 8, 32768, 16) >= 16
+    assert attention.choose_num_splits(1, 8, 512, 16) <= 2
+    assert attention.choose_num_splits(1, 8, 100, 16) == 1
+    # ... and big batches are not over-split.
+    assert attention.choose_num_splits(256, 8, 32768, 16) == 1
+    assert attention.choose_num_splits(64, 8, 32768, 32) == 1
+    assert attention.choose_num_splits(0, 8, 32768, 16) == 1
+    for seqs in (1, 2, 4, 16, 64, 256):
+        assert 1 <= attention.choose_num_splits(seqs, 4, 4096, 16) <= attention.MAX_SPLITS
+
+
+def test_empty_batch() -> None:
+    case = Case(F32, 16, 2, 2, 64, (5,))
+    p = build(case)
+    q = p.query[:0]
+    out = attention.decode_attention(q, p.kv_cache, p.block_tables[:0], p.context_lens[:0], p.scale)
+    assert out.shape == (0, 4, 64)
+    cu = torch.zeros(1, dtype=torch.int32, device=DEV)
+    out = attention.prefill_attention(q, p.kv_cache, p.block_tables[:0], cu, p.context_lens[:0], p.scale)
+    assert out.shape == (0, 4, 64)
+
+
+def test_launchers_reject_bad_inputs() -> None:
+    case = Case(F32, 16, 2, 2, 64, (5, 9))
+    p = build(case)
+    args = (p.kv_cache, p.block_tables, p.context_lens, p.scale)
+    with pytest.raises(ValueError, match="head_dim"):
+        attention.decode_attention(p.query[..., :32], *args)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        attention.decode_attention(p.query[:, :3], *args)
+    with pytest.raises(ValueError, match="int32 or int64"):
+        attention.decode_attention(p.query, p.kv_cache, p.block_tables.float(), p.context_lens, p.scale)
+    with pytest.raises(ValueError, match="contiguous last"):
+        attention.decode_attention(p.query.transpose(1, 2).contiguous().transpose(1, 2), *args)
+    with pytest.raises(ValueError, match="sliding_window"):
+        attention.decode_attention(p.query, *args, 0)
+    with pytest.raises(ValueError, match="out must be"):
+        attention.decode_attention(p.query, *args, out=torch.empty(2, 4, 32, device=DEV))
+    with pytest.raises(ValueError, match="dtype"):
+        attention.decode_attention(p.query.to(torch.int32), *args)
+    with pytest.raises(ValueError, match="context_lens"):
+        attention.decode_attention(p.query, p.kv_cache, p.block_tables, p.context_lens[:1], p.scale)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        attention.prefill_attention(p.query, p.kv_cache, p.block_tables, cu[:2], p.context_lens, p.scale)
+
+
+def test_backend_selection_returns_triton_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSERVE_ATTENTION_BACKEND", "triton")
+    backend = kernels.get_backend("cpu")
+    from kernels import triton_backend
+
+    assert backend is triton_backend
+    assert backend.decode_attention is attention.decode_attention
+    for fn in ("store_kv", "decode_attention", "prefill_attention", "copy_blocks", "swap_blocks"):
+        assert callable(getattr(backend, fn))
+
+
+# ------------------------------------------------------------------------------------------------- GPU
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("name", list(DECODE_CASES))
+def test_decode_bf16_cuda(name: str) -> None:
+    case = DECODE_CASES[name]
+    out, ref = run_decode(build(case, "cuda", torch.bfloat16), case)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) <= TOL[torch.bfloat16]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("name", list(PREFILL_CASES))
+def test_prefill_bf16_cuda(name: str) -> None:
+    case = PREFILL_CASES[name]
+    out, ref = run_prefill(build(case, "cuda", torch.bfloat16), case)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) <= TOL[torch.bfloat16]
+
+
+@gpu
+@needs_cuda
+def test_int64_offsets_in_a_pool_over_2g_elements() -> None:
+    """Block ids whose element offset exceeds 2**31: int32 arithmetic would read the wrong memory."""
+    bs, kvh, hd = 16, 8, 128
+    num_blocks = (1 << 31) // (bs * kvh * hd) + 64  # ~8.6 GB in bf16
+    kv_cache = torch.empty((2, num_blocks, bs, kvh, hd), dtype=torch.bfloat16, device="cuda")
+    kv_cache[:, : num_blocks - 64].fill_(float("nan"))
+    ids = torch.arange(num_blocks - 1, num_blocks - 64, -1, device="cuda")[torch.randperm(63, device="cuda")]
+    kv_cache[:, ids] = torch.randn(2, 63, bs, kvh, hd, device="cuda").bfloat16()
+    ctx = (1000, 17)
+    tables = torch.stack([ids[:63], ids[:63]]).to(torch.int32)
+    context_lens = torch.tensor(ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(2, kvh * 4, hd, device="cuda").bfloat16()
+    small = kv_cache[:, ids.long()].float()  # the same blocks, renumbered 0..62 in a small pool
+    small_tables = torch.arange(63, device="cuda", dtype=torch.int32).expand(2, 63).contiguous()
+    for splits in (1, 4):
+        out = attention.decode_attention(q, kv_cache, tables, context_lens, hd**-0.5, num_splits=splits)
+        ref = reference.decode_attention(q.float(), small, small_tables, context_lens, hd**-0.5)
+        assert rel_err(out, ref) <= TOL[torch.bfloat16]
+    cu = torch.tensor([0, 5, 22], dtype=torch.int32, device="cuda")
+    qp = torch.randn(22, kvh * 4, hd, device="cuda").bfloat16()
+    out = attention.prefill_attention(qp, kv_cache, tables, cu, context_lens, hd**-0.5)
+    ref = reference.prefill_attention(qp.float(), small, small_tables, cu, context_lens, hd**-0.5)
+    assert rel_err(out, ref) <= TOL[torch.bfloat16]
