@@ -120,7 +120,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvserve", description="A Ray-based LLM serving cluster with a paged KV cache")
+    parser = argparse.ArgumentParser(
+        prog="kvserve", description="A Ray-based LLM serving cluster with a paged KV cache"
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 

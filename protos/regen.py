@@ -5,10 +5,11 @@ Usage (from anywhere)::
     python protos/regen.py            # rewrite the checked-in files next to the .proto files
     python protos/regen.py OUT_DIR    # write OUT_DIR/kvserve/v1/... instead (used by the freshness test)
 
-Writes ``*_pb2.py``, ``*_pb2.pyi`` and ``*_pb2_grpc.py``. protoc is run with ``-I protos`` so the
-descriptor file names are the canonical ``kvserve/v1/*.proto``; its generated cross-imports
-(``from kvserve.v1 import x_pb2``) are then rewritten to ``from protos.kvserve.v1 import x_pb2``
-so the modules import with the repo root on ``sys.path`` and when installed as package ``protos``.
+Writes ``*_pb2.py``, ``*_pb2.pyi`` (stubs headed ``# ruff: noqa``) and ``*_pb2_grpc.py``.
+protoc is run with ``-I protos`` so the descriptor file names are the canonical
+``kvserve/v1/*.proto``; its generated cross-imports (``from kvserve.v1 import x_pb2``) are then
+rewritten to ``from protos.kvserve.v1 import x_pb2`` so the modules import with the repo root on
+``sys.path`` and when installed as package ``protos``.
 
 NOTE: the output depends on the grpcio-tools version (it stamps the protobuf/grpc versions it
 was made with); regenerate after upgrading it, and the freshness test will say when to.
@@ -39,8 +40,19 @@ def generated_files(root: Path) -> list[Path]:
     return sorted(p for p in (root / PACKAGE_DIR).iterdir() if p.name.endswith(GENERATED_SUFFIXES))
 
 
+# NOTE: pyproject's ruff exclude names only *_pb2*.py; the stubs opt out of linting themselves.
+_STUB_HEADER = "# ruff: noqa\n"
+
+
 def _fix_imports(text: str) -> str:
     return _IMPORT_FIX.sub(lambda m: f"{m.group(1)} protos.kvserve.v1", text)
+
+
+def _postprocess(name: str, text: str) -> str:
+    text = _fix_imports(text)
+    if name.endswith(".pyi"):
+        text = _STUB_HEADER + text
+    return text
 
 
 def generate(out_root: Path) -> list[Path]:
@@ -75,7 +87,7 @@ def generate(out_root: Path) -> list[Path]:
         written = []
         for src in generated_files(Path(tmp)):
             dst = out_root / PACKAGE_DIR / src.name
-            dst.write_text(_fix_imports(src.read_text()))
+            dst.write_text(_postprocess(src.name, src.read_text()))
             written.append(dst)
     return sorted(written)
 

@@ -268,5 +268,10 @@ class AdmissionQueue(Generic[T]):
             excess_blocks = max(0, self._num_blocks + num_blocks - self.max_blocks)
         requests_per_s, blocks_per_s = self.drain_rate()
         return estimate_retry_after_ms(
-            excess_requests, excess_blocks, requests_per_s, blocks_per_s, floor_ms=floor_ms, ceiling_ms=ceiling_ms
+            excess_requests,
+            excess_blocks,
+            requests_per_s,
+            blocks_per_s,
+            floor_ms=floor_ms,
+            ceiling_ms=ceiling_ms,
         )

@@ -20,10 +20,11 @@ from workers.block_pool import BlockPool
 from workers.config import EngineConfig
 from workers.kv_cache import KVCache, bytes_per_block
 from workers.loader import load_model
+from workers.migration import MigrationState
 from workers.model_config import ModelConfig, parse_dtype
 from workers.model_runner import ModelRunner
 from workers.outputs import CompletionOutput, RequestOutput
-from workers.request import Request
+from workers.request import Request, RequestStatus
 from workers.sampler import Sampler, make_generator
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -81,6 +82,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, self.kv_cache, Sampler())
         self.requests: dict[str, Request] = {}
+        self.exporting: dict[str, Request] = {}  # paused by export_request, awaiting finish_export
         self.num_steps = 0
 
     def _num_blocks(self, block_bytes: int) -> int:
@@ -222,9 +224,113 @@ class LLMEngine:
             num_swaps=req.num_swaps,
         )
 
+    # ---- router commands (between steps) ---------------------------------------------------
+    def preempt_request(self, request_id: str, mode: str | None = None) -> bool:
+        """Preempt a running request now (swap copies run at once). False if not running."""
+        req = self.requests.get(request_id)
+        copies = self.scheduler.preempt(req, mode) if req is not None else None
+        if copies is None:
+            return False
+        self.kv_cache.swap_out(copies)
+        return True
+
+    def swap_in_request(self, request_id: str) -> bool:
+        """Bring a swapped request back first when blocks allow. False if not swapped."""
+        req = self.requests.get(request_id)
+        return req is not None and self.scheduler.prioritize_swap_in(req)
+
+    def export_request(self, request_id: str) -> MigrationState | None:
+        """Pause a request and return its full state (KV on the host). None if unknown.
+
+        The request keeps its blocks until ``finish_export``: migrated -> freed, else resumed.
+        """
+        req = self.requests.get(request_id)
+        if req is None or request_id in self.exporting:
+            return None
+        self.scheduler.detach(req)
+        self.exporting[request_id] = req
+        kv = None
+        if req.swap_table:
+            kv = self.kv_cache.read_blocks(req.swap_table, swapped=True)
+        elif req.block_table and req.num_computed_tokens:
+            kv = self.kv_cache.read_blocks(req.block_table[: -(-req.num_computed_tokens // self.config.block_size)])
+        detok = req.detokenizer
+        return MigrationState(
+            request_id=req.request_id,
+            prompt_token_ids=list(req.prompt_token_ids),
+            output_token_ids=list(req.output_token_ids),
+            sampling_params=req.sampling_params,
+            priority=req.priority,
+            cache_salt=req.cache_salt,
+            arrival_time=req.arrival_time,
+            num_computed_tokens=req.num_computed_tokens if kv is not None else 0,
+            block_size=self.config.block_size,
+            model_id=self.model_id,
+            kv_blocks=kv,
+            generator_state=req.generator.get_state() if req.generator is not None else None,
+            output_text=req.output_text,
+            detokenized_text=detok.text if detok is not None else "",
+            num_cached_tokens=req.num_cached_tokens,
+            num_preemptions=req.num_preemptions,
+            num_swaps=req.num_swaps,
+        )
+
+    def finish_export(self, request_id: str, migrated: bool) -> bool:
+        """After an export: free the request (it lives elsewhere now) or resume it here."""
+        req = self.exporting.pop(request_id, None)
+        if req is None:
+            return False
+        if migrated:
+            self.scheduler.finish(req, "migrated")
+            del self.requests[request_id]
+        else:
+            self.scheduler.reattach(req)
+        return True
+
+    def import_request(self, state: MigrationState) -> bool | None:
+        """Continue an exported request here. None ("not now") if its blocks do not fit.
+
+        Raises ValueError if the state cannot belong to this engine (block size, model, id clash).
+        """
+        if state.block_size != self.config.block_size:
+            raise ValueError(f"block size {state.block_size} != this worker's {self.config.block_size}")
+        if state.model_id != self.model_id:
+            raise ValueError(f"model {state.model_id!r} != this worker's {self.model_id!r}")
+        if state.request_id in self.requests:
+            raise ValueError(f"request id {state.request_id!r} is already in use")
+        req = Request(
+            state.request_id, list(state.prompt_token_ids), state.sampling_params,
+            priority=state.priority, cache_salt=state.cache_salt, arrival_time=state.arrival_time,
+            output_token_ids=list(state.output_token_ids),
+        )  # fmt: skip
+        req.num_cached_tokens = state.num_cached_tokens
+        req.num_preemptions, req.num_swaps = state.num_preemptions, state.num_swaps
+        req.output_text = state.output_text
+        if state.generator_state is not None:
+            req.generator = make_generator(0, self.device)
+            req.generator.set_state(state.generator_state)
+        if self.tokenizer is not None:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.all_token_ids)
+            req.detokenizer.text = state.detokenized_text
+        if state.kv_blocks is not None:
+            need = -(-req.num_tokens // self.config.block_size)
+            if self.pool.num_free_blocks - need < self.scheduler.watermark_blocks:
+                return None
+            blocks = self.pool.allocate(need)
+            assert blocks is not None
+            self.kv_cache.write_blocks(blocks[: state.kv_blocks[0].shape[1]], state.kv_blocks)
+            req.block_table = blocks
+            req.num_computed_tokens = state.num_computed_tokens
+            req.status = RequestStatus.RUNNING
+            self.scheduler.running.append(req)
+        else:
+            self.scheduler.add(req)
+        self.requests[req.request_id] = req
+        return True
+
     def check_integrity(self) -> None:
         """Pool invariants plus ref counts == block-table references (tests call this every step)."""
-        self.pool.check_integrity(self.scheduler.block_tables())
+        self.pool.check_integrity(self.scheduler.block_tables(list(self.exporting.values())))
         if self.swap_pool is not None:
             self.swap_pool.check_integrity([r.swap_table for r in self.scheduler.swapped])
 

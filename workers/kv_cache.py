@@ -79,10 +79,12 @@ class KVCache:
             if self.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
 
-    def read_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
-        """Host copies of these blocks, per layer [2, n, block_size, kv_heads, head_dim] (migration)."""
-        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        return [layer[:, idx].cpu() for layer in self.layers]
+    def read_blocks(self, block_ids: list[int], swapped: bool = False) -> list[torch.Tensor]:
+        """Host copies of device (or, with ``swapped``, swap-space) blocks, per layer
+        [2, n, block_size, kv_heads, head_dim] (migration)."""
+        layers = self.swap_layers if swapped else self.layers
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=layers[0].device)
+        return [layer[:, idx].cpu() for layer in layers]
 
     def write_blocks(self, block_ids: list[int], data: list[torch.Tensor]) -> None:
         """Inverse of ``read_blocks``."""

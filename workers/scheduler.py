@@ -95,6 +95,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
+        self._swap_in_first: set[str] = set()  # ids the router asked to bring back first
         self.num_preemptions = {"recompute": 0, "swap": 0}
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found cached
@@ -170,13 +171,49 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+    def preempt(self, req: Request, mode: str | None = None) -> list[tuple[int, int]] | None:
+        """Preempt a running request between steps (router command); ``mode`` overrides the config.
+
+        Returns the (device, host) block copies the caller must run before the next step (empty
+        for recompute), or None if the request is not running. A swap that does not fit the host
+        space falls back to recompute.
+        """
+        if req not in self.running:
+            return None
+        out = SchedulerOutput()
+        self._preempt(req, out, mode)
+        return out.swap_out
+
+    def prioritize_swap_in(self, req: Request) -> bool:
+        """Move a swapped request to the head of the swap-in queue; False if it is not swapped."""
+        if req not in self.swapped:
+            return False
+        self._swap_in_first.add(req.request_id)
+        return True
+
+    def detach(self, req: Request) -> None:
+        """Take a request out of every queue but keep its blocks (migration export in progress)."""
+        for queue in (self.running, self.waiting, self.swapped):
+            if req in queue:
+                queue.remove(req)
+
+    def reattach(self, req: Request) -> None:
+        """Undo ``detach``: the request continues where it stopped."""
+        if req.status is RequestStatus.SWAPPED:
+            self.swapped.append(req)
+        elif req.block_table:
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+        else:
+            self.add(req)
+
+    def _preempt(self, req: Request, out: SchedulerOutput, mode: str | None = None) -> None:
         self.running.remove(req)
         out.preempted.append(req)
         req.num_preemptions += 1
         # A victim already scheduled this step would leave its tokens half-applied: unschedule it.
         out.scheduled = [(r, n) for r, n in out.scheduled if r is not req]
-        if self._should_swap(req):
+        if self._should_swap(req, mode):
             host = self.swap_pool.allocate(len(req.block_table))  # type: ignore[union-attr]
             if host is not None:
                 out.swap_out.extend(zip(req.block_table, host, strict=True))
@@ -195,8 +232,8 @@ class Scheduler:
         self.num_preemptions["recompute"] += 1
         self.add(req)
 
-    def _should_swap(self, req: Request) -> bool:
-        mode = self.config.preemption_mode
+    def _should_swap(self, req: Request, mode: str | None = None) -> bool:
+        mode = mode or self.config.preemption_mode
         if mode == "recompute" or self.swap_pool is None:
             return False
         if self.swap_pool.num_free_blocks < len(req.block_table):
@@ -205,7 +242,7 @@ class Scheduler:
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
         """Bring swapped requests back in arrival order while blocks (and the budget) allow."""
-        self.swapped.sort(key=_importance)
+        self.swapped.sort(key=lambda r: (r.request_id not in self._swap_in_first, _importance(r)))
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.swapped[0]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -221,6 +258,7 @@ class Scheduler:
             req.num_cached_blocks = 0  # fresh device blocks: re-register their hashes after the step
             req.status = RequestStatus.RUNNING
             self.swapped.pop(0)
+            self._swap_in_first.discard(req.request_id)
             self.running.append(req)
             out.scheduled.append((req, num_new))
             budget -= num_new
@@ -298,6 +336,6 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
 
-    def block_tables(self) -> list[list[int]]:
+    def block_tables(self, extra: list[Request] = ()) -> list[list[int]]:  # type: ignore[assignment]
         """Every live device block table (for ``BlockPool.check_integrity``)."""
-        return [r.block_table for r in self.running if r.block_table]
+        return [r.block_table for r in [*self.running, *extra] if r.block_table]

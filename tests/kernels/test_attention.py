@@ -7,7 +7,9 @@ so reading a wrong block or leaving an output element unwritten fails the compar
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -36,6 +38,7 @@ class Case:
     num_splits: int | None = None
     window: int | None = None
     pool_blocks: int = 0  # 0: just enough (+ spare); else a pool this big, blocks taken near its top
+    small_tiles: bool = False  # 16-token K/V tiles and 16-row prefill tiles: more loop steps per program
 
 
 @dataclasses.dataclass
@@ -92,10 +95,26 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
+@contextlib.contextmanager
+def tiles(case: Case) -> Iterator[None]:
+    """Shrink the launchers' tile constants for one call (more tiles, splits and query tiles per case)."""
+    names = ("DECODE_TILE_N", "PREFILL_TILE_N", "PREFILL_BLOCK_M")
+    saved = {n: getattr(attention, n) for n in names}
+    try:
+        if case.small_tiles:
+            for n in names:
+                setattr(attention, n, 16)
+        yield
+    finally:
+        for n, v in saved.items():
+            setattr(attention, n, v)
+
+
 def run_decode(p: Paged, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.full(p.query.shape, float("nan"), dtype=p.query.dtype, device=p.query.device)
-    got = attention.decode_attention(p.query, p.kv_cache, p.block_tables, p.context_lens, p.scale,
-                                     case.window, out=out, num_splits=case.num_splits)
+    with tiles(case):
+        got = attention.decode_attention(p.query, p.kv_cache, p.block_tables, p.context_lens, p.scale,
+                                         case.window, out=out, num_splits=case.num_splits)
     assert got is out
     ref_dtype = torch.float32 if p.query.dtype == torch.bfloat16 else p.query.dtype
     ref = reference.decode_attention(p.query.to(ref_dtype), p.kv_cache.to(ref_dtype), p.block_tables,
@@ -105,8 +124,9 @@ def run_decode(p: Paged, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
 
 def run_prefill(p: Paged, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.full(p.query.shape, float("nan"), dtype=p.query.dtype, device=p.query.device)
-    got = attention.prefill_attention(p.query, p.kv_cache, p.block_tables, p.cu_seqlens_q, p.context_lens,
-                                      p.scale, case.window, out=out)
+    with tiles(case):
+        got = attention.prefill_attention(p.query, p.kv_cache, p.block_tables, p.cu_seqlens_q,
+                                          p.context_lens, p.scale, case.window, out=out)
     assert got is out
     ref_dtype = torch.float32 if p.query.dtype == torch.bfloat16 else p.query.dtype
     ref = reference.prefill_attention(p.query.to(ref_dtype), p.kv_cache.to(ref_dtype), p.block_tables,
@@ -118,11 +138,13 @@ F32, F16 = torch.float32, torch.float16
 # Compact on purpose (the CPU interpreter is slow): each axis is covered, not the cartesian product.
 DECODE_CASES = {
     "f32-bs16-g4-single": Case(F32, 16, 2, 4, 64, (1, 15, 17, 40), num_splits=1),
-    "f32-bs16-g4-split3": Case(F32, 16, 2, 4, 64, (1, 15, 17, 40), num_splits=3),
+    "f32-bs16-g4-split3-small-tiles": Case(F32, 16, 2, 4, 64, (1, 15, 17, 40), num_splits=3, small_tiles=True),
     "f16-bs1-g1-hd128-split2": Case(F16, 1, 2, 1, 128, (1, 15, 17), num_splits=2),
     "f32-bs32-g1-hd128-single": Case(F32, 32, 2, 1, 128, (17, 33, 1), num_splits=1),
     "f16-bs32-g8-ctx1025-auto": Case(F16, 32, 1, 8, 64, (1025,)),
     "f16-bs16-g4-window-split3": Case(F16, 16, 2, 4, 64, (1, 15, 17, 50), num_splits=3, window=8),
+    "f32-bs32-g2-window-split4-small-tiles": Case(F32, 32, 2, 2, 64, (20, 100), num_splits=4, window=37,
+                                                  small_tiles=True),
     "f32-bs1-g8-window-single": Case(F32, 1, 1, 8, 64, (5, 30), num_splits=1, window=16),
     "f16-bs16-g4-toppool-split2": Case(F16, 16, 1, 4, 64, (17, 40), num_splits=2, pool_blocks=1 << 13),
     "f32-bs16-g3-split8-short": Case(F32, 16, 2, 3, 64, (3, 70), num_splits=8),
@@ -130,9 +152,11 @@ DECODE_CASES = {
 PREFILL_CASES = {
     "f32-bs16-g4-noprefix": Case(F32, 16, 2, 4, 64, (5, 17, 1), q_lens=(5, 17, 1)),
     "f16-bs32-g1-hd128-prefix": Case(F16, 32, 1, 1, 128, (40, 20, 7, 33), q_lens=(3, 20, 0, 1)),
-    "f32-bs1-g3-prefix": Case(F32, 1, 2, 3, 64, (30, 100), q_lens=(9, 70)),
+    "f32-bs1-g3-prefix-small-tiles": Case(F32, 1, 2, 3, 64, (30, 100), q_lens=(9, 70), small_tiles=True),
     "f16-bs16-g8-prefix": Case(F16, 16, 1, 8, 64, (47, 33), q_lens=(15, 33)),
     "f16-bs16-g2-window-prefix": Case(F16, 16, 2, 2, 64, (30, 100), q_lens=(9, 70), window=5),
+    "f16-bs16-g2-window-prefix-small-tiles": Case(F16, 16, 2, 2, 64, (30, 100), q_lens=(9, 70), window=21,
+                                                  small_tiles=True),
     "f32-bs32-g4-hd128-window": Case(F32, 32, 1, 4, 128, (40,), q_lens=(40,), window=16),
     "f16-bs16-g4-toppool-prefix": Case(F16, 16, 1, 4, 64, (17, 40), q_lens=(2, 17), pool_blocks=1 << 13),
 }
@@ -229,6 +253,52 @@ def test_backend_selection_returns_triton_module(monkeypatch: pytest.MonkeyPatch
         assert callable(getattr(backend, fn))
 
 
+def _huge_pool(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str,
+               used: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pool of more than 2**31 elements per K/V half, only its top ``used`` blocks written.
+
+    NOTE: on CPU ``torch.empty`` maps the pool lazily, so only the touched blocks cost memory.
+    """
+    num_blocks = (1 << 31) // (block_size * num_kv_heads * head_dim) + used + 1
+    try:
+        kv_cache = torch.empty((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+    except (RuntimeError, MemoryError) as exc:  # pragma: no cover - depends on the host's overcommit policy
+        pytest.skip(f"cannot map a >2**31-element pool: {exc}")
+    ids = torch.arange(num_blocks - 1, num_blocks - 1 - used, -1, device=device)
+    ids = ids[torch.randperm(used, device=device)]
+    kv_cache[:, ids] = torch.randn(2, used, block_size, num_kv_heads, head_dim, device=device).to(dtype)
+    return kv_cache, ids
+
+
+def _check_huge_pool(kv_cache: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> None:
+    device, used = kv_cache.device, ids.shape[0]
+    num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+    ref_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
+    context_lens = torch.tensor([used * kv_cache.shape[2] - 9, 17], dtype=torch.int32, device=device)
+    tables = torch.stack([ids, ids.flip(0)]).to(torch.int32)
+    small = kv_cache[:, ids].to(ref_dtype)  # the same blocks, renumbered 0..used-1 in a small pool
+    small_tables = torch.stack([torch.arange(used, device=device), torch.arange(used - 1, -1, -1, device=device)])
+    small_tables = small_tables.to(torch.int32)
+    scale = head_dim**-0.5
+    q = torch.randn(2, num_kv_heads * 4, head_dim, device=device).to(dtype)
+    for splits in (1, 3):
+        out = attention.decode_attention(q, kv_cache, tables, context_lens, scale, num_splits=splits)
+        ref = reference.decode_attention(q.to(ref_dtype), small, small_tables, context_lens, scale)
+        assert rel_err(out, ref) <= TOL[dtype]
+    cu = torch.tensor([0, 5, 22], dtype=torch.int32, device=device)
+    qp = torch.randn(22, num_kv_heads * 4, head_dim, device=device).to(dtype)
+    out = attention.prefill_attention(qp, kv_cache, tables, cu, context_lens, scale)
+    ref = reference.prefill_attention(qp.to(ref_dtype), small, small_tables, cu, context_lens, scale)
+    assert rel_err(out, ref) <= TOL[dtype]
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="CPU interpreter variant; CUDA runs test_int64_offsets_cuda")
+def test_int64_offsets_in_a_pool_over_2g_elements_cpu() -> None:
+    """Block ids whose element offset exceeds 2**31: int32 offset arithmetic reads the wrong memory."""
+    kv_cache, ids = _huge_pool(16, 1, 64, F16, "cpu", used=8)
+    _check_huge_pool(kv_cache, ids, F16)
+
+
 # ------------------------------------------------------------------------------------------------- GPU
 
 
@@ -254,26 +324,7 @@ def test_prefill_bf16_cuda(name: str) -> None:
 
 @gpu
 @needs_cuda
-def test_int64_offsets_in_a_pool_over_2g_elements() -> None:
-    """Block ids whose element offset exceeds 2**31: int32 arithmetic would read the wrong memory."""
-    bs, kvh, hd = 16, 8, 128
-    num_blocks = (1 << 31) // (bs * kvh * hd) + 64  # ~8.6 GB in bf16
-    kv_cache = torch.empty((2, num_blocks, bs, kvh, hd), dtype=torch.bfloat16, device="cuda")
-    kv_cache[:, : num_blocks - 64].fill_(float("nan"))
-    ids = torch.arange(num_blocks - 1, num_blocks - 64, -1, device="cuda")[torch.randperm(63, device="cuda")]
-    kv_cache[:, ids] = torch.randn(2, 63, bs, kvh, hd, device="cuda").bfloat16()
-    ctx = (1000, 17)
-    tables = torch.stack([ids[:63], ids[:63]]).to(torch.int32)
-    context_lens = torch.tensor(ctx, dtype=torch.int32, device="cuda")
-    q = torch.randn(2, kvh * 4, hd, device="cuda").bfloat16()
-    small = kv_cache[:, ids.long()].float()  # the same blocks, renumbered 0..62 in a small pool
-    small_tables = torch.arange(63, device="cuda", dtype=torch.int32).expand(2, 63).contiguous()
-    for splits in (1, 4):
-        out = attention.decode_attention(q, kv_cache, tables, context_lens, hd**-0.5, num_splits=splits)
-        ref = reference.decode_attention(q.float(), small, small_tables, context_lens, hd**-0.5)
-        assert rel_err(out, ref) <= TOL[torch.bfloat16]
-    cu = torch.tensor([0, 5, 22], dtype=torch.int32, device="cuda")
-    qp = torch.randn(22, kvh * 4, hd, device="cuda").bfloat16()
-    out = attention.prefill_attention(qp, kv_cache, tables, cu, context_lens, hd**-0.5)
-    ref = reference.prefill_attention(qp.float(), small, small_tables, cu, context_lens, hd**-0.5)
-    assert rel_err(out, ref) <= TOL[torch.bfloat16]
+def test_int64_offsets_cuda() -> None:
+    """Same as the CPU variant, compiled, bf16, 8 KV heads x 128 (a ~8.6 GB pool)."""
+    kv_cache, ids = _huge_pool(16, 8, 128, torch.bfloat16, "cuda", used=63)
+    _check_huge_pool(kv_cache, ids, torch.bfloat16)

@@ -76,7 +76,13 @@ def test_zero_requests_disables_queue():
 
 def test_priority_order_and_fifo_within_priority():
     q = AdmissionQueue(max_requests=10, max_blocks=100)
-    for item in [Item("l1", priority=-1), Item("n1"), Item("h1", priority=5), Item("n2"), Item("h2", priority=5)]:
+    for item in [
+        Item("l1", priority=-1),
+        Item("n1"),
+        Item("h1", priority=5),
+        Item("n2"),
+        Item("h2", priority=5),
+    ]:
         assert q.offer(item)
     assert ids(q) == ["h1", "h2", "n1", "n2", "l1"]
     assert ids(q.pop_ready(lambda item: True)) == ["h1", "h2", "n1", "n2", "l1"]
@@ -84,9 +90,15 @@ def test_priority_order_and_fifo_within_priority():
 
 
 def test_head_of_line_per_priority_class():
-    q = AdmissionQueue(max_requests=10, max_blocks=100)
-    for item in [Item("h-big", 50, 1), Item("h-small", 1, 1), Item("n-small", 1), Item("n-big", 50), Item("n-tail", 1)]:
-        q.offer(item)
+    q = AdmissionQueue(max_requests=10, max_blocks=1000)
+    for item in [
+        Item("h-big", 50, 1),
+        Item("h-small", 1, 1),
+        Item("n-small", 1),
+        Item("n-big", 50),
+        Item("n-tail", 1),
+    ]:
+        assert q.offer(item)
     # The big head of the high class blocks its class (h-small must not overtake it), but the
     # normal class proceeds up to its own big head.
     popped = ids(q.pop_ready(lambda item: item.num_blocks < 10))
@@ -168,14 +180,13 @@ def test_retry_after_from_drain_rate():
     q.offer(Item("b", 5))
     assert q.retry_after_ms() == 30_000  # nothing drained yet
     clock.t += 10.0
-    for name in "xyzw":  # four drains in the 10 s window -> 0.4 requests/s, 2 blocks/s
-        q.offer(Item(name, 5)) if len(q) < 2 else None
     list(q.pop_ready(lambda item: True))
-    for name in "cd":
-        q.offer(Item(name, 5))
+    q.offer(Item("c", 5))
+    q.offer(Item("d", 5))
     list(q.pop_ready(lambda item: True))
     q.offer(Item("e", 5))
     q.offer(Item("f", 5))
+    # Four drains of 5 blocks over the 10 s window -> 0.4 requests/s, 2 blocks/s.
     assert q.drain_rate() == pytest.approx((0.4, 2.0))
     # Full by requests: one must leave -> 1 / 0.4 s.
     assert q.retry_after_ms() == 2500
