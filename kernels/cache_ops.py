@@ -99,7 +99,7 @@ def _copy_blocks_kernel(
     pair = tl.program_id(0)
     kv = tl.program_id(1).to(tl.int64)
     chunk = tl.program_id(2)
-    src_block = tl.load(src_ids_ptr + pair).to(tl.int32)
+    src_block = tl.load(src_ids_ptr + pair).to(tl.int64)
     dst_block = tl.load(dst_ids_ptr + pair).to(tl.int64)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)  # [CHUNK]
     mask = offs < BLOCK_NUMEL

@@ -221,9 +221,7 @@ class Placement:
                 found = after + [c for c in found if c.worker_id <= self._last_rr]
         return found
 
-    def choose(
-        self, request: PlacementRequest, workers: Sequence[WorkerView], prefix_hits: PrefixHits
-    ) -> str | None:
+    def choose(self, request: PlacementRequest, workers: Sequence[WorkerView], prefix_hits: PrefixHits) -> str | None:
         """The worker to place ``request`` on, or None if it fits no healthy worker now.
 
         Args:
@@ -256,9 +254,7 @@ class Placement:
             return True
         return any(request.blocks_needed_ever(w.block_size) <= w.total_blocks for w in workers)
 
-    def _evaluate(
-        self, request: PlacementRequest, worker: WorkerView, prefix_hits: PrefixHits
-    ) -> Candidate | None:
+    def _evaluate(self, request: PlacementRequest, worker: WorkerView, prefix_hits: PrefixHits) -> Candidate | None:
         if not worker.healthy or worker.total_blocks == 0:
             return None
         bs = worker.block_size

@@ -1,7 +1,8 @@
 """The router's view of which block hashes each worker holds, fed by the workers' block events.
 
 Pure Python: the router translates WorkerLink ``BlockEvent`` / ``BlockSnapshot`` protos into the
-dataclasses below.
+dataclasses of ``workers.kv_events`` (the
+same ones the worker's BlockPool emits).
 
 Per worker, events carry a sequence number that starts at 1 (0 = "no event yet", an empty pool)
 and grows by one per event. ``apply`` folds events in order:
@@ -23,31 +24,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from workers.kv_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
 
-@dataclass(frozen=True)
-class BlockStored:
-    """Hashes that became present in a worker's pool."""
-
-    seq: int
-    hashes: tuple[int, ...]
+__all__ = ["AllBlocksCleared", "BlockEvent", "BlockRemoved", "BlockStored", "PrefixIndex"]
 
 
-@dataclass(frozen=True)
-class BlockRemoved:
-    """Hashes that are no longer present in a worker's pool."""
-
-    seq: int
-    hashes: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class AllBlocksCleared:
-    """The worker dropped its whole prefix cache (e.g. a reset)."""
-
-    seq: int
-
-
-BlockEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 @dataclass

@@ -10,9 +10,7 @@ BS = 16
 
 
 def view(worker_id: str, free: int, *, total: int = 100, healthy: bool = True, **kw) -> WorkerView:
-    return WorkerView(
-        worker_id=worker_id, healthy=healthy, block_size=BS, total_blocks=total, free_blocks=free, **kw
-    )
+    return WorkerView(worker_id=worker_id, healthy=healthy, block_size=BS, total_blocks=total, free_blocks=free, **kw)
 
 
 def no_hits(worker_id, hashes):

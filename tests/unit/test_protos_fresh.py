@@ -50,12 +50,8 @@ def test_wire_round_trip():
     assert list(back.block_events.events[0].stored.hashes) == [2**64 - 1, 3]
     assert back.block_events.events[1].WhichOneof("kind") == "cleared"
 
-    cmd = worker_pb2.RouterCommand(
-        seq=1, preempt=worker_pb2.Preempt(request_id="r", mode=worker_pb2.Preempt.SWAP)
-    )
-    assert (
-        worker_pb2.RouterCommand.FromString(cmd.SerializeToString()).preempt.mode == worker_pb2.Preempt.SWAP
-    )
+    cmd = worker_pb2.RouterCommand(seq=1, preempt=worker_pb2.Preempt(request_id="r", mode=worker_pb2.Preempt.SWAP))
+    assert worker_pb2.RouterCommand.FromString(cmd.SerializeToString()).preempt.mode == worker_pb2.Preempt.SWAP
 
     params = serving_pb2.SamplingParams(max_tokens=4)
     assert not params.HasField("seed") and not params.HasField("top_p")

@@ -1,0 +1,350 @@
+"""`kvserve bench kernels`: check the Triton paged-attention kernels against the torch reference and time them.
+
+On a GPU, for every (block size, batch, context) of the grid it
+
+1. checks decode against ``kernels.reference`` in bf16 and fp16 (sizes the reference can hold),
+2. times decode with ``triton.testing.do_bench`` in ``--time-dtype`` and reports the achieved bandwidth
+   (bytes of Q + K/V read once + output written once, over kernel time) next to a measured
+   device-to-device copy bandwidth (read + write bytes over copy time),
+3. times prefill (no cached prefix) against ``torch.nn.functional.scaled_dot_product_attention`` on the
+   same data laid out contiguously, and checks the two outputs agree.
+
+``--dry-run`` runs on CPU under the Triton interpreter (``TRITON_INTERPRET=1``) with tiny sizes: it checks
+that everything parses, launches and matches the reference, and makes no timing claims.
+
+Usage: ``python -m cluster.bench.kernels [--dry-run] [--json-out PATH]`` (the CLI wires ``add_arguments``
+and ``run`` into ``kvserve bench kernels``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+
+TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _names(text: str) -> list[str]:
+    out = []
+    for x in text.split(","):
+        x = x.strip()
+        if x:
+            if x not in DTYPES:
+                raise argparse.ArgumentTypeError(f"unknown dtype {x!r}; expected one of {sorted(DTYPES)}")
+            out.append(str(DTYPES[x]).removeprefix("torch."))
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Register the bench's options on ``parser`` (a subcommand parser of ``kvserve bench``)."""
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU/interpreter smoke run with tiny sizes: parse, launch, verify; no timing")
+    parser.add_argument("--json-out", default=None, metavar="PATH", help="write the results as JSON here")
+    parser.add_argument("--batches", type=_ints, default=[1, 16, 64, 256], help="decode batch sizes")
+    parser.add_argument("--contexts", type=_ints, default=[512, 4096, 32768], help="decode context lengths")
+    parser.add_argument("--block-sizes", type=_ints, default=[16, 32], help="KV block sizes")
+    parser.add_argument("--num-heads", type=int, default=32)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--check-dtypes", type=_names, default=["bfloat16", "float16"],
+                        help="dtypes checked against the reference")
+    parser.add_argument("--time-dtype", type=_names, default=["bfloat16"], help="dtype timed")
+    parser.add_argument("--check-max-tokens", type=int, default=1 << 17,
+                        help="check decode against the reference only when batch*context <= this")
+    parser.add_argument("--max-kv-gib", type=float, default=48.0, help="skip configs whose K/V exceed this")
+    parser.add_argument("--prefill-lens", type=_ints, default=[512, 2048, 8192], help="prefill sequence lengths")
+    parser.add_argument("--prefill-batches", type=_ints, default=[1, 4], help="prefill batch sizes")
+    parser.add_argument("--warmup-ms", type=int, default=25)
+    parser.add_argument("--rep-ms", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+@dataclasses.dataclass
+class DecodeRow:
+    block_size: int
+    batch: int
+    context: int
+    num_splits: int
+    checks: dict[str, float]  # dtype -> relative error vs reference
+    time_us: float | None = None
+    bytes_moved: int | None = None
+    bandwidth_gbs: float | None = None
+    fraction_of_copy: float | None = None
+    skipped: str | None = None
+
+
+@dataclasses.dataclass
+class PrefillRow:
+    block_size: int
+    batch: int
+    seq_len: int
+    checks: dict[str, float]  # dtype -> relative error vs reference (dry run) or vs SDPA (GPU)
+    triton_us: float | None = None
+    sdpa_us: float | None = None
+    triton_tflops: float | None = None
+    sdpa_tflops: float | None = None
+    skipped: str | None = None
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float(), ref.float()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _paged(batch: int, ctx: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+           device: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A cache holding ``batch`` sequences of ``ctx`` tokens each, in shuffled blocks."""
+    per_seq = math.ceil(ctx / block_size)
+    num_blocks = batch * per_seq + 1
+    kv_cache = torch.randn((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device,
+                           generator=gen)
+    perm = torch.randperm(num_blocks, device=device, generator=gen)[: batch * per_seq]
+    block_tables = perm.view(batch, per_seq).to(torch.int32)
+    context_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    return kv_cache, block_tables, context_lens
+
+
+def _generator(device: str, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _copy_bandwidth(device: str, do_bench: Any, args: argparse.Namespace) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting read + write bytes."""
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
+    del src, dst
+    return 2 * n / (ms * 1e-3) / 1e9
+
+
+def _bench_decode(args: argparse.Namespace, device: str, timing: bool, do_bench: Any,
+                  copy_gbs: float | None) -> list[DecodeRow]:
+    from kernels import attention, reference
+
+    rows = []
+    h, kvh, hd = args.num_heads, args.num_kv_heads, args.head_dim
+    scale = hd**-0.5
+    time_dtype = DTYPES[args.time_dtype[0]]
+    for bs in args.block_sizes:
+        for batch in args.batches:
+            for ctx in args.contexts:
+                splits = attention.choose_num_splits(batch, kvh, ctx, bs,
+                                                     num_sms=attention._num_sms(torch.device(device)))
+                row = DecodeRow(bs, batch, ctx, splits, checks={})
+                kv_bytes = 2 * batch * ctx * kvh * hd * time_dtype.itemsize
+                if kv_bytes > args.max_kv_gib * (1 << 30):
+                    row.skipped = f"K/V {kv_bytes / (1 << 30):.1f} GiB > --max-kv-gib"
+                    rows.append(row)
+                    continue
+                gen = _generator(device, args.seed)
+                if batch * ctx <= args.check_max_tokens:
+                    for name in args.check_dtypes:
+                        dtype = DTYPES[name]
+                        kv, bt, cl = _paged(batch, ctx, bs, kvh, hd, dtype, device, gen)
+                        q = torch.randn((batch, h, hd), dtype=dtype, device=device, generator=gen)
+                        out = attention.decode_attention(q, kv, bt, cl, scale)
+                        ref = reference.decode_attention(q, kv, bt, cl, scale)
+                        row.checks[name] = _rel_err(out, ref)
+                        del kv, bt, cl, q, out, ref
+                if timing:
+                    kv, bt, cl = _paged(batch, ctx, bs, kvh, hd, time_dtype, device, gen)
+                    q = torch.randn((batch, h, hd), dtype=time_dtype, device=device, generator=gen)
+                    out = torch.empty_like(q)
+                    ms = do_bench(lambda q=q, kv=kv, bt=bt, cl=cl, out=out: attention.decode_attention(
+                        q, kv, bt, cl, scale, out=out), warmup=args.warmup_ms, rep=args.rep_ms,
+                        return_mode="median")
+                    es = time_dtype.itemsize
+                    moved = 2 * batch * h * hd * es + kv_bytes + bt.numel() * bt.element_size()
+                    row.time_us = ms * 1e3
+                    row.bytes_moved = moved
+                    row.bandwidth_gbs = moved / (ms * 1e-3) / 1e9
+                    row.fraction_of_copy = row.bandwidth_gbs / copy_gbs if copy_gbs else None
+                    del kv, bt, cl, q, out
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+                rows.append(row)
+    return rows
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal SDPA on [B, H, L, D] with GQA K/V [B, Hkv, L, D]."""
+    try:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                                enable_gqa=True)
+    except TypeError:  # torch < 2.5 has no enable_gqa
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+
+def _bench_prefill(args: argparse.Namespace, device: str, timing: bool, do_bench: Any) -> list[PrefillRow]:
+    from kernels import attention, reference
+
+    rows = []
+    h, kvh, hd = args.num_heads, args.num_kv_heads, args.head_dim
+    scale = hd**-0.5
+    names = args.check_dtypes if not timing else sorted({*args.check_dtypes, args.time_dtype[0]})
+    for bs in args.block_sizes:
+        for batch in args.prefill_batches:
+            for seq_len in args.prefill_lens:
+                row = PrefillRow(bs, batch, seq_len, checks={})
+                for name in names:
+                    dtype = DTYPES[name]
+                    gen = _generator(device, args.seed)
+                    kv, bt, cl = _paged(batch, seq_len, bs, kvh, hd, dtype, device, gen)
+                    q = torch.randn((batch * seq_len, h, hd), dtype=dtype, device=device, generator=gen)
+                    cu = torch.arange(0, batch + 1, dtype=torch.int32, device=device) * seq_len
+                    out = torch.empty_like(q)
+
+                    def triton_call(q=q, kv=kv, bt=bt, cu=cu, cl=cl, out=out):
+                        return attention.prefill_attention(q, kv, bt, cu, cl, scale, out=out, max_query_len=seq_len)
+
+                    triton_call()
+                    # The same K/V, contiguous: [B, Hkv, L, D].
+                    blocks = bt.long()
+                    k = kv[0][blocks].flatten(1, 2)[:, :seq_len].transpose(1, 2).contiguous()
+                    v = kv[1][blocks].flatten(1, 2)[:, :seq_len].transpose(1, 2).contiguous()
+                    qs = q.view(batch, seq_len, h, hd).transpose(1, 2).contiguous()  # [B, H, L, D]
+                    if timing:
+                        ref = _sdpa(qs, k, v, scale).transpose(1, 2).reshape(batch * seq_len, h, hd)
+                    else:
+                        ref = reference.prefill_attention(q, kv, bt, cu, cl, scale)
+                    if name in args.check_dtypes:
+                        row.checks[name] = _rel_err(out, ref)
+                    if timing and name == args.time_dtype[0]:
+                        flops = 4 * batch * h * hd * seq_len * (seq_len + 1) / 2  # causal: QK^T and PV
+                        t_ms = do_bench(triton_call, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
+                        s_ms = do_bench(lambda qs=qs, k=k, v=v: _sdpa(qs, k, v, scale), warmup=args.warmup_ms,
+                                        rep=args.rep_ms, return_mode="median")
+                        row.triton_us, row.sdpa_us = t_ms * 1e3, s_ms * 1e3
+                        row.triton_tflops = flops / (t_ms * 1e-3) / 1e12
+                        row.sdpa_tflops = flops / (s_ms * 1e-3) / 1e12
+                    del kv, bt, cl, q, cu, out, k, v, qs, ref
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+                rows.append(row)
+    return rows
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _print_tables(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    copy = result.get("copy_bandwidth_gbs")
+    title = f"paged decode ({result['device']}, timed in {result['time_dtype']}"
+    title += f", D2D copy {copy:.0f} GB/s)" if copy else ", no timing)"
+    table = Table(title=title)
+    for col in ("block", "batch", "context", "splits", "check rel err", "time us", "GB/s", "of copy"):
+        table.add_column(col, justify="right")
+    for r in result["decode"]:
+        checks = r["skipped"] or " ".join(f"{k[:4]}={v:.1e}" for k, v in r["checks"].items()) or "-"
+        frac = r["fraction_of_copy"]
+        table.add_row(str(r["block_size"]), str(r["batch"]), str(r["context"]), str(r["num_splits"]), checks,
+                      _fmt(r["time_us"], ".1f"), _fmt(r["bandwidth_gbs"], ".0f"),
+                      "-" if frac is None else f"{100 * frac:.0f}%")
+    console.print(table)
+    table = Table(title="prefill (no cached prefix) vs torch SDPA on contiguous K/V")
+    for col in ("block", "batch", "seq len", "check rel err", "triton us", "sdpa us", "triton TF/s", "sdpa TF/s"):
+        table.add_column(col, justify="right")
+    for r in result["prefill"]:
+        checks = r["skipped"] or " ".join(f"{k[:4]}={v:.1e}" for k, v in r["checks"].items()) or "-"
+        table.add_row(str(r["block_size"]), str(r["batch"]), str(r["seq_len"]), checks,
+                      _fmt(r["triton_us"], ".1f"), _fmt(r["sdpa_us"], ".1f"),
+                      _fmt(r["triton_tflops"], ".1f"), _fmt(r["sdpa_tflops"], ".1f"))
+    console.print(table)
+    console.print("checks: " + ("[green]all passed[/green]" if result["checks_passed"] else "[red]FAILED[/red]"))
+
+
+def _apply_dry_run_sizes(args: argparse.Namespace, device: str) -> None:
+    args.batches, args.contexts, args.block_sizes = [1, 2], [17, 40], [16, 32]
+    args.num_heads, args.num_kv_heads, args.head_dim = 4, 2, 64
+    args.prefill_lens, args.prefill_batches = [5, 33], [1, 2]
+    if device == "cpu":  # NOTE: the interpreter has no bfloat16
+        args.check_dtypes = ["float16", "float32"]
+        args.time_dtype = ["float16"]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the kernel bench described by ``args`` (see ``add_arguments``); returns a process exit code.
+
+    0 when every check is within tolerance, 1 when one is not, 2 when no GPU is there for a timed run.
+    """
+    has_cuda = torch.cuda.is_available()
+    if args.dry_run and not has_cuda:
+        # NOTE: must precede the first import of the kernels (triton.jit picks interpreter vs compiler then).
+        os.environ["TRITON_INTERPRET"] = "1"
+        if "kernels.attention" in sys.modules and not hasattr(sys.modules["kernels.attention"]._paged_decode_kernel,
+                                                              "interpreter_builder"):
+            print("kernels.attention was imported before TRITON_INTERPRET=1; run the dry run in a fresh "
+                  "process (python -m cluster.bench.kernels --dry-run)", file=sys.stderr)
+            return 2
+    if not args.dry_run and not has_cuda:
+        print("bench kernels: no CUDA device; use --dry-run for the CPU interpreter smoke test", file=sys.stderr)
+        return 2
+    device = "cuda" if has_cuda else "cpu"
+    timing = not args.dry_run
+    if args.dry_run:
+        _apply_dry_run_sizes(args, device)
+    torch.manual_seed(args.seed)
+
+    do_bench = None
+    copy_gbs = None
+    if timing:
+        from triton.testing import do_bench
+
+        copy_gbs = _copy_bandwidth(device, do_bench, args)
+    started = time.perf_counter()
+    decode = _bench_decode(args, device, timing, do_bench, copy_gbs)
+    prefill = _bench_prefill(args, device, timing, do_bench)
+    checks_passed = all(err <= TOLERANCE[name] for row in [*decode, *prefill] for name, err in row.checks.items())
+    checks_passed = checks_passed and any(row.checks for row in [*decode, *prefill])
+    result = {
+        "mode": "dry-run" if args.dry_run else "full",
+        "device": torch.cuda.get_device_name() if has_cuda else "cpu (triton interpreter)",
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "time_dtype": args.time_dtype[0],
+        "model": {"num_heads": args.num_heads, "num_kv_heads": args.num_kv_heads, "head_dim": args.head_dim},
+        "copy_bandwidth_gbs": copy_gbs,
+        "tolerance": TOLERANCE,
+        "decode": [dataclasses.asdict(r) for r in decode],
+        "prefill": [dataclasses.asdict(r) for r in prefill],
+        "checks_passed": checks_passed,
+        "wall_s": time.perf_counter() - started,
+    }
+    _print_tables(result)
+    if args.json_out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
+        with open(args.json_out, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0 if checks_passed else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = add_arguments(argparse.ArgumentParser(prog="kvserve bench kernels", description=__doc__.split("\n")[0]))
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

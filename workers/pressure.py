@@ -1,0 +1,47 @@
+"""When a worker sends a block-pressure report: the rate policy, apart from the mechanism."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class PressurePolicy:
+    """Report after a step that changed block counts, at most every ``interval_s``; at least every
+    ``idle_interval_s`` (liveness); at once when usage crosses the high or low watermark, since
+    that is what admission and migration decisions hinge on.
+    """
+
+    interval_s: float = 0.05
+    idle_interval_s: float = 1.0
+    high_watermark: float = 0.9
+    low_watermark: float = 0.7
+    _last_time: float = float("-inf")
+    _last_counts: tuple[int, ...] = ()
+    _last_usage: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.low_watermark <= self.high_watermark <= 1.0:
+            raise ValueError(
+                f"need 0 <= low_watermark <= high_watermark <= 1, got {self.low_watermark}, {self.high_watermark}"
+            )
+        if self.interval_s < 0 or self.idle_interval_s <= 0:
+            raise ValueError("pressure intervals must be positive")
+
+    def crossed(self, usage: float) -> bool:
+        before, now = self._last_usage, usage
+        return (before >= self.high_watermark) != (now >= self.high_watermark) or (
+            before <= self.low_watermark
+        ) != (now <= self.low_watermark)
+
+    def due(self, now: float, usage: float, counts: tuple[int, ...]) -> bool:
+        """Should a report go out now? ``counts`` = the block/queue counts the report carries."""
+        elapsed = now - self._last_time
+        if self.crossed(usage):
+            return True
+        if counts != self._last_counts and elapsed >= self.interval_s:
+            return True
+        return elapsed >= self.idle_interval_s
+
+    def sent(self, now: float, usage: float, counts: tuple[int, ...]) -> None:
+        self._last_time, self._last_usage, self._last_counts = now, usage, counts
