@@ -50,7 +50,8 @@ MIN_TOKENS_PER_SPLIT = 256
 
 @triton.jit
 def _paged_decode_kernel(
-    out_ptr,  # WRITE_FINAL: [num_seqs, num_heads, head_dim]; else partial [num_seqs, num_heads, splits, hd] fp32
+    out_ptr,  # WRITE_FINAL: [num_seqs, num_heads, head_dim]
+    #           else partial [num_seqs, num_heads, NUM_SPLITS, head_dim] fp32
     lse_ptr,  # [num_seqs, num_heads, NUM_SPLITS] fp32 base-2 log-sum-exp (unused when WRITE_FINAL)
     q_ptr,  # [num_seqs, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]  (kv_cache[0])
@@ -79,7 +80,7 @@ def _paged_decode_kernel(
     NUM_SPLITS: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     WRITE_FINAL: tl.constexpr,  # single split: normalise and write the output directly
-    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32), else "tf32" (ignored for 16-bit)
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32), else None (backend default)
 ):
     """One program = one (sequence, KV head, split).
 
@@ -171,7 +172,9 @@ def _merge_splits_kernel(
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,  # next power of two >= NUM_SPLITS
 ):
-    """One program = one (sequence, query head): ``out = sum_i w_i o_i / sum_i w_i``, ``w_i = 2^(lse_i - max)``.
+    """One program = one (sequence, query head): ``out = sum_i w_i o_i / sum_i w_i``.
+
+    ``w_i = 2^(lse_i - max_j lse_j)``.
 
     All splits empty (no visible key) gives a zero output.
     """
@@ -182,19 +185,28 @@ def _merge_splits_kernel(
     s_mask = offs_s < NUM_SPLITS
     d_mask = offs_d < HEAD_DIM
 
-    lse = tl.load(lse_ptr + seq * stride_lse_seq + head * stride_lse_head + offs_s, mask=s_mask,
-                  other=float("-inf"))  # [SPLITS_PAD]
+    lse = tl.load(
+        lse_ptr + seq * stride_lse_seq + head * stride_lse_head + offs_s, mask=s_mask, other=float("-inf")
+    )  # [SPLITS_PAD]
     m = tl.max(lse, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m_safe)  # [SPLITS_PAD]
     denom = tl.sum(w, 0)
-    p_ptrs = (partial_ptr + seq * stride_p_seq + head * stride_p_head
-              + offs_s[:, None] * stride_p_split + offs_d[None, :])
+    p_ptrs = (
+        partial_ptr
+        + seq * stride_p_seq
+        + head * stride_p_head
+        + offs_s[:, None] * stride_p_split
+        + offs_d[None, :]
+    )
     parts = tl.load(p_ptrs, mask=s_mask[:, None] & d_mask[None, :], other=0.0)  # [SPLITS_PAD, HEAD_DIM_PAD]
     acc = tl.sum(parts * w[:, None], 0)  # [HEAD_DIM_PAD]
     result = acc / tl.where(denom > 0.0, denom, 1.0)
-    tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + offs_d,
-             result.to(out_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(
+        out_ptr + seq * stride_o_seq + head * stride_o_head + offs_d,
+        result.to(out_ptr.dtype.element_ty),
+        mask=d_mask,
+    )
 
 
 @triton.jit
@@ -256,7 +268,9 @@ def _paged_prefill_kernel(
     q_pos = prefix + tok_i  # [BLOCK_M]
 
     rows = (q_start + tok_i).to(tl.int64)
-    q_ptrs = q_ptr + rows[:, None] * stride_q_tok + heads[:, None].to(tl.int64) * stride_q_head + offs_d[None, :]
+    q_ptrs = (
+        q_ptr + rows[:, None] * stride_q_tok + heads[:, None].to(tl.int64) * stride_q_head + offs_d[None, :]
+    )
     q = tl.load(q_ptrs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_PAD]
 
     # Keys this tile can see: [kv_lo, kv_hi).
@@ -294,7 +308,9 @@ def _paged_prefill_kernel(
         m_i = m_new
 
     result = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    o_ptrs = out_ptr + rows[:, None] * stride_o_tok + heads[:, None].to(tl.int64) * stride_o_head + offs_d[None, :]
+    o_ptrs = (
+        out_ptr + rows[:, None] * stride_o_tok + heads[:, None].to(tl.int64) * stride_o_head + offs_d[None, :]
+    )
     tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
@@ -353,11 +369,15 @@ def _check_device(t: torch.Tensor, what: str) -> None:
         return
     if t.device.type == "cpu" and _interpreting():
         if t.dtype == torch.bfloat16:
-            raise ValueError(f"{what}: bfloat16 is not supported by the Triton interpreter on CPU; "
-                             "use float16/float32 or a CUDA device")
+            raise ValueError(
+                f"{what}: bfloat16 is not supported by the Triton interpreter on CPU; "
+                "use float16/float32 or a CUDA device"
+            )
         return
-    raise ValueError(f"{what} is on {t.device}: Triton kernels need a CUDA tensor "
-                     "(or TRITON_INTERPRET=1 on CPU, set before triton is imported)")
+    raise ValueError(
+        f"{what} is on {t.device}: Triton kernels need a CUDA tensor "
+        "(or TRITON_INTERPRET=1 on CPU, set before triton is imported)"
+    )
 
 
 def _check_attention_inputs(
@@ -374,8 +394,10 @@ def _check_attention_inputs(
     if query.dim() != 3:
         raise ValueError(f"{name}: query must be 3-D [tokens, num_heads, head_dim], got {tuple(query.shape)}")
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(f"{name}: kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
-                         f"got {tuple(kv_cache.shape)}")
+        raise ValueError(
+            f"{name}: kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(kv_cache.shape)}"
+        )
     _, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     if kv_cache.shape[4] != head_dim:
@@ -383,16 +405,22 @@ def _check_attention_inputs(
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(f"{name}: num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     if query.dtype not in _FLOAT_DTYPES or kv_cache.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"{name}: query/kv_cache dtype must be one of {_FLOAT_DTYPES}, "
-                         f"got {query.dtype}/{kv_cache.dtype}")
+        raise ValueError(
+            f"{name}: query/kv_cache dtype must be one of {_FLOAT_DTYPES}, got {query.dtype}/{kv_cache.dtype}"
+        )
     if block_tables.dtype not in _INDEX_DTYPES or context_lens.dtype not in _INDEX_DTYPES:
-        raise ValueError(f"{name}: block_tables/context_lens must be int32 or int64, "
-                         f"got {block_tables.dtype}/{context_lens.dtype}")
+        raise ValueError(
+            f"{name}: block_tables/context_lens must be int32 or int64, "
+            f"got {block_tables.dtype}/{context_lens.dtype}"
+        )
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"{name}: block_tables must be [num_seqs={num_seqs}, max_blocks], "
-                         f"got {tuple(block_tables.shape)}")
+        raise ValueError(
+            f"{name}: block_tables must be [num_seqs={num_seqs}, max_blocks], got {tuple(block_tables.shape)}"
+        )
     if context_lens.shape != (num_seqs,):
-        raise ValueError(f"{name}: context_lens must be [num_seqs={num_seqs}], got {tuple(context_lens.shape)}")
+        raise ValueError(
+            f"{name}: context_lens must be [num_seqs={num_seqs}], got {tuple(context_lens.shape)}"
+        )
     for t, what in ((kv_cache, "kv_cache"), (block_tables, "block_tables"), (context_lens, "context_lens")):
         if t.device != query.device:
             raise ValueError(f"{name}: {what} is on {t.device}, query on {query.device}")
@@ -415,16 +443,19 @@ def _check_out(name: str, out: torch.Tensor | None, query: torch.Tensor) -> torc
     if out is None:
         return torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
-        raise ValueError(f"{name}: out must be {tuple(query.shape)} {query.dtype} on {query.device}, "
-                         f"got {tuple(out.shape)} {out.dtype} on {out.device}")
+        raise ValueError(
+            f"{name}: out must be {tuple(query.shape)} {query.dtype} on {query.device}, "
+            f"got {tuple(out.shape)} {out.dtype} on {out.device}"
+        )
     if out.stride(-1) != 1:
         raise ValueError(f"{name}: out needs a contiguous last dimension")
     return out
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    # NOTE: fp32 inputs must not silently drop to tf32 (10-bit mantissa) on Ampere+.
-    return "ieee" if dtype == torch.float32 else "tf32"
+def _dot_precision(dtype: torch.dtype) -> str | None:
+    # NOTE: fp32 inputs must not silently drop to tf32 (10-bit mantissa) on Ampere+; 16-bit inputs take the
+    # backend's default (the option only concerns fp32 operands).
+    return "ieee" if dtype == torch.float32 else None
 
 
 # --------------------------------------------------------------------------------------------- launchers
@@ -459,7 +490,8 @@ def decode_attention(
     """
     num_seqs = query.shape[0] if query.dim() == 3 else -1
     num_heads, num_kv_heads, head_dim = _check_attention_inputs(
-        "decode_attention", query, kv_cache, block_tables, context_lens, scale, sliding_window, num_seqs)
+        "decode_attention", query, kv_cache, block_tables, context_lens, scale, sliding_window, num_seqs
+    )
     out = _check_out("decode_attention", out, query)
     if num_seqs == 0:
         return out
@@ -469,8 +501,9 @@ def decode_attention(
         max_context = block_tables.shape[1] * block_size  # NOTE: a bound, so no device->host sync
         if sliding_window is not None:
             max_context = min(max_context, int(sliding_window))
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, block_size,
-                                       num_sms=_num_sms(query.device))
+        num_splits = choose_num_splits(
+            num_seqs, num_kv_heads, max_context, block_size, num_sms=_num_sms(query.device)
+        )
     if int(num_splits) < 1:
         raise ValueError(f"decode_attention: num_splits must be >= 1, got {num_splits}")
     num_splits = int(num_splits)
@@ -492,31 +525,61 @@ def decode_attention(
     )
     grid = (num_seqs, num_kv_heads, num_splits)
     args = (
-        query, k_cache, v_cache, block_tables, context_lens,
-        float(scale) * _LOG2E, int(sliding_window or 0),
-        query.stride(0), query.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        float(scale) * _LOG2E,
+        int(sliding_window or 0),
+        query.stride(0),
+        query.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         block_tables.stride(0),
     )
     if num_splits == 1:
         _paged_decode_kernel[grid](
-            out, out, *args,
-            out.stride(0), out.stride(1), 0, 0, 0,
-            WRITE_FINAL=True, **common,
+            out,
+            out,
+            *args,
+            out.stride(0),
+            out.stride(1),
+            0,
+            0,
+            0,
+            WRITE_FINAL=True,
+            **common,
         )
         return out
-    partial = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
+    partial = torch.empty(
+        (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
+    )
     lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
     _paged_decode_kernel[grid](
-        partial, lse, *args,
-        partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
-        WRITE_FINAL=False, **common,
+        partial,
+        lse,
+        *args,
+        partial.stride(0),
+        partial.stride(1),
+        partial.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        WRITE_FINAL=False,
+        **common,
     )
     _merge_splits_kernel[(num_seqs, num_heads)](
-        out, partial, lse,
-        out.stride(0), out.stride(1),
-        partial.stride(0), partial.stride(1), partial.stride(2),
-        lse.stride(0), lse.stride(1),
+        out,
+        partial,
+        lse,
+        out.stride(0),
+        out.stride(1),
+        partial.stride(0),
+        partial.stride(1),
+        partial.stride(2),
+        lse.stride(0),
+        lse.stride(1),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         NUM_SPLITS=num_splits,
@@ -557,12 +620,17 @@ def prefill_attention(
     """
     num_seqs = context_lens.shape[0] if context_lens.dim() == 1 else -1
     num_heads, num_kv_heads, head_dim = _check_attention_inputs(
-        "prefill_attention", query, kv_cache, block_tables, context_lens, scale, sliding_window, num_seqs)
+        "prefill_attention", query, kv_cache, block_tables, context_lens, scale, sliding_window, num_seqs
+    )
     if cu_seqlens_q.dtype not in _INDEX_DTYPES or cu_seqlens_q.shape != (num_seqs + 1,):
-        raise ValueError(f"prefill_attention: cu_seqlens_q must be int32/int64 [num_seqs + 1 = {num_seqs + 1}], "
-                         f"got {cu_seqlens_q.dtype} {tuple(cu_seqlens_q.shape)}")
+        raise ValueError(
+            f"prefill_attention: cu_seqlens_q must be int32/int64 [num_seqs + 1 = {num_seqs + 1}], "
+            f"got {cu_seqlens_q.dtype} {tuple(cu_seqlens_q.shape)}"
+        )
     if cu_seqlens_q.device != query.device:
-        raise ValueError(f"prefill_attention: cu_seqlens_q is on {cu_seqlens_q.device}, query on {query.device}")
+        raise ValueError(
+            f"prefill_attention: cu_seqlens_q is on {cu_seqlens_q.device}, query on {query.device}"
+        )
     if cu_seqlens_q.stride(0) != 1:
         raise ValueError("prefill_attention: cu_seqlens_q must be contiguous")
     out = _check_out("prefill_attention", out, query)
@@ -580,11 +648,22 @@ def prefill_attention(
     k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, num_kv_heads, head_dim]
     grid = (triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads)
     _paged_prefill_kernel[grid](
-        out, query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-        float(scale) * _LOG2E, int(sliding_window or 0),
-        query.stride(0), query.stride(1),
-        out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        context_lens,
+        float(scale) * _LOG2E,
+        int(sliding_window or 0),
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         block_tables.stride(0),
         GROUP=group,
         BLOCK_M=block_m,

@@ -120,18 +120,24 @@ def _triton_runs_on(device: torch.device) -> bool:
 
 def _check_cache(name: str, cache: torch.Tensor, what: str = "kv_cache") -> None:
     if cache.dim() != 5 or cache.shape[0] != 2:
-        raise ValueError(f"{name}: {what} must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
-                         f"got {tuple(cache.shape)}")
+        raise ValueError(
+            f"{name}: {what} must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(cache.shape)}"
+        )
     _, _, block_size, num_kv_heads, head_dim = cache.shape
     if cache.stride(4) != 1 or cache.stride(3) != head_dim or cache.stride(2) != num_kv_heads * head_dim:
-        raise ValueError(f"{name}: {what} needs contiguous blocks (strides of the last three dims "
-                         f"{(num_kv_heads * head_dim, head_dim, 1)}), got {cache.stride()[2:]}")
+        raise ValueError(
+            f"{name}: {what} needs contiguous blocks (strides of the last three dims "
+            f"{(num_kv_heads * head_dim, head_dim, 1)}), got {cache.stride()[2:]}"
+        )
 
 
 def _check_ids(name: str, src: torch.Tensor, dst: torch.Tensor) -> None:
     if src.dim() != 1 or dst.dim() != 1 or src.shape != dst.shape:
-        raise ValueError(f"{name}: block id lists must be 1-D and equally long, "
-                         f"got {tuple(src.shape)} and {tuple(dst.shape)}")
+        raise ValueError(
+            f"{name}: block id lists must be 1-D and equally long, "
+            f"got {tuple(src.shape)} and {tuple(dst.shape)}"
+        )
     if src.dtype not in _INDEX_DTYPES or dst.dtype not in _INDEX_DTYPES:
         raise ValueError(f"{name}: block ids must be int32 or int64, got {src.dtype}/{dst.dtype}")
 
@@ -141,8 +147,9 @@ def _as_bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_BITS_DTYPE[t.element_size()])
 
 
-def _launch_block_copy(src_cache: torch.Tensor, dst_cache: torch.Tensor,
-                       src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
+def _launch_block_copy(
+    src_cache: torch.Tensor, dst_cache: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor
+) -> None:
     """Both caches on one Triton-capable device, same dtype and block shape; ids on that device."""
     n = src_ids.shape[0]
     if n == 0:
@@ -151,8 +158,14 @@ def _launch_block_copy(src_cache: torch.Tensor, dst_cache: torch.Tensor,
     chunk = min(COPY_CHUNK, triton.next_power_of_2(block_numel))
     src_bits, dst_bits = _as_bits(src_cache), _as_bits(dst_cache)
     _copy_blocks_kernel[(n, 2, triton.cdiv(block_numel, chunk))](
-        src_bits, dst_bits, src_ids.contiguous(), dst_ids.contiguous(),
-        src_bits.stride(0), src_bits.stride(1), dst_bits.stride(0), dst_bits.stride(1),
+        src_bits,
+        dst_bits,
+        src_ids.contiguous(),
+        dst_ids.contiguous(),
+        src_bits.stride(0),
+        src_bits.stride(1),
+        dst_bits.stride(0),
+        dst_bits.stride(1),
         BLOCK_NUMEL=block_numel,
         CHUNK=chunk,
         num_warps=4,
@@ -182,7 +195,9 @@ def store_kv(
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     for t, what in ((key, "key"), (value, "value")):
         if t.dim() != 3 or t.shape[1:] != (num_kv_heads, head_dim):
-            raise ValueError(f"{name}: {what} must be [num_tokens, {num_kv_heads}, {head_dim}], got {tuple(t.shape)}")
+            raise ValueError(
+                f"{name}: {what} must be [num_tokens, {num_kv_heads}, {head_dim}], got {tuple(t.shape)}"
+            )
         if t.dtype not in _FLOAT_DTYPES:
             raise ValueError(f"{name}: {what} dtype must be one of {_FLOAT_DTYPES}, got {t.dtype}")
         if t.stride(-1) != 1:
@@ -191,15 +206,19 @@ def store_kv(
             raise ValueError(f"{name}: {what} is on {t.device}, kv_cache on {kv_cache.device}")
     num_tokens = key.shape[0]
     if value.shape[0] != num_tokens or slot_mapping.shape != (num_tokens,):
-        raise ValueError(f"{name}: key {tuple(key.shape)}, value {tuple(value.shape)} and slot_mapping "
-                         f"{tuple(slot_mapping.shape)} disagree on num_tokens")
+        raise ValueError(
+            f"{name}: key {tuple(key.shape)}, value {tuple(value.shape)} and slot_mapping "
+            f"{tuple(slot_mapping.shape)} disagree on num_tokens"
+        )
     if slot_mapping.dtype not in _INDEX_DTYPES:
         raise ValueError(f"{name}: slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
     if slot_mapping.device != kv_cache.device:
         raise ValueError(f"{name}: slot_mapping is on {slot_mapping.device}, kv_cache on {kv_cache.device}")
     if not _triton_runs_on(kv_cache.device):
-        raise ValueError(f"{name}: kv_cache is on {kv_cache.device}: Triton needs CUDA "
-                         "(or TRITON_INTERPRET=1 on CPU, set before triton is imported)")
+        raise ValueError(
+            f"{name}: kv_cache is on {kv_cache.device}: Triton needs CUDA "
+            "(or TRITON_INTERPRET=1 on CPU, set before triton is imported)"
+        )
     if kv_cache.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"{name}: kv_cache dtype must be one of {_FLOAT_DTYPES}, got {kv_cache.dtype}")
     if num_tokens == 0:
@@ -213,10 +232,19 @@ def store_kv(
     block_h = min(triton.next_power_of_2(num_kv_heads), max(1, 4096 // triton.next_power_of_2(head_dim)))
     grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
     _store_kv_kernel[grid](
-        key, value, k_cache, v_cache, slot_mapping.contiguous(),
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping.contiguous(),
         num_kv_heads,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         BLOCK_SIZE=kv_cache.shape[2],
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
@@ -241,8 +269,9 @@ def copy_blocks(
     if src.device != kv_cache.device or dst.device != kv_cache.device:
         raise ValueError(f"{name}: block ids must be on the cache's device {kv_cache.device}")
     if not _triton_runs_on(kv_cache.device):
-        raise ValueError(f"{name}: kv_cache is on {kv_cache.device}: Triton needs CUDA "
-                         "(or TRITON_INTERPRET=1 on CPU)")
+        raise ValueError(
+            f"{name}: kv_cache is on {kv_cache.device}: Triton needs CUDA (or TRITON_INTERPRET=1 on CPU)"
+        )
     _launch_block_copy(kv_cache, kv_cache, src, dst)
 
 

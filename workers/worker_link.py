@@ -1,0 +1,133 @@
+"""The worker's end of WorkerLink: one gRPC bidi stream to the router, reconnecting with backoff.
+
+Outgoing messages come from the ``Outbox`` (replayed after a reconnect); incoming commands are
+handed to ``on_command`` (which only enqueues into the engine's inbox). Acks for our messages
+ride on the router's commands (``acked_seq``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import grpc
+
+from protos.kvserve.v1 import worker_pb2 as pb
+from protos.kvserve.v1 import worker_pb2_grpc
+from workers.outbox import Outbox
+
+logger = logging.getLogger(__name__)
+
+
+def channel_credentials(tls_ca: str | None, tls_cert: str | None = None, tls_key: str | None = None):
+    """TLS credentials from PEM file paths (mTLS when a client cert and key are given)."""
+    if not tls_ca:
+        return None
+
+    def read(path: str | None) -> bytes | None:
+        return open(path, "rb").read() if path else None  # noqa: SIM115 - tiny files
+
+    return grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
+
+
+class WorkerLinkClient:
+    """Keeps one Connect stream to ``address`` open until ``stop()``.
+
+    Args:
+        address: router's host:port.
+        outbox: the worker's message log.
+        hello: builds this connection's Hello (called on every connect).
+        on_connect: called after a (re)connect, e.g. to queue a block snapshot.
+        on_command: receives every RouterCommand with a command set (already de-duplicated).
+        auth_token: sent as ``authorization: Bearer <token>``.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        outbox: Outbox,
+        hello: Callable[[], pb.Hello],
+        on_connect: Callable[[], None],
+        on_command: Callable[[pb.RouterCommand], None],
+        auth_token: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        max_backoff_s: float = 2.0,
+    ) -> None:
+        self.address = address
+        self.outbox = outbox
+        self._hello = hello
+        self._on_connect = on_connect
+        self._on_command = on_command
+        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        self._credentials = credentials
+        self._max_backoff = max_backoff_s
+        self._stop = threading.Event()
+        self._connected = threading.Event()
+        self.last_command_seq = 0
+        self.num_connects = 0
+        self._call: grpc.Future | None = None
+        self._thread = threading.Thread(target=self._run, name="worker-link", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    def wait_connected(self, timeout: float) -> bool:
+        return self._connected.wait(timeout)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._call is not None:
+            self._call.cancel()
+        self.outbox.close()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        backoff = 0.05
+        while not self._stop.is_set():
+            try:
+                self._session()
+                backoff = 0.05
+            except grpc.RpcError as e:
+                code = e.code() if hasattr(e, "code") else None
+                if code == grpc.StatusCode.UNAUTHENTICATED:
+                    logger.error("router %s rejected this worker's credentials", self.address)
+                elif not self._stop.is_set():
+                    logger.info("WorkerLink to %s broken (%s); reconnecting in %.2fs", self.address, code, backoff)
+            except grpc.FutureTimeoutError:
+                logger.info("router %s not reachable yet; retrying in %.2fs", self.address, backoff)
+            except Exception:  # noqa: BLE001 - a link bug must not kill the worker; log and retry
+                logger.exception("WorkerLink session failed")
+            finally:
+                self._connected.clear()
+                self.outbox.disconnected()
+            self._stop.wait(backoff)
+            backoff = min(backoff * 2, self._max_backoff)
+
+    def _session(self) -> None:
+        options = [("grpc.keepalive_time_ms", 10_000), ("grpc.max_receive_message_length", 64 << 20)]
+        if self._credentials is not None:
+            channel = grpc.secure_channel(self.address, self._credentials, options=options)
+        else:
+            channel = grpc.insecure_channel(self.address, options=options)
+        with channel:
+            grpc.channel_ready_future(channel).result(timeout=5)
+            stub = worker_pb2_grpc.WorkerLinkStub(channel)
+            hello = pb.WorkerMessage(hello=self._hello())
+            hello.hello.last_command_seq = self.last_command_seq
+            call = stub.Connect(self.outbox.open_stream([hello]), metadata=self._metadata)
+            self._call = call
+            self.num_connects += 1
+            self._connected.set()
+            self._on_connect()
+            for cmd in call:
+                if cmd.acked_seq:
+                    self.outbox.ack(cmd.acked_seq)
+                if cmd.WhichOneof("command") is None or cmd.seq <= self.last_command_seq:
+                    continue
+                self.last_command_seq = cmd.seq
+                self._on_command(cmd)
