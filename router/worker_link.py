@@ -1,5 +1,6 @@
 """The router's end of WorkerLink: accepts each worker's stream, de-duplicates its messages by
 seq, acks them, and delivers commands (resending unapplied ones after a reconnect).
+Authentication is the server's ``BearerAuthInterceptor`` (router/auth.py).
 
 Message handling is delegated to a ``WorkerLinkHandler`` (the router's request table, prefix
 index and pressure table); this module only keeps the link honest.
@@ -45,12 +46,10 @@ class WorkerLinkService(worker_pb2_grpc.WorkerLinkServicer):
     def __init__(
         self,
         handler: WorkerLinkHandler,
-        auth_token: str | None = None,
         ack_every: int = 32,
         ack_interval_s: float = 0.2,
     ) -> None:
         self.handler = handler
-        self._auth = f"Bearer {auth_token}" if auth_token else None
         self.ack_every = ack_every
         self.ack_interval_s = ack_interval_s
         self.sessions: dict[str, _Session] = {}
@@ -72,8 +71,6 @@ class WorkerLinkService(worker_pb2_grpc.WorkerLinkServicer):
     async def Connect(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[pb.WorkerMessage], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.RouterCommand]:
-        if self._auth is not None and dict(context.invocation_metadata()).get("authorization") != self._auth:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
         it = request_iterator.__aiter__()
         first = await anext(it, None)
         if first is None or first.WhichOneof("body") != "hello":

@@ -37,7 +37,7 @@ class ModelRunner:
         # Decodes first: the attention dispatch expects [decode tokens | prefill chunks].
         order = sorted(range(len(out.scheduled)), key=lambda i: out.scheduled[i][1] != 1)
         batch = [out.scheduled[i] for i in order]
-        input_ids, positions, attn, sample_rows, sample_reqs = self._prepare(batch)
+        input_ids, positions, attn, sample_rows, sample_reqs = self.prepare_inputs(batch)
         hidden = self.model(input_ids, positions, self.kv_cache.layers, attn)
         sampled: list[int | None] = [None] * len(out.scheduled)
         if sample_rows:
@@ -48,7 +48,7 @@ class ModelRunner:
                 sampled[order[j]] = tok
         return sampled
 
-    def _prepare(
+    def prepare_inputs(
         self, batch: list[tuple[Request, int]]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
         bs = self.block_size

@@ -245,6 +245,8 @@ class Scheduler:
         self.swapped.sort(key=lambda r: (r.request_id not in self._swap_in_first, _importance(r)))
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.swapped[0]
+            if self.waiting and _importance(self.waiting[0]) < _importance(req):
+                break  # a more important newcomer goes first (router-ordered preemption relies on it)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             # Re-reserve what the request held (a chunked prefill reserved its whole prompt).
             need = max(len(req.swap_table), blocks_for(req.num_tokens, self.block_size))

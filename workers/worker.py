@@ -76,6 +76,7 @@ class WorkerStats:
     decode_steps: int
     step_latency_ms: float
     num_preemptions: int
+    num_swaps: int
     prefix_query_tokens: int
     prefix_hit_tokens: int
 
@@ -281,6 +282,7 @@ class WorkerCore:
             decode_steps=e.num_steps,
             step_latency_ms=self._step_latency_ms,
             num_preemptions=sum(sched.num_preemptions.values()),
+            num_swaps=sched.num_preemptions["swap"],
             prefix_query_tokens=sched.prefix_queries,
             prefix_hit_tokens=sched.prefix_hits,
         )
@@ -410,6 +412,7 @@ def _pressure_proto(s: WorkerStats, seq: int) -> pb.PressureReport:
         num_preemptions_total=s.num_preemptions,
         prefix_cache_query_tokens_total=s.prefix_query_tokens,
         prefix_cache_hit_tokens_total=s.prefix_hit_tokens,
+        num_swaps_total=s.num_swaps,
     )
 
 

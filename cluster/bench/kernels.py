@@ -208,8 +208,10 @@ def _bench_decode(
     for bs in args.block_sizes:
         for batch in args.batches:
             for ctx in args.contexts:
+                # what the launcher picks: it bounds the context by the block table's width (no sync)
+                table_tokens = math.ceil(ctx / bs) * bs
                 splits = attention.choose_num_splits(
-                    batch, kvh, ctx, bs, num_sms=attention._num_sms(torch.device(device))
+                    batch, kvh, table_tokens, bs, num_sms=attention._num_sms(torch.device(device))
                 )
                 row = DecodeRow(bs, batch, ctx, splits, checks={})
                 kv_bytes = 2 * batch * ctx * kvh * hd * time_dtype.itemsize
@@ -389,6 +391,13 @@ def _apply_dry_run_sizes(args: argparse.Namespace, device: str) -> None:
         args.time_dtype = ["float16"]
 
 
+def _interpreted(module: Any) -> bool:
+    """Whether an already imported kernel module was decorated under the Triton interpreter."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(module._paged_decode_kernel, InterpretedFunction)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the kernel bench described by ``args`` (see ``add_arguments``); returns a process exit code.
 
@@ -398,9 +407,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run and not has_cuda:
         # NOTE: must precede the first import of the kernels (triton.jit picks interpreter vs compiler then).
         os.environ["TRITON_INTERPRET"] = "1"
-        if "kernels.attention" in sys.modules and not hasattr(
-            sys.modules["kernels.attention"]._paged_decode_kernel, "interpreter_builder"
-        ):
+        if "kernels.attention" in sys.modules and not _interpreted(sys.modules["kernels.attention"]):
             print(
                 "kernels.attention was imported before TRITON_INTERPRET=1; run the dry run in a fresh "
                 "process (python -m cluster.bench.kernels --dry-run)",

@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
 from collections.abc import Iterator
 
 import pytest
@@ -334,6 +339,68 @@ def test_int64_offsets_in_a_pool_over_2g_elements_cpu() -> None:
     """Block ids whose element offset exceeds 2**31: int32 offset arithmetic reads the wrong memory."""
     kv_cache, ids = _huge_pool(16, 1, 64, F16, "cpu", used=8)
     _check_huge_pool(kv_cache, ids, F16)
+
+
+# Compiles every kernel ahead of time for CUDA targets (no GPU needed: triton ships ptxas), so the compiled
+# path (early returns, constexpr branches, dot shapes, shared memory) is checked on CPU-only machines too.
+_AOT_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from kernels import attention as A, cache_ops as C
+
+    def build(fn, types, constexprs, arch, num_warps=4):
+        names = fn.arg_names
+        sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+        consts = {(names.index(k),): v for k, v in constexprs.items()}
+        src = ASTSource(fn=fn, signature=sig, constexprs=consts)
+        opts = {"num_warps": num_warps, "num_stages": 2}
+        return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+
+    arch = int(sys.argv[1])
+    for dt, prec in (("bf16", None), ("fp32", "ieee")):
+        for final, splits in ((True, 1), (False, 8)):
+            t = dict(out_ptr=f"*{dt}" if final else "*fp32", lse_ptr="*fp32", q_ptr=f"*{dt}",
+                     k_cache_ptr=f"*{dt}", v_cache_ptr=f"*{dt}", block_tables_ptr="*i32",
+                     context_lens_ptr="*i32", qk_scale="fp32", stride_kv_block="i64")
+            build(A._paged_decode_kernel, t, dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, HEAD_DIM_PAD=128,
+                  BLOCK_SIZE=16, TILE_N=64, NUM_SPLITS=splits, USE_WINDOW=not final, WRITE_FINAL=final,
+                  DOT_PRECISION=prec), arch)
+        t = dict(out_ptr=f"*{dt}", q_ptr=f"*{dt}", k_cache_ptr=f"*{dt}", v_cache_ptr=f"*{dt}",
+                 block_tables_ptr="*i32", cu_seqlens_q_ptr="*i32", context_lens_ptr="*i32", qk_scale="fp32")
+        build(A._paged_prefill_kernel, t, dict(GROUP=3, BLOCK_M=64, BLOCK_Q=21, HEAD_DIM=80, HEAD_DIM_PAD=128,
+              BLOCK_SIZE=32, TILE_N=64, USE_WINDOW=True, DOT_PRECISION=prec), arch, num_warps=8)
+    build(A._merge_splits_kernel, dict(out_ptr="*bf16", partial_ptr="*fp32", lse_ptr="*fp32"),
+          dict(HEAD_DIM=128, HEAD_DIM_PAD=128, NUM_SPLITS=5, SPLITS_PAD=8), arch, num_warps=2)
+    build(C._store_kv_kernel, dict(key_ptr="*fp32", value_ptr="*fp32", k_cache_ptr="*bf16",
+          v_cache_ptr="*bf16", slot_mapping_ptr="*i64"),
+          dict(BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_H=8), arch)
+    build(C._copy_blocks_kernel, dict(src_ptr="*i16", dst_ptr="*i16", src_ids_ptr="*i64", dst_ids_ptr="*i64",
+          stride_src_block="i64"), dict(BLOCK_NUMEL=16384, CHUNK=2048), arch)
+    print("compiled")
+    """
+)
+
+
+def test_kernels_compile_for_cuda_sm90(tmp_path: pathlib.Path) -> None:
+    """Ahead-of-time compile (to cubin, for sm_90 = H100/H200) of every kernel and its main variants."""
+    arch = 90
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    root = pathlib.Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-c", _AOT_SCRIPT, str(arch)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-4000:]
 
 
 # ------------------------------------------------------------------------------------------------- GPU

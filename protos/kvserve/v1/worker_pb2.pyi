@@ -85,7 +85,7 @@ class RequestOutput(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_swaps: _Optional[int] = ..., error: _Optional[str] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...
 
 class PressureReport(_message.Message):
-    __slots__ = ("worker_id", "seq", "total_blocks", "free_blocks", "used_blocks", "cached_evictable_blocks", "swap_blocks_total", "swap_blocks_free", "num_running", "num_waiting", "num_swapped", "tokens_in_flight", "decode_steps", "step_latency_ms", "num_preemptions_total", "prefix_cache_query_tokens_total", "prefix_cache_hit_tokens_total")
+    __slots__ = ("worker_id", "seq", "total_blocks", "free_blocks", "used_blocks", "cached_evictable_blocks", "swap_blocks_total", "swap_blocks_free", "num_running", "num_waiting", "num_swapped", "tokens_in_flight", "decode_steps", "step_latency_ms", "num_preemptions_total", "prefix_cache_query_tokens_total", "prefix_cache_hit_tokens_total", "num_swaps_total")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class PressureReport(_message.Message):
     NUM_PREEMPTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERY_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWAPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     seq: int
     total_blocks: int
@@ -120,7 +121,8 @@ class PressureReport(_message.Message):
     num_preemptions_total: int
     prefix_cache_query_tokens_total: int
     prefix_cache_hit_tokens_total: int
-    def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_evictable_blocks: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., decode_steps: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., num_preemptions_total: _Optional[int] = ..., prefix_cache_query_tokens_total: _Optional[int] = ..., prefix_cache_hit_tokens_total: _Optional[int] = ...) -> None: ...
+    num_swaps_total: int
+    def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_evictable_blocks: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., decode_steps: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., num_preemptions_total: _Optional[int] = ..., prefix_cache_query_tokens_total: _Optional[int] = ..., prefix_cache_hit_tokens_total: _Optional[int] = ..., num_swaps_total: _Optional[int] = ...) -> None: ...
 
 class BlockEvents(_message.Message):
     __slots__ = ("events",)

@@ -1,0 +1,125 @@
+"""Start (or join) a Ray cluster and bring up the router plus N workers.
+
+The router actor goes on the node that runs this code (the head, in a deployment), so its gRPC
+and metrics ports are where a Kubernetes Service or a user expects them. Workers get one GPU each
+on CUDA clusters, or ``cpus_per_worker`` CPUs (and as many torch threads) otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.config import RouterConfig
+from workers.config import EngineConfig
+from workers.worker import WorkerOptions
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Cluster:
+    """Handles to a running router and its workers."""
+
+    router: Any
+    workers: dict[str, Any]
+    address: str  # router's gRPC host:port
+    metrics_port: int | None = None
+    owns_ray: bool = False
+    _stopped: bool = field(default=False, repr=False)
+
+    def shutdown(self) -> None:
+        """Stop workers and router (and Ray, if this process started it). Idempotent."""
+        import ray
+
+        if self._stopped:
+            return
+        self._stopped = True
+        for handle in self.workers.values():
+            try:
+                ray.get(handle.shutdown.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - best effort on the way down
+                pass
+            ray.kill(handle)
+        try:
+            ray.get(self.router.stop.remote(), timeout=10)
+        except Exception:  # noqa: BLE001
+            pass
+        ray.kill(self.router)
+        if self.owns_ray:
+            ray.shutdown()
+
+
+def start_cluster(
+    engine_config: EngineConfig,
+    num_workers: int,
+    router_config: RouterConfig | None = None,
+    *,
+    address: str | None = None,
+    metrics_port: int | None = None,
+    cpus_per_worker: int = 1,
+    use_gpus: bool | None = None,
+    worker_options: WorkerOptions | None = None,
+    name: str | None = None,
+    ready_timeout_s: float = 300.0,
+) -> Cluster:
+    """Bring up a serving cluster; returns once every worker's WorkerLink has said Hello.
+
+    Args:
+        engine_config: every worker's engine.
+        num_workers: worker actors to start.
+        router_config: the router's (host, port, auth, TLS, queue, placement...).
+        address: Ray address to join ("auto", "host:port"); None starts a local Ray if none runs.
+        metrics_port: serve Prometheus ``/metrics`` here (None = off).
+        use_gpus: one GPU per worker; None = when the Ray cluster has GPUs.
+        name: name the router actor (detached) so ``kvserve status`` and a restarted CLI find it.
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from router.server import router_actor_class
+    from workers.worker import worker_actor_class
+
+    if num_workers <= 0:
+        raise ValueError(f"num_workers must be positive, got {num_workers}")
+    router_config = router_config or RouterConfig(model=engine_config.model)
+    owns_ray = False
+    if not ray.is_initialized():
+        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+        owns_ray = address is None
+    if use_gpus is None:
+        use_gpus = ray.cluster_resources().get("GPU", 0) >= 1
+    here = ray.get_runtime_context().get_node_id()
+    router_opts: dict[str, Any] = {"scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)}
+    if name:
+        router_opts.update(name=name, lifetime="detached", get_if_exists=False)
+    router = router_actor_class().options(**router_opts).remote(router_config, metrics_port)
+    router_address = ray.get(router.start.remote())
+    link_address = router_address
+    if router_config.host in ("0.0.0.0", "::"):
+        link_address = f"{ray.util.get_node_ip_address()}:{router_address.rsplit(':', 1)[1]}"
+    base = worker_options or WorkerOptions()
+    options = WorkerOptions(
+        **{**base.__dict__, "router_address": link_address, "auth_token": router_config.auth_token or base.auth_token}
+    )
+    actor = worker_actor_class()
+    workers: dict[str, Any] = {}
+    for i in range(num_workers):
+        worker_id = f"worker-{i}"
+        resources = {"num_gpus": 1, "num_cpus": 1} if use_gpus else {"num_cpus": cpus_per_worker}
+        workers[worker_id] = actor.options(**resources).remote(
+            worker_id, engine_config, options, None if use_gpus else cpus_per_worker
+        )
+    t0 = time.monotonic()
+    try:
+        infos = ray.get([w.ready.remote() for w in workers.values()], timeout=ready_timeout_s)
+        for (worker_id, handle), info in zip(workers.items(), infos, strict=True):
+            ray.get(router.add_worker.remote(worker_id, handle, info))
+        ray.get(router.wait_for_workers.remote(list(workers), ready_timeout_s))
+    except BaseException:
+        Cluster(router, workers, router_address, metrics_port, owns_ray).shutdown()
+        raise
+    logger.info("cluster up in %.1fs: router %s, %d workers", time.monotonic() - t0, router_address, num_workers)
+    return Cluster(router, workers, router_address, metrics_port, owns_ray)

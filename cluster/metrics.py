@@ -1,0 +1,73 @@
+"""Every Prometheus metric kvserve exports, defined once (names follow vLLM's, prefixed ``kvserve:``).
+
+The router owns them: per-worker gauges are set from each PressureReport (so a gauge equals the
+pool/scheduler state it names as of the worker's last report), counters that workers keep as
+running totals are advanced by the delta between reports, and latency histograms are observed
+as tokens arrive.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from protos.kvserve.v1 import worker_pb2 as pb
+
+_W = ["worker"]
+
+KV_USAGE = Gauge("kvserve:kv_cache_usage_perc", "Fraction of KV blocks held by requests (0-1)", _W)
+KV_BLOCKS_TOTAL = Gauge("kvserve:kv_blocks_total", "KV blocks in the worker's pool", _W)
+KV_BLOCKS_FREE = Gauge("kvserve:kv_blocks_free", "KV blocks with no content", _W)
+KV_BLOCKS_EVICTABLE = Gauge(
+    "kvserve:kv_blocks_cached_evictable", "Unreferenced KV blocks kept for prefix reuse (LRU-evictable)", _W
+)
+KV_SWAP_USED = Gauge("kvserve:kv_swap_blocks_used", "Host swap-space blocks in use", _W)
+RUNNING = Gauge("kvserve:num_requests_running", "Requests decoding on the worker", _W)
+WAITING = Gauge("kvserve:num_requests_waiting", "Requests queued inside the worker", _W)
+SWAPPED = Gauge("kvserve:num_requests_swapped", "Requests swapped out to host memory", _W)
+WORKER_UP = Gauge("kvserve:worker_up", "1 if the worker is connected and healthy", _W)
+REPORT_TIME = Gauge("kvserve:pressure_report_timestamp_seconds", "Unix time of the last pressure report", _W)
+REPORT_AGE = Gauge("kvserve:pressure_report_age_seconds", "Seconds since the worker's last pressure report", _W)
+
+ROUTER_QUEUE_REQUESTS = Gauge("kvserve:router_queue_requests", "Requests waiting in the router queue")
+ROUTER_QUEUE_BLOCKS = Gauge("kvserve:router_queue_blocks", "KV blocks the router queue's requests need")
+
+PREEMPTIONS = Counter("kvserve:num_preemptions", "Preemptions by mode", ["mode"])
+MIGRATIONS = Counter("kvserve:num_migrations", "Requests migrated between workers")
+REJECTIONS = Counter("kvserve:admission_rejections", "Requests refused at admission, by reason", ["reason"])
+PREFIX_QUERIES = Counter("kvserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", _W)
+PREFIX_HITS = Counter("kvserve:prefix_cache_hits", "Prompt tokens found in the prefix cache", _W)
+PROMPT_TOKENS = Counter("kvserve:prompt_tokens", "Prompt tokens of admitted requests")
+GENERATION_TOKENS = Counter("kvserve:generation_tokens", "Tokens generated and streamed")
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TTFT = Histogram("kvserve:time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS)
+ITL = Histogram("kvserve:inter_token_latency_seconds", "Time between streamed tokens", buckets=_LATENCY_BUCKETS)
+E2E = Histogram("kvserve:e2e_request_latency_seconds", "Arrival to final token", buckets=_LATENCY_BUCKETS)
+QUEUE_TIME = Histogram("kvserve:request_queue_time_seconds", "Arrival to dispatch", buckets=_LATENCY_BUCKETS)
+
+# Last cumulative totals seen per worker, to turn report totals into counter increments.
+_last_totals: dict[str, tuple[int, int, int, int]] = {}
+
+
+def observe_pressure(r: pb.PressureReport) -> None:
+    w = r.worker_id
+    KV_USAGE.labels(w).set(r.used_blocks / r.total_blocks if r.total_blocks else 0.0)
+    KV_BLOCKS_TOTAL.labels(w).set(r.total_blocks)
+    KV_BLOCKS_FREE.labels(w).set(r.free_blocks)
+    KV_BLOCKS_EVICTABLE.labels(w).set(r.cached_evictable_blocks)
+    KV_SWAP_USED.labels(w).set(r.swap_blocks_total - r.swap_blocks_free)
+    RUNNING.labels(w).set(r.num_running)
+    WAITING.labels(w).set(r.num_waiting)
+    SWAPPED.labels(w).set(r.num_swapped)
+    REPORT_TIME.labels(w).set_to_current_time()
+    totals = (r.num_preemptions_total, r.num_swaps_total, r.prefix_cache_query_tokens_total,
+              r.prefix_cache_hit_tokens_total)  # fmt: skip
+    prev = _last_totals.get(w, (0, 0, 0, 0))
+    if any(t < p for t, p in zip(totals, prev, strict=True)):
+        prev = (0, 0, 0, 0)  # the worker restarted: its totals began again
+    _last_totals[w] = totals
+    swaps = totals[1] - prev[1]
+    PREEMPTIONS.labels("recompute").inc(totals[0] - prev[0] - swaps)
+    PREEMPTIONS.labels("swap").inc(swaps)
+    PREFIX_QUERIES.labels(w).inc(totals[2] - prev[2])
+    PREFIX_HITS.labels(w).inc(totals[3] - prev[3])

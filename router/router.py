@@ -1,0 +1,563 @@
+"""The Router: request table, placement, admission, demux of worker outputs, cluster-level pressure.
+
+Everything here runs on one asyncio loop (the Ray actor's, or a test's), so the tables need no
+locks. Workers are Ray actor handles (requests go in by Ray calls); what comes back (outputs,
+pressure, block events) arrives over WorkerLink and is handled in ``on_message``.
+
+Lifecycle of a request: ``submit`` validates and either places it (Ray ``add_request``) or queues
+it (bounded, in blocks) or refuses it (RouterError with a gRPC status). ``stream`` yields its
+responses until the final one. ``cancel`` (client gone, deadline, Abort) aborts it on its worker,
+which frees its blocks at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from cluster import metrics
+from protos.kvserve.v1 import serving_pb2 as spb
+from protos.kvserve.v1 import worker_pb2 as pb
+from router.admission import AdmissionQueue, RejectReason
+from router.config import RouterConfig
+from router.placement import Placement, PlacementRequest, WorkerView, blocks_for
+from router.prefix_index import AllBlocksCleared, BlockRemoved, BlockStored, PrefixIndex
+from router.validation import ModelLimits, ValidationError, sampling_params, validate_ids, validate_prompt_ids
+from router.worker_link import WorkerLinkHandler, WorkerLinkService
+from workers.block_hash import cache_extra, hash_blocks
+from workers.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class RouterError(Exception):
+    """A request refused or ended with a gRPC status (and optional trailing metadata)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, trailers: tuple[tuple[str, str], ...] = ()) -> None:
+        super().__init__(message)
+        self.code, self.message, self.trailers = code, message, trailers
+
+
+@dataclass
+class WorkerEntry:
+    worker_id: str
+    handle: Any  # Ray actor handle of workers.worker.Worker
+    info: dict[str, Any]
+    report: pb.PressureReport | None = None
+    report_time: float = 0.0
+    connected: bool = False
+    healthy: bool = True
+    in_flight: dict[str, int] = field(default_factory=dict)  # request id -> blocks promised, not yet reported
+    migrations_out: int = 0
+    migrating: bool = False
+
+    def view(self) -> WorkerView:
+        r = self.report
+        total = int(self.info["total_blocks"])
+        return WorkerView(
+            worker_id=self.worker_id,
+            healthy=self.healthy and self.connected,
+            block_size=int(self.info["block_size"]),
+            total_blocks=total,
+            free_blocks=int(r.free_blocks) if r else total,
+            cached_evictable_blocks=int(r.cached_evictable_blocks) if r else 0,
+            running=int(r.num_running) if r else 0,
+            waiting=int(r.num_waiting) if r else 0,
+            blocks_in_flight=sum(self.in_flight.values()),
+        )
+
+    @property
+    def usage(self) -> float:
+        r = self.report
+        return r.used_blocks / r.total_blocks if r and r.total_blocks else 0.0
+
+
+@dataclass(eq=False)
+class RouterRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int
+    tenant: str
+    block_hashes: tuple[int, ...]
+    num_blocks: int  # prompt blocks, for queue accounting
+    arrival: float = field(default_factory=time.monotonic)
+    responses: asyncio.Queue = field(default_factory=asyncio.Queue)
+    worker_id: str | None = None
+    target: str | None = None  # placement decided, dispatch pending
+    tokens_received: int = 0
+    finished: bool = False
+    cancelled: bool = False
+    cached_tokens: int = 0
+    preemptions: int = 0
+    swaps: int = 0
+    migrations: int = 0
+    router_preempted: bool = False
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+class Router(WorkerLinkHandler):
+    def __init__(self, config: RouterConfig, limits: ModelLimits | None = None, tokenizer: Any = None) -> None:
+        self.config = config
+        self.limits = limits
+        self.tokenizer = tokenizer
+        self.workers: dict[str, WorkerEntry] = {}
+        self.requests: dict[str, RouterRequest] = {}
+        self.queue: AdmissionQueue[RouterRequest] = AdmissionQueue(config.max_queue_requests, config.max_queue_blocks)
+        self.placement = Placement(config.placement_policy)
+        self.prefix_index = PrefixIndex()
+        self.link = WorkerLinkService(self)
+        self.model_id = ""
+        self.block_size = 16
+        self._ids = itertools.count()
+        self._tasks: set[asyncio.Task] = set()
+        self._worker_ready = asyncio.Event()
+        self._hello_waiters: dict[str, asyncio.Event] = {}
+        self.num_migrations = 0
+        self.num_router_preemptions = 0
+
+    # ---- workers ---------------------------------------------------------------------------
+    def add_worker(self, worker_id: str, handle: Any, info: dict[str, Any]) -> None:
+        """Register a worker actor (``info`` = its ``ready()``); it serves once its WorkerLink says Hello."""
+        if self.workers and info["block_size"] != self.block_size:
+            raise ValueError(f"worker {worker_id}: block size {info['block_size']} != cluster's {self.block_size}")
+        self.block_size = int(info["block_size"])
+        self.model_id = str(info["model_id"])
+        limits = ModelLimits(int(info["vocab_size"]), int(info["max_model_len"]), self.config.default_max_tokens)
+        self.limits = limits if self.limits is None else self.limits
+        entry = self.workers.get(worker_id)
+        if entry is None:
+            entry = self.workers[worker_id] = WorkerEntry(worker_id, handle, info)
+        else:
+            entry.handle, entry.info = handle, info
+        # Its WorkerLink may have said Hello before this registration.
+        entry.connected = self.link.connected(worker_id)
+        metrics.WORKER_UP.labels(worker_id).set(1 if entry.connected else 0)
+
+    async def wait_for_workers(self, worker_ids: list[str], timeout: float) -> None:
+        """Until every listed worker has connected its WorkerLink; TimeoutError otherwise."""
+        deadline = time.monotonic() + timeout
+        while not all(self.workers.get(w) and self.workers[w].connected for w in worker_ids):
+            if time.monotonic() > deadline:
+                missing = [w for w in worker_ids if not (self.workers.get(w) and self.workers[w].connected)]
+                raise TimeoutError(f"workers never connected their WorkerLink: {missing}")
+            await asyncio.sleep(0.05)
+
+    def on_hello(self, worker_id: str, hello: pb.Hello, restarted: bool) -> None:
+        entry = self.workers.get(worker_id)
+        if entry is None:
+            logger.info("Hello from %s before its registration", worker_id)
+            return
+        entry.connected, entry.healthy = True, True
+        if restarted:
+            # A new process: its pool is empty and our requests there are gone.
+            self.prefix_index.remove_worker(worker_id)
+            for r in [r for r in self.requests.values() if r.worker_id == worker_id]:
+                self._fail(r, grpc.StatusCode.UNAVAILABLE, f"worker {worker_id} restarted")
+        metrics.WORKER_UP.labels(worker_id).set(1)
+        logger.info("worker %s connected (%d blocks)", worker_id, hello.total_blocks)
+
+    def on_disconnect(self, worker_id: str) -> None:
+        entry = self.workers.get(worker_id)
+        if entry is not None:
+            entry.connected = False
+            metrics.WORKER_UP.labels(worker_id).set(0)
+            logger.warning("worker %s disconnected", worker_id)
+
+    def on_message(self, worker_id: str, msg: pb.WorkerMessage) -> None:
+        kind = msg.WhichOneof("body")
+        if kind == "step_outputs":
+            for out in msg.step_outputs.outputs:
+                self._on_output(worker_id, out)
+            self._pump()
+        elif kind == "pressure":
+            self._on_pressure(worker_id, msg.pressure)
+        elif kind == "block_events":
+            events = [_event(e) for e in msg.block_events.events]
+            if self.prefix_index.apply(worker_id, events):
+                self.link.send(worker_id, pb.RouterCommand(request_snapshot=pb.RequestSnapshot()))
+        elif kind == "block_snapshot":
+            self.prefix_index.load_snapshot(worker_id, msg.block_snapshot.seq, msg.block_snapshot.hashes)
+
+    def _on_pressure(self, worker_id: str, report: pb.PressureReport) -> None:
+        entry = self.workers.get(worker_id)
+        if entry is None or (entry.report is not None and report.seq <= entry.report.seq):
+            return
+        entry.report, entry.report_time, entry.healthy = report, time.monotonic(), True
+        metrics.observe_pressure(report)
+        self._pump()
+        self._rebalance(entry)
+
+    # ---- requests --------------------------------------------------------------------------
+    def submit(self, request: spb.GenerateRequest) -> RouterRequest:
+        """Validate and place or queue a request. Raises RouterError with the status to return."""
+        if self.limits is None or not self.workers:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, "no workers registered yet")
+        try:
+            validate_ids(request)
+            prompt_ids = self._prompt_ids(request)
+            params = sampling_params(request.sampling, len(prompt_ids), self.limits)
+        except ValidationError as e:
+            metrics.REJECTIONS.labels("invalid").inc()
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+        rid = request.request_id or f"req-{uuid.uuid4().hex[:12]}"
+        if rid in self.requests:
+            raise RouterError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is in use")
+        hashes = tuple(hash_blocks(prompt_ids, self.block_size, cache_extra(self.model_id, request.tenant or None)))
+        r = RouterRequest(
+            request_id=rid,
+            prompt_ids=prompt_ids,
+            params=params,
+            priority=request.priority,
+            tenant=request.tenant,
+            block_hashes=hashes,
+            num_blocks=blocks_for(len(prompt_ids), self.block_size),
+        )
+        views = [w.view() for w in self.workers.values()]
+        shape = self._shape(r)
+        if not any(v.healthy for v in views):
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, "no healthy worker")
+        if not Placement.fits_anywhere_ever(shape, views):
+            metrics.REJECTIONS.labels(RejectReason.NEVER_FITS.value).inc()
+            raise RouterError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                "can never fit any worker's KV pool",
+            )
+        self.requests[rid] = r
+        metrics.PROMPT_TOKENS.inc(len(prompt_ids))
+        if not self._queue_has_precedence(r) and self._place(r):
+            return r
+        if not self.queue.offer(r):
+            del self.requests[rid]
+            reason = self.queue.check(r)
+            metrics.REJECTIONS.labels((reason or RejectReason.QUEUE_FULL_REQUESTS).value).inc()
+            retry = self.queue.retry_after_ms(r.num_blocks)
+            raise RouterError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"router queue full ({reason.value if reason else 'full'}); retry in {retry} ms",
+                (("retry-after-ms", str(retry)),),
+            )
+        self._maybe_preempt_for(r)
+        return r
+
+    def _prompt_ids(self, request: spb.GenerateRequest) -> list[int]:
+        kind = request.WhichOneof("prompt")
+        assert self.limits is not None
+        if kind == "token_ids":
+            ids = list(request.token_ids.ids)
+            validate_prompt_ids(ids, self.limits)
+            return ids
+        if kind == "text":
+            if self.tokenizer is None:
+                raise ValidationError("prompt.text", "this model has no tokenizer; send prompt.token_ids")
+            if not request.text:
+                raise ValidationError("prompt.text", "empty prompt")
+            ids = self.tokenizer.encode(request.text)
+            validate_prompt_ids(ids, self.limits, "prompt.text")
+            return ids
+        raise ValidationError("prompt", "set prompt.text or prompt.token_ids")
+
+    def _shape(self, r: RouterRequest) -> PlacementRequest:
+        return PlacementRequest(len(r.prompt_ids), r.block_hashes, r.params.max_tokens)
+
+    def _queue_has_precedence(self, r: RouterRequest) -> bool:
+        """FIFO within priority: a newcomer never overtakes a queued request as important or more."""
+        return any(q.priority >= r.priority for q in self.queue)
+
+    def _choose(self, r: RouterRequest) -> str | None:
+        views = [w.view() for w in self.workers.values()]
+        return self.placement.choose(self._shape(r), views, self.prefix_index.overlap)
+
+    def _place(self, r: RouterRequest) -> bool:
+        worker_id = self._choose(r)
+        if worker_id is None:
+            return False
+        entry = self.workers[worker_id]
+        cached = min(self.prefix_index.overlap(worker_id, r.block_hashes), (len(r.prompt_ids) - 1) // self.block_size)
+        entry.in_flight[r.request_id] = r.num_blocks - cached + 1
+        r.target = worker_id
+        self._spawn(self._dispatch(r, entry))
+        return True
+
+    async def _dispatch(self, r: RouterRequest, entry: WorkerEntry) -> None:
+        metrics.QUEUE_TIME.observe(time.monotonic() - r.arrival)
+        try:
+            await entry.handle.add_request.remote(
+                r.request_id, r.prompt_ids, r.params, r.priority, r.tenant or None
+            )
+            r.worker_id = entry.worker_id
+            if r.cancelled:  # the client left while the call was in flight
+                self._send_abort(r)
+        except Exception as e:  # noqa: BLE001 - Ray wraps the worker's exception
+            entry.in_flight.pop(r.request_id, None)
+            cause = getattr(e, "cause", e)
+            if isinstance(cause, ValueError):
+                self._fail(r, grpc.StatusCode.INVALID_ARGUMENT, str(cause))
+            else:
+                logger.warning("dispatch of %s to %s failed: %r", r.request_id, entry.worker_id, e)
+                entry.healthy = False
+                self._fail(r, grpc.StatusCode.UNAVAILABLE, f"worker {entry.worker_id} failed: {cause}")
+        finally:
+            r.target = None
+
+    def _pump(self) -> None:
+        """Place queued requests that fit now (called whenever blocks may have freed)."""
+        if not len(self.queue):
+            return
+        for r in self.queue.pop_ready(lambda r: self._choose(r) is not None):
+            self._place(r)
+
+    async def stream(self, r: RouterRequest) -> AsyncIterator[spb.GenerateResponse]:
+        """Responses of one request until its final one; RouterError if it ended abnormally."""
+        while True:
+            item = await r.responses.get()
+            if isinstance(item, RouterError):
+                raise item
+            yield item
+            if item.finish_reason:
+                return
+
+    def cancel(self, r: RouterRequest) -> None:
+        """Client gone (cancel, deadline) or Abort: free everything the request holds."""
+        if r.finished:
+            return
+        r.cancelled = True
+        self.queue.remove(r.request_id)
+        if r.worker_id is not None:
+            self._send_abort(r)
+        elif r.target is None:
+            self._finish(r)
+
+    def abort(self, request_id: str) -> bool:
+        r = self.requests.get(request_id)
+        if r is None or r.finished:
+            return False
+        self.cancel(r)
+        r.responses.put_nowait(RouterError(grpc.StatusCode.CANCELLED, "aborted by Abort RPC"))
+        return True
+
+    def _send_abort(self, r: RouterRequest) -> None:
+        assert r.worker_id is not None
+        self.link.send(r.worker_id, pb.RouterCommand(abort=pb.Abort(request_id=r.request_id)))
+
+    def _on_output(self, worker_id: str, out: pb.RequestOutput) -> None:
+        r = self.requests.get(out.request_id)
+        if r is None:
+            return
+        entry = self.workers.get(worker_id)
+        if entry is not None:
+            entry.in_flight.pop(r.request_id, None)
+        new = list(out.new_token_ids)
+        start = out.num_output_tokens - len(new)
+        skip = r.tokens_received - start
+        if skip > 0:  # already delivered (a replay, or tokens from before a migration)
+            if skip >= len(new) and not out.finish_reason:
+                return
+            new = new[skip:]
+        now = time.monotonic()
+        if new:
+            if r.first_token_time is None:
+                r.first_token_time = now
+                metrics.TTFT.observe(now - r.arrival)
+            elif r.last_token_time is not None:
+                metrics.ITL.observe((now - r.last_token_time) / len(new))
+            r.last_token_time = now
+            r.tokens_received += len(new)
+            metrics.GENERATION_TOKENS.inc(len(new))
+        r.cached_tokens = out.num_cached_tokens
+        r.preemptions = max(r.preemptions, out.num_preemptions)
+        r.swaps = max(r.swaps, out.num_swaps)
+        resp = spb.GenerateResponse(
+            request_id=r.request_id, token_ids=new, text_delta=out.text_delta, worker_id=worker_id
+        )
+        if out.finish_reason:
+            if r.cancelled and out.finish_reason == "abort":
+                self._finish(r)
+                return
+            resp.finish_reason = out.finish_reason
+            resp.usage.prompt_tokens = len(r.prompt_ids)
+            resp.usage.cached_tokens = out.num_cached_tokens
+            resp.usage.completion_tokens = r.tokens_received
+            resp.num_preemptions = r.preemptions
+            resp.num_swaps = r.swaps
+            resp.num_migrations = r.migrations
+            metrics.E2E.observe(now - r.arrival)
+            self._finish(r)
+        r.responses.put_nowait(resp)
+
+    def _finish(self, r: RouterRequest) -> None:
+        r.finished = True
+        self.requests.pop(r.request_id, None)
+        for entry in self.workers.values():
+            entry.in_flight.pop(r.request_id, None)
+
+    def _fail(self, r: RouterRequest, code: grpc.StatusCode, message: str) -> None:
+        if r.finished:
+            return
+        self.queue.remove(r.request_id)
+        self._finish(r)
+        r.responses.put_nowait(RouterError(code, message))
+
+    # ---- cluster-level pressure ------------------------------------------------------------------
+    def _rebalance(self, src: WorkerEntry) -> None:
+        """Above the high watermark with a peer below the low one: migrate one request off."""
+        c = self.config
+        if not c.enable_migration or src.migrating or src.usage < c.high_watermark:
+            return
+        peers = [w for w in self.workers.values() if w is not src and w.healthy and w.connected]
+        dst = min(peers, key=lambda w: w.usage, default=None)
+        if dst is None or dst.usage > c.low_watermark:
+            return
+        victims = [r for r in self.requests.values() if r.worker_id == src.worker_id and r.tokens_received > 0]
+        if not victims:
+            return
+        victim = min(victims, key=lambda r: (r.priority, -r.arrival))
+        src.migrating = True
+        self._spawn(self._migrate(victim, src, dst))
+
+    async def _migrate(self, r: RouterRequest, src: WorkerEntry, dst: WorkerEntry) -> bool:
+        """Export from ``src`` at a step boundary, import into ``dst``; resume on ``src`` if it does not fit."""
+        try:
+            state = await src.handle.export_request.remote(r.request_id)
+            if state is None:
+                return False
+            ok = await dst.handle.import_request.remote(state)
+            await src.handle.finish_export.remote(r.request_id, bool(ok))
+            if not ok:
+                return False
+            r.worker_id = dst.worker_id
+            r.migrations += 1
+            src.migrations_out += 1
+            self.num_migrations += 1
+            metrics.MIGRATIONS.inc()
+            logger.info("migrated %s from %s to %s (%d tokens)", r.request_id, src.worker_id, dst.worker_id,
+                        state.num_tokens)  # fmt: skip
+            return True
+        except Exception:  # noqa: BLE001 - a failed migration leaves the request where it was
+            logger.exception("migration of %s failed", r.request_id)
+            return False
+        finally:
+            src.migrating = False
+
+    async def migrate(self, request_id: str, dst_worker_id: str) -> bool:
+        """Operator/test entry point: move one running request to another worker."""
+        r = self.requests.get(request_id)
+        if r is None or r.worker_id is None or dst_worker_id not in self.workers or r.worker_id == dst_worker_id:
+            return False
+        src = self.workers[r.worker_id]
+        src.migrating = True
+        return await self._migrate(r, src, self.workers[dst_worker_id])
+
+    def _maybe_preempt_for(self, waiting: RouterRequest) -> None:
+        """A queued request more important than running work: preempt the least important running
+        request whose blocks make room for it (swap when its worker has swap space), and hand the
+        newcomer straight to that worker, whose scheduler admits by priority."""
+        if not self.config.enable_priority_preemption:
+            return
+        need = waiting.num_blocks + 1
+        running = [
+            r
+            for r in self.requests.values()
+            if r.worker_id is not None and not r.router_preempted and r.priority < waiting.priority
+        ]
+        for victim in sorted(running, key=lambda r: (r.priority, -r.arrival)):
+            entry = self.workers[victim.worker_id]  # type: ignore[index]
+            held = blocks_for(len(victim.prompt_ids) + victim.tokens_received, self.block_size)
+            if not entry.view().healthy or entry.view().available_blocks() + held < need:
+                continue
+            mode = pb.Preempt.SWAP if entry.info.get("swap_blocks") else pb.Preempt.RECOMPUTE
+            victim.router_preempted = True
+            self.num_router_preemptions += 1
+            metrics.PREEMPTIONS.labels("router_" + pb.Preempt.Mode.Name(mode).lower()).inc()
+            command = pb.Preempt(request_id=victim.request_id, mode=mode)
+            self.link.send(entry.worker_id, pb.RouterCommand(preempt=command))
+            self.queue.remove(waiting.request_id)
+            entry.in_flight[waiting.request_id] = need
+            waiting.target = entry.worker_id
+            self._spawn(self._dispatch(waiting, entry))
+            return
+
+    # ---- health ----------------------------------------------------------------------------------
+    async def health_loop(self) -> None:
+        """Mark workers with stale reports or failing ``check_health`` unhealthy; fail their requests
+        when the actor is gone."""
+        while True:
+            await asyncio.sleep(self.config.health_check_interval_s)
+            now = time.monotonic()
+            for entry in list(self.workers.values()):
+                stale = entry.report is not None and now - entry.report_time > self.config.stale_report_s
+                try:
+                    await asyncio.wait_for(entry.handle.check_health.remote(), timeout=self.config.stale_report_s)
+                    entry.healthy = not stale
+                except Exception as e:  # noqa: BLE001 - Ray errors of many kinds mean the same here
+                    if entry.healthy:
+                        logger.warning("worker %s unhealthy: %s", entry.worker_id, e)
+                    entry.healthy = False
+                    if type(e).__name__ in ("RayActorError", "ActorDiedError"):
+                        for r in [r for r in self.requests.values() if r.worker_id == entry.worker_id]:
+                            self._fail(r, grpc.StatusCode.UNAVAILABLE, f"worker {entry.worker_id} died")
+                metrics.WORKER_UP.labels(entry.worker_id).set(1 if entry.healthy and entry.connected else 0)
+
+    # ---- status ----------------------------------------------------------------------------------
+    def cluster_status(self) -> spb.ClusterStatus:
+        now = time.monotonic()
+        status = spb.ClusterStatus(timestamp_ms=int(time.time() * 1000))
+        for entry in self.workers.values():
+            r = entry.report
+            w = status.workers.add(
+                worker_id=entry.worker_id,
+                healthy=entry.healthy and entry.connected,
+                total_blocks=int(entry.info["total_blocks"]),
+                num_migrations_total=entry.migrations_out,
+                blocks_in_flight=sum(entry.in_flight.values()),
+                model_id=str(entry.info.get("model_id", "")),
+                node_id=str(entry.info.get("node_id", "")),
+                last_report_age_s=now - entry.report_time if r else -1.0,
+            )
+            if r is not None:
+                w.free_blocks, w.used_blocks = r.free_blocks, r.used_blocks
+                w.cached_evictable_blocks = r.cached_evictable_blocks
+                w.usage = entry.usage
+                w.num_running, w.num_waiting, w.num_swapped = r.num_running, r.num_waiting, r.num_swapped
+                w.swap_blocks_total, w.swap_blocks_free = r.swap_blocks_total, r.swap_blocks_free
+                w.num_preemptions_total = r.num_preemptions_total
+                w.decode_steps, w.step_latency_ms = r.decode_steps, r.step_latency_ms
+                q = r.prefix_cache_query_tokens_total
+                w.prefix_cache_hit_rate = r.prefix_cache_hit_tokens_total / q if q else 0.0
+            else:
+                w.free_blocks = int(entry.info["total_blocks"])
+        q = self.queue
+        status.router.queue_requests = q.num_requests
+        status.router.queue_blocks = q.num_blocks
+        status.router.max_queue_requests = q.max_requests
+        status.router.max_queue_blocks = q.max_blocks
+        status.router.admission_state = q.state.value
+        for reason, n in q.rejections_total.items():
+            status.router.rejections_total[reason.value] = n
+        status.router.requests_in_flight = sum(1 for r in self.requests.values() if r.worker_id is not None)
+        return status
+
+    # ---- plumbing --------------------------------------------------------------------------------
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def _event(e: pb.BlockEvent) -> BlockStored | BlockRemoved | AllBlocksCleared:
+    kind = e.WhichOneof("kind")
+    if kind == "stored":
+        return BlockStored(e.seq, tuple(e.stored.hashes))
+    if kind == "removed":
+        return BlockRemoved(e.seq, tuple(e.removed.hashes))
+    return AllBlocksCleared(e.seq)
