@@ -149,16 +149,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Subcommands living in their own modules, each exposing ``register(subparsers)``.
+COMMAND_MODULES = (
+    "cluster.serve_cli",  # serve, demo
+    "cluster.remote_cli",  # status
+    "cluster.top",  # top
+    "cluster.bench.cli",  # bench offline|kernels
+    "cluster.plan",  # plan
+)
+
+
 def _optional_commands():
-    """Subcommands living in their own modules (serve, status, top, demo, bench)."""
     import importlib
 
     out = []
-    for mod in ("cluster.bench.cli",):
+    for mod in COMMAND_MODULES:
         try:
             out.append(importlib.import_module(mod).register)
-        except ModuleNotFoundError:
-            continue
+        except ModuleNotFoundError as e:
+            if e.name != mod:  # a real missing dependency inside the module: say so
+                raise
     return out
 
 
