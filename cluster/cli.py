@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -137,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate offline (or against a server with --server)")
     gen.add_argument("--model", help="HF model directory (offline mode)")
     gen.add_argument("--server", default=None, help="HOST:PORT of a kvserve router (remote mode)")
+    gen.add_argument(
+        "--auth-token",
+        default=os.environ.get("KVSERVE_AUTH_TOKEN"),
+        help="bearer token (remote mode; default: $KVSERVE_AUTH_TOKEN)",
+    )
+    gen.add_argument("--tls-ca", default=None, help="PEM CA of the router's certificate: use TLS (remote mode)")
     gen.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     gen.add_argument("--prompt-token-ids", help="JSON file: a list of token-id lists")
     gen.add_argument("--json", action="store_true", help="print only a JSON list of generated-id lists")

@@ -39,6 +39,30 @@ def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int |
     return allowed
 
 
+def _gather_head_major(
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq]
+    positions: torch.Tensor,  # [num_seqs, width] int64 token positions, each inside its sequence
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [num_kv_heads, num_seqs, width, head_dim]
+    """K and V of the given positions, laid out per KV head so attention runs as batched GEMMs.
+
+    NOTE: one ``index_select`` of head_dim-sized rows per tensor: a row copy each (memcpy), where
+    advanced indexing on the 5-D cache copies element by element; the per-head layout comes straight
+    out of the gather instead of from a transpose copy afterwards.
+    """
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    num_seqs, width = positions.shape
+    slots = block_tables.long().gather(1, positions // block_size) * block_size + positions % block_size
+    rows = (slots * num_kv_heads).unsqueeze(0) + torch.arange(num_kv_heads, device=slots.device).view(-1, 1, 1)
+    rows = rows.view(-1)  # [num_kv_heads * num_seqs * width]
+    flat = kv_cache.reshape(2, num_blocks * block_size * num_kv_heads, head_dim)
+    shape = (num_kv_heads, num_seqs, width, head_dim)
+    keys = flat[0].index_select(0, rows).view(shape).to(dtype)
+    values = flat[1].index_select(0, rows).view(shape).to(dtype)
+    return keys, values
+
+
 def decode_attention(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -47,24 +71,40 @@ def decode_attention(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """One query token per sequence attending to its whole cached context."""
+    """One query token per sequence attending to its whole cached context (or its last ``sliding_window``).
+
+    The contexts are gathered padded to the longest one (padding repeats a real token of the same
+    sequence and gets a ``-inf`` score), per KV head, and the ``group`` query heads sharing a KV head
+    run as the rows of one small GEMM: ``[group, head_dim] x [head_dim, width]`` per (KV head, sequence).
+    Positions outside a sequence's window are never read.
+    """
     num_seqs, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
-    max_len = int(context_lens.max()) if num_seqs else 0
-    blocks = block_tables[:, : (max_len + block_size - 1) // block_size].long()
-    # [num_seqs, ctx, num_kv_heads, head_dim]
-    keys = kv_cache[0][blocks].flatten(1, 2)[:, :max_len].to(query.dtype)
-    values = kv_cache[1][blocks].flatten(1, 2)[:, :max_len].to(query.dtype)
-    q = query.view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.einsum("skgd,stkd->skgt", q, keys) * scale  # [num_seqs, kv_heads, group, ctx]
-    k_pos = torch.arange(max_len, device=query.device)
-    q_pos = (context_lens.long() - 1)[:, None]
-    allowed = _window_mask(q_pos, k_pos[None, :], sliding_window)  # [num_seqs, ctx]
-    scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    if num_seqs == 0:
+        return query.new_empty(query.shape)
+    dev = query.device
+    lens = context_lens.long()
+    first = (lens - sliding_window).clamp_min(0) if sliding_window is not None else torch.zeros_like(lens)
+    width = int((lens - first).max())
+    pos = first.unsqueeze(1) + torch.arange(width, device=dev)  # [num_seqs, width]
+    valid = pos < lens.unsqueeze(1)
+    pos = torch.where(valid, pos, first.unsqueeze(1))  # padding reads the sequence's first visible token
+    keys, values = _gather_head_major(kv_cache, block_tables, pos, query.dtype)  # [kv_heads, seqs, width, d]
+    bias = torch.zeros(num_seqs, width, dtype=query.dtype, device=dev).masked_fill_(~valid, float("-inf"))
+    q = query.reshape(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1)  # [kv_heads, seqs, group, d]
+    batch = num_kv_heads * num_seqs
+    scores = torch.baddbmm(
+        bias.expand(num_kv_heads, num_seqs, width).reshape(batch, 1, width),
+        q.reshape(batch, group, head_dim),
+        keys.view(batch, width, head_dim).transpose(1, 2),
+        alpha=scale,
+    )  # [kv_heads * seqs, group, width]
     probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
-    out = torch.einsum("skgt,stkd->skgd", probs, values)
-    return out.reshape(num_seqs, num_heads, head_dim)
+    out = torch.bmm(probs, values.view(batch, width, head_dim))  # [kv_heads * seqs, group, d]
+    return out.view(num_kv_heads, num_seqs, num_heads // num_kv_heads, head_dim).transpose(0, 1).reshape(
+        num_seqs, num_heads, head_dim
+    )
 
 
 def prefill_attention(
@@ -82,27 +122,35 @@ def prefill_attention(
     ``q_len`` positions of its ``context_lens[s]`` tokens, whose K/V are all in the cache already.
     """
     num_tokens, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    group = num_heads // num_kv_heads
+    num_kv_heads = kv_cache.shape[3]
     out = torch.empty_like(query)
     starts = cu_seqlens_q.tolist()
     lens = context_lens.tolist()
-    # NOTE: one iteration per sequence (not per token); each is a single batched SDPA call.
+    dev = query.device
+    # NOTE: one iteration per sequence (not per token); each is a single batched SDPA call, the
+    # query heads sharing a KV head reading it in place (enable_gqa) rather than from a repeated copy.
     for s, ctx in enumerate(lens):
         q0, q1 = starts[s], starts[s + 1]
         q_len = q1 - q0
         if q_len == 0:
             continue
-        blocks = block_tables[s, : (ctx + block_size - 1) // block_size].long()
-        keys = kv_cache[0][blocks].flatten(0, 1)[:ctx].to(query.dtype)  # [ctx, kv_heads, head_dim]
-        values = kv_cache[1][blocks].flatten(0, 1)[:ctx].to(query.dtype)
-        q_pos = torch.arange(ctx - q_len, ctx, device=query.device)[:, None]
-        k_pos = torch.arange(ctx, device=query.device)[None, :]
-        mask = _window_mask(q_pos, k_pos, sliding_window)  # [q_len, ctx]
+        # Keys before the first query's window are never needed: do not read them.
+        first = max(0, ctx - q_len - sliding_window + 1) if sliding_window is not None else 0
+        k_pos = torch.arange(first, ctx, device=dev)
+        keys, values = _gather_head_major(kv_cache, block_tables[s : s + 1], k_pos.unsqueeze(0), query.dtype)
         q = query[q0:q1].transpose(0, 1)  # [num_heads, q_len, head_dim]
-        k = keys.transpose(0, 1).repeat_interleave(group, dim=0)  # [num_heads, ctx, head_dim]
-        v = values.transpose(0, 1).repeat_interleave(group, dim=0)
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        k, v = keys[:, 0], values[:, 0]  # [kv_heads, ctx - first, head_dim]
+        if first == 0 and q_len == ctx and sliding_window is None:
+            # A whole prompt: plain causal attention (SDPA's fused path, no mask tensor).
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=scale, enable_gqa=num_kv_heads != num_heads
+            )
+        else:
+            q_pos = torch.arange(ctx - q_len, ctx, device=dev).unsqueeze(1)
+            mask = _window_mask(q_pos, k_pos.unsqueeze(0), sliding_window)  # [q_len, ctx - first]
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=scale, enable_gqa=num_kv_heads != num_heads
+            )
         out[q0:q1] = o.transpose(0, 1)
     return out
 

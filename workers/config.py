@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from workers.kv_cache import parse_bytes
-from workers.scheduler import PREEMPTION_MODES
+from workers.scheduler import ALLOCATORS, PREEMPTION_MODES, RESERVES
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,8 @@ class EngineConfig:
     swap_space: float = 0.0  # GiB of host memory for swapped-out KV blocks
     watermark: float = 0.01
     seed: int = 0
+    allocator: str = "paged"  # paged | contiguous (the pre-paging baseline; no prefix caching)
+    reserve: str = "max_model_len"  # contiguous: reserve max_model_len or prompt + max_tokens
     model_id: str = ""  # part of the prefix-cache hash; default: the model path
 
     def __post_init__(self) -> None:
@@ -52,6 +54,10 @@ class EngineConfig:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.preemption_mode == "swap" and self.swap_space == 0:
             raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of host memory)")
+        if self.allocator not in ALLOCATORS:
+            raise ValueError(f"allocator must be one of {ALLOCATORS}, got {self.allocator!r}")
+        if self.reserve not in RESERVES:
+            raise ValueError(f"reserve must be one of {RESERVES}, got {self.reserve!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
 

@@ -65,7 +65,9 @@ class LLMEngine:
             num_blocks * block_bytes / 2**20, num_swap_blocks,
         )  # fmt: skip
         self.kv_cache = KVCache(mc, num_blocks, config.block_size, self.dtype, self.device, num_swap_blocks)
-        self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
+        # Contiguous reservation models pre-paging engines, which shared nothing between requests.
+        caching = config.enable_prefix_caching and config.allocator == "paged"
+        self.pool = BlockPool(num_blocks, caching)
         self.swap_pool = BlockPool(num_swap_blocks, enable_caching=False) if num_swap_blocks else None
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -75,6 +77,9 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 watermark=config.watermark,
                 preemption_mode=config.preemption_mode,
+                sliding_window=mc.sliding_window,
+                allocator=config.allocator,
+                reserve=config.reserve,
             ),
             self.pool,
             self.swap_pool,

@@ -42,6 +42,9 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks of block_table registered in the prefix cache
+    # Leading entries of block_table already returned to the pool (outside the sliding window);
+    # they stay as placeholders so position p still maps to block_table[p // block_size].
+    num_released_blocks: int = 0
     # Positions below this already hold the right K/V in a shared block: their slots are skipped.
     skip_store_below: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)
@@ -69,6 +72,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def live_blocks(self) -> list[int]:
+        """Device blocks this request holds a reference on."""
+        return self.block_table[self.num_released_blocks :]
 
     @property
     def is_finished(self) -> bool:

@@ -26,6 +26,8 @@ from workers.block_pool import BlockPool
 from workers.request import Request, RequestStatus
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
+ALLOCATORS = ("paged", "contiguous")
+RESERVES = ("max_model_len", "max_tokens")
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,12 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     # auto mode: swap contexts at least this long (shorter ones are cheaper to recompute)
     swap_min_tokens: int = 256
+    # Mistral-style window: blocks wholly behind every future query's window go back to the pool.
+    sliding_window: int | None = None
+    # "contiguous" reserves a request's longest possible footprint at admission, as pre-paging
+    # engines did (a baseline to measure what paging buys); ``reserve`` picks that footprint.
+    allocator: str = "paged"
+    reserve: str = "max_model_len"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -47,6 +55,12 @@ class SchedulerConfig:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.allocator not in ALLOCATORS:
+            raise ValueError(f"allocator must be one of {ALLOCATORS}, got {self.allocator!r}")
+        if self.reserve not in RESERVES:
+            raise ValueError(f"reserve must be one of {RESERVES}, got {self.reserve!r}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
 
 
 @dataclass
@@ -124,11 +138,19 @@ class Scheduler:
                 f"{total} ({self.watermark_blocks} kept as watermark)"
             )
         longest = min(num_prompt_tokens + max_tokens, self.config.max_model_len)
+        if self.config.allocator == "contiguous":
+            longest = self._reservation(num_prompt_tokens, max_tokens)
         if blocks_for(longest, self.block_size) > total:
             raise ValueError(
                 f"prompt + max_tokens = {longest} tokens needs {blocks_for(longest, self.block_size)} KV "
                 f"blocks; the whole pool has {total}"
             )
+
+    def _reservation(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        """Tokens a contiguous allocator reserves for a request at admission."""
+        if self.config.reserve == "max_model_len":
+            return self.config.max_model_len
+        return min(num_prompt_tokens + max_tokens, self.config.max_model_len)
 
     @property
     def num_unfinished(self) -> int:
@@ -213,19 +235,22 @@ class Scheduler:
         req.num_preemptions += 1
         # A victim already scheduled this step would leave its tokens half-applied: unschedule it.
         out.scheduled = [(r, n) for r, n in out.scheduled if r is not req]
+        live = req.live_blocks
         if self._should_swap(req, mode):
-            host = self.swap_pool.allocate(len(req.block_table))  # type: ignore[union-attr]
+            host = self.swap_pool.allocate(len(live))  # type: ignore[union-attr]
             if host is not None:
-                out.swap_out.extend(zip(req.block_table, host, strict=True))
-                self.pool.free(reversed(req.block_table))
-                req.block_table, req.swap_table = [], host
+                out.swap_out.extend(zip(live, host, strict=True))
+                self.pool.free(reversed(live))
+                # Released (out-of-window) entries stay as placeholders: positions keep their index.
+                req.block_table, req.swap_table = req.block_table[: req.num_released_blocks], host
                 req.status = RequestStatus.SWAPPED
                 req.num_swaps += 1
                 self.num_preemptions["swap"] += 1
                 self.swapped.append(req)
                 return
-        self.pool.free(reversed(req.block_table))
+        self.pool.free(reversed(live))
         req.block_table = []
+        req.num_released_blocks = 0
         req.num_computed_tokens = 0
         req.num_cached_blocks = 0
         req.skip_store_below = 0
@@ -236,7 +261,7 @@ class Scheduler:
         mode = mode or self.config.preemption_mode
         if mode == "recompute" or self.swap_pool is None:
             return False
-        if self.swap_pool.num_free_blocks < len(req.block_table):
+        if self.swap_pool.num_free_blocks < len(req.live_blocks):
             return False
         return mode == "swap" or req.num_computed_tokens >= self.config.swap_min_tokens
 
@@ -249,15 +274,16 @@ class Scheduler:
                 break  # a more important newcomer goes first (router-ordered preemption relies on it)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             # Re-reserve what the request held (a chunked prefill reserved its whole prompt).
-            need = max(len(req.swap_table), blocks_for(req.num_tokens, self.block_size))
+            released = req.num_released_blocks
+            need = max(len(req.swap_table), blocks_for(req.num_tokens, self.block_size) - released)
             if self.pool.num_free_blocks - need < self.watermark_blocks:
                 break
             blocks = self.pool.allocate(need)
             assert blocks is not None
             out.swap_in.extend(zip(req.swap_table, blocks[: len(req.swap_table)], strict=True))
             self.swap_pool.free(req.swap_table)  # type: ignore[union-attr]
-            req.swap_table, req.block_table = [], blocks
-            req.num_cached_blocks = 0  # fresh device blocks: re-register their hashes after the step
+            req.swap_table, req.block_table = [], req.block_table[:released] + blocks
+            req.num_cached_blocks = released  # fresh device blocks: re-register their hashes after the step
             req.status = RequestStatus.RUNNING
             self.swapped.pop(0)
             self._swap_in_first.discard(req.request_id)
@@ -273,7 +299,10 @@ class Scheduler:
             req.update_block_hashes(bs, cache_extra(self.model_id, req.cache_salt), req.num_tokens)
             hits = self.pool.find_prefix(req.block_hashes)
             num_hit_tokens = len(hits) * bs
-            need = blocks_for(req.num_tokens, bs) - len(hits)
+            footprint = req.num_tokens
+            if self.config.allocator == "contiguous":
+                footprint = max(footprint, self._reservation(req.num_prompt_tokens, req.sampling_params.max_tokens))
+            need = blocks_for(footprint, bs) - len(hits)
             revived = sum(1 for b in hits if self.pool.ref_cnt[b] == 0)
             if self.pool.num_free_blocks - revived - need < self.watermark_blocks:
                 break
@@ -306,6 +335,8 @@ class Scheduler:
         for (req, num_new), token in zip(out.scheduled, sampled, strict=True):
             req.num_computed_tokens += num_new
             self._cache_full_blocks(req)
+            if self.config.sliding_window is not None:
+                self._release_out_of_window(req)
             if token is not None:
                 req.append_output(token)
                 grew.append(req)
@@ -322,6 +353,17 @@ class Scheduler:
             self.pool.cache_block(req.block_table[i], req.block_hashes[i])
         req.num_cached_blocks = full
 
+    def _release_out_of_window(self, req: Request) -> None:
+        """Free blocks no future query can see: the next query sits at ``num_computed_tokens`` and
+        sees keys after ``position - window``, so block i goes once its last slot is at or before
+        ``num_computed_tokens - window``. Its prefix-cache hash stays (evictable), so hits remain valid."""
+        window = self.config.sliding_window
+        assert window is not None
+        behind = (req.num_computed_tokens - window + 1) // self.block_size
+        if behind > req.num_released_blocks:
+            self.pool.free(reversed(req.block_table[req.num_released_blocks : behind]))
+            req.num_released_blocks = behind
+
     def finish(self, req: Request, reason: str) -> None:
         """Release everything ``req`` holds; it leaves every queue. Idempotent."""
         if req.status is RequestStatus.FINISHED:
@@ -330,8 +372,9 @@ class Scheduler:
             if req in queue:
                 queue.remove(req)
         if req.block_table:
-            self.pool.free(reversed(req.block_table))
+            self.pool.free(reversed(req.live_blocks))
             req.block_table = []
+            req.num_released_blocks = 0
         if req.swap_table:
             self.swap_pool.free(req.swap_table)  # type: ignore[union-attr]
             req.swap_table = []
@@ -340,4 +383,4 @@ class Scheduler:
 
     def block_tables(self, extra: list[Request] = ()) -> list[list[int]]:  # type: ignore[assignment]
         """Every live device block table (for ``BlockPool.check_integrity``)."""
-        return [r.block_table for r in [*self.running, *extra] if r.block_table]
+        return [r.live_blocks for r in [*self.running, *extra] if r.block_table]
