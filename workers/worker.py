@@ -242,6 +242,9 @@ class WorkerCore:
                     self._publish([])
                     self._maybe_finish_drain()
                     self._wake.wait(timeout=self.options.idle_report_s / 2)
+                    # NOTE: idle is not a stall: without this, the first command after a long idle
+                    # spell (or any add_request racing check_health) looks stalled at once.
+                    self._last_progress = time.monotonic()
         except BaseException as e:
             self._error = e
             logger.exception("engine thread of worker %s died", self.worker_id)
@@ -260,8 +263,10 @@ class WorkerCore:
         now = time.monotonic()
         if self._pressure.due(now, stats.usage, counts):
             self._report_seq += 1
-            self.outbox.put(pb.WorkerMessage(pressure=_pressure_proto(stats, self._report_seq)))
-            self._pressure.sent(now, stats.usage, counts)
+            # NOTE: a report dropped while disconnected was not sent: the first _publish after a
+            # reconnect then reports at once instead of up to idle_report_s later.
+            if self.outbox.put(pb.WorkerMessage(pressure=_pressure_proto(stats, self._report_seq))) is not None:
+                self._pressure.sent(now, stats.usage, counts)
 
     def _snapshot(self) -> WorkerStats:
         e = self.engine
@@ -440,6 +445,8 @@ class Worker:
 
     def ready(self) -> dict[str, Any]:
         """Identity and sizes (the Hello fields), once the engine is up."""
+        import ray
+
         h = self.core.hello()
         return {
             "worker_id": h.worker_id,
@@ -449,7 +456,7 @@ class Worker:
             "swap_blocks": h.swap_blocks,
             "max_model_len": h.max_model_len,
             "vocab_size": self.core.engine.model_config.vocab_size,
-            "node_id": h.node_id,
+            "node_id": h.node_id or ray.get_runtime_context().get_node_id(),
             "has_tokenizer": self.core.engine.tokenizer is not None,
         }
 

@@ -15,9 +15,11 @@ asyncio queues).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -126,6 +128,31 @@ class RecordingHandler(WorkerLinkHandler):
         return sum(len(o.new_token_ids) for _, o in self.outputs.get(request_id, ()))
 
 
+class CountingWorkerLinkService(WorkerLinkService):
+    """The real service, also counting the replayed messages its seq de-dup drops (per worker)."""
+
+    def __init__(self, handler: WorkerLinkHandler, ack_every: int = 32, ack_interval_s: float = 0.2) -> None:
+        super().__init__(handler, ack_every=ack_every, ack_interval_s=ack_interval_s)
+        self.replayed: Counter[str] = Counter()
+
+    async def Connect(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[pb.WorkerMessage], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.RouterCommand]:
+        # NOTE: aclosing: when the stream ends, the inner generator's finally (on_disconnect) runs now.
+        async with contextlib.aclosing(super().Connect(self._count(request_iterator), context)) as commands:
+            async for cmd in commands:
+                yield cmd
+
+    async def _count(self, it: AsyncIterator[pb.WorkerMessage]) -> AsyncIterator[pb.WorkerMessage]:
+        worker_id = None
+        async for msg in it:
+            if msg.WhichOneof("body") == "hello":
+                worker_id = msg.hello.worker_id
+            elif worker_id is not None and msg.seq <= self.sessions[worker_id].last_seq:
+                self.replayed[worker_id] += 1
+            yield msg
+
+
 class RecordingRouter:
     """Owns the event-loop thread, the gRPC server and the ``WorkerLinkService``.
 
@@ -135,7 +162,7 @@ class RecordingRouter:
 
     def __init__(self, ack_every: int = 32, ack_interval_s: float = 0.2) -> None:
         self.handler = RecordingHandler()
-        self.service = WorkerLinkService(self.handler, ack_every=ack_every, ack_interval_s=ack_interval_s)
+        self.service = CountingWorkerLinkService(self.handler, ack_every=ack_every, ack_interval_s=ack_interval_s)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="recording-router", daemon=True)
         self._thread.start()
@@ -179,11 +206,22 @@ class RecordingRouter:
         self.port = port
         return self
 
-    def stop(self, grace: float | None = 0) -> None:
-        """Kill the gRPC server (streams are cut); the service and recordings stay."""
-        if self._server is not None:
-            self._run(self._server.stop(grace))
-            self._server = None
+    def stop(self, grace: float | None = 0) -> dict[str, int]:
+        """Kill the gRPC server (streams are cut); the service and recordings stay.
+
+        Returns, per worker, the messages processed but not yet acked at the cut (at least that
+        many will be replayed, and dropped by the de-dup, after the worker reconnects).
+        """
+        server, self._server = self._server, None
+        if server is None:
+            return {}
+
+        async def stop() -> dict[str, int]:
+            unacked = {w: s.last_seq - s.acked_seq for w, s in self.service.sessions.items()}
+            await server.stop(grace)
+            return unacked
+
+        return self._run(stop())
 
     def restart(self) -> None:
         self.stop()
@@ -193,6 +231,32 @@ class RecordingRouter:
         self.stop()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
+
+    def set_ack_policy(self, ack_every: int, ack_interval_s: float) -> None:
+        """Change how often the service acks (e.g. hold acks so a cut stream must be replayed);
+        a stream waiting on the old interval picks the new one up after that wait."""
+
+        async def apply() -> None:
+            self.service.ack_every, self.service.ack_interval_s = ack_every, ack_interval_s
+
+        self._run(apply())
+
+    def unapplied(self, worker_id: str) -> list[pb.RouterCommand]:
+        """Commands the service still holds for a worker (sent, not yet acked or answered)."""
+
+        async def read() -> list[pb.RouterCommand]:
+            s = self.service.sessions.get(worker_id)
+            return list(s.unapplied.values()) if s else []
+
+        return self._run(read())
+
+    def replayed(self) -> dict[str, int]:
+        """Per worker: replayed messages the service's seq de-dup has dropped so far."""
+
+        async def read() -> dict[str, int]:
+            return dict(self.service.replayed)
+
+        return self._run(read())
 
     # ---- commands ------------------------------------------------------------------------
     def send(self, worker_id: str, command: pb.RouterCommand) -> int:
