@@ -25,6 +25,10 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", default="recompute", choices=("recompute", "swap", "auto"))
     g.add_argument("--swap-space", type=float, default=0.0, help="GiB of host memory for swapped KV blocks")
     g.add_argument("--seed", type=int, default=0, help="global seed for unseeded sampling")
+    g.add_argument("--allocator", default="paged", choices=("paged", "contiguous"),
+                   help="contiguous = reserve each request's longest footprint up front (baseline)")
+    g.add_argument("--reserve", default="max_model_len", choices=("max_model_len", "max_tokens"),
+                   help="contiguous allocator: reserve max_model_len or prompt + max_tokens")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -45,6 +49,8 @@ def engine_config_from_args(args: argparse.Namespace):
         preemption_mode=args.preemption_mode,
         swap_space=args.swap_space,
         seed=args.seed,
+        allocator=args.allocator,
+        reserve=args.reserve,
     )
 
 

@@ -352,6 +352,15 @@ class AsyncGenerateStream(AsyncIterator[spb.GenerateResponse]):
                 )
             try:
                 response = await self._call.read()
+            except asyncio.CancelledError:
+                # grpc.aio reads of a call cancelled by ``cancel()`` raise CancelledError; unless this
+                # task is being cancelled itself, answer as the sync stream does: RpcError(CANCELLED).
+                task = asyncio.current_task()
+                if not self._cancelled or (task is not None and getattr(task, "cancelling", lambda: 0)()):
+                    raise
+                raise grpc.aio.AioRpcError(
+                    grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), "cancelled by the client"
+                ) from None
             except grpc.RpcError as e:
                 wait = self._retry.wait_for(e, self._received, self._cancelled)
                 if wait is None:
@@ -366,7 +375,7 @@ class AsyncGenerateStream(AsyncIterator[spb.GenerateResponse]):
             return response
 
     def cancel(self) -> None:
-        """Cancel the call (the router frees the request's blocks)."""
+        """Cancel the call (the router frees the request's blocks); further reads raise CANCELLED."""
         self._cancelled = True
         if self._call is not None:
             self._call.cancel()

@@ -65,18 +65,21 @@ def estimate_retry_after_ms(
     *,
     floor_ms: int = 100,
     ceiling_ms: int = 30_000,
+    unknown_ms: int = 1_000,
 ) -> int:
     """Time until enough of the queue drains for a refused request to fit, in ms.
 
     ``max(excess_requests / requests_per_s, excess_blocks / blocks_per_s)``, clamped to
-    ``[floor_ms, ceiling_ms]``. An excess with no observed drain (rate 0) gives ``ceiling_ms``;
-    no excess gives ``floor_ms``.
+    ``[floor_ms, ceiling_ms]``. An excess with no observed drain (rate 0) gives ``unknown_ms``:
+    NOTE: not the ceiling, since a cold start or a quiet spell has no rate yet, and a client told
+    to wait 30 s then idles needlessly; clients back off further if refused again. No excess gives
+    ``floor_ms``.
     """
     seconds = 0.0
     for excess, rate in ((excess_requests, requests_per_s), (excess_blocks, blocks_per_s)):
         if excess > 0:
             if rate <= 0:
-                return ceiling_ms
+                return min(ceiling_ms, max(floor_ms, unknown_ms))
             seconds = max(seconds, excess / rate)
     return int(min(ceiling_ms, max(floor_ms, round(seconds * 1000))))
 
@@ -257,9 +260,9 @@ class AdmissionQueue(Generic[T]):
         """Estimated wait before an offer of ``num_blocks`` blocks would be accepted, in ms.
 
         The excess (requests and blocks that must leave the queue first) divided by the recent
-        drain rate (``drain_rate``), clamped to ``[floor_ms, ceiling_ms]``; ``ceiling_ms`` when
-        nothing has drained recently. Meant for the "retry-after-ms" trailer of
-        RESOURCE_EXHAUSTED; aborts also free room, so it errs long.
+        drain rate (``drain_rate``), clamped to ``[floor_ms, ceiling_ms]``; the "unknown" default of
+        ``estimate_retry_after_ms`` when nothing has drained recently. Meant for the
+        "retry-after-ms" trailer of RESOURCE_EXHAUSTED; aborts also free room, so it errs long.
         """
         if num_blocks > self.max_blocks:  # oversize: only an empty queue takes it
             excess_requests, excess_blocks = len(self), self._num_blocks

@@ -30,7 +30,14 @@ from router.admission import AdmissionQueue, RejectReason
 from router.config import RouterConfig
 from router.placement import Placement, PlacementRequest, WorkerView, blocks_for
 from router.prefix_index import AllBlocksCleared, BlockRemoved, BlockStored, PrefixIndex
-from router.validation import ModelLimits, ValidationError, sampling_params, validate_ids, validate_prompt_ids
+from router.validation import (
+    MAX_TEXT_CHARS,
+    ModelLimits,
+    ValidationError,
+    sampling_params,
+    validate_ids,
+    validate_prompt_ids,
+)
 from router.worker_link import WorkerLinkHandler, WorkerLinkService
 from workers.block_hash import cache_extra, hash_blocks
 from workers.sampling_params import SamplingParams
@@ -56,6 +63,9 @@ class WorkerEntry:
     connected: bool = False
     healthy: bool = True
     in_flight: dict[str, int] = field(default_factory=dict)  # request id -> blocks promised, not yet reported
+    # Requests whose first output arrived: the next pressure report (same ordered stream) counts
+    # their blocks, so their promise is dropped then, not earlier.
+    started: set[str] = field(default_factory=set)
     migrations_out: int = 0
     migrating: bool = False
 
@@ -193,6 +203,9 @@ class Router(WorkerLinkHandler):
         if entry is None or (entry.report is not None and report.seq <= entry.report.seq):
             return
         entry.report, entry.report_time, entry.healthy = report, time.monotonic(), True
+        for rid in entry.started:
+            entry.in_flight.pop(rid, None)
+        entry.started.clear()
         metrics.observe_pressure(report)
         self._pump()
         self._rebalance(entry)
@@ -262,13 +275,18 @@ class Router(WorkerLinkHandler):
                 raise ValidationError("prompt.text", "this model has no tokenizer; send prompt.token_ids")
             if not request.text:
                 raise ValidationError("prompt.text", "empty prompt")
+            if len(request.text) > MAX_TEXT_CHARS:  # NOTE: before tokenizing it on the event loop
+                raise ValidationError("prompt.text", f"longer than {MAX_TEXT_CHARS} characters")
             ids = self.tokenizer.encode(request.text)
             validate_prompt_ids(ids, self.limits, "prompt.text")
             return ids
         raise ValidationError("prompt", "set prompt.text or prompt.token_ids")
 
     def _shape(self, r: RouterRequest) -> PlacementRequest:
-        return PlacementRequest(len(r.prompt_ids), r.block_hashes, r.params.max_tokens)
+        # Generation stops at max_model_len ("length"), as the worker's own fit check assumes.
+        assert self.limits is not None
+        room = max(self.limits.max_model_len - len(r.prompt_ids), 1)
+        return PlacementRequest(len(r.prompt_ids), r.block_hashes, min(r.params.max_tokens, room))
 
     def _queue_has_precedence(self, r: RouterRequest) -> bool:
         """FIFO within priority: a newcomer never overtakes a queued request as important or more."""
@@ -340,7 +358,7 @@ class Router(WorkerLinkHandler):
 
     def abort(self, request_id: str) -> bool:
         r = self.requests.get(request_id)
-        if r is None or r.finished:
+        if r is None or r.finished or r.cancelled:
             return False
         self.cancel(r)
         r.responses.put_nowait(RouterError(grpc.StatusCode.CANCELLED, "aborted by Abort RPC"))
@@ -355,8 +373,8 @@ class Router(WorkerLinkHandler):
         if r is None:
             return
         entry = self.workers.get(worker_id)
-        if entry is not None:
-            entry.in_flight.pop(r.request_id, None)
+        if entry is not None and r.request_id in entry.in_flight:
+            entry.started.add(r.request_id)
         new = list(out.new_token_ids)
         start = out.num_output_tokens - len(new)
         skip = r.tokens_received - start
@@ -422,6 +440,12 @@ class Router(WorkerLinkHandler):
         if not victims:
             return
         victim = min(victims, key=lambda r: (r.priority, -r.arrival))
+        held = blocks_for(len(victim.prompt_ids) + victim.tokens_received, self.block_size)
+        # NOTE: only a move that leaves the destination below where the source was helps; it also
+        # rules out a bounce back (that would need the reverse inequality). A lone request is
+        # never moved: it would only carry its load to another card.
+        if dst.report is None or src.report is None or dst.report.used_blocks + held >= src.report.used_blocks:
+            return
         src.migrating = True
         self._spawn(self._migrate(victim, src, dst))
 

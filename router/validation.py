@@ -17,7 +17,7 @@ MAX_TENANT_LEN = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 MAX_TEXT_CHARS = 1 << 20
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]+$")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]+")  # NOTE: fullmatch; "$" would admit a trailing newline
 
 
 class ValidationError(ValueError):
@@ -35,7 +35,7 @@ class ModelLimits:
 
 def validate_ids(request: spb.GenerateRequest) -> None:
     if len(request.request_id) > MAX_REQUEST_ID_LEN or (
-        request.request_id and not _REQUEST_ID.match(request.request_id)
+        request.request_id and not _REQUEST_ID.fullmatch(request.request_id)
     ):
         raise ValidationError("request_id", f"at most {MAX_REQUEST_ID_LEN} chars of [A-Za-z0-9._:-]")
     if len(request.tenant) > MAX_TENANT_LEN:

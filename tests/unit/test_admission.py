@@ -169,7 +169,8 @@ def test_estimate_retry_after_ms():
     assert estimate_retry_after_ms(0, 0, 0.0, 0.0) == 100
     assert estimate_retry_after_ms(2, 0, 4.0, 0.0) == 500
     assert estimate_retry_after_ms(1, 30, 10.0, 10.0) == 3000
-    assert estimate_retry_after_ms(1, 0, 0.0, 5.0) == 30_000
+    assert estimate_retry_after_ms(1, 0, 0.0, 5.0) == 1_000  # no drain observed yet
+    assert estimate_retry_after_ms(1, 0, 0.0, 5.0, unknown_ms=50) == 100  # clamped to the floor
     assert estimate_retry_after_ms(1000, 0, 1.0, 1.0, ceiling_ms=5000) == 5000
 
 
@@ -178,7 +179,7 @@ def test_retry_after_from_drain_rate():
     q = AdmissionQueue(max_requests=2, max_blocks=100, clock=clock, drain_window_s=10.0)
     q.offer(Item("a", 5))
     q.offer(Item("b", 5))
-    assert q.retry_after_ms() == 30_000  # nothing drained yet
+    assert q.retry_after_ms() == 1_000  # nothing drained yet: the 'unknown' default
     clock.t += 10.0
     list(q.pop_ready(lambda item: True))
     q.offer(Item("c", 5))
@@ -193,4 +194,4 @@ def test_retry_after_from_drain_rate():
     # Old drains age out of the window.
     clock.t += 11.0
     assert q.drain_rate() == (0.0, 0.0)
-    assert q.retry_after_ms() == 30_000
+    assert q.retry_after_ms() == 1_000
