@@ -16,7 +16,7 @@ import torch
 from workers.random_model import init_random
 
 # The tiny model forward is cheap and two threads keep the suite predictable on small CI boxes.
-torch.set_num_threads(2)
+torch.set_num_threads(1)
 
 # Longest continuation any test asks the oracle for; every request is computed to this length.
 HF_MAX_NEW_TOKENS = 24

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import operator
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -152,17 +153,23 @@ class LLMEngine:
         return req
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        """Prompt text or ids -> validated token ids."""
+        """Prompt text or ids -> validated token ids (ValueError naming the problem)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("text prompt given but the model has no tokenizer.json; pass token ids")
             token_ids = self.tokenizer.encode(prompt)
         else:
-            token_ids = list(prompt)
+            if any(isinstance(t, bool) for t in prompt):
+                raise ValueError("prompt token ids must be integers, not booleans")
+            try:
+                # operator.index takes ints and numpy integers, refuses floats and strings.
+                token_ids = [operator.index(t) for t in prompt]
+            except TypeError as e:
+                raise ValueError(f"prompt token ids must be integers: {e}") from e
         if not token_ids:
             raise ValueError("prompt is empty")
         vocab = self.model_config.vocab_size
-        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
         return token_ids

@@ -265,6 +265,12 @@ class Scheduler:
             return False
         return mode == "swap" or req.num_computed_tokens >= self.config.swap_min_tokens
 
+    def _watermark(self) -> int:
+        """Blocks admission keeps free. NOTE: waived while nothing runs: the watermark exists to keep
+        running requests from thrashing, and holding it then could leave a request that needs the
+        whole pool waiting forever on an empty pool."""
+        return self.watermark_blocks if self.running else 0
+
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
         """Bring swapped requests back in arrival order while blocks (and the budget) allow."""
         self.swapped.sort(key=lambda r: (r.request_id not in self._swap_in_first, _importance(r)))
@@ -276,7 +282,7 @@ class Scheduler:
             # Re-reserve what the request held (a chunked prefill reserved its whole prompt).
             released = req.num_released_blocks
             need = max(len(req.swap_table), blocks_for(req.num_tokens, self.block_size) - released)
-            if self.pool.num_free_blocks - need < self.watermark_blocks:
+            if self.pool.num_free_blocks - need < self._watermark():
                 break
             blocks = self.pool.allocate(need)
             assert blocks is not None
@@ -304,7 +310,7 @@ class Scheduler:
                 footprint = max(footprint, self._reservation(req.num_prompt_tokens, req.sampling_params.max_tokens))
             need = blocks_for(footprint, bs) - len(hits)
             revived = sum(1 for b in hits if self.pool.ref_cnt[b] == 0)
-            if self.pool.num_free_blocks - revived - need < self.watermark_blocks:
+            if self.pool.num_free_blocks - revived - need < self._watermark():
                 break
             self.waiting.pop(0)
             self.pool.touch(hits)

@@ -44,13 +44,13 @@ def _assert_serves(llm: LLM, ref: list[int]) -> None:
         ([1] * 81, GREEDY, "max_model_len"),
         ([5, 32000, 7], GREEDY, "vocabulary"),
         ([5, -1], GREEDY, "vocabulary"),
-        ([5, 7.0], GREEDY, "vocabulary"),
+        ([5, 7.0], GREEDY, "integers"),
+        ([5, True], GREEDY, "booleans"),
         ([], GREEDY, "empty"),
-        # 70 + 40 -> 80 tokens (max_model_len) = 5 blocks: fits; 97 would not but is capped.
-        # Needs 7 blocks for the prompt alone of a 6-block pool: never fits.
+        # The boundary: a prompt of exactly max_model_len tokens is accepted (match None).
         ([1] * 80, SamplingParams(max_tokens=1, temperature=0.0), None),
     ],
-    ids=["too-long", "id-too-big", "id-negative", "id-float", "empty", "max-len-prompt-ok"],
+    ids=["too-long", "id-too-big", "id-negative", "id-float", "id-bool", "empty", "max-len-prompt-ok"],
 )
 def test_bad_prompt_raises_before_allocating(llm: LLM, hf_greedy, tiny_llama_dir: Path, prompt, params, match) -> None:
     engine = llm.engine
@@ -154,6 +154,29 @@ def test_abort_mid_generation_frees_blocks(llm: LLM) -> None:
     assert engine.pool.stats().used == 0 and not engine.has_unfinished_requests()
     engine.check_integrity()
     assert engine.step() == []
+
+
+def test_abort_swapped_request_frees_host_blocks(tiny_llama_dir: Path, hf_greedy) -> None:
+    llm = LLM(str(tiny_llama_dir), device="cpu", block_size=16, num_gpu_blocks=8, swap_space=0.001)
+    engine = llm.engine
+    assert engine.swap_pool is not None
+    engine.add_request("a", [3] * 20, GREEDY)
+    engine.add_request("b", PROMPT, GREEDY)
+    tokens: list[int] = []
+    for _ in range(2):
+        tokens += [t for o in engine.step() if o.request_id == "b" for t in o.new_token_ids]
+    assert engine.preempt_request("a", mode="swap")  # a router command: KV copied to the host
+    assert engine.swap_pool.stats().used == 2 and engine.pool.stats().used == 2
+    engine.check_integrity()
+    out = engine.abort_request("a")
+    assert out is not None and out.finish_reason == "abort"
+    assert engine.swap_pool.stats().used == 0 and engine.pool.stats().used == 2
+    engine.check_integrity()
+    while engine.has_unfinished_requests():
+        tokens += [t for o in engine.step() for t in o.new_token_ids]
+        engine.check_integrity()
+    assert tokens == hf_greedy(tiny_llama_dir, [PROMPT], N)[0]
+    assert engine.pool.stats().used == 0
 
 
 def test_abort_while_waiting(llm: LLM) -> None:

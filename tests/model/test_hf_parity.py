@@ -133,7 +133,12 @@ def test_chunked_prefill_matches_hf(model_dir: Path, hf_greedy) -> None:
 
 @pytest.mark.parametrize("block_size", [16, 1])
 def test_prefix_cache_hits_match_hf(model_dir: Path, hf_greedy, block_size: int) -> None:
-    prompts = [PREFIX_A, PREFIX_B, PREFIX]
+    ref_a = hf_greedy(model_dir, [PREFIX_A], N)[0]
+    # A follow-up turn: PREFIX_A (37 tokens) + 11 of its outputs = 48 tokens, 3 full blocks of 16.
+    # Block 2 filled up during decode, so it is cached only if decode-filled blocks are hashed.
+    follow = PREFIX_A + ref_a[:11] + _rand_ids(5, 10)
+    assert follow[48] != ref_a[11]
+    prompts = [PREFIX_A, PREFIX_B, PREFIX, follow]
     ref = hf_greedy(model_dir, prompts, N)
     llm = _llm(model_dir, block_size=block_size, num_gpu_blocks=1024 // block_size)
     first = _generate(llm, [PREFIX_A])
@@ -141,10 +146,10 @@ def test_prefix_cache_hits_match_hf(model_dir: Path, hf_greedy, block_size: int)
     # A second call: the first request's blocks are cached by now. PREFIX_B shares exactly the
     # 32-token PREFIX; PREFIX itself is a full hit (a multiple of the block size).
     later = _generate(llm, [PREFIX_B, PREFIX])
-    _assert_tokens(first + later, prompts, ref)
-    assert later[0].num_cached_tokens == 32
-    assert later[1].num_cached_tokens == 32
-    assert llm.engine.scheduler.prefix_hits == 64
+    last = _generate(llm, [follow])
+    _assert_tokens(first + later + last, prompts, ref)
+    assert [o.num_cached_tokens for o in later + last] == [32, 32, 48]
+    assert llm.engine.scheduler.prefix_hits == 32 + 32 + 48
 
 
 def test_full_prefix_hit_resubmitted(tiny_llama_dir: Path, hf_greedy) -> None:
@@ -169,13 +174,27 @@ def test_full_prefix_hit_on_blocks_in_use(tiny_qwen2_dir: Path, hf_greedy) -> No
             cached[out.request_id] = out.num_cached_tokens
         engine.check_integrity()
 
+    # Every KV write of a step must land in a block only the writing request holds.
+    prepare = engine.runner.prepare_inputs
+
+    def spy_prepare(batch):
+        inputs = prepare(batch)
+        slots = inputs[2].slot_mapping.tolist()
+        written = {s // 16 for s in slots if s >= 0}
+        assert all(engine.pool.ref_cnt[blk] == 1 for blk in written), (written, slots)
+        return inputs
+
+    engine.runner.prepare_inputs = spy_prepare  # type: ignore[method-assign]
     a = engine.add_request("a", PREFIX, GREEDY)
     step()  # a's prefill: its two full blocks are cached now, and still held by a
     shared = a.block_table[:2]
+    kv_before = [layer[:, shared].clone() for layer in engine.kv_cache.layers]
     b = engine.add_request("b", PREFIX, GREEDY)
-    step()
+    step()  # b recomputes its last prompt token for logits, but must not rewrite a's block
     assert b.block_table[:2] == shared
     assert [engine.pool.ref_cnt[x] for x in shared] == [2, 2]
+    for before, layer in zip(kv_before, engine.kv_cache.layers, strict=True):
+        assert torch.equal(layer[:, shared], before)
     while engine.has_unfinished_requests():
         step()
     assert tokens == {"a": ref, "b": ref}

@@ -332,14 +332,20 @@ def test_swap_falls_back_to_recompute_when_host_space_is_short() -> None:
 
 
 def test_check_fits() -> None:
-    s = _sched(10, watermark=0.2, max_model_len=64)  # 40 tokens; 32 admissible for a prompt
-    s.check_fits(32, 8)
-    with pytest.raises(ValueError, match="prompt of 33 tokens"):
-        s.check_fits(33, 1)
+    s = _sched(10, max_model_len=64)  # 40 tokens
     s.check_fits(8, 32)  # 40 tokens: the whole pool
     with pytest.raises(ValueError, match="prompt \\+ max_tokens"):
         s.check_fits(8, 33)
+    with pytest.raises(ValueError, match="prompt of 41 tokens"):
+        s.check_fits(41, 1)
     assert s.pool.stats().used == 0 and not s.waiting
+
+
+def test_check_fits_keeps_the_watermark_for_the_prompt() -> None:
+    s = _sched(10, watermark=0.2)  # 2 of 10 blocks kept free at admission: 32 prompt tokens at most
+    s.check_fits(31, 1)
+    with pytest.raises(ValueError, match="prompt of 33 tokens"):
+        s.check_fits(33, 1)
 
 
 def test_check_fits_clamps_to_max_model_len() -> None:
@@ -354,3 +360,24 @@ def test_config_validation() -> None:
         SchedulerConfig(watermark=1.0)
     with pytest.raises(ValueError):
         SchedulerConfig(preemption_mode="drop")
+
+
+def test_preempted_request_is_readmitted_once_the_pool_drains() -> None:
+    s = _sched(10, block_size=1, watermark=0.2)  # 2 blocks kept free at admission
+    try:
+        s.check_fits(6, 4)  # 6 + 4 tokens = the whole pool
+    except ValueError:
+        return  # rejected up front is a fine answer too: then it can never get stuck
+    long = _req("long", [1] * 6)
+    short = _req("short", [2], priority=1)
+    s.add(long)
+    _step(s)
+    s.add(short)
+    for _ in range(3):  # the pool runs dry; the less important long request is preempted at 9 tokens
+        _step(s)
+    assert long.status is RequestStatus.WAITING and long.num_tokens == 9
+    s.finish(short, "length")
+    assert s.pool.stats().used == 0
+    out, _ = _step(s)  # an empty pool: the only waiting request must run
+    assert [r.request_id for r, _ in out.scheduled] == ["long"]
+    assert long.status is RequestStatus.RUNNING
