@@ -2,12 +2,15 @@
 
 The router actor goes on the node that runs this code (the head, in a deployment), so its gRPC
 and metrics ports are where a Kubernetes Service or a user expects them. Workers get one GPU each
-on CUDA clusters, or ``cpus_per_worker`` CPUs (and as many torch threads) otherwise.
+on CUDA clusters, or ``cpus_per_worker`` CPUs (and as many torch threads) otherwise. With
+``spread=True`` the workers go into one placement group (strategy SPREAD: distinct nodes where
+there are enough), so a multi-node cluster serves from all of its nodes.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +31,7 @@ class Cluster:
     address: str  # router's gRPC host:port
     metrics_port: int | None = None
     owns_ray: bool = False
+    placement_group: Any = None  # the workers' placement group (spread=True), removed on shutdown
     _stopped: bool = field(default=False, repr=False)
 
     def shutdown(self) -> None:
@@ -48,6 +52,11 @@ class Cluster:
         except Exception:  # noqa: BLE001
             pass
         ray.kill(self.router)
+        if self.placement_group is not None:
+            try:
+                ray.util.remove_placement_group(self.placement_group)
+            except Exception:  # noqa: BLE001
+                pass
         if self.owns_ray:
             ray.shutdown()
 
@@ -64,6 +73,7 @@ def start_cluster(
     worker_options: WorkerOptions | None = None,
     name: str | None = None,
     ready_timeout_s: float = 300.0,
+    spread: bool = False,
 ) -> Cluster:
     """Bring up a serving cluster; returns once every worker's WorkerLink has said Hello.
 
@@ -72,12 +82,14 @@ def start_cluster(
         num_workers: worker actors to start.
         router_config: the router's (host, port, auth, TLS, queue, placement...).
         address: Ray address to join ("auto", "host:port"); None starts a local Ray if none runs.
-        metrics_port: serve Prometheus ``/metrics`` here (None = off).
+        metrics_port: serve Prometheus ``/metrics`` here (None = off, 0 = a free port, see
+            ``Cluster.metrics_port``).
         use_gpus: one GPU per worker; None = when the Ray cluster has GPUs.
         name: name the router actor (detached) so ``kvserve status`` and a restarted CLI find it.
+        spread: place the workers on distinct nodes where possible (placement group, SPREAD).
     """
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
     from router.server import router_actor_class
     from workers.worker import worker_actor_class
@@ -92,11 +104,19 @@ def start_cluster(
     if use_gpus is None:
         use_gpus = ray.cluster_resources().get("GPU", 0) >= 1
     here = ray.get_runtime_context().get_node_id()
+    if metrics_port == 0:
+        metrics_port = _free_port(router_config.host)  # the router runs on this node
     router_opts: dict[str, Any] = {"scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)}
     if name:
         router_opts.update(name=name, lifetime="detached", get_if_exists=False)
     router = router_actor_class().options(**router_opts).remote(router_config, metrics_port)
-    router_address = ray.get(router.start.remote())
+    try:
+        router_address = ray.get(router.start.remote())
+    except BaseException:  # e.g. the port is taken: leave no (detached) router behind
+        ray.kill(router)
+        if owns_ray:
+            ray.shutdown()
+        raise
     link_address = router_address
     if router_config.host in ("0.0.0.0", "::"):
         link_address = f"{ray.util.get_node_ip_address()}:{router_address.rsplit(':', 1)[1]}"
@@ -106,20 +126,36 @@ def start_cluster(
     )
     actor = worker_actor_class()
     workers: dict[str, Any] = {}
+    resources = {"num_gpus": 1, "num_cpus": 1} if use_gpus else {"num_cpus": cpus_per_worker}
+    pg = None
+    if spread:
+        bundle = {"GPU": 1, "CPU": 1} if use_gpus else {"CPU": cpus_per_worker}
+        pg = ray.util.placement_group([dict(bundle) for _ in range(num_workers)], strategy="SPREAD")
     for i in range(num_workers):
         worker_id = f"worker-{i}"
-        resources = {"num_gpus": 1, "num_cpus": 1} if use_gpus else {"num_cpus": cpus_per_worker}
-        workers[worker_id] = actor.options(**resources).remote(
+        opts: dict[str, Any] = dict(resources)
+        if pg is not None:
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+        workers[worker_id] = actor.options(**opts).remote(
             worker_id, engine_config, options, None if use_gpus else cpus_per_worker
         )
     t0 = time.monotonic()
     try:
+        if pg is not None:
+            ray.get(pg.ready(), timeout=ready_timeout_s)
         infos = ray.get([w.ready.remote() for w in workers.values()], timeout=ready_timeout_s)
         for (worker_id, handle), info in zip(workers.items(), infos, strict=True):
             ray.get(router.add_worker.remote(worker_id, handle, info))
         ray.get(router.wait_for_workers.remote(list(workers), ready_timeout_s))
     except BaseException:
-        Cluster(router, workers, router_address, metrics_port, owns_ray).shutdown()
+        Cluster(router, workers, router_address, metrics_port, owns_ray, pg).shutdown()
         raise
     logger.info("cluster up in %.1fs: router %s, %d workers", time.monotonic() - t0, router_address, num_workers)
-    return Cluster(router, workers, router_address, metrics_port, owns_ray)
+    return Cluster(router, workers, router_address, metrics_port, owns_ray, pg)
+
+
+def _free_port(host: str) -> int:
+    """A port free on ``host`` right now (the kernel's pick; a race is possible but unlikely)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

@@ -127,8 +127,10 @@ def prefill_attention(
     starts = cu_seqlens_q.tolist()
     lens = context_lens.tolist()
     dev = query.device
-    # NOTE: one iteration per sequence (not per token); each is a single batched SDPA call, the
-    # query heads sharing a KV head reading it in place (enable_gqa) rather than from a repeated copy.
+    # NOTE: one iteration per sequence (not per token), each a single SDPA call. The 4-D form with
+    # enable_gqa takes torch's fused CPU (flash) kernel: the query heads sharing a KV head read it in
+    # place, and no [q_len, ctx] score matrix is materialized (3-D inputs fall back to the math path).
+    gqa = num_kv_heads != num_heads
     for s, ctx in enumerate(lens):
         q0, q1 = starts[s], starts[s + 1]
         q_len = q1 - q0
@@ -138,20 +140,16 @@ def prefill_attention(
         first = max(0, ctx - q_len - sliding_window + 1) if sliding_window is not None else 0
         k_pos = torch.arange(first, ctx, device=dev)
         keys, values = _gather_head_major(kv_cache, block_tables[s : s + 1], k_pos.unsqueeze(0), query.dtype)
-        q = query[q0:q1].transpose(0, 1)  # [num_heads, q_len, head_dim]
-        k, v = keys[:, 0], values[:, 0]  # [kv_heads, ctx - first, head_dim]
+        q = query[q0:q1].transpose(0, 1).unsqueeze(0)  # [1, num_heads, q_len, head_dim]
+        k, v = keys.transpose(0, 1), values.transpose(0, 1)  # [1, kv_heads, ctx - first, head_dim]
         if first == 0 and q_len == ctx and sliding_window is None:
-            # A whole prompt: plain causal attention (SDPA's fused path, no mask tensor).
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=scale, enable_gqa=num_kv_heads != num_heads
-            )
+            # A whole prompt: plain causal attention, no mask tensor.
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             q_pos = torch.arange(ctx - q_len, ctx, device=dev).unsqueeze(1)
             mask = _window_mask(q_pos, k_pos.unsqueeze(0), sliding_window)  # [q_len, ctx - first]
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=scale, enable_gqa=num_kv_heads != num_heads
-            )
-        out[q0:q1] = o.transpose(0, 1)
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[q0:q1] = o[0].transpose(0, 1)
     return out
 
 

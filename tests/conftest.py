@@ -15,7 +15,8 @@ import torch
 
 from workers.random_model import init_random
 
-# The tiny model forward is cheap and two threads keep the suite predictable on small CI boxes.
+# One thread: the tiny model is overhead-bound, and on a 2-core box spinning OpenMP threads would
+# fight the Ray workers that integration tests run beside the test process.
 torch.set_num_threads(1)
 
 # Longest continuation any test asks the oracle for; every request is computed to this length.

@@ -199,3 +199,7 @@ class CausalLM(nn.Module):
         hidden = self.norm(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return nn.functional.linear(hidden, weight).float()
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> list[int]:
+        """``compute_logits(hidden).argmax(-1)`` (ties -> lowest id), without keeping the logits."""
+        return self.compute_logits(hidden).argmax(dim=-1).tolist()

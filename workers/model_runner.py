@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import logging
+
+import numpy as np
 import torch
 
 from workers.attention_metadata import AttentionMetadata
@@ -11,11 +16,25 @@ from workers.request import Request
 from workers.sampler import Sampler
 from workers.scheduler import SchedulerOutput
 
+logger = logging.getLogger(__name__)
 
-def _pad_tables(tables: list[list[int]]) -> torch.Tensor:
-    width = max((len(t) for t in tables), default=0)
-    # NOTE: padding with block 0 is safe: kernels never read past a sequence's context length.
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).reshape(len(tables), width)
+
+def keep_freed_heap_memory() -> bool:
+    """Ask glibc malloc to keep freed big buffers for reuse instead of returning them to the OS.
+
+    NOTE: a CPU forward allocates the same multi-MB activations every step (logits alone are
+    ``num_seqs x vocab`` floats). By default glibc serves each from a fresh ``mmap`` and unmaps it on
+    free, so every step page-faults its whole working set in again (measured: a third of the step
+    time goes to the kernel). Raising the mmap and trim thresholds lets the heap recycle them. Process
+    wide, harmless for other code; returns False where there is no glibc.
+    """
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 1 << 31 - 1))
+    except (OSError, AttributeError, TypeError):
+        return False
 
 
 class ModelRunner:
@@ -28,6 +47,8 @@ class ModelRunner:
         self.sampler = sampler
         self.device = kv_cache.device
         self.block_size = kv_cache.block_size
+        if self.device.type == "cpu" and not keep_freed_heap_memory():
+            logger.info("mallopt unavailable: big CPU buffers are re-faulted every step")
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[int | None]:
@@ -40,57 +61,74 @@ class ModelRunner:
         input_ids, positions, attn, sample_rows, sample_reqs = self.prepare_inputs(batch)
         hidden = self.model(input_ids, positions, self.kv_cache.layers, attn)
         sampled: list[int | None] = [None] * len(out.scheduled)
-        if sample_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        if sample_reqs:
             reqs = [batch[j][0] for j in sample_reqs]
-            tokens = self.sampler(logits, [r.sampling_params for r in reqs], [r.generator for r in reqs])
+            hidden = hidden if len(sample_rows) == hidden.shape[0] else hidden[sample_rows]
+            params = [r.sampling_params for r in reqs]
+            if all(p.greedy for p in params):
+                tokens = self.model.greedy_tokens(hidden)  # no [n, vocab] logits: see CausalLM
+            else:
+                tokens = self.sampler(self.model.compute_logits(hidden), params, [r.generator for r in reqs])
             for j, tok in zip(sample_reqs, tokens, strict=True):
                 sampled[order[j]] = tok
         return sampled
 
     def prepare_inputs(
         self, batch: list[tuple[Request, int]]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[int]]:
+        """Flat inputs of a batch ordered [decodes | prefill chunks].
+
+        Returns token ids and positions ``[num_tokens]``, the attention metadata, the rows whose
+        hidden state gets sampled (``[num_sampled]`` int64) and their indices into ``batch``.
+        """
         bs = self.block_size
+        num_reqs = len(batch)
         ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        dec_tables: list[list[int]] = []
-        dec_lens: list[int] = []
-        pre_tables: list[list[int]] = []
-        pre_lens: list[int] = []
-        cu_q = [0]
-        sample_rows: list[int] = []
+        starts = np.empty(num_reqs, dtype=np.int64)
+        counts = np.empty(num_reqs, dtype=np.int64)
+        skip = np.empty(num_reqs, dtype=np.int64)
         sample_reqs: list[int] = []
+        tables = [req.block_table for req, _ in batch]
+        width = max(map(len, tables), default=0)
+        table = np.zeros((num_reqs, width), dtype=np.int64)
+        # NOTE: the only per-request Python: list slices and one row copy each; the per-token work
+        # (positions, slots) is vectorised below. Padding with block 0 is safe: kernels never read
+        # past a sequence's context length.
         for j, (req, n) in enumerate(batch):
             start = req.num_computed_tokens
-            end = start + n
-            ids.extend(req.all_token_ids[start:end])
-            pos.extend(range(start, end))
-            table = req.block_table
-            slots.extend(
-                -1 if p < req.skip_store_below else table[p // bs] * bs + p % bs for p in range(start, end)
-            )
-            if n == 1:
-                dec_tables.append(table)
-                dec_lens.append(end)
-            else:
-                pre_tables.append(table)
-                pre_lens.append(end)
-                cu_q.append(cu_q[-1] + n)
-            if end == req.num_tokens:
-                sample_rows.append(len(ids) - 1)
+            ids += req.all_token_ids[start : start + n]
+            starts[j], counts[j], skip[j] = start, n, req.skip_store_below
+            table[j, : len(tables[j])] = tables[j]
+            if start + n == req.num_tokens:
                 sample_reqs.append(j)
+        num_tokens = len(ids)
+        ends = starts + counts
+        # positions: start_j, start_j + 1, ... for each request j, concatenated.
+        row = np.repeat(np.arange(num_reqs), counts)  # [num_tokens] request of each token
+        cu = np.cumsum(counts)
+        pos = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - (cu - counts), counts)
+        slots = table[row, pos // bs] * bs + pos % bs
+        slots[pos < skip[row]] = -1
+        num_dec = int((counts == 1).sum())  # decodes (one new token) come first
         dev = self.device
         attn = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            num_decode_tokens=len(dec_lens),
-            decode_block_tables=_pad_tables(dec_tables).to(dev),
-            decode_context_lens=torch.tensor(dec_lens, dtype=torch.int32, device=dev),
-            prefill_block_tables=_pad_tables(pre_tables).to(dev),
-            prefill_cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=dev),
-            prefill_context_lens=torch.tensor(pre_lens, dtype=torch.int32, device=dev),
+            slot_mapping=_to(slots, dev),
+            num_decode_tokens=num_dec,
+            decode_block_tables=_to(_trim(table[:num_dec], ends[:num_dec], bs), dev, torch.int32),
+            decode_context_lens=_to(ends[:num_dec], dev, torch.int32),
+            prefill_block_tables=_to(_trim(table[num_dec:], ends[num_dec:], bs), dev, torch.int32),
+            prefill_cu_seqlens_q=_to(np.concatenate(([0], cu[num_dec:] - num_dec)), dev, torch.int32),
+            prefill_context_lens=_to(ends[num_dec:], dev, torch.int32),
         )
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
-        return input_ids, positions, attn, sample_rows, sample_reqs
+        sample_rows = _to(cu[sample_reqs] - 1, dev)
+        return _to(np.asarray(ids, dtype=np.int64), dev), _to(pos, dev), attn, sample_rows, sample_reqs
+
+
+def _trim(table: np.ndarray, context_lens: np.ndarray, block_size: int) -> np.ndarray:
+    """The columns of a block table its sequences' contexts reach."""
+    width = int(-(-context_lens.max() // block_size)) if len(context_lens) else 0
+    return table[:, :width]
+
+
+def _to(a: np.ndarray, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)

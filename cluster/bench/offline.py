@@ -19,8 +19,9 @@ Metrics (one value per run; the summary is the median over runs):
 * ``kv_waste``: KV slots reserved but not holding a token, sampled after every step over the running
   requests. For each running request ``r`` (block size ``B``)::
 
-      reserved(r) = len(r.block_table) * B
-      holding(r)  = min(r.num_tokens, reserved(r))   # prompt + outputs, incl. the token just sampled
+      reserved(r) = len(r.live_blocks) * B      # blocks it holds (sliding window: released ones excluded)
+      holding(r)  = min(r.num_tokens - r.num_released_blocks * B, reserved(r))
+                                                # prompt + outputs, incl. the token just sampled
 
   and ``kv_waste = 1 - sum(holding) / sum(reserved)``, both sums taken over every request of every
   step (a slot-time weighted ratio). A block shared by two requests (prefix hit) counts once per holder.
@@ -154,9 +155,10 @@ def run_workload(
                 if out.finished:
                     advance()
             for r in sched.running:
-                slots = len(r.block_table) * bs
+                released = r.num_released_blocks * bs  # sliding window: blocks behind it went back
+                slots = len(r.block_table) * bs - released
                 reserved += slots
-                holding += min(r.num_tokens, slots)
+                holding += min(r.num_tokens - released, slots)
             flops += _flops_per_step(mc, clock.last_scheduled, len(outs))
             engine.pool.drain_events()  # as a worker does every step; keeps the event list short
         seconds = time.perf_counter() - t_start
