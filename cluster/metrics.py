@@ -8,7 +8,12 @@ as tokens arrive.
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+import socket
+import threading
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import Counter, Gauge, Histogram, make_wsgi_app
 
 from protos.kvserve.v1 import worker_pb2 as pb
 
@@ -71,3 +76,33 @@ def observe_pressure(r: pb.PressureReport) -> None:
     PREEMPTIONS.labels("swap").inc(swaps)
     PREFIX_QUERIES.labels(w).inc(totals[2] - prev[2])
     PREFIX_HITS.labels(w).inc(totals[3] - prev[3])
+
+
+class _MetricsServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
+        pass
+
+
+def start_metrics_server(port: int, addr: str = "127.0.0.1") -> WSGIServer:
+    """Serve ``/metrics`` on ``addr:port`` (a daemon thread), always in the Prometheus text format.
+
+    NOTE: prometheus_client >= 0.22 writes OpenMetrics sample names with ':' turned into '_' while
+    their ``# TYPE`` lines keep it (prometheus/client_python#1177). Prometheus asks for OpenMetrics
+    first, so it would store ``kvserve_*`` instead of the ``kvserve:*`` names every alert and panel
+    uses. The text format (what a scraper gets without an Accept header) keeps the names as defined.
+    """
+    app = make_wsgi_app()
+
+    def text_format(environ: dict, start_response):  # noqa: ANN202 - WSGI
+        environ.pop("HTTP_ACCEPT", None)
+        return app(environ, start_response)
+
+    server_class = type("MetricsServer", (_MetricsServer,), {"address_family": socket.AF_INET6 if ":" in addr
+                                                              else socket.AF_INET})  # fmt: skip
+    httpd = make_server(addr, port, text_format, server_class, handler_class=_QuietHandler)
+    threading.Thread(target=httpd.serve_forever, name="kvserve-metrics", daemon=True).start()
+    return httpd

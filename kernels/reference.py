@@ -11,7 +11,13 @@ Every function here has the same signature as its Triton twin in ``kernels.atten
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+
+# NOTE: the CPU decode path builds sparse CSR patterns (see _decode_attention_in_place); torch warns once
+# that CSR support is "beta". The ops used (sampled_addmm, CSR construction) are long-standing.
+warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state", category=UserWarning)
 
 
 def store_kv(
@@ -63,6 +69,71 @@ def _gather_head_major(
     return keys, values
 
 
+# Decode contexts are gathered in groups of similar length, each padded to its longest member. A new
+# group costs a dozen small ops (~0.1 ms on CPU); it is opened when it saves copying at least this much.
+_SPLIT_BYTES = 1 << 20
+_MAX_GROUPS = 4
+
+
+def _length_groups(num_blocks: list[int], block_bytes: int) -> list[list[int]]:
+    """Sequence indices grouped by block count (longest first) so that padding each group to its
+    longest member copies little more than the sequences' own blocks."""
+    order = sorted(range(len(num_blocks)), key=lambda i: -num_blocks[i])
+    groups, start = [], 0
+    for k in range(1, len(order)):
+        width, n = num_blocks[order[start]], num_blocks[order[k]]
+        saved = (width - n) * (len(order) - k) * block_bytes  # padding not copied if k opens a group
+        if len(groups) < _MAX_GROUPS - 1 and 4 * n <= 3 * width and saved >= _SPLIT_BYTES:
+            groups.append(order[start:k])
+            start = k
+    groups.append(order[start:])
+    return groups
+
+
+def _decode_attention_in_place(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim] fp32/fp64 on CPU
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], same dtype
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """Decode attention that reads K and V rows where they lie in the paged cache: no gathered copy.
+
+    Each (sequence, query head) is one row of a sparse pattern whose columns are the cache rows
+    ``slot * num_kv_heads + kv_head`` of its visible tokens. ``Q K^T`` is then a sampled dense-dense
+    product (only those dot products), and ``P V`` an embedding bag (per-row weighted sum of V rows).
+    Contexts are padded to the longest with a repeat of the sequence's first visible token at
+    probability 0, so the pattern is a dense ``[rows, width]`` grid.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    dev = query.device
+    lens = context_lens.long()
+    first = (lens - sliding_window).clamp_min(0) if sliding_window is not None else torch.zeros_like(lens)
+    width = int((lens - first).max())
+    pos = first.unsqueeze(1) + torch.arange(width, device=dev)  # [num_seqs, width]
+    visible = pos < lens.unsqueeze(1)
+    pos = torch.where(visible, pos, first.unsqueeze(1))
+    slots = block_tables.long().gather(1, pos // block_size) * block_size + pos % block_size
+    kv_head = torch.arange(num_heads, device=dev) // (num_heads // num_kv_heads)
+    rows = slots.unsqueeze(1) * num_kv_heads + kv_head.view(1, -1, 1)  # [num_seqs, num_heads, width]
+    n = num_seqs * num_heads
+    flat = kv_cache.reshape(2, num_blocks * block_size * num_kv_heads, head_dim)
+    pattern = torch.sparse_csr_tensor(
+        torch.arange(0, n * width + 1, width, device=dev),
+        rows.view(-1),
+        query.new_zeros(n * width),
+        size=(n, flat.shape[1]),
+        check_invariants=False,
+    )
+    scores = torch.sparse.sampled_addmm(pattern, query.reshape(n, head_dim), flat[0].t(), beta=0.0, alpha=scale)
+    scores = scores.values().view(num_seqs, num_heads, width).masked_fill_(~visible.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(n, width)
+    out = torch.nn.functional.embedding_bag(rows.view(n, width), flat[1], per_sample_weights=probs, mode="sum")
+    return out.view(num_seqs, num_heads, head_dim)
+
+
 def decode_attention(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -73,38 +144,58 @@ def decode_attention(
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """One query token per sequence attending to its whole cached context (or its last ``sliding_window``).
 
-    The contexts are gathered padded to the longest one (padding repeats a real token of the same
-    sequence and gets a ``-inf`` score), per KV head, and the ``group`` query heads sharing a KV head
-    run as the rows of one small GEMM: ``[group, head_dim] x [head_dim, width]`` per (KV head, sequence).
-    Positions outside a sequence's window are never read.
+    Sequences are grouped by length; per group, the blocks of every context are gathered whole (one
+    row copy per block) and padded to the group's longest, then each KV head runs two batched GEMMs
+    over the group, its ``group`` query heads as the rows: ``[group, head_dim] x [head_dim, ctx]``.
+    Blocks wholly outside a sliding window are not read.
+
+    NOTE: positions past a context's end (the last block's tail, padding blocks) are read and get a
+    ``-inf`` score, so their probability is exactly 0; like the original reference this relies on the
+    pool holding finite values there (the engine zero-fills it and only ever stores computed K/V).
     """
     num_seqs, num_heads, head_dim = query.shape
-    num_kv_heads = kv_cache.shape[3]
+    _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
+    out = query.new_empty(num_seqs, num_heads, head_dim)
     if num_seqs == 0:
-        return query.new_empty(query.shape)
+        return out
+    if query.device.type == "cpu" and query.dtype in (torch.float32, torch.float64) and kv_cache.dtype == query.dtype:
+        return _decode_attention_in_place(query, kv_cache, block_tables, context_lens, scale, sliding_window)
     dev = query.device
     lens = context_lens.long()
-    first = (lens - sliding_window).clamp_min(0) if sliding_window is not None else torch.zeros_like(lens)
-    width = int((lens - first).max())
-    pos = first.unsqueeze(1) + torch.arange(width, device=dev)  # [num_seqs, width]
-    valid = pos < lens.unsqueeze(1)
-    pos = torch.where(valid, pos, first.unsqueeze(1))  # padding reads the sequence's first visible token
-    keys, values = _gather_head_major(kv_cache, block_tables, pos, query.dtype)  # [kv_heads, seqs, width, d]
-    bias = torch.zeros(num_seqs, width, dtype=query.dtype, device=dev).masked_fill_(~valid, float("-inf"))
-    q = query.reshape(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1)  # [kv_heads, seqs, group, d]
-    batch = num_kv_heads * num_seqs
-    scores = torch.baddbmm(
-        bias.expand(num_kv_heads, num_seqs, width).reshape(batch, 1, width),
-        q.reshape(batch, group, head_dim),
-        keys.view(batch, width, head_dim).transpose(1, 2),
-        alpha=scale,
-    )  # [kv_heads * seqs, group, width]
-    probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
-    out = torch.bmm(probs, values.view(batch, width, head_dim))  # [kv_heads * seqs, group, d]
-    return out.view(num_kv_heads, num_seqs, num_heads // num_kv_heads, head_dim).transpose(0, 1).reshape(
-        num_seqs, num_heads, head_dim
-    )
+    first_block = (lens - sliding_window).clamp_min(0) // block_size if sliding_window else torch.zeros_like(lens)
+    end_block = (lens + block_size - 1) // block_size
+    block_bytes = 2 * block_size * num_kv_heads * head_dim * kv_cache.element_size()
+    q_all = query.reshape(num_seqs, num_kv_heads, group, head_dim)
+    flat = kv_cache.reshape(2 * num_blocks, block_size * num_kv_heads * head_dim)  # row = (K|V, block)
+    groups = _length_groups((end_block - first_block).tolist(), block_bytes)
+    for members in groups:
+        idx = None if len(groups) == 1 else torch.tensor(members, device=dev)
+        pick = (lambda t: t) if idx is None else (lambda t: t.index_select(0, idx))  # noqa: E731
+        first, end, seq_lens = pick(first_block), pick(end_block), pick(lens)
+        n = len(members)
+        width = int((end - first).max())
+        cols = first.unsqueeze(1) + torch.arange(width, device=dev)  # [n, width] block-table columns
+        cols = torch.minimum(cols, end.unsqueeze(1) - 1)  # padding re-reads the last block
+        blocks = pick(block_tables).long().gather(1, cols).view(-1)
+        kv = flat.index_select(0, torch.cat((blocks, blocks + num_blocks)))
+        kv = kv.view(2, n, width * block_size, num_kv_heads, head_dim).to(query.dtype)
+        # Token position of each gathered slot; visible iff inside [window start, context end).
+        pos = (first * block_size).unsqueeze(1) + torch.arange(width * block_size, device=dev)
+        hidden_pos = pos >= seq_lens.unsqueeze(1)  # [n, ctx]
+        if sliding_window:
+            hidden_pos |= pos <= (seq_lens - 1 - sliding_window).unsqueeze(1)
+        q = pick(q_all)
+        scores = torch.stack([torch.bmm(q[:, h], kv[0, :, :, h].transpose(1, 2)) for h in range(num_kv_heads)])
+        scores = scores.mul_(scale).masked_fill_(hidden_pos.view(1, n, 1, -1), float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)  # [kv_heads, n, group, ctx]
+        o = torch.stack([torch.bmm(probs[h], kv[1, :, :, h]) for h in range(num_kv_heads)], dim=1)
+        o = o.view(n, num_heads, head_dim)
+        if idx is None:
+            out.copy_(o)
+        else:
+            out.index_copy_(0, idx, o)
+    return out
 
 
 def prefill_attention(

@@ -111,6 +111,7 @@ class RouterRequest:
     swaps: int = 0
     migrations: int = 0
     router_preempted: bool = False
+    held: list[tuple[str, pb.RequestOutput]] = field(default_factory=list)  # outputs past a gap
     first_token_time: float | None = None
     last_token_time: float | None = None
 
@@ -310,9 +311,7 @@ class Router(WorkerLinkHandler):
     async def _dispatch(self, r: RouterRequest, entry: WorkerEntry) -> None:
         metrics.QUEUE_TIME.observe(time.monotonic() - r.arrival)
         try:
-            await entry.handle.add_request.remote(
-                r.request_id, r.prompt_ids, r.params, r.priority, r.tenant or None
-            )
+            await entry.handle.add_request.remote(r.request_id, r.prompt_ids, r.params, r.priority, r.tenant or None)
             r.worker_id = entry.worker_id
             if r.cancelled:  # the client left while the call was in flight
                 self._send_abort(r)
@@ -377,6 +376,24 @@ class Router(WorkerLinkHandler):
             entry.started.add(r.request_id)
         new = list(out.new_token_ids)
         start = out.num_output_tokens - len(new)
+        if start > r.tokens_received and not (r.cancelled and out.finish_reason == "abort"):
+            # A gap: after a migration the destination's first tokens can overtake the source's last
+            # ones (two streams). Hold this until the source's outputs close the gap, in order.
+            r.held.append((worker_id, out))
+            return
+        self._deliver(r, worker_id, out, new, start)
+        while r.held and not r.finished:
+            ready = next(
+                (h for h in r.held if h[1].num_output_tokens - len(h[1].new_token_ids) <= r.tokens_received), None
+            )
+            if ready is None:
+                break
+            r.held.remove(ready)
+            held_out = ready[1]
+            held_new = list(held_out.new_token_ids)
+            self._deliver(r, ready[0], held_out, held_new, held_out.num_output_tokens - len(held_new))
+
+    def _deliver(self, r: RouterRequest, worker_id: str, out: pb.RequestOutput, new: list[int], start: int) -> None:
         skip = r.tokens_received - start
         if skip > 0:  # already delivered (a replay, or tokens from before a migration)
             if skip >= len(new) and not out.finish_reason:

@@ -142,9 +142,7 @@ class RouterService:
         metrics.ROUTER_QUEUE_REQUESTS.set_function(lambda: self.router.queue.num_requests)
         metrics.ROUTER_QUEUE_BLOCKS.set_function(lambda: self.router.queue.num_blocks)
         if self.metrics_port is not None:
-            from prometheus_client import start_http_server
-
-            start_http_server(self.metrics_port, addr=self.config.host)
+            metrics.start_metrics_server(self.metrics_port, self.config.host)
         logger.info("router serving on %s:%d", self.config.host, self.port)
         return f"{self.config.host}:{self.port}"
 

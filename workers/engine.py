@@ -189,6 +189,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batch. Returns news for every request that produced a token or finished."""
         scheduled = self.scheduler.schedule()
+        # Swaps before the forward (a block swapped out now may be rewritten by it), and even in a
+        # step that runs nothing: a preemption can swap out every running request, and a copy not
+        # made now is lost, leaving garbage to swap back in (and to cache under a hash).
+        self.kv_cache.swap_out(scheduled.swap_out)
+        self.kv_cache.swap_in(scheduled.swap_in)
         if scheduled.is_empty:
             return []
         sampled = self.runner.execute(scheduled)
@@ -294,7 +299,7 @@ class LLMEngine:
             return False
         if migrated:
             self.scheduler.finish(req, "migrated")
-            del self.requests[request_id]
+            self.requests.pop(request_id, None)  # an abort may have removed it meanwhile
         else:
             self.scheduler.reattach(req)
         return True

@@ -8,6 +8,7 @@ instead of five small ones; the loader splices the HF weights in.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import nn
@@ -15,6 +16,37 @@ from torch import nn
 import kernels
 from workers.attention_metadata import AttentionMetadata
 from workers.model_config import ModelConfig
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose weight can be repacked once for oneDNN's CPU GEMM (``pack_for_cpu``).
+
+    NOTE: on CPU, torch's default fp32 GEMM (MKL) takes its AVX2 path on AMD processors: measured
+    ~110 GFLOP/s per core on this Zen 5, where oneDNN with a pre-packed (blocked) weight reaches
+    ~250. The packed weight replaces the plain one (``weight.to_dense()`` gives it back exactly), so
+    memory does not grow. oneDNN rows are also batch-invariant: a row's result does not depend on
+    which other rows share the GEMM.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.is_mkldnn:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return nn.functional.linear(x, self.weight, self.bias)
+
+    def pack_for_cpu(self, batch_hint: int = 64) -> None:
+        """Reorder the weight into oneDNN's blocked layout (idempotent)."""
+        if not self.weight.is_mkldnn:
+            packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_hint)
+            self.weight = nn.Parameter(packed, requires_grad=False)
+
+
+def onednn_linear_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``Linear.pack_for_cpu`` applies: CPU, fp32 (or bf16 with AVX512-BF16), oneDNN built in."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if not hasattr(torch.ops.mkldnn, "_linear_pointwise") or os.environ.get("KVSERVE_ONEDNN", "1") == "0":
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.cpu._is_avx512_bf16_supported())
 
 
 class RMSNorm(nn.Module):
@@ -78,8 +110,8 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(config.q_size, config.hidden_size, bias=False)
         self.scale = config.head_dim**-0.5
 
     def forward(
@@ -139,8 +171,8 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -181,7 +213,7 @@ class CausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(
         self,
@@ -196,10 +228,23 @@ class CausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
-        hidden = self.norm(hidden)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden, weight).float()
+        return self._lm_head(self.norm(hidden)).float()
 
     def greedy_tokens(self, hidden: torch.Tensor) -> list[int]:
-        """``compute_logits(hidden).argmax(-1)`` (ties -> lowest id), without keeping the logits."""
-        return self.compute_logits(hidden).argmax(dim=-1).tolist()
+        """``compute_logits(hidden).argmax(-1)`` (ties -> lowest id)."""
+        return self._lm_head(self.norm(hidden)).argmax(dim=-1).tolist()
+
+    def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            return nn.functional.linear(hidden, self.embed_tokens.weight)
+        return self.lm_head(hidden)
+
+    def pack_for_cpu(self) -> bool:
+        """Repack every projection and an untied LM head for oneDNN (see ``Linear``). False: not applicable."""
+        weight = self.embed_tokens.weight
+        if not onednn_linear_supported(weight.device, weight.dtype):
+            return False
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_for_cpu()
+        return True

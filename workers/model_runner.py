@@ -47,14 +47,14 @@ class ModelRunner:
         self.sampler = sampler
         self.device = kv_cache.device
         self.block_size = kv_cache.block_size
-        if self.device.type == "cpu" and not keep_freed_heap_memory():
-            logger.info("mallopt unavailable: big CPU buffers are re-faulted every step")
+        if self.device.type == "cpu":
+            if not keep_freed_heap_memory():
+                logger.info("mallopt unavailable: big CPU buffers are re-faulted every step")
+            if model.pack_for_cpu():
+                logger.info("projections repacked for oneDNN")
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[int | None]:
-        # Swaps first: a block swapped out this step may be rewritten by this very forward.
-        self.kv_cache.swap_out(out.swap_out)
-        self.kv_cache.swap_in(out.swap_in)
         # Decodes first: the attention dispatch expects [decode tokens | prefill chunks].
         order = sorted(range(len(out.scheduled)), key=lambda i: out.scheduled[i][1] != 1)
         batch = [out.scheduled[i] for i in order]
@@ -66,7 +66,7 @@ class ModelRunner:
             hidden = hidden if len(sample_rows) == hidden.shape[0] else hidden[sample_rows]
             params = [r.sampling_params for r in reqs]
             if all(p.greedy for p in params):
-                tokens = self.model.greedy_tokens(hidden)  # no [n, vocab] logits: see CausalLM
+                tokens = self.model.greedy_tokens(hidden)
             else:
                 tokens = self.sampler(self.model.compute_logits(hidden), params, [r.generator for r in reqs])
             for j, tok in zip(sample_reqs, tokens, strict=True):

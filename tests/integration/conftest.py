@@ -19,6 +19,9 @@ def ray_session() -> Iterator[None]:
         # NOTE: more logical CPUs than cores: workers are mostly idle in tests, and two workers
         # plus a router must fit beside each other on a 2-core machine.
         ray.init(
+            # NOTE: "local" always starts a fresh cluster; a bare init would join whatever cluster
+            # `ray start` last recorded on this machine (and then refuse num_cpus).
+            address="local",
             num_cpus=8,
             include_dashboard=False,
             logging_level=logging.WARNING,

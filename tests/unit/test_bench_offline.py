@@ -1,0 +1,65 @@
+"""``kvserve bench offline`` end to end on a tiny random model with a subsampled workload."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cluster.bench.offline import RESULT_KEYS
+from cluster.bench.workloads import prompts
+from cluster.cli import main
+from workers.random_model import init_random
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("tiny")
+    init_random(d, arch="llama", size="tiny", seed=0)
+    return d
+
+
+def test_offline_json(model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dump = tmp_path / "tokens.json"
+    argv = ["bench", "offline", "--model", str(model_dir), "--workload", "tiny", "--json", "--runs", "2",
+            "--num-requests", "6", "--max-tokens", "5", "--kv-cache-memory", "64MiB", "--dump-tokens", str(dump)]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+
+    assert set(RESULT_KEYS) <= set(result)
+    assert result["output_tokens_per_s"] > 0
+    assert result["total_tokens_per_s"] > result["output_tokens_per_s"]
+    assert result["requests_per_s"] > 0
+    assert 0 < result["step_latency_mean_ms"] <= result["step_latency_p99_ms"]
+    assert 0 <= result["overhead_share"] < 1
+    assert result["peak_rss_mb"] > 0
+    assert 0 <= result["kv_waste"] <= 1
+    assert result["runs"] == 2 and result["num_requests"] == 6
+    assert result["engine"]["block_size"] > 0 and result["engine"]["dtype"] == "float32"
+
+    tokens = json.loads(dump.read_text())
+    assert [len(t) for t in tokens] == [5] * 6  # ignore_eos: every request runs to max tokens
+
+
+def test_offline_tokens_match_offline_llm(model_dir: Path, tmp_path: Path) -> None:
+    """The bench's greedy tokens are the ones ``LLM.generate`` produces for the same prompts."""
+    from workers.engine import LLM
+    from workers.sampling_params import SamplingParams
+
+    dump = tmp_path / "tokens.json"
+    argv = ["bench", "offline", "--model", str(model_dir), "--workload", "tiny", "--json", "--runs", "1",
+            "--num-requests", "3", "--max-tokens", "4", "--kv-cache-memory", "64MiB", "--block-size", "16",
+            "--dump-tokens", str(dump)]  # fmt: skip
+    assert main(argv) == 0
+    ps, _ = prompts("tiny")
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory="64MiB")
+    outs = llm.generate(ps[:3], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert json.loads(dump.read_text()) == [o.token_ids for o in outs]
+
+
+def test_kernels_subcommand_registered(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "kernels", "--help"])
+    assert e.value.code == 0
+    assert "usage" in capsys.readouterr().out
