@@ -222,9 +222,13 @@ def test_same_prefix_lands_on_the_worker_holding_it(client):
         _, _, final = client.generate_all(prefix + suffix, max_tokens=2, request_id=f"prefix-follow-{i}")
         assert final.worker_id == holder, f"request {i} left the prefix holder"
         assert final.usage.cached_tokens >= 4 * BLOCK
-    # The prefix-cache hit shows in the holder's status too.
-    st = client.status()
-    assert next(w for w in st.workers if w.worker_id == holder).prefix_cache_hit_rate > 0
+    # The prefix-cache hit shows in the holder's status too, once its next pressure report
+    # (rate-limited to one per 50 ms) has arrived.
+    wait_until(
+        lambda: next(w for w in client.status().workers if w.worker_id == holder).prefix_cache_hit_rate > 0,
+        10,
+        "the holder's report to show prefix-cache hits",
+    )
 
 
 def test_tenants_never_share_cached_blocks(client, cluster):
