@@ -69,25 +69,17 @@ def _gather_head_major(
     return keys, values
 
 
-# Decode contexts are gathered in groups of similar length, each padded to its longest member. A new
-# group costs a dozen small ops (~0.1 ms on CPU); it is opened when it saves copying at least this much.
-_SPLIT_BYTES = 1 << 20
-_MAX_GROUPS = 4
-
-
-def _length_groups(num_blocks: list[int], block_bytes: int) -> list[list[int]]:
-    """Sequence indices grouped by block count (longest first) so that padding each group to its
-    longest member copies little more than the sequences' own blocks."""
-    order = sorted(range(len(num_blocks)), key=lambda i: -num_blocks[i])
-    groups, start = [], 0
-    for k in range(1, len(order)):
-        width, n = num_blocks[order[start]], num_blocks[order[k]]
-        saved = (width - n) * (len(order) - k) * block_bytes  # padding not copied if k opens a group
-        if len(groups) < _MAX_GROUPS - 1 and 4 * n <= 3 * width and saved >= _SPLIT_BYTES:
-            groups.append(order[start:k])
-            start = k
-    groups.append(order[start:])
-    return groups
+def _decode_positions(
+    context_lens: torch.Tensor, sliding_window: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [num_seqs, width]
+    """Token positions each decode query attends to, padded to the widest with a repeat of the
+    sequence's first visible position (a real token), and which of them are not padding."""
+    lens = context_lens.long()
+    first = (lens - sliding_window).clamp_min(0) if sliding_window is not None else torch.zeros_like(lens)
+    width = int((lens - first).max())
+    pos = first.unsqueeze(1) + torch.arange(width, device=lens.device)
+    visible = pos < lens.unsqueeze(1)
+    return torch.where(visible, pos, first.unsqueeze(1)), visible
 
 
 def _decode_attention_in_place(
@@ -103,25 +95,19 @@ def _decode_attention_in_place(
     Each (sequence, query head) is one row of a sparse pattern whose columns are the cache rows
     ``slot * num_kv_heads + kv_head`` of its visible tokens. ``Q K^T`` is then a sampled dense-dense
     product (only those dot products), and ``P V`` an embedding bag (per-row weighted sum of V rows).
-    Contexts are padded to the longest with a repeat of the sequence's first visible token at
-    probability 0, so the pattern is a dense ``[rows, width]`` grid.
+    Padding (see ``_decode_positions``) keeps the pattern a dense ``[rows, width]`` grid.
     """
     num_seqs, num_heads, head_dim = query.shape
     _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
-    dev = query.device
-    lens = context_lens.long()
-    first = (lens - sliding_window).clamp_min(0) if sliding_window is not None else torch.zeros_like(lens)
-    width = int((lens - first).max())
-    pos = first.unsqueeze(1) + torch.arange(width, device=dev)  # [num_seqs, width]
-    visible = pos < lens.unsqueeze(1)
-    pos = torch.where(visible, pos, first.unsqueeze(1))
+    pos, visible = _decode_positions(context_lens, sliding_window)
+    width = pos.shape[1]
     slots = block_tables.long().gather(1, pos // block_size) * block_size + pos % block_size
-    kv_head = torch.arange(num_heads, device=dev) // (num_heads // num_kv_heads)
+    kv_head = torch.arange(num_heads, device=query.device) // (num_heads // num_kv_heads)
     rows = slots.unsqueeze(1) * num_kv_heads + kv_head.view(1, -1, 1)  # [num_seqs, num_heads, width]
     n = num_seqs * num_heads
     flat = kv_cache.reshape(2, num_blocks * block_size * num_kv_heads, head_dim)
     pattern = torch.sparse_csr_tensor(
-        torch.arange(0, n * width + 1, width, device=dev),
+        torch.arange(0, n * width + 1, width, device=query.device),
         rows.view(-1),
         query.new_zeros(n * width),
         size=(n, flat.shape[1]),
@@ -144,58 +130,29 @@ def decode_attention(
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """One query token per sequence attending to its whole cached context (or its last ``sliding_window``).
 
-    Sequences are grouped by length; per group, the blocks of every context are gathered whole (one
-    row copy per block) and padded to the group's longest, then each KV head runs two batched GEMMs
-    over the group, its ``group`` query heads as the rows: ``[group, head_dim] x [head_dim, ctx]``.
-    Blocks wholly outside a sliding window are not read.
-
-    NOTE: positions past a context's end (the last block's tail, padding blocks) are read and get a
-    ``-inf`` score, so their probability is exactly 0; like the original reference this relies on the
-    pool holding finite values there (the engine zero-fills it and only ever stores computed K/V).
+    Only the visible tokens' K/V are read. fp32/fp64 on CPU take ``_decode_attention_in_place``; any
+    other dtype or device gathers the contexts per KV head (padded to the longest) and runs the
+    ``group`` query heads sharing a KV head as the rows of batched GEMMs.
     """
     num_seqs, num_heads, head_dim = query.shape
-    _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
-    out = query.new_empty(num_seqs, num_heads, head_dim)
     if num_seqs == 0:
-        return out
+        return query.new_empty(query.shape)
     if query.device.type == "cpu" and query.dtype in (torch.float32, torch.float64) and kv_cache.dtype == query.dtype:
         return _decode_attention_in_place(query, kv_cache, block_tables, context_lens, scale, sliding_window)
-    dev = query.device
-    lens = context_lens.long()
-    first_block = (lens - sliding_window).clamp_min(0) // block_size if sliding_window else torch.zeros_like(lens)
-    end_block = (lens + block_size - 1) // block_size
-    block_bytes = 2 * block_size * num_kv_heads * head_dim * kv_cache.element_size()
-    q_all = query.reshape(num_seqs, num_kv_heads, group, head_dim)
-    flat = kv_cache.reshape(2 * num_blocks, block_size * num_kv_heads * head_dim)  # row = (K|V, block)
-    groups = _length_groups((end_block - first_block).tolist(), block_bytes)
-    for members in groups:
-        idx = None if len(groups) == 1 else torch.tensor(members, device=dev)
-        pick = (lambda t: t) if idx is None else (lambda t: t.index_select(0, idx))  # noqa: E731
-        first, end, seq_lens = pick(first_block), pick(end_block), pick(lens)
-        n = len(members)
-        width = int((end - first).max())
-        cols = first.unsqueeze(1) + torch.arange(width, device=dev)  # [n, width] block-table columns
-        cols = torch.minimum(cols, end.unsqueeze(1) - 1)  # padding re-reads the last block
-        blocks = pick(block_tables).long().gather(1, cols).view(-1)
-        kv = flat.index_select(0, torch.cat((blocks, blocks + num_blocks)))
-        kv = kv.view(2, n, width * block_size, num_kv_heads, head_dim).to(query.dtype)
-        # Token position of each gathered slot; visible iff inside [window start, context end).
-        pos = (first * block_size).unsqueeze(1) + torch.arange(width * block_size, device=dev)
-        hidden_pos = pos >= seq_lens.unsqueeze(1)  # [n, ctx]
-        if sliding_window:
-            hidden_pos |= pos <= (seq_lens - 1 - sliding_window).unsqueeze(1)
-        q = pick(q_all)
-        scores = torch.stack([torch.bmm(q[:, h], kv[0, :, :, h].transpose(1, 2)) for h in range(num_kv_heads)])
-        scores = scores.mul_(scale).masked_fill_(hidden_pos.view(1, n, 1, -1), float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)  # [kv_heads, n, group, ctx]
-        o = torch.stack([torch.bmm(probs[h], kv[1, :, :, h]) for h in range(num_kv_heads)], dim=1)
-        o = o.view(n, num_heads, head_dim)
-        if idx is None:
-            out.copy_(o)
-        else:
-            out.index_copy_(0, idx, o)
-    return out
+    pos, visible = _decode_positions(context_lens, sliding_window)
+    width = pos.shape[1]
+    keys, values = _gather_head_major(kv_cache, block_tables, pos, query.dtype)  # [kv_heads, seqs, width, d]
+    batch = num_kv_heads * num_seqs
+    q = query.reshape(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1).reshape(batch, group, head_dim)
+    scores = torch.bmm(q, keys.view(batch, width, head_dim).transpose(1, 2)) * scale  # [batch, group, width]
+    scores = scores.view(num_kv_heads, num_seqs, group, width).masked_fill(
+        ~visible.view(1, num_seqs, 1, width), float("-inf")
+    )
+    probs = torch.softmax(scores.float(), dim=-1).to(query.dtype).view(batch, group, width)
+    out = torch.bmm(probs, values.view(batch, width, head_dim))  # [kv_heads * seqs, group, head_dim]
+    return out.view(num_kv_heads, num_seqs, group, head_dim).transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
 
 
 def prefill_attention(

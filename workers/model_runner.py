@@ -5,6 +5,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
+import time
 
 import numpy as np
 import torch
@@ -37,6 +39,75 @@ def keep_freed_heap_memory() -> bool:
         return False
 
 
+class ThreadGovernor:
+    """torch's intra-op thread count on a CPU shared with other processes: all of ``max_threads``
+    while they run unhindered, one while another process competes for the cores.
+
+    NOTE: every parallel torch op ends at an OpenMP barrier. When another process holds one of our
+    cores, each op waits for the descheduled thread: measured on the tiny workload, 13 ms per decode
+    step becomes 40 ms with one busy competitor, where a single thread takes 20 ms. The signal is our
+    threads' run-queue wait (runnable, not running) from ``/proc/self/task/*/schedstat``. A single
+    thread cannot see a competitor on the other core, so every ``PROBE_S`` seconds it tries all
+    threads again for one window.
+    """
+
+    WINDOW_S = 0.1  # decide after this much wall time
+    CONTENDED = 0.1  # run-queue wait per thread per second of wall time above which we back off
+    PROBE_S = 2.0
+
+    def __init__(self, max_threads: int) -> None:
+        self.max_threads = max_threads
+        self.threads = torch.get_num_threads()
+        self._window_start = time.perf_counter()
+        self._wait_start = _runqueue_wait_s()
+        self._next_probe = 0.0
+
+    @classmethod
+    def create(cls) -> ThreadGovernor | None:
+        """A governor for this process, or None (one thread, no schedstat, or KVSERVE_THREAD_GOVERNOR=0)."""
+        if torch.get_num_threads() < 2 or os.environ.get("KVSERVE_THREAD_GOVERNOR", "1") == "0":
+            return None
+        return cls(torch.get_num_threads()) if _runqueue_wait_s() is not None else None
+
+    def step_done(self) -> None:
+        """Call after each step; switches the thread count at window boundaries."""
+        now = time.perf_counter()
+        elapsed = now - self._window_start
+        if elapsed < self.WINDOW_S:
+            return
+        wait = _runqueue_wait_s()
+        if wait is None:
+            return
+        contended = (wait - self._wait_start) / (elapsed * self.threads) > self.CONTENDED
+        if self.threads > 1 and contended:
+            self._set(1)
+            self._next_probe = now + self.PROBE_S
+        elif self.threads == 1 and now >= self._next_probe:
+            self._set(self.max_threads)
+        self._window_start, self._wait_start = time.perf_counter(), wait
+
+    def _set(self, threads: int) -> None:
+        logger.debug("intra-op threads %d -> %d", self.threads, threads)
+        torch.set_num_threads(threads)
+        self.threads = threads
+
+
+def _runqueue_wait_s() -> float | None:
+    """Seconds this process's threads have spent runnable but not running (Linux schedstat), or None."""
+    total = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that just exited
+    return total / 1e9
+
+
 class ModelRunner:
     """Turns a ``SchedulerOutput`` into one forward pass and returns one sampled token per request
     whose computed tokens reach its end (None for a request still mid-prefill)."""
@@ -52,6 +123,7 @@ class ModelRunner:
                 logger.info("mallopt unavailable: big CPU buffers are re-faulted every step")
             if model.pack_for_cpu():
                 logger.info("projections repacked for oneDNN")
+        self.governor = ThreadGovernor.create() if self.device.type == "cpu" else None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[int | None]:
@@ -71,6 +143,8 @@ class ModelRunner:
                 tokens = self.sampler(self.model.compute_logits(hidden), params, [r.generator for r in reqs])
             for j, tok in zip(sample_reqs, tokens, strict=True):
                 sampled[order[j]] = tok
+        if self.governor is not None:
+            self.governor.step_done()
         return sampled
 
     def prepare_inputs(

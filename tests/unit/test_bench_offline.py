@@ -23,7 +23,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_offline_json(model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     dump = tmp_path / "tokens.json"
     argv = ["bench", "offline", "--model", str(model_dir), "--workload", "tiny", "--json", "--runs", "2",
-            "--num-requests", "6", "--max-tokens", "5", "--kv-cache-memory", "64MiB", "--dump-tokens", str(dump)]  # fmt: skip
+            "--num-requests", "6", "--max-tokens", "5", "--kv-cache-memory", "64MiB",
+            "--dump-tokens", str(dump)]  # fmt: skip
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
 
