@@ -28,13 +28,13 @@ import os
 import random
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import grpc
 
 from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import serving_pb2_grpc
+from workers.worker_link import channel_credentials
 
 logger = logging.getLogger(__name__)
 
@@ -50,30 +50,6 @@ Prompt = str | Sequence[int]
 
 
 # ---- shared helpers -----------------------------------------------------------------------------
-def _read(path: str | os.PathLike | None) -> bytes | None:
-    return Path(path).read_bytes() if path else None
-
-
-def channel_credentials(
-    tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None
-) -> grpc.ChannelCredentials | None:
-    """TLS credentials from PEM files, or None (plaintext) when none is given.
-
-    ``tls_ca`` is the CA that signed the router's certificate (None: the system roots);
-    ``tls_cert`` + ``tls_key`` are this client's certificate for mTLS.
-
-    Raises:
-        ValueError: only one of ``tls_cert`` / ``tls_key``.
-    """
-    if not (tls_ca or tls_cert or tls_key):
-        return None
-    if bool(tls_cert) != bool(tls_key):
-        raise ValueError("tls_cert and tls_key go together")
-    return grpc.ssl_channel_credentials(
-        root_certificates=_read(tls_ca), private_key=_read(tls_key), certificate_chain=_read(tls_cert)
-    )
-
-
 def _channel_options(tls_server_name: str | None) -> list[tuple[str, Any]]:
     options: list[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -82,6 +58,22 @@ def _channel_options(tls_server_name: str | None) -> list[tuple[str, Any]]:
     if tls_server_name:
         options.append(("grpc.ssl_target_name_override", tls_server_name))
     return options
+
+
+def _open_channel(
+    channel_module: Any,
+    address: str,
+    tls_ca: str | None,
+    tls_cert: str | None,
+    tls_key: str | None,
+    tls_server_name: str | None,
+) -> Any:
+    """A plaintext or TLS channel from ``grpc`` or ``grpc.aio`` (same call shapes)."""
+    creds = channel_credentials(tls_ca, tls_cert, tls_key)
+    options = _channel_options(tls_server_name)
+    if creds is None:
+        return channel_module.insecure_channel(address, options=options)
+    return channel_module.secure_channel(address, creds, options=options)
 
 
 def build_request(
@@ -272,12 +264,7 @@ class KVServeClient:
         self.max_attempts = max_attempts
         self.max_retry_wait_s = max_retry_wait_s
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
-        creds = channel_credentials(tls_ca, tls_cert, tls_key)
-        options = _channel_options(tls_server_name)
-        if creds is None:
-            self._channel = grpc.insecure_channel(address, options=options)
-        else:
-            self._channel = grpc.secure_channel(address, creds, options=options)
+        self._channel = _open_channel(grpc, address, tls_ca, tls_cert, tls_key, tls_server_name)
         self._stub = serving_pb2_grpc.KVServeStub(self._channel)
 
     def _timeout(self, timeout: float | None) -> float | None:
@@ -408,12 +395,7 @@ class AsyncKVServeClient:
         self.max_attempts = max_attempts
         self.max_retry_wait_s = max_retry_wait_s
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
-        creds = channel_credentials(tls_ca, tls_cert, tls_key)
-        options = _channel_options(tls_server_name)
-        if creds is None:
-            self._channel = grpc.aio.insecure_channel(address, options=options)
-        else:
-            self._channel = grpc.aio.secure_channel(address, creds, options=options)
+        self._channel = _open_channel(grpc.aio, address, tls_ca, tls_cert, tls_key, tls_server_name)
         self._stub = serving_pb2_grpc.KVServeStub(self._channel)
 
     def _timeout(self, timeout: float | None) -> float | None:

@@ -320,11 +320,10 @@ def summarize(
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    import ray
     from rich.console import Console
 
     from cluster.launch import start_cluster
-    from cluster.serve_cli import init_ray, signals_as_keyboard_interrupt, signals_ignored
+    from cluster.serve_cli import init_ray, signals_as_keyboard_interrupt, stop_all
     from cluster.top import open_stub
     from router.config import RouterConfig
     from workers.config import EngineConfig
@@ -388,11 +387,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             print("interrupted", file=sys.stderr)
             status = 130
         finally:
-            with signals_ignored():
-                if cluster is not None:
-                    cluster.shutdown()
-                if started_ray and ray.is_initialized():
-                    ray.shutdown()
+            stop_all(cluster, started_ray)
     return status
 
 

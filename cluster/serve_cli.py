@@ -177,6 +177,17 @@ def signals_ignored() -> Iterator[None]:
             signal.signal(s, handler)
 
 
+def stop_all(cluster: Any, started_ray: bool) -> None:
+    """Stop the cluster, then the Ray this process started; signals are held off meanwhile."""
+    import ray
+
+    with signals_ignored():
+        if cluster is not None:
+            cluster.shutdown()
+        if started_ray and ray.is_initialized():
+            ray.shutdown()
+
+
 def init_ray(address: str | None, num_cpus: int | None = None, **kwargs: Any) -> bool:
     """Start a local Ray (``address`` None) or join one; True if this process started it.
 
@@ -254,11 +265,7 @@ def serve(cfg, *, out=None, poll_s: float = 5.0) -> int:  # noqa: ANN001 - Clust
             print(f"error: {e}", file=sys.stderr)
             status = 1
         finally:
-            with signals_ignored():
-                if cluster is not None:
-                    cluster.shutdown()
-                if started_ray and ray.is_initialized():
-                    ray.shutdown()
+            stop_all(cluster, started_ray)
     logger.info("stopped")
     return status
 

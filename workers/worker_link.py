@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 
@@ -20,15 +21,28 @@ from workers.outbox import Outbox
 logger = logging.getLogger(__name__)
 
 
-def channel_credentials(tls_ca: str | None, tls_cert: str | None = None, tls_key: str | None = None):
-    """TLS credentials from PEM file paths (mTLS when a client cert and key are given)."""
-    if not tls_ca:
+def channel_credentials(
+    tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None
+) -> grpc.ChannelCredentials | None:
+    """TLS credentials from PEM files, or None (plaintext) when none is given.
+
+    ``tls_ca`` is the CA that signed the router's certificate (None: the system roots);
+    ``tls_cert`` + ``tls_key`` are this side's certificate for mTLS.
+
+    Raises:
+        ValueError: only one of ``tls_cert`` / ``tls_key``.
+    """
+    if not (tls_ca or tls_cert or tls_key):
         return None
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError("tls_cert and tls_key go together")
 
     def read(path: str | None) -> bytes | None:
-        return open(path, "rb").read() if path else None  # noqa: SIM115 - tiny files
+        return Path(path).read_bytes() if path else None
 
-    return grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
+    return grpc.ssl_channel_credentials(
+        root_certificates=read(tls_ca), private_key=read(tls_key), certificate_chain=read(tls_cert)
+    )
 
 
 class WorkerLinkClient:

@@ -24,17 +24,13 @@ TEXT = "Hello, world! héllo ✓"
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("llama")
-    init_random(d, arch="llama", size="tiny", seed=0)
-    return d
+def llama_dir(tiny_llama_dir: Path) -> Path:
+    return tiny_llama_dir  # the session's checkpoint: init_random(arch="llama", size="tiny", seed=0)
 
 
 @pytest.fixture(scope="module")
-def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("qwen2")
-    init_random(d, arch="qwen2", size="tiny", seed=0)
-    return d
+def qwen2_dir(tiny_qwen2_dir: Path) -> Path:
+    return tiny_qwen2_dir  # init_random(arch="qwen2", size="tiny", seed=0)
 
 
 def _files(d: Path) -> dict[str, bytes]:
