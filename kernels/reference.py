@@ -12,6 +12,7 @@ Every function here has the same signature as its Triton twin in ``kernels.atten
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 
@@ -82,6 +83,70 @@ def _decode_positions(
     return torch.where(visible, pos, first.unsqueeze(1)), visible
 
 
+class _DecodePlan:
+    """Index structures of one decode batch for ``_decode_attention_in_place``, shared by its layers.
+
+    NOTE: every layer of a step passes the same ``block_tables`` / ``context_lens`` tensors, so the
+    plan (cache row of every visible token, the sparse pattern) is built once per step: the last one
+    is kept, keyed by those tensors' identity (weak references) and version counters (inference-mode
+    tensors have none; the runner makes fresh ones every step and never writes them afterwards).
+    """
+
+    _last: _DecodePlan | None = None
+
+    def __init__(
+        self,
+        block_tables: torch.Tensor,  # [num_seqs, max_blocks]
+        context_lens: torch.Tensor,  # [num_seqs]
+        sliding_window: int | None,
+        num_heads: int,
+        kv_shape: tuple[int, ...],
+        dtype: torch.dtype,
+    ) -> None:
+        self.key = (sliding_window, num_heads, kv_shape, dtype, _version(block_tables), _version(context_lens))
+        self._refs = (weakref.ref(block_tables), weakref.ref(context_lens))
+        _, num_blocks, block_size, num_kv_heads, _ = kv_shape
+        num_seqs = context_lens.shape[0]
+        pos, visible = _decode_positions(context_lens, sliding_window)
+        self.width = width = pos.shape[1]
+        slots = block_tables.long().gather(1, pos // block_size) * block_size + pos % block_size
+        kv_head = torch.arange(num_heads, device=pos.device) // (num_heads // num_kv_heads)
+        n = num_seqs * num_heads
+        self.rows = (slots.unsqueeze(1) * num_kv_heads + kv_head.view(1, -1, 1)).view(n, width)
+        self.hidden = ~visible.unsqueeze(1)  # [num_seqs, 1, width]
+        self.pattern = torch.sparse_csr_tensor(
+            torch.arange(0, n * width + 1, width, device=pos.device),
+            self.rows.view(-1),
+            torch.zeros(n * width, dtype=dtype, device=pos.device),
+            size=(n, num_blocks * block_size * num_kv_heads),
+            check_invariants=False,
+        )
+
+    def is_for(self, block_tables: torch.Tensor, context_lens: torch.Tensor, key: tuple) -> bool:
+        return self._refs[0]() is block_tables and self._refs[1]() is context_lens and self.key == key
+
+    @classmethod
+    def get(
+        cls,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        sliding_window: int | None,
+        num_heads: int,
+        kv_shape: tuple[int, ...],
+        dtype: torch.dtype,
+    ) -> _DecodePlan:
+        """The plan for this batch: the last one if built for these very tensors, else a new one."""
+        plan = cls._last
+        key = (sliding_window, num_heads, kv_shape, dtype, _version(block_tables), _version(context_lens))
+        if plan is None or not plan.is_for(block_tables, context_lens, key):
+            plan = cls._last = cls(block_tables, context_lens, sliding_window, num_heads, kv_shape, dtype)
+        return plan
+
+
+def _version(t: torch.Tensor) -> int | None:
+    return None if t.is_inference() else t._version
+
+
 def _decode_attention_in_place(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim] fp32/fp64 on CPU
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], same dtype
@@ -98,25 +163,13 @@ def _decode_attention_in_place(
     Padding (see ``_decode_positions``) keeps the pattern a dense ``[rows, width]`` grid.
     """
     num_seqs, num_heads, head_dim = query.shape
-    _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
-    pos, visible = _decode_positions(context_lens, sliding_window)
-    width = pos.shape[1]
-    slots = block_tables.long().gather(1, pos // block_size) * block_size + pos % block_size
-    kv_head = torch.arange(num_heads, device=query.device) // (num_heads // num_kv_heads)
-    rows = slots.unsqueeze(1) * num_kv_heads + kv_head.view(1, -1, 1)  # [num_seqs, num_heads, width]
+    plan = _DecodePlan.get(block_tables, context_lens, sliding_window, num_heads, tuple(kv_cache.shape), query.dtype)
     n = num_seqs * num_heads
-    flat = kv_cache.reshape(2, num_blocks * block_size * num_kv_heads, head_dim)
-    pattern = torch.sparse_csr_tensor(
-        torch.arange(0, n * width + 1, width, device=query.device),
-        rows.view(-1),
-        query.new_zeros(n * width),
-        size=(n, flat.shape[1]),
-        check_invariants=False,
-    )
-    scores = torch.sparse.sampled_addmm(pattern, query.reshape(n, head_dim), flat[0].t(), beta=0.0, alpha=scale)
-    scores = scores.values().view(num_seqs, num_heads, width).masked_fill_(~visible.unsqueeze(1), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(n, width)
-    out = torch.nn.functional.embedding_bag(rows.view(n, width), flat[1], per_sample_weights=probs, mode="sum")
+    flat = kv_cache.view(2, -1, head_dim)  # [K|V, cache row = slot * num_kv_heads + kv_head, head_dim]
+    scores = torch.sparse.sampled_addmm(plan.pattern, query.reshape(n, head_dim), flat[0].t(), beta=0.0, alpha=scale)
+    scores = scores.values().view(num_seqs, num_heads, plan.width).masked_fill_(plan.hidden, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(n, plan.width)
+    out = torch.nn.functional.embedding_bag(plan.rows, flat[1], per_sample_weights=probs, mode="sum")
     return out.view(num_seqs, num_heads, head_dim)
 
 
@@ -139,7 +192,8 @@ def decode_attention(
     group = num_heads // num_kv_heads
     if num_seqs == 0:
         return query.new_empty(query.shape)
-    if query.device.type == "cpu" and query.dtype in (torch.float32, torch.float64) and kv_cache.dtype == query.dtype:
+    in_place = query.dtype in (torch.float32, torch.float64) and kv_cache.dtype == query.dtype
+    if query.device.type == "cpu" and in_place and kv_cache.is_contiguous():
         return _decode_attention_in_place(query, kv_cache, block_tables, context_lens, scale, sliding_window)
     pos, visible = _decode_positions(context_lens, sliding_window)
     width = pos.shape[1]

@@ -250,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
             engine.pool.reset_prefix_cache()
             results.append(run_workload(engine, prompt_ids, max_tokens, advance))
 
-    summary: dict[str, Any] = {k: statistics.median(getattr(r, k)for r in results) for k in RESULT_KEYS}
+    summary: dict[str, Any] = {k: statistics.median(getattr(r, k) for r in results) for k in RESULT_KEYS}
     summary["model_gflops_per_s"] = statistics.median(r.model_gflops_per_s for r in results)
     summary["runs"] = args.runs
     summary["workload"] = args.workload
@@ -258,7 +258,9 @@ def run(args: argparse.Namespace) -> int:
     summary["max_tokens"] = max_tokens
     summary["engine"] = {k: getattr(args, k) for k in KNOBS}
     summary["engine"]["num_blocks"] = engine.pool.num_blocks
-    summary["engine"]["threads"] = torch.get_num_threads()
+    governor = engine.runner.governor  # may have lowered the thread count while other processes competed
+    summary["engine"]["threads"] = governor.max_threads if governor is not None else torch.get_num_threads()
+    summary["engine"]["thread_governor"] = governor is not None
     summary["per_run_output_tokens_per_s"] = [round(r.output_tokens_per_s, 1) for r in results]
     if args.dump_tokens:
         Path(args.dump_tokens).write_text(json.dumps(results[-1].token_ids))
