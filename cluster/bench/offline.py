@@ -53,6 +53,8 @@ RESULT_KEYS = (
     "overhead_share",
     "peak_rss_mb",
     "kv_waste",
+    "peak_running",
+    "preemptions",
 )
 
 
@@ -71,6 +73,8 @@ class RunResult:
     model_gflops_per_s: float
     seconds: float
     num_steps: int
+    peak_running: int  # most requests running in one step (what the KV allocator lets in at once)
+    preemptions: int
     token_ids: list[list[int]] = dataclasses.field(repr=False)
 
 
@@ -142,6 +146,8 @@ def run_workload(
     step_s: list[float] = []
     reserved = holding = 0
     flops = 0.0
+    peak_running = 0
+    preempted_before = sum(sched.num_preemptions.values())
     try:
         t_start = time.perf_counter()
         for rid, p in zip(ids, prompt_ids, strict=True):
@@ -160,6 +166,7 @@ def run_workload(
                 reserved += slots
                 holding += min(r.num_tokens - released, slots)
             flops += _flops_per_step(mc, clock.last_scheduled, len(outs))
+            peak_running = max(peak_running, len(sched.running))
             engine.pool.drain_events()  # as a worker does every step; keeps the event list short
         seconds = time.perf_counter() - t_start
     finally:
@@ -181,6 +188,8 @@ def run_workload(
         model_gflops_per_s=flops / seconds / 1e9,
         seconds=seconds,
         num_steps=len(step_s),
+        peak_running=peak_running,
+        preemptions=sum(sched.num_preemptions.values()) - preempted_before,
         token_ids=[tokens[rid] for rid in ids],
     )
 
@@ -217,7 +226,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 DEFAULT_BLOCK_SIZE = 4
 
 KNOBS = ("dtype", "block_size", "num_gpu_blocks", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
-         "no_prefix_caching", "threads")  # fmt: skip
+         "no_prefix_caching", "threads", "allocator", "reserve", "max_model_len")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -289,6 +298,8 @@ def _print_table(s: dict[str, Any]) -> None:
         ("model GFLOP/s", f"{s['model_gflops_per_s']:.1f}"),
         ("peak RSS", f"{s['peak_rss_mb']:.0f} MiB"),
         ("KV waste", f"{100 * s['kv_waste']:.2f}%"),
+        ("peak running requests", f"{s['peak_running']}"),
+        ("preemptions", f"{s['preemptions']}"),
     ]
     for row in rows:
         table.add_row(*row)
