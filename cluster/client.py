@@ -231,20 +231,10 @@ class GenerateStream(Iterator[spb.GenerateResponse]):
         self.cancel()
 
 
-class KVServeClient:
-    """A blocking client of one router.
+class _ClientBase:
+    """What both clients share: the channel (plain or TLS), auth metadata, deadlines, retry policy."""
 
-    Args:
-        address: the router's ``host:port``.
-        auth_token: sent as ``authorization: Bearer <token>`` on every call.
-        tls_ca: PEM CA of the router's certificate; giving it (or a client cert) switches to TLS.
-        tls_cert, tls_key: this client's PEM certificate and key (mTLS).
-        timeout: default deadline in seconds of every call (per call override: ``timeout=``);
-            a Generate's deadline covers its retries.
-        max_attempts: Generate attempts in all when the router answers RESOURCE_EXHAUSTED.
-        max_retry_wait_s: give up rather than wait longer than this for one retry.
-        tls_server_name: expect this name in the router's certificate instead of the host's.
-    """
+    _channels: Any = grpc  # grpc or grpc.aio
 
     def __init__(
         self,
@@ -264,11 +254,27 @@ class KVServeClient:
         self.max_attempts = max_attempts
         self.max_retry_wait_s = max_retry_wait_s
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
-        self._channel = _open_channel(grpc, address, tls_ca, tls_cert, tls_key, tls_server_name)
+        self._channel = _open_channel(self._channels, address, tls_ca, tls_cert, tls_key, tls_server_name)
         self._stub = serving_pb2_grpc.KVServeStub(self._channel)
 
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
+
+
+class KVServeClient(_ClientBase):
+    """A blocking client of one router.
+
+    Args:
+        address: the router's ``host:port``.
+        auth_token: sent as ``authorization: Bearer <token>`` on every call.
+        tls_ca: PEM CA of the router's certificate; giving it (or a client cert) switches to TLS.
+        tls_cert, tls_key: this client's PEM certificate and key (mTLS).
+        timeout: default deadline in seconds of every call (per call override: ``timeout=``);
+            a Generate's deadline covers its retries.
+        max_attempts: Generate attempts in all when the router answers RESOURCE_EXHAUSTED.
+        max_retry_wait_s: give up rather than wait longer than this for one retry.
+        tls_server_name: expect this name in the router's certificate instead of the host's.
+    """
 
     def generate(self, prompt: Prompt, *, timeout: float | None = None, **kwargs: Any) -> GenerateStream:
         """Stream one request's responses. Keyword arguments: those of ``build_request``."""
@@ -374,32 +380,10 @@ class AsyncGenerateStream(AsyncIterator[spb.GenerateResponse]):
         self.cancel()
 
 
-class AsyncKVServeClient:
+class AsyncKVServeClient(_ClientBase):
     """``KVServeClient``'s API on ``grpc.aio``; create and use it inside one running event loop."""
 
-    def __init__(
-        self,
-        address: str,
-        auth_token: str | None = None,
-        tls_ca: str | None = None,
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
-        timeout: float | None = None,
-        *,
-        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
-        max_retry_wait_s: float = DEFAULT_MAX_RETRY_WAIT_S,
-        tls_server_name: str | None = None,
-    ) -> None:
-        self.address = address
-        self.timeout = timeout
-        self.max_attempts = max_attempts
-        self.max_retry_wait_s = max_retry_wait_s
-        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
-        self._channel = _open_channel(grpc.aio, address, tls_ca, tls_cert, tls_key, tls_server_name)
-        self._stub = serving_pb2_grpc.KVServeStub(self._channel)
-
-    def _timeout(self, timeout: float | None) -> float | None:
-        return self.timeout if timeout is None else timeout
+    _channels = grpc.aio
 
     def generate(self, prompt: Prompt, *, timeout: float | None = None, **kwargs: Any) -> AsyncGenerateStream:
         """Stream one request's responses (``async for``). Keyword arguments: ``build_request``'s."""
