@@ -11,7 +11,6 @@ steps, so every command lands at a step boundary.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -308,7 +307,7 @@ class WorkerCore:
             total_blocks=e.pool.num_blocks,
             swap_blocks=e.swap_pool.num_blocks if e.swap_pool else 0,
             max_model_len=e.max_model_len,
-            node_id=os.environ.get("RAY_NODE_ID", ""),
+            node_id=_ray_node_id(),
             incarnation=self.incarnation,
         )
 
@@ -367,6 +366,16 @@ class WorkerCore:
             for seq in self._drain_acks:
                 self.outbox.put(pb.WorkerMessage(ack=pb.CommandAck(command_seq=seq, ok=True)))
             self._drain_acks.clear()
+
+
+def _ray_node_id() -> str:
+    """The Ray node this worker runs on ("" outside Ray), for ops views and placement checks."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+    except Exception:  # noqa: BLE001 - an ops label is not worth failing a worker over
+        return ""
 
 
 def _step_outputs(step: int, outputs: list[RequestOutput]) -> pb.StepOutputs:
@@ -445,8 +454,6 @@ class Worker:
 
     def ready(self) -> dict[str, Any]:
         """Identity and sizes (the Hello fields), once the engine is up."""
-        import ray
-
         h = self.core.hello()
         return {
             "worker_id": h.worker_id,
@@ -456,7 +463,7 @@ class Worker:
             "swap_blocks": h.swap_blocks,
             "max_model_len": h.max_model_len,
             "vocab_size": self.core.engine.model_config.vocab_size,
-            "node_id": h.node_id or ray.get_runtime_context().get_node_id(),
+            "node_id": h.node_id,
             "has_tokenizer": self.core.engine.tokenizer is not None,
         }
 
