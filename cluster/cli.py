@@ -25,6 +25,8 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", default="recompute", choices=("recompute", "swap", "auto"))
     g.add_argument("--swap-space", type=float, default=0.0, help="GiB of host memory for swapped KV blocks")
     g.add_argument("--seed", type=int, default=0, help="global seed for unseeded sampling")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                   help="KV element type: the model's, or fp8 (float8_e4m3fn; 2x/4x the blocks of fp16/fp32)")
     g.add_argument("--allocator", default="paged", choices=("paged", "contiguous"),
                    help="contiguous = reserve each request's longest footprint up front (baseline)")
     g.add_argument("--reserve", default="max_model_len", choices=("max_model_len", "max_tokens"),
@@ -49,6 +51,7 @@ def engine_config_from_args(args: argparse.Namespace):
         preemption_mode=args.preemption_mode,
         swap_space=args.swap_space,
         seed=args.seed,
+        kv_cache_dtype=args.kv_cache_dtype,
         allocator=args.allocator,
         reserve=args.reserve,
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workers.kv_cache import parse_bytes
+from workers.kv_cache import KV_CACHE_DTYPES, parse_bytes
 from workers.scheduler import ALLOCATORS, PREEMPTION_MODES, RESERVES
 
 
@@ -31,6 +31,7 @@ class EngineConfig:
     swap_space: float = 0.0  # GiB of host memory for swapped-out KV blocks
     watermark: float = 0.01
     seed: int = 0
+    kv_cache_dtype: str = "auto"  # auto (the model's) | fp8 (float8_e4m3fn, 1 byte per element)
     allocator: str = "paged"  # paged | contiguous (the pre-paging baseline; no prefix caching)
     reserve: str = "max_model_len"  # contiguous: reserve max_model_len or prompt + max_tokens
     model_id: str = ""  # part of the prefix-cache hash; default: the model path
@@ -54,6 +55,8 @@ class EngineConfig:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.preemption_mode == "swap" and self.swap_space == 0:
             raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of host memory)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.allocator not in ALLOCATORS:
             raise ValueError(f"allocator must be one of {ALLOCATORS}, got {self.allocator!r}")
         if self.reserve not in RESERVES:

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 
+import kernels
 from workers.block_pool import BlockPool
 from workers.config import EngineConfig
-from workers.kv_cache import KVCache, bytes_per_block
+from workers.kv_cache import KVCache, bytes_per_block, kv_storage_dtype
 from workers.loader import load_model
 from workers.migration import MigrationState
 from workers.model_config import ModelConfig, parse_dtype
@@ -57,15 +58,21 @@ class LLMEngine:
         )
         self.model_id = config.model_id or str(Path(config.model).resolve())
 
-        block_bytes = bytes_per_block(mc, config.block_size, self.dtype)
+        self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)
+        if self.kv_dtype != self.dtype and kernels.backend_name(self.device) == "triton":
+            raise ValueError(
+                f"kv_cache_dtype={config.kv_cache_dtype} runs on the torch attention backend only for now; "
+                "set KVSERVE_ATTENTION_BACKEND=torch"
+            )
+        block_bytes = bytes_per_block(mc, config.block_size, self.kv_dtype)
         num_blocks = self._num_blocks(block_bytes)
         num_swap_blocks = config.swap_bytes // block_bytes
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); swap: %d blocks",
-            num_blocks, config.block_size, num_blocks * config.block_size,
-            num_blocks * block_bytes / 2**20, num_swap_blocks,
+            "KV cache (%s): %d blocks x %d tokens = %d tokens (%.1f MiB); swap: %d blocks",
+            str(self.kv_dtype).removeprefix("torch."), num_blocks, config.block_size,
+            num_blocks * config.block_size, num_blocks * block_bytes / 2**20, num_swap_blocks,
         )  # fmt: skip
-        self.kv_cache = KVCache(mc, num_blocks, config.block_size, self.dtype, self.device, num_swap_blocks)
+        self.kv_cache = KVCache(mc, num_blocks, config.block_size, self.kv_dtype, self.device, num_swap_blocks)
         # Contiguous reservation models pre-paging engines, which shared nothing between requests.
         caching = config.enable_prefix_caching and config.allocator == "paged"
         self.pool = BlockPool(num_blocks, caching)
@@ -111,7 +118,7 @@ class LLMEngine:
         torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = min(c.max_num_batched_tokens, self.max_model_len)
         blocks = -(-num_tokens // c.block_size)
-        scratch = KVCache(self.model_config, blocks, c.block_size, self.dtype, self.device)
+        scratch = KVCache(self.model_config, blocks, c.block_size, self.kv_dtype, self.device)
         probe = Request("__profile__", [0] * num_tokens, SamplingParams(max_tokens=1, temperature=0.0))
         probe.block_table = list(range(blocks))
         ModelRunner(self.model, scratch, Sampler()).execute(SchedulerOutput(scheduled=[(probe, num_tokens)]))

@@ -28,6 +28,20 @@ def parse_bytes(value: str | int | float) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
+def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The element type of the KV tensors: the model's (auto) or float8_e4m3fn (fp8, scale 1.0)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    return torch.float8_e4m3fn if kv_cache_dtype == "fp8" else model_dtype
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """K and V of ``block_size`` tokens across every layer."""
     elem = torch.empty((), dtype=dtype).element_size()
@@ -84,10 +98,13 @@ class KVCache:
         [2, n, block_size, kv_heads, head_dim] (migration)."""
         layers = self.swap_layers if swapped else self.layers
         idx = torch.tensor(block_ids, dtype=torch.int64, device=layers[0].device)
-        return [layer[:, idx].cpu() for layer in layers]
+        # NOTE: fp8 is moved as raw bytes (no fp8 index kernels on CPU) and viewed back: bit-exact.
+        return [_raw(layer)[:, idx].cpu().view(layer.dtype) for layer in layers]
 
     def write_blocks(self, block_ids: list[int], data: list[torch.Tensor]) -> None:
         """Inverse of ``read_blocks``."""
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         for layer, blocks in zip(self.layers, data, strict=True):
-            layer[:, idx] = blocks.to(self.device, layer.dtype)
+            if blocks.dtype != layer.dtype:
+                raise ValueError(f"KV blocks of dtype {blocks.dtype} cannot go into a {layer.dtype} cache")
+            _raw(layer)[:, idx] = _raw(blocks).to(self.device)

@@ -213,6 +213,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", type=int, default=3, help="timed passes over the workload (median reported)")
     p.add_argument("--json", action="store_true", help="print one JSON object (medians + engine knobs)")
     p.add_argument("--dump-tokens", metavar="PATH", help="write the generated token ids (JSON, input order)")
+    p.add_argument(
+        "--reference-tokens",
+        metavar="PATH",
+        help="a --dump-tokens file of another run: report the share of identical tokens",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     # Subsample the workload (first N requests) for quick checks and tests.
     p.add_argument("--num-requests", type=int, default=None, help=argparse.SUPPRESS)
@@ -226,7 +231,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 DEFAULT_BLOCK_SIZE = 4
 
 KNOBS = ("dtype", "block_size", "num_gpu_blocks", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
-         "no_prefix_caching", "threads", "allocator", "reserve", "max_model_len")  # fmt: skip
+         "no_prefix_caching", "threads", "allocator", "reserve", "max_model_len", "kv_cache_dtype")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -273,11 +278,27 @@ def run(args: argparse.Namespace) -> int:
     summary["per_run_output_tokens_per_s"] = [round(r.output_tokens_per_s, 1) for r in results]
     if args.dump_tokens:
         Path(args.dump_tokens).write_text(json.dumps(results[-1].token_ids))
+    if args.reference_tokens:
+        summary["token_agreement"] = token_agreement(
+            results[-1].token_ids, json.loads(Path(args.reference_tokens).read_text())
+        )
     if args.json:
         print(json.dumps(summary))
     else:
         _print_table(summary)
     return 0
+
+
+def token_agreement(ours: list[list[int]], reference: list[list[int]]) -> float:
+    """Share of output positions where two runs chose the same token (a quality figure for lossy
+    levers such as an fp8 KV cache, where tokens may legitimately differ)."""
+    if len(ours) != len(reference):
+        raise ValueError(f"{len(ours)} outputs vs {len(reference)} in the reference")
+    same = total = 0
+    for a, b in zip(ours, reference, strict=True):
+        total += max(len(a), len(b))
+        same += sum(x == y for x, y in zip(a, b, strict=False))
+    return same / total if total else 1.0
 
 
 def _print_table(s: dict[str, Any]) -> None:
@@ -301,6 +322,8 @@ def _print_table(s: dict[str, Any]) -> None:
         ("peak running requests", f"{s['peak_running']}"),
         ("preemptions", f"{s['preemptions']}"),
     ]
+    if "token_agreement" in s:
+        rows.append(("identical tokens vs reference", f"{100 * s['token_agreement']:.1f}%"))
     for row in rows:
         table.add_row(*row)
     console = Console()
