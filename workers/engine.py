@@ -293,7 +293,7 @@ class LLMEngine:
             kv_blocks=kv,
             generator_state=req.generator.get_state() if req.generator is not None else None,
             output_text=req.output_text,
-            detokenized_text=detok.text if detok is not None else "",
+            detokenizer=detok.snapshot() if detok is not None else None,
             num_cached_tokens=req.num_cached_tokens,
             num_preemptions=req.num_preemptions,
             num_swaps=req.num_swaps,
@@ -334,8 +334,11 @@ class LLMEngine:
             req.generator = make_generator(0, self.device)
             req.generator.set_state(state.generator_state)
         if self.tokenizer is not None:
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.all_token_ids)
-            req.detokenizer.text = state.detokenized_text
+            req.detokenizer = (
+                IncrementalDetokenizer.restore(self.tokenizer, state.detokenizer)
+                if state.detokenizer is not None
+                else IncrementalDetokenizer(self.tokenizer, req.all_token_ids)
+            )
         if state.kv_blocks is not None:
             need = -(-req.num_tokens // self.config.block_size)
             if self.pool.num_free_blocks - need < self.scheduler.watermark_blocks:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.sampling_params import SamplingParams
+from workers.tokenizer import DetokenizerState
 
 
 @dataclass
@@ -31,7 +32,7 @@ class MigrationState:
     kv_blocks: list[torch.Tensor] | None
     generator_state: torch.Tensor | None
     output_text: str
-    detokenized_text: str
+    detokenizer: DetokenizerState | None  # window + offsets: text held back mid-character moves too
     num_cached_tokens: int
     num_preemptions: int
     num_swaps: int

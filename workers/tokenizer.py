@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import tokenizers
@@ -129,6 +130,15 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
     return Tokenizer.from_dir(model_dir)
 
 
+@dataclass(frozen=True)
+class DetokenizerState:
+    ids: list[int]
+    prefix_offset: int
+    read_offset: int
+    emitted_in_window: int
+    text: str
+
+
 class IncrementalDetokenizer:
     """Turns output ids, one at a time, into text deltas (vLLM's ``detokenize_incrementally``).
 
@@ -143,9 +153,7 @@ class IncrementalDetokenizer:
     keep a leading space that a standalone decode would strip).
     """
 
-    def __init__(
-        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
-    ) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
         """
         Args:
             tokenizer: The model's tokenizer.
@@ -189,6 +197,21 @@ class IncrementalDetokenizer:
         self._emitted_in_window = 0
         self.text += delta
         return delta
+
+    def snapshot(self) -> DetokenizerState:
+        """Everything needed to continue elsewhere (migration): the window, its offsets, the text."""
+        return DetokenizerState(
+            list(self._ids), self._prefix_offset, self._read_offset, self._emitted_in_window, self.text
+        )
+
+    @classmethod
+    def restore(cls, tokenizer: Tokenizer, state: DetokenizerState) -> IncrementalDetokenizer:
+        """Continue from ``snapshot()``: text held back for an incomplete character is still held."""
+        detok = cls(tokenizer)
+        detok._ids = list(state.ids)
+        detok._prefix_offset, detok._read_offset = state.prefix_offset, state.read_offset
+        detok._emitted_in_window, detok.text = state.emitted_in_window, state.text
+        return detok
 
     def _decode_window(self) -> tuple[str, str]:
         ids, skip = self._ids, self._skip_special

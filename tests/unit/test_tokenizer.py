@@ -139,3 +139,18 @@ def test_random_ids_do_not_crash(tok: Tokenizer, ids: list[int]) -> None:
     deltas, tail = _stream(tok, ids)
     # Byte-level decoding never rewrites a complete character, so even invalid UTF-8 adds up.
     assert "".join(deltas) + tail == tok.decode(ids)
+
+
+def test_snapshot_restore_mid_character_continues_the_text(tok: Tokenizer) -> None:
+    """Migration moves the detokenizer between workers: a cut inside a multi-byte character must
+    not lose or duplicate text."""
+    text = "héllo ✓ wörld 🙂!"
+    ids = tok.encode(text)
+    if tok.bos_token_id is not None and ids and ids[0] == tok.bos_token_id:
+        ids = ids[1:]
+    for cut in range(1, len(ids)):
+        first = IncrementalDetokenizer(tok)
+        out = "".join(first.add(i) for i in ids[:cut])
+        second = IncrementalDetokenizer.restore(tok, first.snapshot())
+        out += "".join(second.add(i) for i in ids[cut:]) + second.flush()
+        assert out == text, f"cut at {cut}"
