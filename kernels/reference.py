@@ -27,7 +27,7 @@ FP8_MAX = 448.0
 FP8 = torch.float8_e4m3fn
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     """fp8 tensors as raw bytes: torch has no CPU index kernels for fp8, and copies are bit-exact anyway."""
     return t.view(torch.uint8) if t.dtype == FP8 else t
 
@@ -50,9 +50,9 @@ def store_kv(
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    flat = _bits(kv_cache).view(2, num_blocks * block_size, *kv_cache.shape[3:])
-    flat[0].index_copy_(0, slot_mapping, _bits(_to_cache_dtype(key, kv_cache.dtype)))
-    flat[1].index_copy_(0, slot_mapping, _bits(_to_cache_dtype(value, kv_cache.dtype)))
+    flat = raw_bytes(kv_cache).view(2, num_blocks * block_size, *kv_cache.shape[3:])
+    flat[0].index_copy_(0, slot_mapping, raw_bytes(_to_cache_dtype(key, kv_cache.dtype)))
+    flat[1].index_copy_(0, slot_mapping, raw_bytes(_to_cache_dtype(value, kv_cache.dtype)))
 
 
 def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
@@ -81,7 +81,7 @@ def _gather_head_major(
     slots = block_tables.long().gather(1, positions // block_size) * block_size + positions % block_size
     rows = (slots * num_kv_heads).unsqueeze(0) + torch.arange(num_kv_heads, device=slots.device).view(-1, 1, 1)
     rows = rows.view(-1)  # [num_kv_heads * num_seqs * width]
-    flat = _bits(kv_cache).reshape(2, num_blocks * block_size * num_kv_heads, head_dim)
+    flat = raw_bytes(kv_cache).reshape(2, num_blocks * block_size * num_kv_heads, head_dim)
     shape = (num_kv_heads, num_seqs, width, head_dim)
     keys = flat[0].index_select(0, rows).view(kv_cache.dtype).view(shape).to(dtype)
     values = flat[1].index_select(0, rows).view(kv_cache.dtype).view(shape).to(dtype)
@@ -279,7 +279,7 @@ def copy_blocks(
     dst: torch.Tensor,  # [n] int64 block ids
 ) -> None:
     """Copy whole blocks inside one cache (copy-on-write)."""
-    raw = _bits(kv_cache)
+    raw = raw_bytes(kv_cache)
     raw[:, dst.long()] = raw[:, src.long()]
 
 
@@ -291,5 +291,5 @@ def swap_blocks(
 ) -> None:
     """Move blocks between two caches (device pool <-> host swap space); bit-exact."""
     src_ids = src_ids.to(src_cache.device).long()
-    gathered = _bits(src_cache)[:, src_ids]
-    _bits(dst_cache)[:, dst_ids.to(dst_cache.device).long()] = gathered.to(dst_cache.device, non_blocking=True)
+    gathered = raw_bytes(src_cache)[:, src_ids]
+    raw_bytes(dst_cache)[:, dst_ids.to(dst_cache.device).long()] = gathered.to(dst_cache.device, non_blocking=True)

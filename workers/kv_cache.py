@@ -8,6 +8,7 @@ import re
 import torch
 
 import kernels
+from kernels.reference import raw_bytes
 from workers.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -36,10 +37,6 @@ def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dty
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
     return torch.float8_e4m3fn if kv_cache_dtype == "fp8" else model_dtype
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -99,7 +96,7 @@ class KVCache:
         layers = self.swap_layers if swapped else self.layers
         idx = torch.tensor(block_ids, dtype=torch.int64, device=layers[0].device)
         # NOTE: fp8 is moved as raw bytes (no fp8 index kernels on CPU) and viewed back: bit-exact.
-        return [_raw(layer)[:, idx].cpu().view(layer.dtype) for layer in layers]
+        return [raw_bytes(layer)[:, idx].cpu().view(layer.dtype) for layer in layers]
 
     def write_blocks(self, block_ids: list[int], data: list[torch.Tensor]) -> None:
         """Inverse of ``read_blocks``."""
@@ -107,4 +104,4 @@ class KVCache:
         for layer, blocks in zip(self.layers, data, strict=True):
             if blocks.dtype != layer.dtype:
                 raise ValueError(f"KV blocks of dtype {blocks.dtype} cannot go into a {layer.dtype} cache")
-            _raw(layer)[:, idx] = _raw(blocks).to(self.device)
+            raw_bytes(layer)[:, idx] = raw_bytes(blocks).to(self.device)
