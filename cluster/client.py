@@ -60,7 +60,7 @@ def _channel_options(tls_server_name: str | None) -> list[tuple[str, Any]]:
     return options
 
 
-def _open_channel(
+def open_channel(
     channel_module: Any,
     address: str,
     tls_ca: str | None,
@@ -68,7 +68,7 @@ def _open_channel(
     tls_key: str | None,
     tls_server_name: str | None,
 ) -> Any:
-    """A plaintext or TLS channel from ``grpc`` or ``grpc.aio`` (same call shapes)."""
+    """A plaintext or TLS channel to the router from ``grpc`` or ``grpc.aio`` (same call shapes)."""
     creds = channel_credentials(tls_ca, tls_cert, tls_key)
     options = _channel_options(tls_server_name)
     if creds is None:
@@ -254,7 +254,7 @@ class _ClientBase:
         self.max_attempts = max_attempts
         self.max_retry_wait_s = max_retry_wait_s
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
-        self._channel = _open_channel(self._channels, address, tls_ca, tls_cert, tls_key, tls_server_name)
+        self._channel = open_channel(self._channels, address, tls_ca, tls_cert, tls_key, tls_server_name)
         self._stub = serving_pb2_grpc.KVServeStub(self._channel)
 
     def _timeout(self, timeout: float | None) -> float | None:

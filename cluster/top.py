@@ -207,11 +207,9 @@ def render_text(prev: spb.ClusterStatus | None, cur: spb.ClusterStatus, *, serve
 # ---- the client ------------------------------------------------------------------------------
 def open_stub(server: str, tls_ca: str | None = None) -> tuple[grpc.Channel, serving_pb2_grpc.KVServeStub]:
     """A channel to the router (TLS when ``tls_ca`` names a PEM CA) and its KVServe stub."""
-    if tls_ca:
-        with open(tls_ca, "rb") as f:
-            channel = grpc.secure_channel(server, grpc.ssl_channel_credentials(f.read()))
-    else:
-        channel = grpc.insecure_channel(server)
+    from cluster.client import open_channel
+
+    channel = open_channel(grpc, server, tls_ca, None, None, None)
     return channel, serving_pb2_grpc.KVServeStub(channel)
 
 

@@ -514,7 +514,8 @@ class Router(WorkerLinkHandler):
         for victim in sorted(running, key=lambda r: (r.priority, -r.arrival)):
             entry = self.workers[victim.worker_id]  # type: ignore[index]
             held = blocks_for(len(victim.prompt_ids) + victim.tokens_received, self.block_size)
-            if not entry.view().healthy or entry.view().available_blocks() + held < need:
+            view = entry.view()
+            if not view.healthy or view.available_blocks() + held < need:
                 continue
             mode = pb.Preempt.SWAP if entry.info.get("swap_blocks") else pb.Preempt.RECOMPUTE
             victim.router_preempted = True

@@ -365,20 +365,23 @@ class LLMEngine:
 class LLM:
     """Offline batch generation over an ``LLMEngine``. Keyword args are ``EngineConfig`` fields."""
 
-    def __init__(self, model: str, **kwargs: object) -> None:
-        fields = {f.name for f in dataclasses.fields(EngineConfig)}
-        unknown = set(kwargs) - fields
-        if unknown:
-            raise TypeError(f"unknown engine arguments {sorted(unknown)}; valid: {sorted(fields - {'model'})}")
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))  # type: ignore[arg-type]
+    def __init__(self, model: str | EngineConfig, **kwargs: object) -> None:
+        if isinstance(model, EngineConfig):
+            if kwargs:
+                raise TypeError("give engine arguments either as an EngineConfig or as keywords, not both")
+            config = model
+        else:
+            fields = {f.name for f in dataclasses.fields(EngineConfig)}
+            unknown = set(kwargs) - fields
+            if unknown:
+                raise TypeError(f"unknown engine arguments {sorted(unknown)}; valid: {sorted(fields - {'model'})}")
+            config = EngineConfig(model=model, **kwargs)  # type: ignore[arg-type]
+        self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
-        llm = cls.__new__(cls)
-        llm.engine = LLMEngine(config)
-        llm._ids = itertools.count()
-        return llm
+        return cls(config)
 
     def generate(
         self,

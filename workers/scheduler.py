@@ -233,8 +233,9 @@ class Scheduler:
         self.running.remove(req)
         out.preempted.append(req)
         req.num_preemptions += 1
-        # A victim already scheduled this step would leave its tokens half-applied: unschedule it.
-        out.scheduled = [(r, n) for r, n in out.scheduled if r is not req]
+        # NOTE: a victim is never already scheduled this step: victims come from the tail of the
+        # importance-sorted running list, scheduled requests from its head, and the request being
+        # grown is taken before any scheduled one.
         live = req.live_blocks
         if self._should_swap(req, mode):
             host = self.swap_pool.allocate(len(live))  # type: ignore[union-attr]
