@@ -1,7 +1,8 @@
 """``kvserve plan``: what a model's KV cache costs, and how many users fit a card.
 
-KV bytes per token = 2 (K and V) x layers x KV heads x head dim x bytes per element; a request
-holds that times its context, in whole blocks. Weights are counted from the architecture.
+KV bytes per token = 2 (K and V) x layers x KV heads x head dim x bytes per element (int8 adds an fp32
+scale per token and KV head); a request holds that times its context, in whole blocks. Weights are
+counted from the architecture.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from workers.kv_cache import parse_bytes
+from workers.kv_cache import SCALE_BYTES, parse_bytes
 
 KV_DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
 
@@ -68,7 +69,9 @@ PRESETS: dict[str, Shape] = {
 
 
 def kv_bytes_per_token(shape: Shape, kv_dtype: str) -> int:
-    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * KV_DTYPE_BYTES[kv_dtype]
+    """2 x layers x KV heads x (head dim x element bytes, + an fp32 scale per row for int8)."""
+    row = shape.head_dim * KV_DTYPE_BYTES[kv_dtype] + (SCALE_BYTES if kv_dtype == "int8" else 0)
+    return 2 * shape.num_layers * shape.num_kv_heads * row
 
 
 @dataclass(frozen=True)

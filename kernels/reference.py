@@ -21,10 +21,12 @@ import torch
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state", category=UserWarning)
 
 
-# fp8 KV (float8_e4m3fn, one scale of 1.0 per tensor): the largest finite value. NOTE: e4m3 has an
-# exponent, so every value keeps ~6% relative precision wherever it sits; only |x| <= 448 matters.
-FP8_MAX = 448.0
+# Quantized KV caches (see ``store_kv``): fp8 = float8_e4m3fn with no per-element scale (the model layer
+# folds a per-tensor checkpoint scale into q/k/v); int8 = symmetric int8 with one fp32 scale per
+# (K|V, slot, kv head) in a separate ``kv_scales`` tensor [2, num_blocks, block_size, num_kv_heads].
+FP8_MAX = 448.0  # largest finite e4m3 value
 FP8 = torch.float8_e4m3fn
+INT8_MAX = 127.0
 
 
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -32,8 +34,43 @@ def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == FP8 else t
 
 
+def check_kv_scales(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> None:
+    """``kv_scales`` is given exactly for int8 caches, shaped like the cache without head_dim, fp32."""
+    if kv_cache.dtype == torch.int8:
+        if kv_scales is None:
+            raise ValueError("an int8 KV cache needs kv_scales [2, num_blocks, block_size, num_kv_heads]")
+        if tuple(kv_scales.shape) != tuple(kv_cache.shape[:4]) or kv_scales.dtype != torch.float32:
+            raise ValueError(
+                f"kv_scales must be float32 {tuple(kv_cache.shape[:4])}, got {kv_scales.dtype} {tuple(kv_scales.shape)}"
+            )
+    elif kv_scales is not None:
+        raise ValueError(f"kv_scales belong to int8 KV caches only, not {kv_cache.dtype}")
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [..., head_dim] -> int8, [...] fp32
+    """Symmetric per-row int8: ``scale = amax / 127``, ``q = floor(x * 127 / amax + 0.5)``.
+
+    NOTE: round-half-up through floor so the Triton store (no rint in the interpreter) is bit-identical.
+    A zero row gets scale 0 and q 0. Dequantize with ``q * scale``: error <= scale / 2 per element.
+    """
+    x = x.float()
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, INT8_MAX / amax, torch.zeros_like(amax))
+    q = torch.floor(x * inv + 0.5).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, (amax / INT8_MAX).squeeze(-1)
+
+
+def fp8_to_float(raw: torch.Tensor) -> torch.Tensor:  # uint8 bits of e4m3 -> float32
+    """e4m3 bytes to fp32, 4x faster than torch's CPU cast: the 7 exponent|mantissa bits shifted into
+    an fp16's place are the same number times 2^-8 (subnormals included), and fp16 -> fp32 is vectorized.
+    NaN (never stored: stores saturate) reads as +-480."""
+    w = raw.to(torch.int16)
+    half = ((w & 0x80) << 8) | ((w & 0x7F) << 7)
+    return half.view(torch.float16).float().mul_(256.0)
+
+
 def _to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Values as the cache stores them; fp8 saturates (a plain cast turns overflow into NaN)."""
+    """Values as an unscaled cache stores them; fp8 saturates (a plain cast turns overflow into NaN)."""
     if dtype == FP8:
         return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return x.to(dtype)
@@ -44,15 +81,38 @@ def store_kv(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, negative = skip
+    kv_scales: torch.Tensor | None = None,  # [2, num_blocks, block_size, num_kv_heads] fp32, int8 caches only
 ) -> None:
-    """Write each token's K and V into its slot of the paged cache (in place)."""
+    """Write each token's K and V into its slot of the paged cache (in place).
+
+    fp8 caches store a saturating cast; int8 caches store ``quantize_int8`` of each (token, head) row
+    and its scale in ``kv_scales``.
+    """
+    check_kv_scales(kv_cache, kv_scales)
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     flat = raw_bytes(kv_cache).view(2, num_blocks * block_size, *kv_cache.shape[3:])
+    if kv_scales is not None:
+        scales = kv_scales.view(2, num_blocks * block_size, kv_cache.shape[3])
+        for i, x in enumerate((key, value)):
+            q, s = quantize_int8(x)
+            flat[i].index_copy_(0, slot_mapping, q)
+            scales[i].index_copy_(0, slot_mapping, s)
+        return
     flat[0].index_copy_(0, slot_mapping, raw_bytes(_to_cache_dtype(key, kv_cache.dtype)))
     flat[1].index_copy_(0, slot_mapping, raw_bytes(_to_cache_dtype(value, kv_cache.dtype)))
+
+
+def dequantize_cache(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole cache as fp32 values (tests, debugging): what attention reads from it."""
+    check_kv_scales(kv_cache, kv_scales)
+    if kv_cache.dtype == FP8:
+        return fp8_to_float(raw_bytes(kv_cache))
+    if kv_scales is not None:
+        return kv_cache.float() * kv_scales.unsqueeze(-1)
+    return kv_cache.float()
 
 
 def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
@@ -69,12 +129,14 @@ def _gather_head_major(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq]
     positions: torch.Tensor,  # [num_seqs, width] int64 token positions, each inside its sequence
     dtype: torch.dtype,
+    kv_scales: torch.Tensor | None = None,  # [2, num_blocks, block_size, num_kv_heads], int8 caches
 ) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [num_kv_heads, num_seqs, width, head_dim]
-    """K and V of the given positions, laid out per KV head so attention runs as batched GEMMs.
+    """K and V of the given positions (dequantized), laid out per KV head so attention runs as batched GEMMs.
 
     NOTE: one ``index_select`` of head_dim-sized rows per tensor: a row copy each (memcpy), where
     advanced indexing on the 5-D cache copies element by element; the per-head layout comes straight
-    out of the gather instead of from a transpose copy afterwards.
+    out of the gather instead of from a transpose copy afterwards. A quantized cache is gathered at its
+    own width (1 byte per element) and only the gathered rows are converted.
     """
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     num_seqs, width = positions.shape
@@ -83,9 +145,17 @@ def _gather_head_major(
     rows = rows.view(-1)  # [num_kv_heads * num_seqs * width]
     flat = raw_bytes(kv_cache).reshape(2, num_blocks * block_size * num_kv_heads, head_dim)
     shape = (num_kv_heads, num_seqs, width, head_dim)
-    keys = flat[0].index_select(0, rows).view(kv_cache.dtype).view(shape).to(dtype)
-    values = flat[1].index_select(0, rows).view(kv_cache.dtype).view(shape).to(dtype)
-    return keys, values
+    out = []
+    for i in range(2):
+        gathered = flat[i].index_select(0, rows)
+        if kv_cache.dtype == FP8:
+            x = fp8_to_float(gathered)
+        elif kv_scales is not None:
+            x = gathered.float().mul_(kv_scales[i].reshape(-1).index_select(0, rows).unsqueeze(1))
+        else:
+            x = gathered
+        out.append(x.view(shape).to(dtype))
+    return out[0], out[1]
 
 
 def _decode_positions(
@@ -198,6 +268,7 @@ def decode_attention(
     context_lens: torch.Tensor,  # [num_seqs] int32, tokens in cache incl. the query's own
     scale: float,
     sliding_window: int | None = None,
+    kv_scales: torch.Tensor | None = None,  # [2, num_blocks, block_size, num_kv_heads] fp32, int8 caches only
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """One query token per sequence attending to its whole cached context (or its last ``sliding_window``).
 
@@ -205,6 +276,7 @@ def decode_attention(
     other dtype or device gathers the contexts per KV head (padded to the longest) and runs the
     ``group`` query heads sharing a KV head as the rows of batched GEMMs.
     """
+    check_kv_scales(kv_cache, kv_scales)
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -215,7 +287,7 @@ def decode_attention(
         return _decode_attention_in_place(query, kv_cache, block_tables, context_lens, scale, sliding_window)
     pos, visible = _decode_positions(context_lens, sliding_window)
     width = pos.shape[1]
-    keys, values = _gather_head_major(kv_cache, block_tables, pos, query.dtype)  # [kv_heads, seqs, width, d]
+    keys, values = _gather_head_major(kv_cache, block_tables, pos, query.dtype, kv_scales)  # [kv_heads, seqs, width, d]
     batch = num_kv_heads * num_seqs
     q = query.reshape(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1).reshape(batch, group, head_dim)
     scores = torch.bmm(q, keys.view(batch, width, head_dim).transpose(1, 2)) * scale  # [batch, group, width]
@@ -235,12 +307,14 @@ def prefill_attention(
     context_lens: torch.Tensor,  # [num_seqs] int32, cached prefix + this chunk (all already stored)
     scale: float,
     sliding_window: int | None = None,
+    kv_scales: torch.Tensor | None = None,  # [2, num_blocks, block_size, num_kv_heads] fp32, int8 caches only
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Variable-length query chunks attending causally to their cached prefix and to themselves.
 
     Sequence ``s`` owns queries ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``; they sit at the last
     ``q_len`` positions of its ``context_lens[s]`` tokens, whose K/V are all in the cache already.
     """
+    check_kv_scales(kv_cache, kv_scales)
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     out = torch.empty_like(query)
@@ -259,7 +333,9 @@ def prefill_attention(
         # Keys before the first query's window are never needed: do not read them.
         first = max(0, ctx - q_len - sliding_window + 1) if sliding_window is not None else 0
         k_pos = torch.arange(first, ctx, device=dev)
-        keys, values = _gather_head_major(kv_cache, block_tables[s : s + 1], k_pos.unsqueeze(0), query.dtype)
+        keys, values = _gather_head_major(
+            kv_cache, block_tables[s : s + 1], k_pos.unsqueeze(0), query.dtype, kv_scales
+        )
         q = query[q0:q1].transpose(0, 1).unsqueeze(0)  # [1, num_heads, q_len, head_dim]
         k, v = keys.transpose(0, 1), values.transpose(0, 1)  # [1, kv_heads, ctx - first, head_dim]
         if first == 0 and q_len == ctx and sliding_window is None:

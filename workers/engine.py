@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-import kernels
 from workers.block_pool import BlockPool
 from workers.config import EngineConfig
 from workers.kv_cache import KVCache, bytes_per_block, kv_storage_dtype
@@ -59,11 +58,6 @@ class LLMEngine:
         self.model_id = config.model_id or str(Path(config.model).resolve())
 
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)
-        if self.kv_dtype != self.dtype and kernels.backend_name(self.device) == "triton":
-            raise ValueError(
-                f"kv_cache_dtype={config.kv_cache_dtype} runs on the torch attention backend only for now; "
-                "set KVSERVE_ATTENTION_BACKEND=torch"
-            )
         block_bytes = bytes_per_block(mc, config.block_size, self.kv_dtype)
         num_blocks = self._num_blocks(block_bytes)
         num_swap_blocks = config.swap_bytes // block_bytes
@@ -273,11 +267,13 @@ class LLMEngine:
             return None
         self.scheduler.detach(req)
         self.exporting[request_id] = req
-        kv = None
+        kv, scales = None, None
         if req.swap_table:
-            kv = self.kv_cache.read_blocks(req.swap_table, swapped=True)
+            kv, scales = self.kv_cache.read_blocks(req.swap_table, swapped=True)
         elif req.block_table and req.num_computed_tokens:
-            kv = self.kv_cache.read_blocks(req.block_table[: -(-req.num_computed_tokens // self.config.block_size)])
+            kv, scales = self.kv_cache.read_blocks(
+                req.block_table[: -(-req.num_computed_tokens // self.config.block_size)]
+            )
         detok = req.detokenizer
         return MigrationState(
             request_id=req.request_id,
@@ -291,6 +287,7 @@ class LLMEngine:
             block_size=self.config.block_size,
             model_id=self.model_id,
             kv_blocks=kv,
+            kv_scales=scales,
             generator_state=req.generator.get_state() if req.generator is not None else None,
             output_text=req.output_text,
             detokenizer=detok.snapshot() if detok is not None else None,
@@ -322,6 +319,8 @@ class LLMEngine:
             raise ValueError(f"model {state.model_id!r} != this worker's {self.model_id!r}")
         if state.request_id in self.requests:
             raise ValueError(f"request id {state.request_id!r} is already in use")
+        if state.kv_blocks is not None:
+            self.kv_cache.check_blocks(state.kv_blocks, state.kv_scales)
         req = Request(
             state.request_id, list(state.prompt_token_ids), state.sampling_params,
             priority=state.priority, cache_salt=state.cache_salt, arrival_time=state.arrival_time,
@@ -345,7 +344,7 @@ class LLMEngine:
                 return None
             blocks = self.pool.allocate(need)
             assert blocks is not None
-            self.kv_cache.write_blocks(blocks[: state.kv_blocks[0].shape[1]], state.kv_blocks)
+            self.kv_cache.write_blocks(blocks[: state.kv_blocks[0].shape[1]], state.kv_blocks, state.kv_scales)
             req.block_table = blocks
             req.num_computed_tokens = state.num_computed_tokens
             req.status = RequestStatus.RUNNING

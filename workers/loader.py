@@ -10,6 +10,7 @@ import json
 import logging
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -79,6 +80,21 @@ def _targets(model: CausalLM, name: str) -> tuple[torch.Tensor, int, int] | None
     return table.get(rest)
 
 
+def _load_kv_scale(model: CausalLM, name: str, handle: Any) -> bool:
+    """A checkpoint's per-tensor fp8 KV scale (``model.layers.N.self_attn.k_scale``/``v_scale``, the
+    vLLM / llm-compressor name) onto its attention layer; False for any other tensor."""
+    m = _LAYER.match(name)
+    if m is None or m.group(2) not in ("self_attn.k_scale", "self_attn.v_scale"):
+        return False
+    idx = int(m.group(1))
+    if idx < model.config.num_layers:
+        value = float(handle.get_tensor(name).float().reshape(-1)[0])
+        if not value > 0 or value == float("inf"):
+            raise ValueError(f"{name} = {value}: a KV scale must be a positive finite number")
+        setattr(model.layers[idx].self_attn, m.group(2).removeprefix("self_attn."), value)
+    return True
+
+
 def load_model(
     model_dir: str | Path,
     dtype: torch.dtype | None = None,
@@ -108,6 +124,8 @@ def load_model(
                 raise ValueError(f"{f}: cannot read safetensors ({e})") from e
             with handle:
                 for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    if _load_kv_scale(model, name, handle):
+                        continue
                     target = _targets(model, name)
                     if target is None:
                         continue

@@ -30,6 +30,8 @@ class MigrationState:
     # Per layer [2, num_blocks, block_size, num_kv_heads, head_dim] on the host; None when the
     # request holds no KV (waiting, or preempted by recompute): the importer recomputes it.
     kv_blocks: list[torch.Tensor] | None
+    # int8 caches only: per layer [2, num_blocks, block_size, num_kv_heads] fp32 scales of kv_blocks.
+    kv_scales: list[torch.Tensor] | None
     generator_state: torch.Tensor | None
     output_text: str
     detokenizer: DetokenizerState | None  # window + offsets: text held back mid-character moves too
@@ -43,4 +45,5 @@ class MigrationState:
 
     @property
     def kv_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kv_blocks) if self.kv_blocks else 0
+        tensors = (self.kv_blocks or []) + (self.kv_scales or [])
+        return sum(t.numel() * t.element_size() for t in tensors)

@@ -115,6 +115,10 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(config.q_size, config.hidden_size, bias=False)
         self.scale = config.head_dim**-0.5
+        # Per-tensor fp8 KV scales (checkpoint ``self_attn.k_scale``/``v_scale``; 1.0 without): the cache
+        # holds k / k_scale and v / v_scale. Applied only to fp8 caches (the loader sets them).
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(
         self,
@@ -122,6 +126,7 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],  # RotaryEmbedding.table of this batch's positions
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         attn: AttentionMetadata,
+        kv_scales: torch.Tensor | None = None,  # int8 caches: [2, num_blocks, block_size, num_kv_heads]
     ) -> torch.Tensor:
         c = self.config
         num_tokens = x.shape[0]
@@ -131,40 +136,28 @@ class Attention(nn.Module):
         q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
         v = qkv[:, c.q_size + c.kv_size :].view(num_tokens, c.num_kv_heads, c.head_dim)
         backend = kernels.get_backend(x.device)
-        backend.store_kv(k, v, kv_cache, attn.slot_mapping)
+        scale, v_scale = self.scale, 1.0
+        if kv_cache.dtype == torch.float8_e4m3fn and (self.k_scale != 1.0 or self.v_scale != 1.0):
+            # q . (k_scale * k8) = k_scale * (q . k8); sum p (v_scale * v8) = v_scale * sum p v8.
+            k, v = k / self.k_scale, v / self.v_scale
+            scale, v_scale = scale * self.k_scale, self.v_scale
+        backend.store_kv(k, v, kv_cache, attn.slot_mapping, kv_scales=kv_scales)
         num_decode = attn.num_decode_tokens
         window = c.sliding_window
-        if num_decode == num_tokens:
-            out = backend.decode_attention(
-                q, kv_cache, attn.decode_block_tables, attn.decode_context_lens, self.scale, window
-            )
-        elif num_decode == 0:
-            out = backend.prefill_attention(
-                q,
-                kv_cache,
-                attn.prefill_block_tables,
-                attn.prefill_cu_seqlens_q,
-                attn.prefill_context_lens,
-                self.scale,
-                window,
-            )
-        else:
-            out = torch.cat(
-                (
-                    backend.decode_attention(
-                        q[:num_decode], kv_cache, attn.decode_block_tables, attn.decode_context_lens, self.scale, window
-                    ),
-                    backend.prefill_attention(
-                        q[num_decode:],
-                        kv_cache,
-                        attn.prefill_block_tables,
-                        attn.prefill_cu_seqlens_q,
-                        attn.prefill_context_lens,
-                        self.scale,
-                        window,
-                    ),
-                )
-            )
+        parts = []
+        if num_decode:
+            parts.append(backend.decode_attention(
+                q[:num_decode], kv_cache, attn.decode_block_tables, attn.decode_context_lens, scale, window,
+                kv_scales=kv_scales,
+            ))  # fmt: skip
+        if num_decode < num_tokens:
+            parts.append(backend.prefill_attention(
+                q[num_decode:], kv_cache, attn.prefill_block_tables, attn.prefill_cu_seqlens_q,
+                attn.prefill_context_lens, scale, window, kv_scales=kv_scales,
+            ))  # fmt: skip
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if v_scale != 1.0:
+            out = out * v_scale
         return self.o_proj(out.reshape(num_tokens, c.q_size))
 
 
@@ -194,8 +187,9 @@ class DecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         attn: AttentionMetadata,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, attn)
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, attn, kv_scales)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -223,11 +217,13 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
         attn: AttentionMetadata,
+        kv_scales: list[torch.Tensor | None] | None = None,  # per layer, int8 caches only (KVCache.layer_scales)
     ) -> torch.Tensor:  # [num_tokens, hidden]
         x = self.embed_tokens(input_ids)
         rope = self.rotary.table(positions, x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, kv_cache, attn)
+        scales = kv_scales if kv_scales is not None else [None] * len(kv_caches)
+        for layer, kv_cache, layer_scales in zip(self.layers, kv_caches, scales, strict=True):
+            x = layer(x, rope, kv_cache, attn, layer_scales)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32

@@ -146,7 +146,7 @@ class ModelRunner:
         order = sorted(range(len(out.scheduled)), key=lambda i: out.scheduled[i][1] != 1)
         batch = [out.scheduled[i] for i in order]
         input_ids, positions, attn, sample_rows, sample_reqs = self.prepare_inputs(batch)
-        hidden = self.model(input_ids, positions, self.kv_cache.layers, attn)
+        hidden = self.model(input_ids, positions, self.kv_cache.layers, attn, self.kv_cache.layer_scales)
         sampled: list[int | None] = [None] * len(out.scheduled)
         if sample_reqs:
             reqs = [batch[j][0] for j in sample_reqs]

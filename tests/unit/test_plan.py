@@ -12,12 +12,13 @@ import pytest
 from cluster.plan import PRESETS, Shape, kv_bytes_per_token, plan
 
 
-@pytest.mark.parametrize("dtype,elem", [("fp32", 4), ("fp16", 2), ("bf16", 2), ("fp8", 1), ("int8", 1)])
-def test_kv_formula_exact(dtype: str, elem: int) -> None:
+# int8 rows carry one fp32 scale each: 128 one-byte elements + 4 bytes.
+@pytest.mark.parametrize("dtype,row_bytes", [("fp32", 512), ("fp16", 256), ("bf16", 256), ("fp8", 128), ("int8", 132)])
+def test_kv_formula_exact(dtype: str, row_bytes: int) -> None:
     s = PRESETS["llama-3-8b"]  # 32 layers, 8 KV heads, head dim 128
-    assert kv_bytes_per_token(s, dtype) == 2 * 32 * 8 * 128 * elem
+    assert kv_bytes_per_token(s, dtype) == 2 * 32 * 8 * row_bytes
     row = plan(s, context=8192, users=32, kv_dtype=dtype, memory_bytes=80 * 2**30)
-    assert row.kv_bytes_per_request == 2 * 32 * 8 * 128 * elem * 8192
+    assert row.kv_bytes_per_request == 2 * 32 * 8 * row_bytes * 8192
     assert row.kv_bytes_total == 32 * row.kv_bytes_per_request
     assert row.blocks_per_request == 8192 // 16
 
@@ -47,17 +48,18 @@ def test_rejects_bad_input() -> None:
         plan(PRESETS["llama-3-8b"], 0, 1, "fp16", 2**30)
 
 
-def test_plan_matches_engine_admission(tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("plan_dtype,engine_dtype", [("fp32", "auto"), ("fp8", "fp8"), ("int8", "int8")])
+def test_plan_matches_engine_admission(tiny_llama_dir: Path, plan_dtype: str, engine_dtype: str) -> None:
     """Plan's max users at a context == what a contiguous-reservation engine admits in the same memory."""
     from workers.engine import LLM
     from workers.sampling_params import SamplingParams
 
     shape = Shape.from_model_dir(tiny_llama_dir)
     context, kv_memory = 256, 3 * 2**20
-    row = plan(shape, context, 1, "fp32", kv_memory + shape.num_params * 4)
+    row = plan(shape, context, 1, plan_dtype, kv_memory + shape.num_params * 4)
     llm = LLM(
         str(tiny_llama_dir), block_size=16, kv_cache_memory=kv_memory, max_model_len=context,
-        allocator="contiguous", watermark=0.0,
+        allocator="contiguous", watermark=0.0, kv_cache_dtype=engine_dtype,
     )  # fmt: skip
     engine = llm.engine
     assert engine.pool.num_blocks == row.total_blocks
