@@ -226,10 +226,14 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(req, reason)
             del self.requests[req.request_id]
-        return self._output(req, (token,), delta)
+        logprobs = (req.new_logprobs,) if req.new_logprobs is not None else ()
+        req.new_logprobs = None
+        return self._output(req, (token,), delta, logprobs)
 
     @staticmethod
-    def _output(req: Request, new_ids: tuple[int, ...], delta: str) -> RequestOutput:
+    def _output(
+        req: Request, new_ids: tuple[int, ...], delta: str, logprobs: tuple[dict[int, float], ...] = ()
+    ) -> RequestOutput:
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=new_ids,
@@ -240,6 +244,7 @@ class LLMEngine:
             num_output_tokens=req.num_output_tokens,
             num_preemptions=req.num_preemptions,
             num_swaps=req.num_swaps,
+            new_logprobs=logprobs,
         )
 
     # ---- router commands (between steps) ---------------------------------------------------
@@ -413,6 +418,9 @@ class LLM:
                 for out in engine.step():
                     res = results[out.request_id]
                     res.token_ids.extend(out.new_token_ids)
+                    if out.new_logprobs:
+                        res.logprobs = res.logprobs if res.logprobs is not None else []
+                        res.logprobs.extend(out.new_logprobs)
                     res.text += out.text_delta
                     res.num_cached_tokens = out.num_cached_tokens
                     res.num_preemptions = out.num_preemptions

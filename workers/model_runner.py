@@ -152,10 +152,12 @@ class ModelRunner:
             reqs = [batch[j][0] for j in sample_reqs]
             hidden = hidden if len(sample_rows) == hidden.shape[0] else hidden[sample_rows]
             params = [r.sampling_params for r in reqs]
-            if all(p.greedy for p in params):
+            if all(p.greedy and p.logprobs is None for p in params):
                 tokens = self.model.greedy_tokens(hidden)
             else:
-                tokens = self.sampler(self.model.compute_logits(hidden), params, [r.generator for r in reqs])
+                logits = self.model.compute_logits(hidden)
+                tokens = self.sampler(logits, params, [r.generator for r in reqs])
+                _attach_logprobs(logits, tokens, reqs)
             for j, tok in zip(sample_reqs, tokens, strict=True):
                 sampled[order[j]] = tok
         if self.governor is not None:
@@ -211,6 +213,23 @@ class ModelRunner:
         )
         sample_rows = _to(cu[sample_reqs] - 1, dev)
         return _to(np.asarray(ids, dtype=np.int64), dev), _to(pos, dev), attn, sample_rows, sample_reqs
+
+
+def _attach_logprobs(logits: torch.Tensor, tokens: list[int], reqs: list[Request]) -> None:
+    """``req.new_logprobs`` = {sampled token: logprob} plus the top ``logprobs`` tokens, for the
+    requests that asked (log-softmax of the raw logits, as vLLM reports them)."""
+    rows = [i for i, r in enumerate(reqs) if r.sampling_params.logprobs is not None]
+    if not rows:
+        return
+    logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor([tokens[i] for i in rows], device=logits.device).view(-1, 1))
+    k = max(reqs[i].sampling_params.logprobs or 0 for i in rows)
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    for j, i in enumerate(rows):
+        n = reqs[i].sampling_params.logprobs or 0
+        entry = dict(zip(top_ids[j, :n].tolist(), top_values[j, :n].tolist(), strict=True))
+        entry[tokens[i]] = float(chosen[j, 0])
+        reqs[i].new_logprobs = entry
 
 
 def _trim(table: np.ndarray, context_lens: np.ndarray, block_size: int) -> np.ndarray:

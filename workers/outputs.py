@@ -18,6 +18,8 @@ class RequestOutput:
     num_output_tokens: int
     num_preemptions: int = 0
     num_swaps: int = 0
+    # Per new token, {token id: logprob} (the sampled token and the top-k), when the request asked.
+    new_logprobs: tuple[dict[int, float], ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -35,3 +37,4 @@ class CompletionOutput:
     finish_reason: str | None
     num_cached_tokens: int
     num_preemptions: int
+    logprobs: list[dict[int, float]] | None = None  # per output token, when SamplingParams.logprobs is set

@@ -53,6 +53,9 @@ class Request:
     swap_table: list[int] = field(default_factory=list)  # host block ids while SWAPPED
     finish_reason: str | None = None
     generator: torch.Generator | None = None
+    # {token id: logprob} of the token the last step sampled (sampling_params.logprobs set); set by
+    # the runner, taken by the engine's output of that token.
+    new_logprobs: dict[int, float] | None = None
     detokenizer: IncrementalDetokenizer | None = None
     # Text already handed out (for stop strings and incremental detokenization).
     output_text: str = ""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 # torch.Generator.manual_seed takes any 64-bit value; keep seeds non-negative so they are
 # portable to other RNGs and across the wire (uint64 in the proto).
 _MAX_SEED = 2**64
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class SamplingParams:
             text is cut before the stop string. Lists are accepted and stored as tuples.
         stop_token_ids: Token ids that end generation (the id stays in the output ids).
         ignore_eos: Keep generating past the model's EOS token (benchmarks).
+        logprobs: None for none; k in [0, 20] to get, per output token, the log-probability of the
+            sampled token and of the k most likely ones (``{token id: logprob}``), from the
+            unmodified logits (before temperature and truncation), as vLLM reports them.
 
     Raises:
         ValueError: naming the field, when a value is out of range or of the wrong kind.
@@ -46,6 +50,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # NOTE: frozen dataclass, so normalising lists to tuples goes through object.__setattr__;
@@ -70,6 +75,8 @@ class SamplingParams:
             # An empty stop string would match at once and finish every request immediately.
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids must hold ints >= 0, got {t!r}")

@@ -76,6 +76,8 @@ class RunResult:
     peak_running: int  # most requests running in one step (what the KV allocator lets in at once)
     preemptions: int
     token_ids: list[list[int]] = dataclasses.field(repr=False)
+    # log-probability of each chosen token (quality pass only, see ``run_workload(logprobs=True)``)
+    logprobs: list[list[float]] | None = dataclasses.field(default=None, repr=False)
 
 
 class _StepClock:
@@ -129,11 +131,16 @@ def run_workload(
     prompt_ids: list[list[int]],
     max_tokens: int,
     advance: Callable[[], None] = lambda: None,
+    logprobs: bool = False,
 ) -> RunResult:
-    """Run every prompt to ``max_tokens`` greedy tokens (ignore_eos) through ``engine.step()``."""
+    """Run every prompt to ``max_tokens`` greedy tokens (ignore_eos) through ``engine.step()``.
+
+    With ``logprobs`` each chosen token's log-probability is recorded too (full logits every step:
+    slower, so the timed runs go without and a separate pass measures quality).
+    """
     from workers.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0 if logprobs else None)
     sched = engine.scheduler
     clock = _StepClock()
     clock.wrap(sched, "schedule", keep_output=True)
@@ -143,6 +150,7 @@ def run_workload(
     mc = engine.model_config
     ids = [f"bench-{i}" for i in range(len(prompt_ids))]
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    chosen_logprobs: dict[str, list[float]] = {rid: [] for rid in ids}
     step_s: list[float] = []
     reserved = holding = 0
     flops = 0.0
@@ -158,6 +166,8 @@ def run_workload(
             step_s.append(time.perf_counter() - t0)
             for out in outs:
                 tokens[out.request_id].extend(out.new_token_ids)
+                for token, entry in zip(out.new_token_ids, out.new_logprobs, strict=False):
+                    chosen_logprobs[out.request_id].append(entry[token])
                 if out.finished:
                     advance()
             for r in sched.running:
@@ -191,6 +201,7 @@ def run_workload(
         peak_running=peak_running,
         preemptions=sum(sched.num_preemptions.values()) - preempted_before,
         token_ids=[tokens[rid] for rid in ids],
+        logprobs=[chosen_logprobs[rid] for rid in ids] if logprobs else None,
     )
 
 
@@ -212,11 +223,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", required=True, choices=sorted(WORKLOADS), help="standard workload")
     p.add_argument("--runs", type=int, default=3, help="timed passes over the workload (median reported)")
     p.add_argument("--json", action="store_true", help="print one JSON object (medians + engine knobs)")
-    p.add_argument("--dump-tokens", metavar="PATH", help="write the generated token ids (JSON, input order)")
+    p.add_argument("--dump-tokens", metavar="PATH",
+                   help="write the generated token ids and their logprobs (JSON, input order)")
     p.add_argument(
         "--reference-tokens",
         metavar="PATH",
-        help="a --dump-tokens file of another run: report the share of identical tokens",
+        help="a --dump-tokens file of another run (e.g. fp32 KV): report the share of identical tokens and "
+        "the mean |delta logprob| of the chosen tokens",
     )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     # Subsample the workload (first N requests) for quick checks and tests.
@@ -276,12 +289,21 @@ def run(args: argparse.Namespace) -> int:
     summary["engine"]["threads"] = governor.max_threads if governor is not None else torch.get_num_threads()
     summary["engine"]["thread_governor"] = governor is not None
     summary["per_run_output_tokens_per_s"] = [round(r.output_tokens_per_s, 1) for r in results]
-    if args.dump_tokens:
-        Path(args.dump_tokens).write_text(json.dumps(results[-1].token_ids))
-    if args.reference_tokens:
-        summary["token_agreement"] = token_agreement(
-            results[-1].token_ids, json.loads(Path(args.reference_tokens).read_text())
-        )
+    if args.dump_tokens or args.reference_tokens:
+        # An untimed pass with logprobs (full logits each step would slow the timed runs down).
+        engine.pool.reset_prefix_cache()
+        quality = run_workload(engine, prompt_ids, max_tokens, logprobs=True)
+        if args.dump_tokens:
+            dump = {"token_ids": quality.token_ids, "logprobs": quality.logprobs}
+            Path(args.dump_tokens).write_text(json.dumps(dump))
+        if args.reference_tokens:
+            ref = json.loads(Path(args.reference_tokens).read_text())
+            ref_ids, ref_lps = (ref["token_ids"], ref.get("logprobs")) if isinstance(ref, dict) else (ref, None)
+            summary["token_agreement"] = token_agreement(quality.token_ids, ref_ids)
+            if ref_lps is not None and quality.logprobs is not None:
+                summary["logprob_delta"], summary["logprob_positions"] = logprob_delta(
+                    quality.token_ids, quality.logprobs, ref_ids, ref_lps
+                )
     if args.json:
         print(json.dumps(summary))
     else:
@@ -299,6 +321,22 @@ def token_agreement(ours: list[list[int]], reference: list[list[int]]) -> float:
         total += max(len(a), len(b))
         same += sum(x == y for x, y in zip(a, b, strict=False))
     return same / total if total else 1.0
+
+
+def logprob_delta(
+    ours: list[list[int]], our_lps: list[list[float]], reference: list[list[int]], ref_lps: list[list[float]]
+) -> tuple[float, int]:
+    """Mean |logprob(ours) - logprob(reference)| of the chosen tokens over the positions where both
+    runs saw the same context (up to and including each sequence's first differing token: after it
+    the two runs continue different texts and their logprobs no longer compare). Returns (mean, count)."""
+    total, count = 0.0, 0
+    for a, la, b, lb in zip(ours, our_lps, reference, ref_lps, strict=True):
+        for x, lx, y, ly in zip(a, la, b, lb, strict=False):
+            total += abs(lx - ly)
+            count += 1
+            if x != y:
+                break
+    return (total / count if count else 0.0), count
 
 
 def _print_table(s: dict[str, Any]) -> None:
@@ -324,6 +362,8 @@ def _print_table(s: dict[str, Any]) -> None:
     ]
     if "token_agreement" in s:
         rows.append(("identical tokens vs reference", f"{100 * s['token_agreement']:.1f}%"))
+    if "logprob_delta" in s:
+        rows.append(("mean |delta logprob| (same context)", f"{s['logprob_delta']:.4f} over {s['logprob_positions']}"))
     for row in rows:
         table.add_row(*row)
     console = Console()

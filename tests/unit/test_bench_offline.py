@@ -39,8 +39,10 @@ def test_offline_json(model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFix
     assert result["runs"] == 2 and result["num_requests"] == 6
     assert result["engine"]["block_size"] > 0 and result["engine"]["dtype"] == "float32"
 
-    tokens = json.loads(dump.read_text())
-    assert [len(t) for t in tokens] == [5] * 6  # ignore_eos: every request runs to max tokens
+    dumped = json.loads(dump.read_text())
+    assert [len(t) for t in dumped["token_ids"]] == [5] * 6  # ignore_eos: every request runs to max tokens
+    assert [len(lp) for lp in dumped["logprobs"]] == [5] * 6
+    assert all(lp <= 0 for row in dumped["logprobs"] for lp in row)
 
 
 def test_offline_tokens_match_offline_llm(model_dir: Path, tmp_path: Path) -> None:
@@ -56,7 +58,24 @@ def test_offline_tokens_match_offline_llm(model_dir: Path, tmp_path: Path) -> No
     ps, _ = prompts("tiny")
     llm = LLM(str(model_dir), dtype="float32", kv_cache_memory="64MiB")
     outs = llm.generate(ps[:3], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    assert json.loads(dump.read_text()) == [o.token_ids for o in outs]
+    assert json.loads(dump.read_text())["token_ids"] == [o.token_ids for o in outs]
+
+
+def test_reference_tokens_report_agreement_and_logprob_delta(
+    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["bench", "offline", "--model", str(model_dir), "--workload", "tiny", "--json", "--runs", "1",
+            "--num-requests", "4", "--max-tokens", "6", "--kv-cache-memory", "64MiB"]  # fmt: skip
+    ref = tmp_path / "fp32.json"
+    assert main([*base, "--dump-tokens", str(ref)]) == 0
+    capsys.readouterr()
+    assert main([*base, "--reference-tokens", str(ref)]) == 0
+    same = json.loads(capsys.readouterr().out)
+    assert same["token_agreement"] == 1.0 and same["logprob_delta"] == 0.0 and same["logprob_positions"] == 24
+    assert main([*base, "--reference-tokens", str(ref), "--kv-cache-dtype", "int8"]) == 0
+    int8 = json.loads(capsys.readouterr().out)
+    assert 0 < int8["logprob_delta"] < 0.5  # quantized KV moves logprobs, a little
+    assert 0 <= int8["token_agreement"] <= 1
 
 
 def test_kernels_subcommand_registered(capsys: pytest.CaptureFixture[str]) -> None:

@@ -73,6 +73,12 @@ def test_defaults_and_round_trip(tmp_path: Path) -> None:
     assert ClusterConfig.from_dict(full.to_dict()) == full
 
 
+def test_kv_levers_from_yaml(tmp_path: Path) -> None:
+    text = "model: /m\nengine: {kv_cache_dtype: int8, allocator: contiguous, reserve: max_tokens}\n"
+    e = ClusterConfig.load(write(tmp_path, text)).engine
+    assert (e.kv_cache_dtype, e.allocator, e.reserve) == ("int8", "contiguous", "max_tokens")
+
+
 def test_empty_file_needs_model(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"model: required"):
         ClusterConfig.load(write(tmp_path, ""))
@@ -96,6 +102,8 @@ def test_empty_file_needs_model(tmp_path: Path) -> None:
         ("engine: {preemption_mode: swap}", r"engine\.preemption_mode: .*needs swap_space > 0"),
         ("engine: {watermark: 1.5}", r"engine\.watermark: must be in \[0, 1\)"),
         ("engine: {device: tpu}", r"engine\.device: must be auto, cpu or cuda"),
+        ("engine: {kv_cache_dtype: int4}", r"engine\.kv_cache_dtype: must be one of \('auto', 'fp8', 'int8'\)"),
+        ("engine: {allocator: buddy}", r"engine\.allocator: must be"),
         ("engine: {model: /other}", r"engine\.model: not allowed in this section .*'model'"),
         ("engine: [1, 2]", r"engine: expected a mapping of EngineConfig fields"),
         ("router: {port: 1}", r"router\.port: not allowed in this section .*'port'"),
