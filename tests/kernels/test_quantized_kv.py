@@ -194,3 +194,10 @@ def test_checkpoint_fp8_scales_are_applied(tiny_llama_dir: Path, tmp_path: Path)
     save_file(weights, scaled / "model.safetensors")
     with pytest.raises(ValueError, match="positive finite"):
         LLM(str(scaled), num_gpu_blocks=8, kv_cache_dtype="fp8")
+
+
+def test_fp8_fast_decode_on_a_large_vectorized_tensor() -> None:
+    raw = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    expected = raw.view(FP8).float()
+    finite = ~expected.isnan()
+    assert torch.equal(reference.fp8_to_float(raw)[finite], expected[finite])
