@@ -15,6 +15,10 @@ Kernels
 The launchers ``decode_attention`` / ``prefill_attention`` have the signatures of their torch twins in
 ``kernels.reference`` (plus keyword-only extras: ``out=``, ``num_splits=``, ``max_query_len=``).
 
+Quantized caches (contract in ``kernels.cache_ops``): an fp8 cache element reads as ``x.float()``, an int8
+one as ``x.float() * scale`` with ``scale`` from ``kv_scales[K|V, block, offset, kv_head]``; attention then
+runs as on an fp32 cache holding those values (the query's dtype sets compute and output dtypes).
+
 NOTE: all cache offsets are computed in int64: ``block_id * stride_block`` overflows int32 once a pool
 holds more than 2**31 elements (e.g. 131072 blocks of 16 x 8 x 128).
 NOTE: the kernels work in the exp2 domain (``qk_scale = scale * log2(e)``); the split partials carry their
@@ -30,6 +34,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from kernels.cache_ops import check_kv_quantization
 
 _LOG2E = 1.4426950408889634
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -56,6 +62,8 @@ def _paged_decode_kernel(
     q_ptr,  # [num_seqs, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]  (kv_cache[0])
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]  (kv_cache[1])
+    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] fp32 (kv_scales[0]); read only for an int8 cache
+    v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] fp32 (kv_scales[1]); read only for an int8 cache
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32/int64
     context_lens_ptr,  # [num_seqs] int32/int64
     qk_scale,  # softmax scale * log2(e)
@@ -65,6 +73,8 @@ def _paged_decode_kernel(
     stride_kv_block,
     stride_kv_slot,
     stride_kv_head,
+    stride_s_block,  # kv_scales' block stride (slot stride next; head stride 1)
+    stride_s_slot,
     stride_bt_seq,
     stride_o_seq,
     stride_o_head,
@@ -88,8 +98,10 @@ def _paged_decode_kernel(
     at position ``context_lens[s] - 1``; key ``k`` is visible iff ``k <= pos`` and (with a window)
     ``k > pos - sliding_window``. The visible range is cut into ``NUM_SPLITS`` contiguous runs of whole
     ``TILE_N`` tiles; an empty run writes ``lse = -inf`` and a zero partial. A sequence with no visible key
-    (``context_lens == 0``) gets a zero output.
+    (``context_lens == 0``) gets a zero output. The cache's element type picks how it is read (module
+    docstring): an int8 cache is scaled by ``kv_scales``, any other is cast to the query's dtype.
     """
+    KV_INT8: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.int8
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -129,10 +141,18 @@ def _paged_decode_kernel(
         kv_mask = tok_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [TILE_N, D]
         v = tl.load(v_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [TILE_N, D]
+        if KV_INT8:
+            s_off = block_ids * stride_s_block + (tok % BLOCK_SIZE).to(tl.int64) * stride_s_slot + kv_head
+            k_scale = tl.load(k_scale_ptr + s_off, mask=tok_mask, other=0.0)  # [TILE_N]
+            v_scale = tl.load(v_scale_ptr + s_off, mask=tok_mask, other=0.0)  # [TILE_N]
+            v = v.to(tl.float32) * v_scale[:, None]
+        # NOTE: fp8 and int8 values are exact in fp16/bf16/fp32, so this cast loses nothing for them.
         k = k.to(q.dtype)
         v = v.to(q.dtype)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, TILE_N]
+        if KV_INT8:
+            s = s * k_scale[None, :]  # q . (scale * k) == scale * (q . k): TILE_N products, not TILE_N x D
         s = tl.where(tok_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -215,6 +235,8 @@ def _paged_prefill_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]  (kv_cache[0])
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]  (kv_cache[1])
+    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] fp32 (kv_scales[0]); read only for an int8 cache
+    v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] fp32 (kv_scales[1]); read only for an int8 cache
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32/int64
     cu_seqlens_q_ptr,  # [num_seqs + 1] int32/int64
     context_lens_ptr,  # [num_seqs] int32/int64
@@ -227,6 +249,8 @@ def _paged_prefill_kernel(
     stride_kv_block,
     stride_kv_slot,
     stride_kv_head,
+    stride_s_block,  # kv_scales' block stride (slot stride next; head stride 1)
+    stride_s_slot,
     stride_bt_seq,
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_M: tl.constexpr,  # query rows per program = BLOCK_Q tokens x GROUP heads (padded), >= 16
@@ -244,8 +268,9 @@ def _paged_prefill_kernel(
     sitting at positions ``context_lens[s] - q_len + i``; keys ``0 .. context_lens[s]-1`` are all in the
     cache. Query at position ``p`` sees key ``k`` iff ``k <= p`` and (with a window)
     ``k > p - sliding_window``. Row ``r`` of the tile is token ``r // GROUP``, head ``r % GROUP``, so each
-    K/V tile load serves the whole group.
+    K/V tile load serves the whole group. The cache is read as in the decode kernel.
     """
+    KV_INT8: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.int8
     q_tile = tl.program_id(0)
     seq = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -291,10 +316,19 @@ def _paged_prefill_kernel(
         block_ids = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
         slot_off = block_ids * stride_kv_block + (tok % BLOCK_SIZE).to(tl.int64) * stride_kv_slot + head_off
         kv_mask = tok_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(v_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        k = tl.load(k_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_INT8:  # as in the decode kernel
+            s_off = block_ids * stride_s_block + (tok % BLOCK_SIZE).to(tl.int64) * stride_s_slot + kv_head
+            k_scale = tl.load(k_scale_ptr + s_off, mask=tok_mask, other=0.0)  # [TILE_N]
+            v_scale = tl.load(v_scale_ptr + s_off, mask=tok_mask, other=0.0)  # [TILE_N]
+            v = v.to(tl.float32) * v_scale[:, None]
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+        if KV_INT8:
+            s = s * k_scale[None, :]
         visible = tok_mask[None, :] & (tok[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             visible = visible & (tok[None, :] > q_pos[:, None] - sliding_window)
@@ -389,6 +423,7 @@ def _check_attention_inputs(
     scale: float,
     sliding_window: int | None,
     num_seqs: int,
+    kv_scales: torch.Tensor | None,
 ) -> tuple[int, int, int]:
     """Validate what both launchers share; returns (num_heads, num_kv_heads, head_dim)."""
     if query.dim() != 3:
@@ -404,10 +439,8 @@ def _check_attention_inputs(
         raise ValueError(f"{name}: head_dim mismatch: query {head_dim}, kv_cache {kv_cache.shape[4]}")
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(f"{name}: num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    if query.dtype not in _FLOAT_DTYPES or kv_cache.dtype not in _FLOAT_DTYPES:
-        raise ValueError(
-            f"{name}: query/kv_cache dtype must be one of {_FLOAT_DTYPES}, got {query.dtype}/{kv_cache.dtype}"
-        )
+    if query.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name}: query dtype must be one of {_FLOAT_DTYPES}, got {query.dtype}")
     if block_tables.dtype not in _INDEX_DTYPES or context_lens.dtype not in _INDEX_DTYPES:
         raise ValueError(
             f"{name}: block_tables/context_lens must be int32 or int64, "
@@ -436,6 +469,7 @@ def _check_attention_inputs(
         raise ValueError(f"{name}: sliding_window must be None or an int >= 1, got {sliding_window}")
     _check_device(query, f"{name}: query")
     _check_device(kv_cache, f"{name}: kv_cache")
+    check_kv_quantization(name, kv_cache, kv_scales)
     return num_heads, num_kv_heads, head_dim
 
 
@@ -450,6 +484,11 @@ def _check_out(name: str, out: torch.Tensor | None, query: torch.Tensor) -> torc
     if out.stride(-1) != 1:
         raise ValueError(f"{name}: out needs a contiguous last dimension")
     return out
+
+
+def _scales_or_dummy(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> torch.Tensor:
+    # NOTE: without scales the cache stands in for the scale pointers; only an int8 cache's kernel reads them.
+    return kv_scales if kv_scales is not None else kv_cache
 
 
 def _dot_precision(dtype: torch.dtype) -> str | None:
@@ -471,18 +510,21 @@ def decode_attention(
     *,
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim], query's dtype
     num_splits: int | None = None,
+    kv_scales: torch.Tensor | None = None,  # [2, num_blocks, block_size, num_kv_heads] fp32, int8 cache only
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """One query token per sequence attending to its whole cached context (flash-decoding).
 
     Args:
         query: the new token's query per sequence; any strides with a contiguous last dim.
-        kv_cache: one layer's paged cache (may be a view of a bigger tensor; last dim contiguous).
+        kv_cache: one layer's paged cache (may be a view of a bigger tensor; last dim contiguous);
+            fp32/fp16/bf16, fp8 e4m3 or int8 (read as described in the module docstring).
         block_tables: physical block ids per sequence; entries past the context are never read.
         context_lens: cached tokens per sequence including the query's own (>= 1; 0 gives zeros).
         scale: softmax scale (usually ``head_dim ** -0.5``).
         sliding_window: if set, a query at position ``p`` sees keys ``p - sliding_window < k <= p``.
         out: optional preallocated output (written in full).
         num_splits: force the split-K factor; default ``choose_num_splits`` on the table's width.
+        kv_scales: the int8 cache's dequantization scales; required for an int8 cache, None otherwise.
     Returns:
         ``out`` (or a new tensor) of shape ``[num_seqs, num_heads, head_dim]`` in query's dtype.
     Raises:
@@ -490,7 +532,7 @@ def decode_attention(
     """
     num_seqs = query.shape[0] if query.dim() == 3 else -1
     num_heads, num_kv_heads, head_dim = _check_attention_inputs(
-        "decode_attention", query, kv_cache, block_tables, context_lens, scale, sliding_window, num_seqs
+        "decode_attention", query, kv_cache, block_tables, context_lens, scale, sliding_window, num_seqs, kv_scales
     )
     out = _check_out("decode_attention", out, query)
     if num_seqs == 0:
@@ -523,11 +565,14 @@ def decode_attention(
         num_warps=4 if head_dim_pad <= 128 else 8,
         num_stages=2,
     )
+    scales = _scales_or_dummy(kv_cache, kv_scales)  # [2, num_blocks, block_size, num_kv_heads]
     grid = (num_seqs, num_kv_heads, num_splits)
     args = (
         query,
         k_cache,
         v_cache,
+        scales[0],
+        scales[1],
         block_tables,
         context_lens,
         float(scale) * _LOG2E,
@@ -537,6 +582,8 @@ def decode_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        scales.stride(1),
+        scales.stride(2),
         block_tables.stride(0),
     )
     if num_splits == 1:
@@ -600,12 +647,14 @@ def prefill_attention(
     *,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], query's dtype
     max_query_len: int | None = None,
+    kv_scales: torch.Tensor | None = None,  # [2, num_blocks, block_size, num_kv_heads] fp32, int8 cache only
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Variable-length query chunks attending causally to their cached prefix and to themselves.
 
     Args:
         query: queries of all chunks, concatenated; contiguous last dim.
-        kv_cache: one layer's paged cache holding every key of every chunk already.
+        kv_cache: one layer's paged cache holding every key of every chunk already; fp32/fp16/bf16, fp8 e4m3
+            or int8 (read as described in the module docstring).
         block_tables: physical block ids per sequence.
         cu_seqlens_q: chunk boundaries; sequence ``s`` owns rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``.
         context_lens: ``cached prefix + chunk length`` per sequence.
@@ -613,6 +662,7 @@ def prefill_attention(
         sliding_window: if set, a query at position ``p`` sees keys ``p - sliding_window < k <= p``.
         out: optional preallocated output; rows not owned by any sequence are left untouched.
         max_query_len: longest chunk; pass it to skip a device->host sync.
+        kv_scales: the int8 cache's dequantization scales; required for an int8 cache, None otherwise.
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in query's dtype.
     Raises:
@@ -620,7 +670,7 @@ def prefill_attention(
     """
     num_seqs = context_lens.shape[0] if context_lens.dim() == 1 else -1
     num_heads, num_kv_heads, head_dim = _check_attention_inputs(
-        "prefill_attention", query, kv_cache, block_tables, context_lens, scale, sliding_window, num_seqs
+        "prefill_attention", query, kv_cache, block_tables, context_lens, scale, sliding_window, num_seqs, kv_scales
     )
     if cu_seqlens_q.dtype not in _INDEX_DTYPES or cu_seqlens_q.shape != (num_seqs + 1,):
         raise ValueError(
@@ -646,12 +696,15 @@ def prefill_attention(
     block_q = block_m // group
     head_dim_pad = triton.next_power_of_2(head_dim)
     k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, num_kv_heads, head_dim]
+    scales = _scales_or_dummy(kv_cache, kv_scales)  # [2, num_blocks, block_size, num_kv_heads]
     grid = (triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads)
     _paged_prefill_kernel[grid](
         out,
         query,
         k_cache,
         v_cache,
+        scales[0],
+        scales[1],
         block_tables,
         cu_seqlens_q,
         context_lens,
@@ -664,6 +717,8 @@ def prefill_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        scales.stride(1),
+        scales.stride(2),
         block_tables.stride(0),
         GROUP=group,
         BLOCK_M=block_m,

@@ -27,6 +27,7 @@ warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta 
 FP8_MAX = 448.0  # largest finite e4m3 value
 FP8 = torch.float8_e4m3fn
 INT8_MAX = 127.0
+INT8_MIN_AMAX = 1e-30  # rows quieter than this quantize to zero (127 / amax would overflow fp32)
 
 
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -51,11 +52,11 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [...
     """Symmetric per-row int8: ``scale = amax / 127``, ``q = floor(x * 127 / amax + 0.5)``.
 
     NOTE: round-half-up through floor so the Triton store (no rint in the interpreter) is bit-identical.
-    A zero row gets scale 0 and q 0. Dequantize with ``q * scale``: error <= scale / 2 per element.
+    A zero row (amax <= 1e-30) gets q 0. Dequantize with ``q * scale``: error <= scale / 2 per element.
     """
     x = x.float()
     amax = x.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(amax > 0, INT8_MAX / amax, torch.zeros_like(amax))
+    inv = torch.where(amax > INT8_MIN_AMAX, INT8_MAX / amax.clamp_min(INT8_MIN_AMAX), torch.zeros_like(amax))
     q = torch.floor(x * inv + 0.5).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, (amax / INT8_MAX).squeeze(-1)
 

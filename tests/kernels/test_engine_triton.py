@@ -12,17 +12,21 @@ from workers.sampling_params import SamplingParams
 PROMPTS = [[5, 17, 99, 1000, 2047, 3], list(range(100, 121))]  # a short and a 21-token prompt
 
 
-def _generate(model_dir: Path) -> list[list[int]]:
+def _generate(model_dir: Path, kv_cache_dtype: str) -> list[list[int]]:
     # block_size 4 and a small budget: several blocks per sequence and a chunked prefill.
-    llm = LLM(str(model_dir), block_size=4, num_gpu_blocks=32, max_num_batched_tokens=16)
+    llm = LLM(str(model_dir), block_size=4, num_gpu_blocks=32, max_num_batched_tokens=16, kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     outs = llm.generate(PROMPTS, params, check_integrity=True)
     return [o.token_ids for o in outs]
 
 
-def test_engine_triton_backend_matches_torch(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+# Quantized caches too: both backends quantize with the same formula, so the tokens match as well.
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
+def test_engine_triton_backend_matches_torch(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, kv_cache_dtype: str
+) -> None:
     monkeypatch.setenv("KVSERVE_ATTENTION_BACKEND", "torch")
-    expected = _generate(tiny_llama_dir)
+    expected = _generate(tiny_llama_dir, kv_cache_dtype)
     monkeypatch.setenv("KVSERVE_ATTENTION_BACKEND", "triton")
     from kernels import triton_backend
 
@@ -35,5 +39,5 @@ def test_engine_triton_backend_matches_torch(tiny_llama_dir: Path, monkeypatch: 
             return _fn(*args, **kwargs)
 
         monkeypatch.setattr(triton_backend, name, counted)
-    assert _generate(tiny_llama_dir) == expected
+    assert _generate(tiny_llama_dir, kv_cache_dtype) == expected
     assert min(calls.values()) > 0 and len(calls) == 3, f"triton kernels not all used: {calls}"

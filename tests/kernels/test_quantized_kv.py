@@ -201,3 +201,11 @@ def test_fp8_fast_decode_on_a_large_vectorized_tensor() -> None:
     expected = raw.view(FP8).float()
     finite = ~expected.isnan()
     assert torch.equal(reference.fp8_to_float(raw)[finite], expected[finite])
+
+
+def test_int8_store_of_a_vanishing_row_is_zero_not_nan() -> None:
+    cache, scales = _pool(torch.int8)
+    x = torch.full((1, 2, 32), 1e-38)
+    reference.store_kv(x, x, cache, torch.tensor([2]), kv_scales=scales)
+    assert not reference.dequantize_cache(cache, scales).isnan().any()
+    assert not cache.any()
