@@ -16,7 +16,7 @@ import weakref
 
 import torch
 
-# NOTE: the CPU decode path builds sparse CSR patterns (see _decode_attention_in_place); torch warns once
+# NOTE: the CPU decode path builds sparse CSR patterns (see _decode_attention_sparse); torch warns once
 # that CSR support is "beta". The ops used (sampled_addmm, CSR construction) are long-standing.
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state", category=UserWarning)
 
@@ -177,12 +177,18 @@ def _decode_positions(
 
 
 class _DecodePlan:
-    """Index structures of one decode batch for ``_decode_attention_in_place``, shared by its layers.
+    """Index structures of one decode batch for ``_decode_attention_sparse``, shared by its layers.
 
     NOTE: every layer of a step passes the same ``block_tables`` / ``context_lens`` tensors, so the
     plan (cache row of every visible token, the sparse pattern) is built once per step: the last one
     is kept, keyed by those tensors' identity (weak references) and version counters (inference-mode
     tensors have none; the runner makes fresh ones every step and never writes them afterwards).
+
+    Columns of the pattern index the K/V rows attention reads from: the cache itself
+    (``slot * num_kv_heads + kv_head``), or with ``compact`` a dense copy holding each visible
+    (sequence, KV head, token) row once, in that order (``gather_rows`` lists their cache rows), which a
+    quantized cache dequantizes into: one conversion per visible element, no padding, no per-query-head
+    duplicates.
     """
 
     _last: _DecodePlan | None = None
@@ -195,28 +201,36 @@ class _DecodePlan:
         num_heads: int,
         kv_shape: tuple[int, ...],
         dtype: torch.dtype,
+        compact: bool,
     ) -> None:
-        self.key = (sliding_window, num_heads, kv_shape, dtype, _version(block_tables), _version(context_lens))
+        self.key = _plan_key(block_tables, context_lens, sliding_window, num_heads, kv_shape, dtype, compact)
         self._refs = (weakref.ref(block_tables), weakref.ref(context_lens))
         _, num_blocks, block_size, num_kv_heads, _ = kv_shape
         num_seqs = context_lens.shape[0]
         pos, visible = _decode_positions(context_lens, sliding_window)
         self.width = width = pos.shape[1]
         slots = block_tables.long().gather(1, pos // block_size) * block_size + pos % block_size
-        kv_head = torch.arange(num_heads, device=pos.device) // (num_heads // num_kv_heads)
+        kv_rows = slots.unsqueeze(1) * num_kv_heads + torch.arange(num_kv_heads, device=pos.device).view(1, -1, 1)
+        if compact:  # kv_rows [seqs, kv_heads, width] -> positions in the dense copy
+            mask = visible.unsqueeze(1).expand_as(kv_rows)
+            self.gather_rows = kv_rows[mask]
+            index = mask.reshape(-1).cumsum(0).sub_(1).view_as(kv_rows)
+            # Padding repeats the sequence's first visible position (see _decode_positions): column 0.
+            kv_rows = torch.where(mask, index, index[..., :1])
+            num_columns = self.gather_rows.numel()
+        else:
+            num_columns = num_blocks * block_size * num_kv_heads
+        group = num_heads // num_kv_heads
         n = num_seqs * num_heads
-        self.rows = (slots.unsqueeze(1) * num_kv_heads + kv_head.view(1, -1, 1)).view(n, width)
+        self.rows = kv_rows.repeat_interleave(group, dim=1).reshape(n, width)
         self.hidden = ~visible.unsqueeze(1)  # [num_seqs, 1, width]
         self.pattern = torch.sparse_csr_tensor(
             torch.arange(0, n * width + 1, width, device=pos.device),
             self.rows.view(-1),
             torch.zeros(n * width, dtype=dtype, device=pos.device),
-            size=(n, num_blocks * block_size * num_kv_heads),
+            size=(n, num_columns),
             check_invariants=False,
         )
-
-    def is_for(self, block_tables: torch.Tensor, context_lens: torch.Tensor, key: tuple) -> bool:
-        return self._refs[0]() is block_tables and self._refs[1]() is context_lens and self.key == key
 
     @classmethod
     def get(
@@ -227,43 +241,71 @@ class _DecodePlan:
         num_heads: int,
         kv_shape: tuple[int, ...],
         dtype: torch.dtype,
+        compact: bool = False,
     ) -> _DecodePlan:
         """The plan for this batch: the last one if built for these very tensors, else a new one."""
         plan = cls._last
-        key = (sliding_window, num_heads, kv_shape, dtype, _version(block_tables), _version(context_lens))
-        if plan is None or not plan.is_for(block_tables, context_lens, key):
-            plan = cls._last = cls(block_tables, context_lens, sliding_window, num_heads, kv_shape, dtype)
+        key = _plan_key(block_tables, context_lens, sliding_window, num_heads, kv_shape, dtype, compact)
+        fresh = plan is not None and plan.key == key
+        if not (fresh and plan._refs[0]() is block_tables and plan._refs[1]() is context_lens):
+            plan = cls._last = cls(block_tables, context_lens, sliding_window, num_heads, kv_shape, dtype, compact)
         return plan
+
+
+def _plan_key(block_tables: torch.Tensor, context_lens: torch.Tensor, *rest: object) -> tuple:
+    return (*rest, _version(block_tables), _version(context_lens))
 
 
 def _version(t: torch.Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
 
-def _decode_attention_in_place(
+def _decode_attention_sparse(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim] fp32/fp64 on CPU
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], same dtype
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None,
+    kv_scales: torch.Tensor | None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """Decode attention that reads K and V rows where they lie in the paged cache: no gathered copy.
+    """Decode attention as a sparse product over the K/V rows of the visible tokens: no padded copy.
 
-    Each (sequence, query head) is one row of a sparse pattern whose columns are the cache rows
-    ``slot * num_kv_heads + kv_head`` of its visible tokens. ``Q K^T`` is then a sampled dense-dense
-    product (only those dot products), and ``P V`` an embedding bag (per-row weighted sum of V rows).
-    Padding (see ``_decode_positions``) keeps the pattern a dense ``[rows, width]`` grid.
+    Each (sequence, query head) is one row of a sparse pattern whose columns are the K/V rows of its
+    visible tokens. ``Q K^T`` is then a sampled dense-dense product (only those dot products), and
+    ``P V`` an embedding bag (per-row weighted sum of V rows). Padding (see ``_decode_positions``)
+    keeps the pattern a dense ``[rows, width]`` grid. A cache of the query's dtype is read where it
+    lies; a quantized one is first dequantized into a dense copy of just the visible rows.
     """
     num_seqs, num_heads, head_dim = query.shape
-    plan = _DecodePlan.get(block_tables, context_lens, sliding_window, num_heads, tuple(kv_cache.shape), query.dtype)
+    compact = kv_cache.dtype != query.dtype
+    plan = _DecodePlan.get(
+        block_tables, context_lens, sliding_window, num_heads, tuple(kv_cache.shape), query.dtype, compact
+    )
     n = num_seqs * num_heads
-    flat = kv_cache.view(2, -1, head_dim)  # [K|V, cache row = slot * num_kv_heads + kv_head, head_dim]
-    scores = torch.sparse.sampled_addmm(plan.pattern, query.reshape(n, head_dim), flat[0].t(), beta=0.0, alpha=scale)
+    flat = raw_bytes(kv_cache).view(2, -1, head_dim)  # [K|V, cache row = slot * num_kv_heads + kv_head, head_dim]
+    if compact:
+        keys, values = (_dequantize_rows(kv_cache.dtype, flat[i], kv_scales, i, plan.gather_rows) for i in range(2))
+    else:
+        keys, values = flat[0], flat[1]
+    scores = torch.sparse.sampled_addmm(plan.pattern, query.reshape(n, head_dim), keys.t(), beta=0.0, alpha=scale)
     scores = scores.values().view(num_seqs, num_heads, plan.width).masked_fill_(plan.hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(n, plan.width)
-    out = torch.nn.functional.embedding_bag(plan.rows, flat[1], per_sample_weights=probs, mode="sum")
+    out = torch.nn.functional.embedding_bag(plan.rows, values, per_sample_weights=probs, mode="sum")
     return out.view(num_seqs, num_heads, head_dim)
+
+
+def _dequantize_rows(
+    dtype: torch.dtype, rows: torch.Tensor, kv_scales: torch.Tensor | None, which: int, index: torch.Tensor
+) -> torch.Tensor:  # [len(index), head_dim] float32
+    """Rows ``index`` of one flattened K or V cache (raw bytes for fp8), as fp32 values."""
+    picked = rows.index_select(0, index)
+    if dtype == FP8:
+        return fp8_to_float(picked)
+    values = picked.float()
+    if kv_scales is not None:
+        values.mul_(kv_scales[which].reshape(-1).index_select(0, index).unsqueeze(1))
+    return values
 
 
 def decode_attention(
@@ -277,9 +319,10 @@ def decode_attention(
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """One query token per sequence attending to its whole cached context (or its last ``sliding_window``).
 
-    Only the visible tokens' K/V are read. fp32/fp64 on CPU take ``_decode_attention_in_place``; any
-    other dtype or device gathers the contexts per KV head (padded to the longest) and runs the
-    ``group`` query heads sharing a KV head as the rows of batched GEMMs.
+    Only the visible tokens' K/V are read. On CPU, fp32 queries over an fp32, fp8 or int8 cache (and
+    fp64 over fp64) take ``_decode_attention_sparse``; any other dtype or device gathers the contexts
+    per KV head (padded to the longest) and runs the ``group`` query heads sharing a KV head as the
+    rows of batched GEMMs.
     """
     check_kv_scales(kv_cache, kv_scales)
     num_seqs, num_heads, head_dim = query.shape
@@ -287,9 +330,11 @@ def decode_attention(
     group = num_heads // num_kv_heads
     if num_seqs == 0:
         return query.new_empty(query.shape)
-    in_place = query.dtype in (torch.float32, torch.float64) and kv_cache.dtype == query.dtype
-    if query.device.type == "cpu" and in_place and kv_cache.is_contiguous():
-        return _decode_attention_in_place(query, kv_cache, block_tables, context_lens, scale, sliding_window)
+    # fp32 queries over an fp32 cache (read in place) or a quantized one (dequantized to fp32 rows).
+    sparse = query.dtype == torch.float32 and kv_cache.dtype in (torch.float32, FP8, torch.int8)
+    cpu = query.device.type == "cpu" and kv_cache.is_contiguous()
+    if cpu and (sparse or query.dtype == kv_cache.dtype == torch.float64):
+        return _decode_attention_sparse(query, kv_cache, block_tables, context_lens, scale, sliding_window, kv_scales)
     pos, visible = _decode_positions(context_lens, sliding_window)
     width = pos.shape[1]
     keys, values = _gather_head_major(kv_cache, block_tables, pos, query.dtype, kv_scales)  # [kv_heads, seqs, width, d]
