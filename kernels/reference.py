@@ -223,6 +223,8 @@ class _DecodePlan:
         group = num_heads // num_kv_heads
         n = num_seqs * num_heads
         self.rows = kv_rows.repeat_interleave(group, dim=1).reshape(n, width)
+        if compact:  # the cache row behind every pattern entry (int8 scales are looked up by it)
+            self.entry_rows = self.gather_rows.index_select(0, self.rows.view(-1))
         self.hidden = ~visible.unsqueeze(1)  # [num_seqs, 1, width]
         self.pattern = torch.sparse_csr_tensor(
             torch.arange(0, n * width + 1, width, device=pos.device),
@@ -285,27 +287,29 @@ def _decode_attention_sparse(
     n = num_seqs * num_heads
     flat = raw_bytes(kv_cache).view(2, -1, head_dim)  # [K|V, cache row = slot * num_kv_heads + kv_head, head_dim]
     if compact:
-        keys, values = (_dequantize_rows(kv_cache.dtype, flat[i], kv_scales, i, plan.gather_rows) for i in range(2))
+        keys, values = (_dequantize_rows(kv_cache.dtype, flat[i], plan.gather_rows) for i in range(2))
     else:
         keys, values = flat[0], flat[1]
     scores = torch.sparse.sampled_addmm(plan.pattern, query.reshape(n, head_dim), keys.t(), beta=0.0, alpha=scale)
-    scores = scores.values().view(num_seqs, num_heads, plan.width).masked_fill_(plan.hidden, float("-inf"))
+    scores = scores.values().view(num_seqs, num_heads, plan.width)
+    if kv_scales is not None:
+        # int8: q . (s k) = s (q . k) and sum p (s v) = sum (p s) v: the scales go on the [rows, width]
+        # scores and weights, ~head_dim / group times fewer multiplies than on the K/V rows.
+        k_scale, v_scale = (kv_scales[i].view(-1).index_select(0, plan.entry_rows) for i in range(2))
+        scores = scores * k_scale.view_as(scores)
+    scores = scores.masked_fill_(plan.hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(n, plan.width)
+    if kv_scales is not None:
+        probs = probs * v_scale.view_as(probs)
     out = torch.nn.functional.embedding_bag(plan.rows, values, per_sample_weights=probs, mode="sum")
     return out.view(num_seqs, num_heads, head_dim)
 
 
-def _dequantize_rows(
-    dtype: torch.dtype, rows: torch.Tensor, kv_scales: torch.Tensor | None, which: int, index: torch.Tensor
-) -> torch.Tensor:  # [len(index), head_dim] float32
-    """Rows ``index`` of one flattened K or V cache (raw bytes for fp8), as fp32 values."""
+def _dequantize_rows(dtype: torch.dtype, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` of one flattened K or V cache (raw bytes for fp8) as fp32: the stored values,
+    before int8's per-row scale (the caller applies it)."""
     picked = rows.index_select(0, index)
-    if dtype == FP8:
-        return fp8_to_float(picked)
-    values = picked.float()
-    if kv_scales is not None:
-        values.mul_(kv_scales[which].reshape(-1).index_select(0, index).unsqueeze(1))
-    return values
+    return fp8_to_float(picked) if dtype == FP8 else picked.float()
 
 
 def decode_attention(
