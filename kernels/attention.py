@@ -55,6 +55,27 @@ MIN_TOKENS_PER_SPLIT = 256
 
 
 @triton.jit
+def _load_kv_tile(
+    k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+    block_ids, tok, tok_mask, slot_off, offs_d, kv_mask, kv_head,
+    stride_s_block, stride_s_slot, BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    """One tile's K and V ``[TILE_N, HEAD_DIM_PAD]`` as stored, except that an int8 V comes back
+    dequantized (fp32); plus K's int8 scales ``[TILE_N]`` (unused otherwise), which the caller applies to
+    the scores: ``q . (scale * k) == scale * (q . k)``, TILE_N products instead of TILE_N x HEAD_DIM."""
+    k = tl.load(k_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    if k_cache_ptr.dtype.element_ty == tl.int8:
+        s_off = block_ids * stride_s_block + (tok % BLOCK_SIZE).to(tl.int64) * stride_s_slot + kv_head
+        k_scale = tl.load(k_scale_ptr + s_off, mask=tok_mask, other=0.0)
+        v_scale = tl.load(v_scale_ptr + s_off, mask=tok_mask, other=0.0)
+        v = v.to(tl.float32) * v_scale[:, None]
+    else:
+        k_scale = tok_mask.to(tl.float32)
+    return k, v, k_scale
+
+
+@triton.jit
 def _paged_decode_kernel(
     out_ptr,  # WRITE_FINAL: [num_seqs, num_heads, head_dim]
     #           else partial [num_seqs, num_heads, NUM_SPLITS, head_dim] fp32
@@ -139,20 +160,17 @@ def _paged_decode_kernel(
         block_ids = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
         slot_off = block_ids * stride_kv_block + (tok % BLOCK_SIZE).to(tl.int64) * stride_kv_slot + head_off
         kv_mask = tok_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [TILE_N, D]
-        v = tl.load(v_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [TILE_N, D]
-        if KV_INT8:
-            s_off = block_ids * stride_s_block + (tok % BLOCK_SIZE).to(tl.int64) * stride_s_slot + kv_head
-            k_scale = tl.load(k_scale_ptr + s_off, mask=tok_mask, other=0.0)  # [TILE_N]
-            v_scale = tl.load(v_scale_ptr + s_off, mask=tok_mask, other=0.0)  # [TILE_N]
-            v = v.to(tl.float32) * v_scale[:, None]
+        k, v, k_scale = _load_kv_tile(
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_ids, tok, tok_mask, slot_off, offs_d, kv_mask,
+            kv_head, stride_s_block, stride_s_slot, BLOCK_SIZE,
+        )  # fmt: skip
         # NOTE: fp8 and int8 values are exact in fp16/bf16/fp32, so this cast loses nothing for them.
         k = k.to(q.dtype)
         v = v.to(q.dtype)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, TILE_N]
         if KV_INT8:
-            s = s * k_scale[None, :]  # q . (scale * k) == scale * (q . k): TILE_N products, not TILE_N x D
+            s = s * k_scale[None, :]
         s = tl.where(tok_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -316,13 +334,10 @@ def _paged_prefill_kernel(
         block_ids = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
         slot_off = block_ids * stride_kv_block + (tok % BLOCK_SIZE).to(tl.int64) * stride_kv_slot + head_off
         kv_mask = tok_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if KV_INT8:  # as in the decode kernel
-            s_off = block_ids * stride_s_block + (tok % BLOCK_SIZE).to(tl.int64) * stride_s_slot + kv_head
-            k_scale = tl.load(k_scale_ptr + s_off, mask=tok_mask, other=0.0)  # [TILE_N]
-            v_scale = tl.load(v_scale_ptr + s_off, mask=tok_mask, other=0.0)  # [TILE_N]
-            v = v.to(tl.float32) * v_scale[:, None]
+        k, v, k_scale = _load_kv_tile(
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_ids, tok, tok_mask, slot_off, offs_d, kv_mask,
+            kv_head, stride_s_block, stride_s_slot, BLOCK_SIZE,
+        )  # fmt: skip
         k = k.to(q.dtype)
         v = v.to(q.dtype)
 
