@@ -25,9 +25,9 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", default="recompute", choices=("recompute", "swap", "auto"))
     g.add_argument("--swap-space", type=float, default=0.0, help="GiB of host memory for swapped KV blocks")
     g.add_argument("--seed", type=int, default=0, help="global seed for unseeded sampling")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "int8"),
-                   help="KV element type: the model's; fp8 (float8_e4m3fn, per-tensor scale; 2x/4x the blocks of "
-                        "fp16/fp32); int8 (a scale per token and head)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp16", "bf16", "fp8", "int8"),
+                   help="KV element type: the model's; fp16/bf16; fp8 (float8_e4m3fn, per-tensor scale; 2x/4x "
+                        "the blocks of fp16/fp32); int8 (a scale per token and head)")
     g.add_argument("--allocator", default="paged", choices=("paged", "contiguous"),
                    help="contiguous = reserve each request's longest footprint up front (baseline)")
     g.add_argument("--reserve", default="max_model_len", choices=("max_model_len", "max_tokens"),

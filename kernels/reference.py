@@ -312,6 +312,10 @@ def _dequantize_rows(dtype: torch.dtype, rows: torch.Tensor, index: torch.Tensor
     return fp8_to_float(picked) if dtype == FP8 else picked.float()
 
 
+# Caches the fp32 CPU decode reads in place (fp32) or through a dense fp32 copy of the visible rows.
+_FP32_READABLE = (torch.float32, torch.float16, torch.bfloat16, FP8, torch.int8)
+
+
 def decode_attention(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -323,7 +327,7 @@ def decode_attention(
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """One query token per sequence attending to its whole cached context (or its last ``sliding_window``).
 
-    Only the visible tokens' K/V are read. On CPU, fp32 queries over an fp32, fp8 or int8 cache (and
+    Only the visible tokens' K/V are read. On CPU, fp32 queries over an fp32 or narrower cache (and
     fp64 over fp64) take ``_decode_attention_sparse``; any other dtype or device gathers the contexts
     per KV head (padded to the longest) and runs the ``group`` query heads sharing a KV head as the
     rows of batched GEMMs.
@@ -335,7 +339,7 @@ def decode_attention(
     if num_seqs == 0:
         return query.new_empty(query.shape)
     # fp32 queries over an fp32 cache (read in place) or a quantized one (dequantized to fp32 rows).
-    sparse = query.dtype == torch.float32 and kv_cache.dtype in (torch.float32, FP8, torch.int8)
+    sparse = query.dtype == torch.float32 and kv_cache.dtype in _FP32_READABLE
     cpu = query.device.type == "cpu" and kv_cache.is_contiguous()
     if cpu and (sparse or query.dtype == kv_cache.dtype == torch.float64):
         return _decode_attention_sparse(query, kv_cache, block_tables, context_lens, scale, sliding_window, kv_scales)

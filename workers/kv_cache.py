@@ -30,12 +30,13 @@ def parse_bytes(value: str | int | float) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-KV_CACHE_DTYPES = ("auto", "fp8", "int8")
-_STORAGE = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
+KV_CACHE_DTYPES = ("auto", "fp16", "bf16", "fp8", "int8")
+_STORAGE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
 
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The element type of the KV tensors: the model's (auto), float8_e4m3fn (fp8) or int8.
+    """The element type of the KV tensors: the model's (auto), fp16/bf16 (an fp32 model's K/V rounded),
+    float8_e4m3fn (fp8) or int8.
 
     fp8 keeps one scale per tensor (the checkpoint's ``k_scale``/``v_scale``, else 1.0, as vLLM does):
     e4m3 has an exponent, so each value keeps its ~6 % relative precision wherever it sits and a scale

@@ -21,7 +21,7 @@ def _generate(model_dir: Path, kv_cache_dtype: str) -> list[list[int]]:
 
 
 # Quantized caches too: both backends quantize with the same formula, so the tokens match as well.
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp16", "int8", "fp8"])
 def test_engine_triton_backend_matches_torch(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, kv_cache_dtype: str
 ) -> None:

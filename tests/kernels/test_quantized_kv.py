@@ -18,7 +18,7 @@ from workers.kv_cache import bytes_per_block
 from workers.sampling_params import SamplingParams
 
 FP8 = torch.float8_e4m3fn
-DTYPES = {"fp8": FP8, "int8": torch.int8}
+DTYPES = {"fp8": FP8, "int8": torch.int8, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def _pool(dtype: torch.dtype, num_blocks: int = 16, block_size: int = 4, kv_heads: int = 2, head_dim: int = 32):
@@ -75,7 +75,7 @@ def test_kv_scales_are_required_exactly_for_int8() -> None:
         reference.store_kv(k, k, int8, torch.tensor([0]), kv_scales=scales[:, :4])
 
 
-@pytest.mark.parametrize("kind", ["fp8", "int8"])
+@pytest.mark.parametrize("kind", ["fp8", "int8", "bf16"])
 @pytest.mark.parametrize("window", [None, 6])
 def test_attention_equals_dequantize_then_reference(kind: str, window: int | None) -> None:
     g = torch.Generator().manual_seed(0)
@@ -113,7 +113,8 @@ def test_pool_sizing_counts_the_element_and_the_scales(tiny_llama_dir: Path) -> 
     fp32 = LLMEngine(EngineConfig(str(tiny_llama_dir), kv_cache_memory="4MiB"))
     fp8 = LLMEngine(EngineConfig(str(tiny_llama_dir), kv_cache_memory="4MiB", kv_cache_dtype="fp8"))
     int8 = LLMEngine(EngineConfig(str(tiny_llama_dir), kv_cache_memory="4MiB", kv_cache_dtype="int8"))
-    assert fp8.pool.num_blocks == 4 * fp32.pool.num_blocks
+    bf16 = LLMEngine(EngineConfig(str(tiny_llama_dir), kv_cache_memory="4MiB", kv_cache_dtype="bf16"))
+    assert fp8.pool.num_blocks == 4 * fp32.pool.num_blocks == 2 * bf16.pool.num_blocks
     assert fp8.kv_cache.layers[0].dtype == FP8 and fp8.kv_cache.scales is None
     mc = int8.model_config  # tiny: 4 layers, 2 KV heads, head_dim 32, block 16
     per_block = 2 * mc.num_layers * 16 * mc.num_kv_heads * (mc.head_dim * 1 + 4)
