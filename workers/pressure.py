@@ -43,5 +43,9 @@ class PressurePolicy:
             return True
         return elapsed >= self.idle_interval_s
 
+    def reset(self) -> None:
+        """Forget the last report: the next ``due`` is true (a new router connection knows nothing yet)."""
+        self._last_time = float("-inf")
+
     def sent(self, now: float, usage: float, counts: tuple[int, ...]) -> None:
         self._last_time, self._last_usage, self._last_counts = now, usage, counts

@@ -118,7 +118,7 @@ class WorkerCore:
                 o.router_address,
                 self.outbox,
                 hello=self._hello,
-                on_connect=lambda: self._submit(self._send_snapshot),
+                on_connect=lambda: self._submit(self._on_connect),
                 on_command=self._on_command,
                 auth_token=o.auth_token,
                 credentials=channel_credentials(o.tls_ca, o.tls_cert, o.tls_key),
@@ -310,6 +310,12 @@ class WorkerCore:
             node_id=_ray_node_id(),
             incarnation=self.incarnation,
         )
+
+    def _on_connect(self) -> None:
+        """A (re)connected router gets current pressure and the block snapshot at once, not after
+        the next change or idle interval (a restarted router starts from nothing)."""
+        self._pressure.reset()
+        self._send_snapshot()
 
     def _send_snapshot(self) -> None:
         pool = self.engine.pool

@@ -6,6 +6,11 @@ On a GPU, for every (block size, batch, context) of the grid it
 2. times decode with ``triton.testing.do_bench`` in ``--time-dtype`` and reports the achieved bandwidth
    (bytes of Q + K/V read once + output written once, over kernel time) next to a measured
    device-to-device copy bandwidth (read + write bytes over copy time),
+   once per ``--kv-cache-dtypes`` entry: ``auto`` (a cache of the query's dtype, as above), ``fp8``
+   (float8_e4m3fn) and ``int8`` (with per (token, KV head) fp32 scales). A quantized cache is filled by
+   ``kernels.cache_ops.store_kv`` from random K/V, checked against the fp32 reference run on the
+   dequantized cache (``kernels.reference.dequantize_cache``), and its bandwidth counts K/V at one byte
+   per element plus, for int8, the scales (4 bytes per token per KV head, for K and for V),
 3. times prefill (no cached prefix) against ``torch.nn.functional.scaled_dot_product_attention`` on the
    same data laid out contiguously, and checks the two outputs agree.
 
@@ -30,6 +35,10 @@ from typing import Any
 import torch
 
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
+# Bound on a quantized cache's store error (norm of dequantized - stored K/V over the norm of the K/V, N(0, 1)
+# data): e4m3 keeps 3 mantissa bits (rounding error <= 2^-4 relative, ~0.03 in norm); int8's is <= amax/254
+# per element (~0.007 in norm for rows of 64-128 Gaussians). A store that drops or garbles values fails it.
+STORE_TOLERANCE = {"fp8": 0.05, "int8": 0.02}
 SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 DTYPES = {
     "float32": torch.float32,
@@ -56,6 +65,28 @@ def _names(text: str) -> list[str]:
     return out
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")  # "auto": a cache of the query's dtype
+
+
+def _kv_names(text: str) -> list[str]:
+    out: list[str] = []
+    for x in text.split(","):
+        x = x.strip().lower()
+        if not x:
+            continue
+        if x not in KV_CACHE_DTYPES:
+            raise argparse.ArgumentTypeError(f"unknown KV cache dtype {x!r}; expected one of {KV_CACHE_DTYPES}")
+        if x not in out:
+            out.append(x)
+    if not out:
+        raise argparse.ArgumentTypeError(f"no KV cache dtype given; expected some of {KV_CACHE_DTYPES}")
+    return out
+
+
+def _quantized_dtype(name: str) -> torch.dtype:
+    return {"fp8": torch.float8_e4m3fn, "int8": torch.int8}[name]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Register the bench's options on ``parser`` (a subcommand parser of ``kvserve bench``)."""
     parser.add_argument(
@@ -77,6 +108,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="dtypes checked against the reference",
     )
     parser.add_argument("--time-dtype", type=_names, default=["bfloat16"], help="dtype timed")
+    parser.add_argument(
+        "--kv-cache-dtypes",
+        type=_kv_names,
+        default=list(KV_CACHE_DTYPES),
+        help="decode KV cache dtypes, comma list of auto (the query's dtype), fp8, int8 (per-row scales)",
+    )
     parser.add_argument(
         "--check-max-tokens",
         type=int,
@@ -107,6 +144,8 @@ class DecodeRow:
     context: int
     num_splits: int
     checks: dict[str, float]  # dtype (or "dtype/N-split" for a forced split count) -> rel. error vs reference
+    kv_cache_dtype: str = "auto"  # "auto" (the query's dtype) | "fp8" | "int8"
+    store_rel_err: float | None = None  # fp8/int8, checked rows: dequantized cache vs the K/V stored into it
     timing: str | None = None  # "cudagraph" | "eager"
     time_us: float | None = None
     bytes_moved: int | None = None
@@ -156,6 +195,59 @@ def _paged(
     return kv_cache, block_tables, context_lens
 
 
+def _quantized_paged(
+    batch: int,
+    ctx: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    kv_dtype: torch.dtype,
+    src_dtype: torch.dtype,
+    device: str,
+    gen: torch.Generator,
+    chunk_tokens: int = 1 << 16,
+    store_err: list[float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Like ``_paged``, for an fp8/int8 cache: each sequence's ``ctx`` tokens get random ``src_dtype`` K/V
+    quantized into their slots by ``cache_ops.store_kv`` (``chunk_tokens`` tokens per launch, so the
+    unquantized K/V never exist whole); slots no sequence covers stay zero, as in a served cache. With a
+    ``store_err`` list, appends the stored tokens' relative error (dequantized cache vs the K/V stored).
+
+    Returns ``(kv_cache, kv_scales or None, block_tables, context_lens)``.
+    """
+    from kernels import cache_ops, reference
+
+    per_seq = math.ceil(ctx / block_size)
+    num_blocks = batch * per_seq + 1
+    kv_cache = torch.zeros((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=kv_dtype, device=device)
+    kv_scales = None
+    if kv_dtype == torch.int8:
+        kv_scales = torch.zeros((2, num_blocks, block_size, num_kv_heads), dtype=torch.float32, device=device)
+    perm = torch.randperm(num_blocks, device=device, generator=gen)[: batch * per_seq]
+    block_tables = perm.view(batch, per_seq).to(torch.int32)
+    context_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    pos = torch.arange(ctx, device=device)
+    slots = (block_tables.long()[:, pos // block_size] * block_size + pos % block_size).view(-1)  # [batch * ctx]
+    err_sq = ref_sq = 0.0
+    for start in range(0, slots.numel(), chunk_tokens):
+        chunk = slots[start : start + chunk_tokens]
+        src = torch.randn((2, chunk.numel(), num_kv_heads, head_dim), dtype=src_dtype, device=device, generator=gen)
+        cache_ops.store_kv(src[0], src[1], kv_cache, chunk, kv_scales)
+        if store_err is not None:
+            blk, off = chunk // block_size, chunk % block_size
+            # NOTE: raw bytes, as torch has no CPU index kernels for fp8; [2, n, 1 (block), kvh, hd]
+            stored = reference.raw_bytes(kv_cache)[:, blk, off].view(kv_dtype).unsqueeze(2)
+            scales = kv_scales[:, blk, off].unsqueeze(2) if kv_scales is not None else None
+            src = src.float()
+            err_sq += float((reference.dequantize_cache(stored, scales).squeeze(2) - src).square().sum())
+            ref_sq += float(src.square().sum())
+            del stored, scales
+        del src
+    if store_err is not None:
+        store_err.append(math.sqrt(err_sq / max(ref_sq, 1e-30)))
+    return kv_cache, kv_scales, block_tables, context_lens
+
+
 def _generator(device: str, seed: int) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
@@ -196,6 +288,25 @@ def _copy_bandwidth(device: str, timer: Timer) -> float:
     return 2 * n / (ms * 1e-3) / 1e9
 
 
+def _time_decode(
+    row: DecodeRow,
+    timer: Timer,
+    copy_gbs: float | None,
+    call: Any,
+    q: torch.Tensor,
+    bt: torch.Tensor,
+    kv_bytes: int,
+) -> None:
+    """Time ``call`` (one decode into a preallocated output) and fill ``row``'s timing fields; bytes moved =
+    Q read + output written (query dtype) + ``kv_bytes`` (K/V, and int8 scales, read once) + the block table."""
+    ms, row.timing = timer(call)
+    moved = 2 * q.numel() * q.element_size() + kv_bytes + bt.numel() * bt.element_size()
+    row.time_us = ms * 1e3
+    row.bytes_moved = moved
+    row.bandwidth_gbs = moved / (ms * 1e-3) / 1e9
+    row.fraction_of_copy = row.bandwidth_gbs / copy_gbs if copy_gbs else None
+
+
 def _bench_decode(
     args: argparse.Namespace, device: str, timer: Timer | None, copy_gbs: float | None
 ) -> list[DecodeRow]:
@@ -205,6 +316,10 @@ def _bench_decode(
     h, kvh, hd = args.num_heads, args.num_kv_heads, args.head_dim
     scale = hd**-0.5
     time_dtype = DTYPES[args.time_dtype[0]]
+    # NOTE: Triton converts float8e4nv only on compute capability >= 8.9 (the kernels refuse fp8 below it).
+    fp8_ok = device != "cuda" or torch.cuda.get_device_capability() >= (8, 9)
+    # the dry run also forces the split + merge path the tiny sizes would not pick
+    forced_splits = [None, 3] if args.dry_run else [None]
     for bs in args.block_sizes:
         for batch in args.batches:
             for ctx in args.contexts:
@@ -213,45 +328,101 @@ def _bench_decode(
                 splits = attention.choose_num_splits(
                     batch, kvh, table_tokens, bs, num_sms=attention._num_sms(torch.device(device))
                 )
-                row = DecodeRow(bs, batch, ctx, splits, checks={})
-                kv_bytes = 2 * batch * ctx * kvh * hd * time_dtype.itemsize
-                if kv_bytes > args.max_kv_gib * (1 << 30):
-                    row.skipped = f"K/V {kv_bytes / (1 << 30):.1f} GiB > --max-kv-gib"
+                check = batch * ctx <= args.check_max_tokens
+                for kv_name in args.kv_cache_dtypes:
+                    row = DecodeRow(bs, batch, ctx, splits, checks={}, kv_cache_dtype=kv_name)
                     rows.append(row)
-                    continue
-                gen = _generator(device, args.seed)
-                if batch * ctx <= args.check_max_tokens:
-                    for name in args.check_dtypes:
-                        dtype = DTYPES[name]
-                        kv, bt, cl = _paged(batch, ctx, bs, kvh, hd, dtype, device, gen)
-                        q = torch.randn((batch, h, hd), dtype=dtype, device=device, generator=gen)
-                        ref = reference.decode_attention(q, kv, bt, cl, scale)
-                        # the dry run also forces the split + merge path the tiny sizes would not pick
-                        for forced in [None, 3] if args.dry_run else [None]:
-                            out = attention.decode_attention(q, kv, bt, cl, scale, num_splits=forced)
-                            row.checks[name if forced is None else f"{name}/{forced}-split"] = _rel_err(
-                                out, ref
+                    tokens = batch * ctx
+                    if kv_name == "auto":
+                        kv_bytes = 2 * tokens * kvh * hd * time_dtype.itemsize
+                    else:  # one byte per element, plus int8's fp32 scale per (token, KV head) for K and V
+                        kv_bytes = 2 * tokens * kvh * (hd + (4 if kv_name == "int8" else 0))
+                    if kv_bytes > args.max_kv_gib * (1 << 30):
+                        row.skipped = f"K/V {kv_bytes / (1 << 30):.1f} GiB > --max-kv-gib"
+                        continue
+                    if kv_name == "fp8" and not fp8_ok:
+                        row.skipped = "fp8 KV needs compute capability >= 8.9"
+                        continue
+                    gen = _generator(device, args.seed)
+                    if kv_name == "auto":
+                        if check:
+                            for name in args.check_dtypes:
+                                dtype = DTYPES[name]
+                                kv, bt, cl = _paged(batch, ctx, bs, kvh, hd, dtype, device, gen)
+                                q = torch.randn((batch, h, hd), dtype=dtype, device=device, generator=gen)
+                                ref = reference.decode_attention(q, kv, bt, cl, scale)
+                                for forced in forced_splits:
+                                    out = attention.decode_attention(q, kv, bt, cl, scale, num_splits=forced)
+                                    row.checks[name if forced is None else f"{name}/{forced}-split"] = _rel_err(
+                                        out, ref
+                                    )
+                                del kv, bt, cl, q, out, ref
+                        if timer is not None:
+                            kv, bt, cl = _paged(batch, ctx, bs, kvh, hd, time_dtype, device, gen)
+                            q = torch.randn((batch, h, hd), dtype=time_dtype, device=device, generator=gen)
+                            out = torch.empty_like(q)
+                            _time_decode(
+                                row,
+                                timer,
+                                copy_gbs,
+                                lambda q=q, kv=kv, bt=bt, cl=cl, out=out: attention.decode_attention(
+                                    q, kv, bt, cl, scale, out=out
+                                ),
+                                q,
+                                bt,
+                                kv_bytes,
                             )
-                        del kv, bt, cl, q, out, ref
-                if timer is not None:
-                    kv, bt, cl = _paged(batch, ctx, bs, kvh, hd, time_dtype, device, gen)
-                    q = torch.randn((batch, h, hd), dtype=time_dtype, device=device, generator=gen)
-                    out = torch.empty_like(q)
-                    ms, row.timing = timer(
-                        lambda q=q, kv=kv, bt=bt, cl=cl, out=out: attention.decode_attention(
-                            q, kv, bt, cl, scale, out=out
+                            del kv, bt, cl, q, out
+                    else:
+                        # One quantized cache (K/V drawn in the timed dtype, stored by the store kernel) serves
+                        # every check and the timing; the reference runs in fp32 on its dequantized values.
+                        store_err: list[float] = []
+                        kv, sc, bt, cl = _quantized_paged(
+                            batch,
+                            ctx,
+                            bs,
+                            kvh,
+                            hd,
+                            _quantized_dtype(kv_name),
+                            time_dtype,
+                            device,
+                            gen,
+                            store_err=store_err if check else None,
                         )
-                    )
-                    es = time_dtype.itemsize
-                    moved = 2 * batch * h * hd * es + kv_bytes + bt.numel() * bt.element_size()
-                    row.time_us = ms * 1e3
-                    row.bytes_moved = moved
-                    row.bandwidth_gbs = moved / (ms * 1e-3) / 1e9
-                    row.fraction_of_copy = row.bandwidth_gbs / copy_gbs if copy_gbs else None
-                    del kv, bt, cl, q, out
-                if device == "cuda":
-                    torch.cuda.empty_cache()
-                rows.append(row)
+                        if check:
+                            row.store_rel_err = store_err[0]
+                            deq = reference.dequantize_cache(kv, sc)
+                            for name in args.check_dtypes:
+                                dtype = DTYPES[name]
+                                q = torch.randn((batch, h, hd), dtype=dtype, device=device, generator=gen)
+                                ref = reference.decode_attention(q.float(), deq, bt, cl, scale)
+                                for forced in forced_splits:
+                                    out = attention.decode_attention(
+                                        q, kv, bt, cl, scale, num_splits=forced, kv_scales=sc
+                                    )
+                                    row.checks[name if forced is None else f"{name}/{forced}-split"] = _rel_err(
+                                        out, ref
+                                    )
+                                del q, out, ref
+                            del deq
+                        if timer is not None:
+                            q = torch.randn((batch, h, hd), dtype=time_dtype, device=device, generator=gen)
+                            out = torch.empty_like(q)
+                            _time_decode(
+                                row,
+                                timer,
+                                copy_gbs,
+                                lambda q=q, kv=kv, sc=sc, bt=bt, cl=cl, out=out: attention.decode_attention(
+                                    q, kv, bt, cl, scale, out=out, kv_scales=sc
+                                ),
+                                q,
+                                bt,
+                                kv_bytes,
+                            )
+                            del q, out
+                        del kv, sc, bt, cl
+                    if device == "cuda":
+                        torch.cuda.empty_cache()
     return rows
 
 
@@ -331,20 +502,25 @@ def _print_tables(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    # NOTE: piped into a log (gpu_check.sh tees), rich would wrap to 80 columns and cut the check cells.
+    console = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160)
     copy = result.get("copy_bandwidth_gbs")
-    title = f"paged decode ({result['device']}, timed in {result['time_dtype']}"
+    title = f"paged decode ({result['device']}, timed in {result['time_dtype']}, kv auto = query dtype"
     title += f", D2D copy {copy:.0f} GB/s)" if copy else ", no timing)"
     table = Table(title=title)
-    for col in ("block", "batch", "context", "splits", "check rel err", "time us", "GB/s", "of copy"):
+    for col in ("block", "batch", "context", "kv", "splits", "check rel err", "time us", "GB/s", "of copy"):
         table.add_column(col, justify="right")
     for r in result["decode"]:
-        checks = r["skipped"] or " ".join(f"{_short(k)}={v:.1e}" for k, v in r["checks"].items()) or "-"
+        items = [f"{_short(k)}={v:.1e}" for k, v in r["checks"].items()]
+        if r.get("store_rel_err") is not None:
+            items.insert(0, f"store={r['store_rel_err']:.1e}")
+        checks = r["skipped"] or " ".join(items) or "-"
         frac = r["fraction_of_copy"]
         table.add_row(
             str(r["block_size"]),
             str(r["batch"]),
             str(r["context"]),
+            r.get("kv_cache_dtype", "auto"),
             str(r["num_splits"]),
             checks,
             _fmt(r["time_us"], ".1f"),
@@ -433,16 +609,23 @@ def run(args: argparse.Namespace) -> int:
     errors = [
         (name.partition("/")[0], err) for row in [*decode, *prefill] for name, err in row.checks.items()
     ]
-    checks_passed = bool(errors) and all(err <= TOLERANCE[dtype] for dtype, err in errors)
+    store_errors = [(r.kv_cache_dtype, r.store_rel_err) for r in decode if r.store_rel_err is not None]
+    checks_passed = (
+        bool(errors)
+        and all(err <= TOLERANCE[dtype] for dtype, err in errors)
+        and all(err <= STORE_TOLERANCE[kv] for kv, err in store_errors)
+    )
     result = {
         "mode": "dry-run" if args.dry_run else "full",
         "device": torch.cuda.get_device_name() if has_cuda else "cpu (triton interpreter)",
         "torch": torch.__version__,
         "triton": __import__("triton").__version__,
         "time_dtype": args.time_dtype[0],
+        "kv_cache_dtypes": args.kv_cache_dtypes,
         "model": {"num_heads": args.num_heads, "num_kv_heads": args.num_kv_heads, "head_dim": args.head_dim},
         "copy_bandwidth_gbs": copy_gbs,
         "tolerance": TOLERANCE,
+        "store_tolerance": STORE_TOLERANCE,
         "decode": [dataclasses.asdict(r) for r in decode],
         "prefill": [dataclasses.asdict(r) for r in prefill],
         "checks_passed": checks_passed,

@@ -446,7 +446,15 @@ def test_router_restart_replays_without_loss_or_duplicates(cluster: Cluster, ref
         first, again = router.hellos(w)[0], router.hellos(w)[-1]
         assert again.hello.incarnation == first.hello.incarnation and not again.restarted
         assert again.hello.total_blocks == first.hello.total_blocks
-        first_report = next(t for t, _ in router.timed_messages(w, "pressure") if t >= again.time)
+        # NOTE: wait for it: it follows the replayed log on the stream, so it may still be in flight
+        # when the last replayed output has arrived; the arrival time is what must be prompt.
+        first_report = router.wait_for(
+            lambda w=w, since=again.time: next(
+                (t for t, m in router.handler.workers[w].messages if m.HasField("pressure") and t >= since), None
+            ),
+            timeout=5,
+            what=f"a pressure report from {w} after the reconnect",
+        )
         assert first_report - again.time < 0.5, "no fresh pressure report right after the reconnect"
         replayed = router.replayed().get(w, 0) - replayed0.get(w, 0)
         assert replayed >= unacked[w], (w, replayed, unacked[w])  # replayed, and dropped by the de-dup
