@@ -87,13 +87,15 @@ def build_request(
     stop: Sequence[str] = (),
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
+    logprobs: int | None = None,
     request_id: str | None = None,
     priority: int = 0,
     tenant: str = "",
 ) -> spb.GenerateRequest:
     """A ``GenerateRequest``: a ``str`` prompt is sent as text (the router tokenizes it), a
     sequence of ints as token ids. ``max_tokens=0`` = the server's default; ``temperature=0`` =
-    greedy; ``top_p=None`` = off. The router validates every value (INVALID_ARGUMENT)."""
+    greedy; ``top_p=None`` = off; ``logprobs=k`` = each response carries, per token, the sampled
+    token's logprob and the top k. The router validates every value (INVALID_ARGUMENT)."""
     if isinstance(prompt, str):
         request = spb.GenerateRequest(text=prompt)
     elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -106,6 +108,8 @@ def build_request(
         s.top_p = top_p
     if seed is not None:
         s.seed = seed
+    if logprobs is not None:
+        s.logprobs = logprobs
     s.stop.extend(stop)
     s.stop_token_ids.extend(stop_token_ids)
     request.request_id = request_id or ""
@@ -125,6 +129,7 @@ def sampling_kwargs(params: Any) -> dict[str, Any]:
         "stop": tuple(params.stop),
         "stop_token_ids": tuple(params.stop_token_ids),
         "ignore_eos": params.ignore_eos,
+        "logprobs": params.logprobs,
     }
 
 

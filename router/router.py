@@ -394,11 +394,12 @@ class Router(WorkerLinkHandler):
             self._deliver(r, ready[0], held_out, held_new, held_out.num_output_tokens - len(held_new))
 
     def _deliver(self, r: RouterRequest, worker_id: str, out: pb.RequestOutput, new: list[int], start: int) -> None:
+        logprobs = list(out.logprobs)  # empty, or one per new token
         skip = r.tokens_received - start
         if skip > 0:  # already delivered (a replay, or tokens from before a migration)
             if skip >= len(new) and not out.finish_reason:
                 return
-            new = new[skip:]
+            new, logprobs = new[skip:], logprobs[skip:]
         now = time.monotonic()
         if new:
             if r.first_token_time is None:
@@ -413,7 +414,7 @@ class Router(WorkerLinkHandler):
         r.preemptions = max(r.preemptions, out.num_preemptions)
         r.swaps = max(r.swaps, out.num_swaps)
         resp = spb.GenerateResponse(
-            request_id=r.request_id, token_ids=new, text_delta=out.text_delta, worker_id=worker_id
+            request_id=r.request_id, token_ids=new, text_delta=out.text_delta, worker_id=worker_id, logprobs=logprobs
         )
         if out.finish_reason:
             if r.cancelled and out.finish_reason == "abort":

@@ -77,6 +77,7 @@ def sampling_params(msg: spb.SamplingParams, num_prompt_tokens: int, limits: Mod
             stop=tuple(msg.stop),
             stop_token_ids=tuple(msg.stop_token_ids),
             ignore_eos=msg.ignore_eos,
+            logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         )
     except ValueError as e:
         raise ValidationError("sampling", str(e)) from e

@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import worker_pb2 as pb
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
@@ -398,6 +399,10 @@ def _step_outputs(step: int, outputs: list[RequestOutput]) -> pb.StepOutputs:
                 num_preemptions=o.num_preemptions,
                 num_swaps=o.num_swaps,
                 num_output_tokens=o.num_output_tokens,
+                logprobs=[
+                    spb.TokenLogprobs(logprob=entry[token], logprobs=entry)
+                    for token, entry in zip(o.new_token_ids, o.new_logprobs, strict=False)
+                ],
             )
             for o in outputs
         ],

@@ -197,6 +197,24 @@ def test_async_client_streams_equal_offline_greedy(cluster, llm):
 
 
 @pytest.mark.usefixtures("idle_after")
+def test_logprobs_stream_with_their_tokens(client, llm):
+    from workers.sampling_params import SamplingParams
+
+    prompt = rand_prompt(150, 20)
+    (expected,) = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2))
+    with client.generate(prompt, max_tokens=6, ignore_eos=True, logprobs=2) as stream:
+        responses = list(stream)
+    ids = [t for r in responses for t in r.token_ids]
+    logprobs = [lp for r in responses for lp in r.logprobs]
+    assert ids == expected.token_ids and all(len(r.logprobs) == len(r.token_ids) for r in responses)
+    for token, got, want in zip(ids, logprobs, expected.logprobs, strict=True):
+        assert got.logprob == pytest.approx(want[token], abs=1e-4)
+        assert dict(got.logprobs) == pytest.approx(want, abs=1e-4)
+    _, _, plain = client.generate_all(prompt, max_tokens=2)
+    assert not plain.logprobs  # not asked, not sent
+
+
+@pytest.mark.usefixtures("idle_after")
 def test_text_prompt_is_tokenized_by_the_router(client, llm):
     ids, text, final = client.generate_all("Hello paged world", max_tokens=6, ignore_eos=True)
     (expected,) = greedy(llm, ["Hello paged world"], 6)
@@ -340,6 +358,7 @@ HOSTILE = {
     "request-id-long": (_req(request_id="r" * 500), "request_id"),
     "tenant-long": (_req(tenant="t" * 1000), "tenant"),
     "max-tokens-never-fits": (_req(sampling={"max_tokens": 2**31}), "max_tokens"),
+    "logprobs-too-many": (_req(sampling={"logprobs": 21}), "logprobs"),
     "max-tokens-beyond-pool": (_req(sampling={"max_tokens": 2 * MAIN_BLOCKS * BLOCK}), "max_tokens"),
 }
 
@@ -364,7 +383,8 @@ def test_forced_migration_is_token_identical(client, cluster, llm):
 
     prompt, max_tokens = rand_prompt(800, 37), 320
     (expected,) = greedy(llm, [prompt], max_tokens)
-    with client.generate(prompt, max_tokens=max_tokens, ignore_eos=True, request_id="migrate-me") as stream:
+    # logprobs too: they must stay aligned with the tokens across the migration's de-duplication.
+    with client.generate(prompt, max_tokens=max_tokens, ignore_eos=True, request_id="migrate-me", logprobs=0) as stream:
         responses = [next(stream)]
         while sum(len(r.token_ids) for r in responses) < 8:
             responses.append(next(stream))
@@ -375,6 +395,7 @@ def test_forced_migration_is_token_identical(client, cluster, llm):
     ids = [t for r in responses for t in r.token_ids]
     final = responses[-1]
     assert ids == expected.token_ids
+    assert [list(lp.logprobs) for r in responses for lp in r.logprobs] == [[t] for t in ids]
     assert "".join(r.text_delta for r in responses) == expected.text
     assert final.finish_reason == "length" and final.usage.completion_tokens == max_tokens
     assert final.num_migrations >= 1

@@ -219,6 +219,18 @@ def test_top_p_out_of_range(p):
     assert "top_p" in str(e.value)
 
 
+@pytest.mark.parametrize("k", [0, 5, 20])
+def test_logprobs_in_range(k):
+    assert sampling_params(sp(logprobs=k), 10, LIMITS).logprobs == k
+    assert sampling_params(sp(), 10, LIMITS).logprobs is None  # unset = none
+
+
+def test_logprobs_out_of_range():
+    with pytest.raises(ValidationError) as e:
+        sampling_params(sp(logprobs=21), 10, LIMITS)
+    assert field_of(e) == "sampling" and "logprobs" in str(e.value)
+
+
 # ---- sampling: stop strings and stop token ids --------------------------------------------------------
 def test_stop_strings_at_the_limits():
     stops = ["s" * MAX_STOP_LEN] + [f"stop{i}" for i in range(MAX_STOP_STRINGS - 1)]

@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvserve/v1/serving.proto\x12\nkvserve.v1\"\xba\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.kvserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.kvserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x0e\n\x06tenant\x18\x06 \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xbc\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x08\n\x06_top_pB\x07\n\x05_seed\"\xdd\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x12\n\ntext_delta\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.kvserve.v1.Usage\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\r\x12\x11\n\tnum_swaps\x18\x08 \x01(\r\x12\x16\n\x0enum_migrations\x18\t \x01(\r\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x16\n\x14\x43lusterStatusRequest\"#\n\x0cWatchRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"z\n\rClusterStatus\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.kvserve.v1.WorkerStatus\x12(\n\x06router\x18\x02 \x01(\x0b\x32\x18.kvserve.v1.RouterStatus\x12\x14\n\x0ctimestamp_ms\x18\x03 \x01(\x03\"\xf9\x03\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x14\n\x0ctotal_blocks\x18\x03 \x01(\x04\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\x04\x12\x13\n\x0bused_blocks\x18\x05 \x01(\x04\x12\x1f\n\x17\x63\x61\x63hed_evictable_blocks\x18\x06 \x01(\x04\x12\r\n\x05usage\x18\x07 \x01(\x01\x12\x13\n\x0bnum_running\x18\x08 \x01(\r\x12\x13\n\x0bnum_waiting\x18\t \x01(\r\x12\x13\n\x0bnum_swapped\x18\n \x01(\r\x12\x19\n\x11swap_blocks_total\x18\x0b \x01(\x04\x12\x18\n\x10swap_blocks_free\x18\x0c \x01(\x04\x12\x1d\n\x15num_preemptions_total\x18\r \x01(\x04\x12\x1c\n\x14num_migrations_total\x18\x0e \x01(\x04\x12\x19\n\x11last_report_age_s\x18\x0f \x01(\x01\x12\x18\n\x10\x62locks_in_flight\x18\x10 \x01(\x04\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x11 \x01(\x04\x12\x17\n\x0fstep_latency_ms\x18\x12 \x01(\x01\x12\x1d\n\x15prefix_cache_hit_rate\x18\x13 \x01(\x01\x12\x10\n\x08model_id\x18\x14 \x01(\t\x12\x0f\n\x07node_id\x18\x15 \x01(\t\"\xa8\x02\n\x0cRouterStatus\x12\x16\n\x0equeue_requests\x18\x01 \x01(\r\x12\x14\n\x0cqueue_blocks\x18\x02 \x01(\x04\x12\x1a\n\x12max_queue_requests\x18\x03 \x01(\r\x12\x18\n\x10max_queue_blocks\x18\x04 \x01(\x04\x12\x17\n\x0f\x61\x64mission_state\x18\x05 \x01(\t\x12G\n\x10rejections_total\x18\x06 \x03(\x0b\x32-.kvserve.v1.RouterStatus.RejectionsTotalEntry\x12\x1a\n\x12requests_in_flight\x18\x07 \x01(\r\x1a\x36\n\x14RejectionsTotalEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\xae\x02\n\x07KVServe\x12G\n\x08Generate\x12\x1b.kvserve.v1.GenerateRequest\x1a\x1c.kvserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.kvserve.v1.AbortRequest\x1a\x19.kvserve.v1.AbortResponse\x12O\n\x10GetClusterStatus\x12 .kvserve.v1.ClusterStatusRequest\x1a\x19.kvserve.v1.ClusterStatus\x12K\n\x12WatchBlockPressure\x12\x18.kvserve.v1.WatchRequest\x1a\x19.kvserve.v1.ClusterStatus0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvserve/v1/serving.proto\x12\nkvserve.v1\"\xba\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.kvserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.kvserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x0e\n\x06tenant\x18\x06 \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xe0\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x02\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobs\"\x8c\x01\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x39\n\x08logprobs\x18\x02 \x03(\x0b\x32\'.kvserve.v1.TokenLogprobs.LogprobsEntry\x1a/\n\rLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\x8a\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x12\n\ntext_delta\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.kvserve.v1.Usage\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\r\x12\x11\n\tnum_swaps\x18\x08 \x01(\r\x12\x16\n\x0enum_migrations\x18\t \x01(\r\x12+\n\x08logprobs\x18\n \x03(\x0b\x32\x19.kvserve.v1.TokenLogprobs\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x16\n\x14\x43lusterStatusRequest\"#\n\x0cWatchRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"z\n\rClusterStatus\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.kvserve.v1.WorkerStatus\x12(\n\x06router\x18\x02 \x01(\x0b\x32\x18.kvserve.v1.RouterStatus\x12\x14\n\x0ctimestamp_ms\x18\x03 \x01(\x03\"\xf9\x03\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x14\n\x0ctotal_blocks\x18\x03 \x01(\x04\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\x04\x12\x13\n\x0bused_blocks\x18\x05 \x01(\x04\x12\x1f\n\x17\x63\x61\x63hed_evictable_blocks\x18\x06 \x01(\x04\x12\r\n\x05usage\x18\x07 \x01(\x01\x12\x13\n\x0bnum_running\x18\x08 \x01(\r\x12\x13\n\x0bnum_waiting\x18\t \x01(\r\x12\x13\n\x0bnum_swapped\x18\n \x01(\r\x12\x19\n\x11swap_blocks_total\x18\x0b \x01(\x04\x12\x18\n\x10swap_blocks_free\x18\x0c \x01(\x04\x12\x1d\n\x15num_preemptions_total\x18\r \x01(\x04\x12\x1c\n\x14num_migrations_total\x18\x0e \x01(\x04\x12\x19\n\x11last_report_age_s\x18\x0f \x01(\x01\x12\x18\n\x10\x62locks_in_flight\x18\x10 \x01(\x04\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x11 \x01(\x04\x12\x17\n\x0fstep_latency_ms\x18\x12 \x01(\x01\x12\x1d\n\x15prefix_cache_hit_rate\x18\x13 \x01(\x01\x12\x10\n\x08model_id\x18\x14 \x01(\t\x12\x0f\n\x07node_id\x18\x15 \x01(\t\"\xa8\x02\n\x0cRouterStatus\x12\x16\n\x0equeue_requests\x18\x01 \x01(\r\x12\x14\n\x0cqueue_blocks\x18\x02 \x01(\x04\x12\x1a\n\x12max_queue_requests\x18\x03 \x01(\r\x12\x18\n\x10max_queue_blocks\x18\x04 \x01(\x04\x12\x17\n\x0f\x61\x64mission_state\x18\x05 \x01(\t\x12G\n\x10rejections_total\x18\x06 \x03(\x0b\x32-.kvserve.v1.RouterStatus.RejectionsTotalEntry\x12\x1a\n\x12requests_in_flight\x18\x07 \x01(\r\x1a\x36\n\x14RejectionsTotalEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\xae\x02\n\x07KVServe\x12G\n\x08Generate\x12\x1b.kvserve.v1.GenerateRequest\x1a\x1c.kvserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.kvserve.v1.AbortRequest\x1a\x19.kvserve.v1.AbortResponse\x12O\n\x10GetClusterStatus\x12 .kvserve.v1.ClusterStatusRequest\x1a\x19.kvserve.v1.ClusterStatus\x12K\n\x12WatchBlockPressure\x12\x18.kvserve.v1.WatchRequest\x1a\x19.kvserve.v1.ClusterStatus0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvserve.v1.serving_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_TOKENLOGPROBS_LOGPROBSENTRY']._loaded_options = None
+  _globals['_TOKENLOGPROBS_LOGPROBSENTRY']._serialized_options = b'8\001'
   _globals['_ROUTERSTATUS_REJECTIONSTOTALENTRY']._loaded_options = None
   _globals['_ROUTERSTATUS_REJECTIONSTOTALENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST']._serialized_start=41
@@ -38,27 +40,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=229
   _globals['_TOKENIDS']._serialized_end=252
   _globals['_SAMPLINGPARAMS']._serialized_start=255
-  _globals['_SAMPLINGPARAMS']._serialized_end=443
-  _globals['_GENERATERESPONSE']._serialized_start=446
-  _globals['_GENERATERESPONSE']._serialized_end=667
-  _globals['_USAGE']._serialized_start=669
-  _globals['_USAGE']._serialized_end=749
-  _globals['_ABORTREQUEST']._serialized_start=751
-  _globals['_ABORTREQUEST']._serialized_end=785
-  _globals['_ABORTRESPONSE']._serialized_start=787
-  _globals['_ABORTRESPONSE']._serialized_end=817
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=819
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=841
-  _globals['_WATCHREQUEST']._serialized_start=843
-  _globals['_WATCHREQUEST']._serialized_end=878
-  _globals['_CLUSTERSTATUS']._serialized_start=880
-  _globals['_CLUSTERSTATUS']._serialized_end=1002
-  _globals['_WORKERSTATUS']._serialized_start=1005
-  _globals['_WORKERSTATUS']._serialized_end=1510
-  _globals['_ROUTERSTATUS']._serialized_start=1513
-  _globals['_ROUTERSTATUS']._serialized_end=1809
-  _globals['_ROUTERSTATUS_REJECTIONSTOTALENTRY']._serialized_start=1755
-  _globals['_ROUTERSTATUS_REJECTIONSTOTALENTRY']._serialized_end=1809
-  _globals['_KVSERVE']._serialized_start=1812
-  _globals['_KVSERVE']._serialized_end=2114
+  _globals['_SAMPLINGPARAMS']._serialized_end=479
+  _globals['_TOKENLOGPROBS']._serialized_start=482
+  _globals['_TOKENLOGPROBS']._serialized_end=622
+  _globals['_TOKENLOGPROBS_LOGPROBSENTRY']._serialized_start=575
+  _globals['_TOKENLOGPROBS_LOGPROBSENTRY']._serialized_end=622
+  _globals['_GENERATERESPONSE']._serialized_start=625
+  _globals['_GENERATERESPONSE']._serialized_end=891
+  _globals['_USAGE']._serialized_start=893
+  _globals['_USAGE']._serialized_end=973
+  _globals['_ABORTREQUEST']._serialized_start=975
+  _globals['_ABORTREQUEST']._serialized_end=1009
+  _globals['_ABORTRESPONSE']._serialized_start=1011
+  _globals['_ABORTRESPONSE']._serialized_end=1041
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1043
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1065
+  _globals['_WATCHREQUEST']._serialized_start=1067
+  _globals['_WATCHREQUEST']._serialized_end=1102
+  _globals['_CLUSTERSTATUS']._serialized_start=1104
+  _globals['_CLUSTERSTATUS']._serialized_end=1226
+  _globals['_WORKERSTATUS']._serialized_start=1229
+  _globals['_WORKERSTATUS']._serialized_end=1734
+  _globals['_ROUTERSTATUS']._serialized_start=1737
+  _globals['_ROUTERSTATUS']._serialized_end=2033
+  _globals['_ROUTERSTATUS_REJECTIONSTOTALENTRY']._serialized_start=1979
+  _globals['_ROUTERSTATUS_REJECTIONSTOTALENTRY']._serialized_end=2033
+  _globals['_KVSERVE']._serialized_start=2036
+  _globals['_KVSERVE']._serialized_end=2338
 # @@protoc_insertion_point(module_scope)

@@ -22,57 +22,58 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from protos.kvserve.v1 import serving_pb2 as kvserve_dot_v1_dot_serving__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvserve/v1/worker.proto\x12\nkvserve.v1\"\xe9\x02\n\rWorkerMessage\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\"\n\x05hello\x18\x02 \x01(\x0b\x32\x11.kvserve.v1.HelloH\x00\x12/\n\x0cstep_outputs\x18\x03 \x01(\x0b\x32\x17.kvserve.v1.StepOutputsH\x00\x12.\n\x08pressure\x18\x04 \x01(\x0b\x32\x1a.kvserve.v1.PressureReportH\x00\x12/\n\x0c\x62lock_events\x18\x05 \x01(\x0b\x32\x17.kvserve.v1.BlockEventsH\x00\x12\x33\n\x0e\x62lock_snapshot\x18\x06 \x01(\x0b\x32\x19.kvserve.v1.BlockSnapshotH\x00\x12\x31\n\rexport_result\x18\x07 \x01(\x0b\x32\x18.kvserve.v1.ExportResultH\x00\x12%\n\x03\x61\x63k\x18\x08 \x01(\x0b\x32\x16.kvserve.v1.CommandAckH\x00\x42\x06\n\x04\x62ody\"\xf5\x01\n\x05Hello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x04\x12\x13\n\x0bswap_blocks\x18\x05 \x01(\x04\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x14\n\x07node_id\x18\x07 \x01(\tH\x00\x88\x01\x01\x12\x14\n\x07\x61\x64\x64ress\x18\x08 \x01(\tH\x01\x88\x01\x01\x12\x13\n\x0bincarnation\x18\t \x01(\t\x12\x18\n\x10last_command_seq\x18\n \x01(\x04\x42\n\n\x08_node_idB\n\n\x08_address\"N\n\x0bStepOutputs\x12\x13\n\x0b\x64\x65\x63ode_step\x18\x01 \x01(\x04\x12*\n\x07outputs\x18\x02 \x03(\x0b\x32\x19.kvserve.v1.RequestOutput\"\xf1\x01\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x12\n\ntext_delta\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\r\x12\x11\n\tnum_swaps\x18\x08 \x01(\r\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x19\n\x11num_output_tokens\x18\n \x01(\r\"\xd6\x03\n\x0ePressureReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x14\n\x0ctotal_blocks\x18\x03 \x01(\x04\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\x04\x12\x13\n\x0bused_blocks\x18\x05 \x01(\x04\x12\x1f\n\x17\x63\x61\x63hed_evictable_blocks\x18\x06 \x01(\x04\x12\x19\n\x11swap_blocks_total\x18\x07 \x01(\x04\x12\x18\n\x10swap_blocks_free\x18\x08 \x01(\x04\x12\x13\n\x0bnum_running\x18\t \x01(\r\x12\x13\n\x0bnum_waiting\x18\n \x01(\r\x12\x13\n\x0bnum_swapped\x18\x0b \x01(\r\x12\x18\n\x10tokens_in_flight\x18\x0c \x01(\x04\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\r \x01(\x04\x12\x17\n\x0fstep_latency_ms\x18\x0e \x01(\x01\x12\x1d\n\x15num_preemptions_total\x18\x0f \x01(\x04\x12\'\n\x1fprefix_cache_query_tokens_total\x18\x10 \x01(\x04\x12%\n\x1dprefix_cache_hit_tokens_total\x18\x11 \x01(\x04\x12\x17\n\x0fnum_swaps_total\x18\x12 \x01(\x04\"5\n\x0b\x42lockEvents\x12&\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x16.kvserve.v1.BlockEvent\"\xaa\x01\n\nBlockEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12)\n\x06stored\x18\x02 \x01(\x0b\x32\x17.kvserve.v1.BlockStoredH\x00\x12+\n\x07removed\x18\x03 \x01(\x0b\x32\x18.kvserve.v1.BlockRemovedH\x00\x12/\n\x07\x63leared\x18\x04 \x01(\x0b\x32\x1c.kvserve.v1.AllBlocksClearedH\x00\x42\x06\n\x04kind\"\x1d\n\x0b\x42lockStored\x12\x0e\n\x06hashes\x18\x01 \x03(\x04\"\x1e\n\x0c\x42lockRemoved\x12\x0e\n\x06hashes\x18\x01 \x03(\x04\"\x12\n\x10\x41llBlocksCleared\",\n\rBlockSnapshot\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0e\n\x06hashes\x18\x02 \x03(\x04\"\xb2\x01\n\x0c\x45xportResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63ommand_seq\x18\x02 \x01(\x04\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x06 \x03(\x05\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\r\x12\x11\n\tnum_swaps\x18\x08 \x01(\r\"P\n\nCommandAck\x12\x13\n\x0b\x63ommand_seq\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\xb0\x02\n\rRouterCommand\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x11\n\tacked_seq\x18\n \x01(\x04\x12\"\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x11.kvserve.v1.AbortH\x00\x12&\n\x07preempt\x18\x03 \x01(\x0b\x32\x13.kvserve.v1.PreemptH\x00\x12%\n\x07swap_in\x18\x04 \x01(\x0b\x32\x12.kvserve.v1.SwapInH\x00\x12$\n\x06\x65xport\x18\x05 \x01(\x0b\x32\x12.kvserve.v1.ExportH\x00\x12\"\n\x05\x64rain\x18\x06 \x01(\x0b\x32\x11.kvserve.v1.DrainH\x00\x12\x37\n\x10request_snapshot\x18\x07 \x01(\x0b\x32\x1b.kvserve.v1.RequestSnapshotH\x00\x42\t\n\x07\x63ommand\"\x1b\n\x05\x41\x62ort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"|\n\x07Preempt\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x04mode\x18\x02 \x01(\x0e\x32\x18.kvserve.v1.Preempt.Mode\"5\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tRECOMPUTE\x10\x01\x12\x08\n\x04SWAP\x10\x02\"\x1c\n\x06SwapIn\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1c\n\x06\x45xport\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x07\n\x05\x44rain\"\x11\n\x0fRequestSnapshot2Q\n\nWorkerLink\x12\x43\n\x07\x43onnect\x12\x19.kvserve.v1.WorkerMessage\x1a\x19.kvserve.v1.RouterCommand(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvserve/v1/worker.proto\x12\nkvserve.v1\x1a\x18kvserve/v1/serving.proto\"\xe9\x02\n\rWorkerMessage\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\"\n\x05hello\x18\x02 \x01(\x0b\x32\x11.kvserve.v1.HelloH\x00\x12/\n\x0cstep_outputs\x18\x03 \x01(\x0b\x32\x17.kvserve.v1.StepOutputsH\x00\x12.\n\x08pressure\x18\x04 \x01(\x0b\x32\x1a.kvserve.v1.PressureReportH\x00\x12/\n\x0c\x62lock_events\x18\x05 \x01(\x0b\x32\x17.kvserve.v1.BlockEventsH\x00\x12\x33\n\x0e\x62lock_snapshot\x18\x06 \x01(\x0b\x32\x19.kvserve.v1.BlockSnapshotH\x00\x12\x31\n\rexport_result\x18\x07 \x01(\x0b\x32\x18.kvserve.v1.ExportResultH\x00\x12%\n\x03\x61\x63k\x18\x08 \x01(\x0b\x32\x16.kvserve.v1.CommandAckH\x00\x42\x06\n\x04\x62ody\"\xf5\x01\n\x05Hello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x04\x12\x13\n\x0bswap_blocks\x18\x05 \x01(\x04\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x14\n\x07node_id\x18\x07 \x01(\tH\x00\x88\x01\x01\x12\x14\n\x07\x61\x64\x64ress\x18\x08 \x01(\tH\x01\x88\x01\x01\x12\x13\n\x0bincarnation\x18\t \x01(\t\x12\x18\n\x10last_command_seq\x18\n \x01(\x04\x42\n\n\x08_node_idB\n\n\x08_address\"N\n\x0bStepOutputs\x12\x13\n\x0b\x64\x65\x63ode_step\x18\x01 \x01(\x04\x12*\n\x07outputs\x18\x02 \x03(\x0b\x32\x19.kvserve.v1.RequestOutput\"\x9e\x02\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x12\n\ntext_delta\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\r\x12\x11\n\tnum_swaps\x18\x08 \x01(\r\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x19\n\x11num_output_tokens\x18\n \x01(\r\x12+\n\x08logprobs\x18\x0b \x03(\x0b\x32\x19.kvserve.v1.TokenLogprobs\"\xd6\x03\n\x0ePressureReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x14\n\x0ctotal_blocks\x18\x03 \x01(\x04\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\x04\x12\x13\n\x0bused_blocks\x18\x05 \x01(\x04\x12\x1f\n\x17\x63\x61\x63hed_evictable_blocks\x18\x06 \x01(\x04\x12\x19\n\x11swap_blocks_total\x18\x07 \x01(\x04\x12\x18\n\x10swap_blocks_free\x18\x08 \x01(\x04\x12\x13\n\x0bnum_running\x18\t \x01(\r\x12\x13\n\x0bnum_waiting\x18\n \x01(\r\x12\x13\n\x0bnum_swapped\x18\x0b \x01(\r\x12\x18\n\x10tokens_in_flight\x18\x0c \x01(\x04\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\r \x01(\x04\x12\x17\n\x0fstep_latency_ms\x18\x0e \x01(\x01\x12\x1d\n\x15num_preemptions_total\x18\x0f \x01(\x04\x12\'\n\x1fprefix_cache_query_tokens_total\x18\x10 \x01(\x04\x12%\n\x1dprefix_cache_hit_tokens_total\x18\x11 \x01(\x04\x12\x17\n\x0fnum_swaps_total\x18\x12 \x01(\x04\"5\n\x0b\x42lockEvents\x12&\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x16.kvserve.v1.BlockEvent\"\xaa\x01\n\nBlockEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12)\n\x06stored\x18\x02 \x01(\x0b\x32\x17.kvserve.v1.BlockStoredH\x00\x12+\n\x07removed\x18\x03 \x01(\x0b\x32\x18.kvserve.v1.BlockRemovedH\x00\x12/\n\x07\x63leared\x18\x04 \x01(\x0b\x32\x1c.kvserve.v1.AllBlocksClearedH\x00\x42\x06\n\x04kind\"\x1d\n\x0b\x42lockStored\x12\x0e\n\x06hashes\x18\x01 \x03(\x04\"\x1e\n\x0c\x42lockRemoved\x12\x0e\n\x06hashes\x18\x01 \x03(\x04\"\x12\n\x10\x41llBlocksCleared\",\n\rBlockSnapshot\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0e\n\x06hashes\x18\x02 \x03(\x04\"\xb2\x01\n\x0c\x45xportResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63ommand_seq\x18\x02 \x01(\x04\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x06 \x03(\x05\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\r\x12\x11\n\tnum_swaps\x18\x08 \x01(\r\"P\n\nCommandAck\x12\x13\n\x0b\x63ommand_seq\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\xb0\x02\n\rRouterCommand\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x11\n\tacked_seq\x18\n \x01(\x04\x12\"\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x11.kvserve.v1.AbortH\x00\x12&\n\x07preempt\x18\x03 \x01(\x0b\x32\x13.kvserve.v1.PreemptH\x00\x12%\n\x07swap_in\x18\x04 \x01(\x0b\x32\x12.kvserve.v1.SwapInH\x00\x12$\n\x06\x65xport\x18\x05 \x01(\x0b\x32\x12.kvserve.v1.ExportH\x00\x12\"\n\x05\x64rain\x18\x06 \x01(\x0b\x32\x11.kvserve.v1.DrainH\x00\x12\x37\n\x10request_snapshot\x18\x07 \x01(\x0b\x32\x1b.kvserve.v1.RequestSnapshotH\x00\x42\t\n\x07\x63ommand\"\x1b\n\x05\x41\x62ort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"|\n\x07Preempt\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x04mode\x18\x02 \x01(\x0e\x32\x18.kvserve.v1.Preempt.Mode\"5\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tRECOMPUTE\x10\x01\x12\x08\n\x04SWAP\x10\x02\"\x1c\n\x06SwapIn\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1c\n\x06\x45xport\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x07\n\x05\x44rain\"\x11\n\x0fRequestSnapshot2Q\n\nWorkerLink\x12\x43\n\x07\x43onnect\x12\x19.kvserve.v1.WorkerMessage\x1a\x19.kvserve.v1.RouterCommand(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvserve.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERMESSAGE']._serialized_start=40
-  _globals['_WORKERMESSAGE']._serialized_end=401
-  _globals['_HELLO']._serialized_start=404
-  _globals['_HELLO']._serialized_end=649
-  _globals['_STEPOUTPUTS']._serialized_start=651
-  _globals['_STEPOUTPUTS']._serialized_end=729
-  _globals['_REQUESTOUTPUT']._serialized_start=732
-  _globals['_REQUESTOUTPUT']._serialized_end=973
-  _globals['_PRESSUREREPORT']._serialized_start=976
-  _globals['_PRESSUREREPORT']._serialized_end=1446
-  _globals['_BLOCKEVENTS']._serialized_start=1448
-  _globals['_BLOCKEVENTS']._serialized_end=1501
-  _globals['_BLOCKEVENT']._serialized_start=1504
-  _globals['_BLOCKEVENT']._serialized_end=1674
-  _globals['_BLOCKSTORED']._serialized_start=1676
-  _globals['_BLOCKSTORED']._serialized_end=1705
-  _globals['_BLOCKREMOVED']._serialized_start=1707
-  _globals['_BLOCKREMOVED']._serialized_end=1737
-  _globals['_ALLBLOCKSCLEARED']._serialized_start=1739
-  _globals['_ALLBLOCKSCLEARED']._serialized_end=1757
-  _globals['_BLOCKSNAPSHOT']._serialized_start=1759
-  _globals['_BLOCKSNAPSHOT']._serialized_end=1803
-  _globals['_EXPORTRESULT']._serialized_start=1806
-  _globals['_EXPORTRESULT']._serialized_end=1984
-  _globals['_COMMANDACK']._serialized_start=1986
-  _globals['_COMMANDACK']._serialized_end=2066
-  _globals['_ROUTERCOMMAND']._serialized_start=2069
-  _globals['_ROUTERCOMMAND']._serialized_end=2373
-  _globals['_ABORT']._serialized_start=2375
-  _globals['_ABORT']._serialized_end=2402
-  _globals['_PREEMPT']._serialized_start=2404
-  _globals['_PREEMPT']._serialized_end=2528
-  _globals['_PREEMPT_MODE']._serialized_start=2475
-  _globals['_PREEMPT_MODE']._serialized_end=2528
-  _globals['_SWAPIN']._serialized_start=2530
-  _globals['_SWAPIN']._serialized_end=2558
-  _globals['_EXPORT']._serialized_start=2560
-  _globals['_EXPORT']._serialized_end=2588
-  _globals['_DRAIN']._serialized_start=2590
-  _globals['_DRAIN']._serialized_end=2597
-  _globals['_REQUESTSNAPSHOT']._serialized_start=2599
-  _globals['_REQUESTSNAPSHOT']._serialized_end=2616
-  _globals['_WORKERLINK']._serialized_start=2618
-  _globals['_WORKERLINK']._serialized_end=2699
+  _globals['_WORKERMESSAGE']._serialized_start=66
+  _globals['_WORKERMESSAGE']._serialized_end=427
+  _globals['_HELLO']._serialized_start=430
+  _globals['_HELLO']._serialized_end=675
+  _globals['_STEPOUTPUTS']._serialized_start=677
+  _globals['_STEPOUTPUTS']._serialized_end=755
+  _globals['_REQUESTOUTPUT']._serialized_start=758
+  _globals['_REQUESTOUTPUT']._serialized_end=1044
+  _globals['_PRESSUREREPORT']._serialized_start=1047
+  _globals['_PRESSUREREPORT']._serialized_end=1517
+  _globals['_BLOCKEVENTS']._serialized_start=1519
+  _globals['_BLOCKEVENTS']._serialized_end=1572
+  _globals['_BLOCKEVENT']._serialized_start=1575
+  _globals['_BLOCKEVENT']._serialized_end=1745
+  _globals['_BLOCKSTORED']._serialized_start=1747
+  _globals['_BLOCKSTORED']._serialized_end=1776
+  _globals['_BLOCKREMOVED']._serialized_start=1778
+  _globals['_BLOCKREMOVED']._serialized_end=1808
+  _globals['_ALLBLOCKSCLEARED']._serialized_start=1810
+  _globals['_ALLBLOCKSCLEARED']._serialized_end=1828
+  _globals['_BLOCKSNAPSHOT']._serialized_start=1830
+  _globals['_BLOCKSNAPSHOT']._serialized_end=1874
+  _globals['_EXPORTRESULT']._serialized_start=1877
+  _globals['_EXPORTRESULT']._serialized_end=2055
+  _globals['_COMMANDACK']._serialized_start=2057
+  _globals['_COMMANDACK']._serialized_end=2137
+  _globals['_ROUTERCOMMAND']._serialized_start=2140
+  _globals['_ROUTERCOMMAND']._serialized_end=2444
+  _globals['_ABORT']._serialized_start=2446
+  _globals['_ABORT']._serialized_end=2473
+  _globals['_PREEMPT']._serialized_start=2475
+  _globals['_PREEMPT']._serialized_end=2599
+  _globals['_PREEMPT_MODE']._serialized_start=2546
+  _globals['_PREEMPT_MODE']._serialized_end=2599
+  _globals['_SWAPIN']._serialized_start=2601
+  _globals['_SWAPIN']._serialized_end=2629
+  _globals['_EXPORT']._serialized_start=2631
+  _globals['_EXPORT']._serialized_end=2659
+  _globals['_DRAIN']._serialized_start=2661
+  _globals['_DRAIN']._serialized_end=2668
+  _globals['_REQUESTSNAPSHOT']._serialized_start=2670
+  _globals['_REQUESTSNAPSHOT']._serialized_end=2687
+  _globals['_WORKERLINK']._serialized_start=2689
+  _globals['_WORKERLINK']._serialized_end=2770
 # @@protoc_insertion_point(module_scope)

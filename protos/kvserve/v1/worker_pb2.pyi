@@ -1,4 +1,5 @@
 # ruff: noqa
+from protos.kvserve.v1 import serving_pb2 as _serving_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -61,7 +62,7 @@ class StepOutputs(_message.Message):
     def __init__(self, decode_step: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ...) -> None: ...
 
 class RequestOutput(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "text_delta", "finish_reason", "num_cached_tokens", "num_prompt_tokens", "num_preemptions", "num_swaps", "error", "num_output_tokens")
+    __slots__ = ("request_id", "new_token_ids", "text_delta", "finish_reason", "num_cached_tokens", "num_prompt_tokens", "num_preemptions", "num_swaps", "error", "num_output_tokens", "logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_DELTA_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +73,7 @@ class RequestOutput(_message.Message):
     NUM_SWAPS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     text_delta: str
@@ -82,7 +84,8 @@ class RequestOutput(_message.Message):
     num_swaps: int
     error: str
     num_output_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_swaps: _Optional[int] = ..., error: _Optional[str] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_serving_pb2.TokenLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_swaps: _Optional[int] = ..., error: _Optional[str] = ..., num_output_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_serving_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class PressureReport(_message.Message):
     __slots__ = ("worker_id", "seq", "total_blocks", "free_blocks", "used_blocks", "cached_evictable_blocks", "swap_blocks_total", "swap_blocks_free", "num_running", "num_waiting", "num_swapped", "tokens_in_flight", "decode_steps", "step_latency_ms", "num_preemptions_total", "prefix_cache_query_tokens_total", "prefix_cache_hit_tokens_total", "num_swaps_total")
