@@ -31,7 +31,7 @@ class EngineConfig:
     swap_space: float = 0.0  # GiB of host memory for swapped-out KV blocks
     watermark: float = 0.01
     seed: int = 0
-    kv_cache_dtype: str = "auto"  # auto (the model's) | fp8 (float8_e4m3fn) | int8 (+ fp32 scale per token, head)
+    kv_cache_dtype: str = "auto"  # auto (the model's) | fp16 | bf16 | fp8 (e4m3) | int8 (+ fp32 scale per token, head)
     allocator: str = "paged"  # paged | contiguous (the pre-paging baseline; no prefix caching)
     reserve: str = "max_model_len"  # contiguous: reserve max_model_len or prompt + max_tokens
     model_id: str = ""  # part of the prefix-cache hash; default: the model path
