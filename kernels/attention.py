@@ -57,12 +57,16 @@ MIN_TOKENS_PER_SPLIT = 256
 @triton.jit
 def _load_kv_tile(
     k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-    block_ids, tok, tok_mask, slot_off, offs_d, kv_mask, kv_head,
-    stride_s_block, stride_s_slot, BLOCK_SIZE: tl.constexpr,
+    bt_row, tok, tok_mask, offs_d, d_mask, head_off, kv_head,
+    stride_kv_block, stride_kv_slot, stride_s_block, stride_s_slot, BLOCK_SIZE: tl.constexpr,
 ):  # fmt: skip
-    """One tile's K and V ``[TILE_N, HEAD_DIM_PAD]`` as stored, except that an int8 V comes back
-    dequantized (fp32); plus K's int8 scales ``[TILE_N]`` (unused otherwise), which the caller applies to
-    the scores: ``q . (scale * k) == scale * (q . k)``, TILE_N products instead of TILE_N x HEAD_DIM."""
+    """K and V ``[TILE_N, HEAD_DIM_PAD]`` of key positions ``tok`` (through the sequence's block-table
+    row ``bt_row``) as stored, except that an int8 V comes back dequantized (fp32); plus K's int8 scales
+    ``[TILE_N]`` (unused otherwise), which the caller applies to the scores:
+    ``q . (scale * k) == scale * (q . k)``, TILE_N products instead of TILE_N x HEAD_DIM."""
+    block_ids = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
+    slot_off = block_ids * stride_kv_block + (tok % BLOCK_SIZE).to(tl.int64) * stride_kv_slot + head_off
+    kv_mask = tok_mask[:, None] & d_mask[None, :]
     k = tl.load(k_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     if k_cache_ptr.dtype.element_ty == tl.int8:
@@ -157,12 +161,9 @@ def _paged_decode_kernel(
     for tile in range(tile_lo, tile_hi):
         tok = tile * TILE_N + offs_n  # [TILE_N]
         tok_mask = (tok < ctx) & (tok >= kv_lo)
-        block_ids = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
-        slot_off = block_ids * stride_kv_block + (tok % BLOCK_SIZE).to(tl.int64) * stride_kv_slot + head_off
-        kv_mask = tok_mask[:, None] & d_mask[None, :]
         k, v, k_scale = _load_kv_tile(
-            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_ids, tok, tok_mask, slot_off, offs_d, kv_mask,
-            kv_head, stride_s_block, stride_s_slot, BLOCK_SIZE,
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row, tok, tok_mask, offs_d, d_mask, head_off,
+            kv_head, stride_kv_block, stride_kv_slot, stride_s_block, stride_s_slot, BLOCK_SIZE,
         )  # fmt: skip
         # NOTE: fp8 and int8 values are exact in fp16/bf16/fp32, so this cast loses nothing for them.
         k = k.to(q.dtype)
@@ -331,12 +332,9 @@ def _paged_prefill_kernel(
     for tile in range(kv_lo // TILE_N, tl.cdiv(kv_hi, TILE_N)):
         tok = tile * TILE_N + offs_n  # [TILE_N] key positions
         tok_mask = (tok < kv_hi) & (tok >= kv_lo)
-        block_ids = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
-        slot_off = block_ids * stride_kv_block + (tok % BLOCK_SIZE).to(tl.int64) * stride_kv_slot + head_off
-        kv_mask = tok_mask[:, None] & d_mask[None, :]
         k, v, k_scale = _load_kv_tile(
-            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_ids, tok, tok_mask, slot_off, offs_d, kv_mask,
-            kv_head, stride_s_block, stride_s_slot, BLOCK_SIZE,
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row, tok, tok_mask, offs_d, d_mask, head_off,
+            kv_head, stride_kv_block, stride_kv_slot, stride_s_block, stride_s_slot, BLOCK_SIZE,
         )  # fmt: skip
         k = k.to(q.dtype)
         v = v.to(q.dtype)
