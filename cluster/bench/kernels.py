@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -292,19 +293,37 @@ def _time_decode(
     row: DecodeRow,
     timer: Timer,
     copy_gbs: float | None,
-    call: Any,
     q: torch.Tensor,
+    kv: torch.Tensor,
+    kv_scales: torch.Tensor | None,
     bt: torch.Tensor,
+    cl: torch.Tensor,
+    scale: float,
     kv_bytes: int,
 ) -> None:
-    """Time ``call`` (one decode into a preallocated output) and fill ``row``'s timing fields; bytes moved =
+    """Time one decode (into a preallocated output) and fill ``row``'s timing fields; bytes moved =
     Q read + output written (query dtype) + ``kv_bytes`` (K/V, and int8 scales, read once) + the block table."""
+    from kernels import attention
+
+    out = torch.empty_like(q)
+
+    def call() -> torch.Tensor:
+        return attention.decode_attention(q, kv, bt, cl, scale, out=out, kv_scales=kv_scales)
+
     ms, row.timing = timer(call)
     moved = 2 * q.numel() * q.element_size() + kv_bytes + bt.numel() * bt.element_size()
     row.time_us = ms * 1e3
     row.bytes_moved = moved
     row.bandwidth_gbs = moved / (ms * 1e-3) / 1e9
     row.fraction_of_copy = row.bandwidth_gbs / copy_gbs if copy_gbs else None
+
+
+def _check_splits(
+    row: DecodeRow, name: str, ref: torch.Tensor, forced_splits: list[int | None], decode: Any
+) -> None:
+    """Record ``decode(num_splits=n)``'s error vs ``ref`` for each forced split count (None = the launcher's)."""
+    for forced in forced_splits:
+        row.checks[name if forced is None else f"{name}/{forced}-split"] = _rel_err(decode(num_splits=forced), ref)
 
 
 def _bench_decode(
@@ -351,28 +370,14 @@ def _bench_decode(
                                 kv, bt, cl = _paged(batch, ctx, bs, kvh, hd, dtype, device, gen)
                                 q = torch.randn((batch, h, hd), dtype=dtype, device=device, generator=gen)
                                 ref = reference.decode_attention(q, kv, bt, cl, scale)
-                                for forced in forced_splits:
-                                    out = attention.decode_attention(q, kv, bt, cl, scale, num_splits=forced)
-                                    row.checks[name if forced is None else f"{name}/{forced}-split"] = _rel_err(
-                                        out, ref
-                                    )
-                                del kv, bt, cl, q, out, ref
+                                decode = functools.partial(attention.decode_attention, q, kv, bt, cl, scale)
+                                _check_splits(row, name, ref, forced_splits, decode)
+                                del kv, bt, cl, q, ref
                         if timer is not None:
                             kv, bt, cl = _paged(batch, ctx, bs, kvh, hd, time_dtype, device, gen)
                             q = torch.randn((batch, h, hd), dtype=time_dtype, device=device, generator=gen)
-                            out = torch.empty_like(q)
-                            _time_decode(
-                                row,
-                                timer,
-                                copy_gbs,
-                                lambda q=q, kv=kv, bt=bt, cl=cl, out=out: attention.decode_attention(
-                                    q, kv, bt, cl, scale, out=out
-                                ),
-                                q,
-                                bt,
-                                kv_bytes,
-                            )
-                            del kv, bt, cl, q, out
+                            _time_decode(row, timer, copy_gbs, q, kv, None, bt, cl, scale, kv_bytes)
+                            del kv, bt, cl, q
                     else:
                         # One quantized cache (K/V drawn in the timed dtype, stored by the store kernel) serves
                         # every check and the timing; the reference runs in fp32 on its dequantized values.
@@ -396,30 +401,16 @@ def _bench_decode(
                                 dtype = DTYPES[name]
                                 q = torch.randn((batch, h, hd), dtype=dtype, device=device, generator=gen)
                                 ref = reference.decode_attention(q.float(), deq, bt, cl, scale)
-                                for forced in forced_splits:
-                                    out = attention.decode_attention(
-                                        q, kv, bt, cl, scale, num_splits=forced, kv_scales=sc
-                                    )
-                                    row.checks[name if forced is None else f"{name}/{forced}-split"] = _rel_err(
-                                        out, ref
-                                    )
-                                del q, out, ref
+                                decode = functools.partial(
+                                    attention.decode_attention, q, kv, bt, cl, scale, kv_scales=sc
+                                )
+                                _check_splits(row, name, ref, forced_splits, decode)
+                                del q, ref
                             del deq
                         if timer is not None:
                             q = torch.randn((batch, h, hd), dtype=time_dtype, device=device, generator=gen)
-                            out = torch.empty_like(q)
-                            _time_decode(
-                                row,
-                                timer,
-                                copy_gbs,
-                                lambda q=q, kv=kv, sc=sc, bt=bt, cl=cl, out=out: attention.decode_attention(
-                                    q, kv, bt, cl, scale, out=out, kv_scales=sc
-                                ),
-                                q,
-                                bt,
-                                kv_bytes,
-                            )
-                            del q, out
+                            _time_decode(row, timer, copy_gbs, q, kv, sc, bt, cl, scale, kv_bytes)
+                            del q
                         del kv, sc, bt, cl
                     if device == "cuda":
                         torch.cuda.empty_cache()
