@@ -62,7 +62,7 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [...
 
 
 def fp8_to_float(raw: torch.Tensor) -> torch.Tensor:  # uint8 bits of e4m3 -> float32
-    """e4m3 bytes to fp32, ~7x faster than torch's CPU cast: the 7 exponent|mantissa bits shifted into
+    """e4m3 bytes to fp32, 4-7x faster than torch's CPU cast: the 7 exponent|mantissa bits shifted into
     an fp16's place are the same number times 2^-8 (subnormals included), and fp16 -> fp32 is vectorized.
     NaN (never stored: stores saturate) reads as +-480.
 
