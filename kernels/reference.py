@@ -150,17 +150,14 @@ def _gather_head_major(
     rows = rows.view(-1)  # [num_kv_heads * num_seqs * width]
     flat = raw_bytes(kv_cache).reshape(2, num_blocks * block_size * num_kv_heads, head_dim)
     shape = (num_kv_heads, num_seqs, width, head_dim)
-    out = []
-    for i in range(2):
-        gathered = flat[i].index_select(0, rows)
-        if kv_cache.dtype == FP8:
-            x = fp8_to_float(gathered)
-        elif kv_scales is not None:
-            x = gathered.float().mul_(kv_scales[i].reshape(-1).index_select(0, rows).unsqueeze(1))
-        else:
-            x = gathered
-        out.append(x.view(shape).to(dtype))
-    return out[0], out[1]
+    quantized = kv_cache.dtype in (FP8, torch.int8)
+    keys, values = (
+        (_dequantize_rows(flat[i], rows, kv_scales, i) if quantized else flat[i].index_select(0, rows))
+        .view(shape)
+        .to(dtype)
+        for i in range(2)
+    )
+    return keys, values
 
 
 def _decode_positions(
