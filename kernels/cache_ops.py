@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import reference
+
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _BITS_DTYPE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -243,17 +245,12 @@ def check_kv_quantization(name: str, kv_cache: torch.Tensor, kv_scales: torch.Te
         raise ValueError(f"{name}: kv_cache dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache.dtype}")
     if kv_cache.dtype == FP8 and not _fp8_supported(kv_cache.device):
         raise ValueError(f"{name}: an fp8 kv_cache needs compute capability >= 8.9 (Triton float8e4nv)")
-    if kv_cache.dtype != torch.int8:
-        if kv_scales is not None:
-            raise ValueError(f"{name}: kv_scales is only for an int8 kv_cache; pass None for {kv_cache.dtype}")
-        return
-    want = tuple(kv_cache.shape[:4])
+    try:
+        reference.check_kv_scales(kv_cache, kv_scales)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
     if kv_scales is None:
-        raise ValueError(f"{name}: an int8 kv_cache needs kv_scales {want} float32 (one scale per K|V, slot, head)")
-    if tuple(kv_scales.shape) != want or kv_scales.dtype != torch.float32:
-        raise ValueError(
-            f"{name}: kv_scales must be {want} float32, got {tuple(kv_scales.shape)} {kv_scales.dtype}"
-        )
+        return
     if kv_scales.device != kv_cache.device:
         raise ValueError(f"{name}: kv_scales is on {kv_scales.device}, kv_cache on {kv_cache.device}")
     if not kv_scales.is_contiguous():

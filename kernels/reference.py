@@ -45,7 +45,7 @@ def check_kv_scales(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> N
                 f"kv_scales must be float32 {tuple(kv_cache.shape[:4])}, got {kv_scales.dtype} {tuple(kv_scales.shape)}"
             )
     elif kv_scales is not None:
-        raise ValueError(f"kv_scales belong to int8 KV caches only, not {kv_cache.dtype}")
+        raise ValueError(f"kv_scales is only for an int8 KV cache; pass None for {kv_cache.dtype}")
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [..., head_dim] -> int8, [...] fp32
