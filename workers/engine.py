@@ -25,6 +25,7 @@ from workers.migration import MigrationState
 from workers.model_config import ModelConfig, parse_dtype
 from workers.model_runner import ModelRunner
 from workers.outputs import CompletionOutput, RequestOutput
+from workers.progress import RequestProgress
 from workers.request import Request, RequestStatus
 from workers.sampler import Sampler, make_generator
 from workers.sampling_params import SamplingParams
@@ -413,7 +414,7 @@ class LLM:
                 engine.abort_request(rid)
             raise
         results = {rid: CompletionOutput(rid, engine.requests[rid].prompt_token_ids, [], "", None, 0, 0) for rid in ids}
-        with _progress(len(ids), use_tqdm) as advance:
+        with RequestProgress(len(ids), use_tqdm, "generating") as advance:
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     res = results[out.request_id]
@@ -430,27 +431,3 @@ class LLM:
                 if check_integrity:
                     engine.check_integrity()
         return [results[rid] for rid in ids]
-
-
-class _progress:
-    """A rich progress bar over finished requests (to stderr), or nothing."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.enabled = total, enabled
-
-    def __enter__(self):
-        if not self.enabled:
-            return lambda: None
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-        self._bar = Progress(
-            "generating", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=Console(stderr=True)
-        )
-        self._bar.start()
-        task = self._bar.add_task("generate", total=self.total)
-        return lambda: self._bar.advance(task)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.enabled:
-            self._bar.stop()

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.bench.workloads import WORKLOADS, prompts
+from workers.progress import RequestProgress
 
 RESULT_KEYS = (
     "output_tokens_per_s",
@@ -272,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
     _warm_up(engine, engine.model_config.vocab_size)
 
     results: list[RunResult] = []
-    with _Progress(args.runs * len(prompt_ids), enabled=sys.stderr.isatty()) as advance:
+    with RequestProgress(args.runs * len(prompt_ids), sys.stderr.isatty(), "bench offline") as advance:
         for _ in range(args.runs):
             engine.pool.reset_prefix_cache()
             results.append(run_workload(engine, prompt_ids, max_tokens, advance))
@@ -370,27 +371,3 @@ def _print_table(s: dict[str, Any]) -> None:
     console.print(table)
     console.print("engine: " + ", ".join(f"{k}={v}" for k, v in s["engine"].items()))
     console.print(f"per-run output tok/s: {s['per_run_output_tokens_per_s']}")
-
-
-class _Progress:
-    """A rich progress bar over finished requests (stderr), or nothing."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.enabled = total, enabled
-
-    def __enter__(self) -> Callable[[], None]:
-        if not self.enabled:
-            return lambda: None
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-        self._bar = Progress(
-            "bench offline", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=Console(stderr=True)
-        )
-        self._bar.start()
-        task = self._bar.add_task("requests", total=self.total)
-        return lambda: self._bar.advance(task)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.enabled:
-            self._bar.stop()
