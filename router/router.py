@@ -23,9 +23,9 @@ from typing import Any
 
 import grpc
 
-from cluster import metrics
 from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import worker_pb2 as pb
+from router import metrics
 from router.admission import AdmissionQueue, RejectReason
 from router.config import RouterConfig
 from router.placement import Placement, PlacementRequest, WorkerView, blocks_for

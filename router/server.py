@@ -18,9 +18,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from cluster import metrics
 from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import serving_pb2_grpc, worker_pb2, worker_pb2_grpc
+from router import metrics
 from router.auth import BearerAuthInterceptor
 from router.config import RouterConfig
 from router.router import Router, RouterError

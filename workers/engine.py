@@ -73,17 +73,7 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, caching)
         self.swap_pool = BlockPool(num_swap_blocks, enable_caching=False) if num_swap_blocks else None
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                block_size=config.block_size,
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-                watermark=config.watermark,
-                preemption_mode=config.preemption_mode,
-                sliding_window=mc.sliding_window,
-                allocator=config.allocator,
-                reserve=config.reserve,
-            ),
+            SchedulerConfig.from_engine(config, max_model_len=self.max_model_len, sliding_window=mc.sliding_window),
             self.pool,
             self.swap_pool,
             self.model_id,

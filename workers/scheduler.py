@@ -23,44 +23,47 @@ from dataclasses import dataclass, field
 
 from workers.block_hash import cache_extra
 from workers.block_pool import BlockPool
+from workers.config import EngineConfig
+from workers.knobs import POSITIVE, knob, same_as, validate
 from workers.request import Request, RequestStatus
 
-PREEMPTION_MODES = ("recompute", "swap", "auto")
-ALLOCATORS = ("paged", "contiguous")
-RESERVES = ("max_model_len", "max_tokens")
+# The scheduler's knobs that the engine's config declares (default, help, choices, check): EngineConfig's.
+ENGINE_KNOBS = (
+    "block_size", "max_num_seqs", "max_num_batched_tokens", "watermark", "preemption_mode", "allocator", "reserve"
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 4096
-    max_model_len: int = 4096
-    watermark: float = 0.01  # fraction of the pool kept free at admission
-    preemption_mode: str = "recompute"
+    """The scheduler's knobs: ``ENGINE_KNOBS`` as declared by ``EngineConfig``, plus what the engine resolves.
+
+    Raises:
+        ValueError: a bad value, ``"<field> must be ..., got <value>"``.
+    """
+
+    block_size: int = same_as(EngineConfig, "block_size")
+    max_num_seqs: int = same_as(EngineConfig, "max_num_seqs")
+    max_num_batched_tokens: int = same_as(EngineConfig, "max_num_batched_tokens")
+    max_model_len: int = knob(4096, help="the resolved context limit", check=POSITIVE)
+    watermark: float = same_as(EngineConfig, "watermark")
+    preemption_mode: str = same_as(EngineConfig, "preemption_mode")
     # auto mode: swap contexts at least this long (shorter ones are cheaper to recompute)
-    swap_min_tokens: int = 256
+    swap_min_tokens: int = knob(256, help="auto preemption: swap contexts at least this long")
     # Mistral-style window: blocks wholly behind every future query's window go back to the pool.
-    sliding_window: int | None = None
+    sliding_window: int | None = knob(None, help="the model's attention window", check=POSITIVE)
     # "contiguous" reserves a request's longest possible footprint at admission, as pre-paging
     # engines did (a baseline to measure what paging buys); ``reserve`` picks that footprint.
-    allocator: str = "paged"
-    reserve: str = "max_model_len"
+    allocator: str = same_as(EngineConfig, "allocator")
+    reserve: str = same_as(EngineConfig, "reserve")
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if not 0.0 <= self.watermark < 1.0:
-            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        if self.allocator not in ALLOCATORS:
-            raise ValueError(f"allocator must be one of {ALLOCATORS}, got {self.allocator!r}")
-        if self.reserve not in RESERVES:
-            raise ValueError(f"reserve must be one of {RESERVES}, got {self.reserve!r}")
-        if self.sliding_window is not None and self.sliding_window <= 0:
-            raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
+        validate(self)
+
+    @classmethod
+    def from_engine(cls, config: EngineConfig, *, max_model_len: int, sliding_window: int | None) -> SchedulerConfig:
+        """The engine's shared knobs with the context limit and window it resolved from the model."""
+        shared = {name: getattr(config, name) for name in ENGINE_KNOBS}
+        return cls(**shared, max_model_len=max_model_len, sliding_window=sliding_window)
 
 
 @dataclass

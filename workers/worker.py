@@ -26,6 +26,7 @@ from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.kv_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
 from workers.migration import MigrationState
+from workers.options import WorkerOptions
 from workers.outbox import Outbox
 from workers.outputs import RequestOutput
 from workers.pressure import PressurePolicy
@@ -36,26 +37,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _PREEMPT_MODES = {pb.Preempt.RECOMPUTE: "recompute", pb.Preempt.SWAP: "swap", pb.Preempt.MODE_UNSPECIFIED: None}
-
-
-@dataclass(frozen=True)
-class WorkerOptions:
-    """Worker knobs beside the engine's."""
-
-    router_address: str | None = None  # host:port of the router's WorkerLink; None = no link
-    auth_token: str | None = None
-    tls_ca: str | None = None  # PEM: trust this CA for the router's certificate
-    tls_cert: str | None = None  # PEM: client certificate (mTLS)
-    tls_key: str | None = None
-    pressure_interval_ms: float = 50.0
-    idle_report_s: float = 1.0
-    high_watermark: float = 0.9
-    low_watermark: float = 0.7
-    stall_timeout_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        if self.pressure_interval_ms < 0 or self.stall_timeout_s <= 0:
-            raise ValueError("pressure_interval_ms must be >= 0 and stall_timeout_s > 0")
 
 
 @dataclass(frozen=True)
