@@ -23,8 +23,10 @@ prometheus:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null) \
 	  || echo "warning: could not install prometheus; its tests will be skipped"; }
 
+# ruff, then the import-linter layers contract of pyproject.toml ([tool.importlinter]).
 lint: setup
-	$(BIN)/ruff check .
+	$(BIN)/python -m ruff check .
+	$(BIN)/lint-imports
 
 test: setup prometheus lint
 	$(BIN)/python -m pytest -q

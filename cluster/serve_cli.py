@@ -22,6 +22,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from cluster.launch import init_ray
+
+__all__ = ["init_ray"]  # NOTE: re-exported for cluster/demo.py; the one Ray start-up lives in cluster/launch.py
+
 logger = logging.getLogger(__name__)
 
 
@@ -143,27 +147,6 @@ def stop_all(cluster: Any, started_ray: bool) -> None:
             cluster.shutdown()
         if started_ray and ray.is_initialized():
             ray.shutdown()
-
-
-def init_ray(address: str | None, num_cpus: int | None = None, **kwargs: Any) -> bool:
-    """Start a local Ray (``address`` None) or join one; True if this process started it.
-
-    NOTE: a local start passes ``address="local"``: a bare ``ray.init()`` would join whatever
-    cluster ``ray start`` last recorded in /tmp/ray, which is not what "start a local Ray" means.
-    """
-    import ray
-
-    from cluster.config import RAY_NAMESPACE
-
-    if ray.is_initialized():
-        return False
-    kwargs.setdefault("logging_level", logging.WARNING)
-    kwargs.setdefault("namespace", RAY_NAMESPACE)
-    if address is None:
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **kwargs)
-        return True
-    ray.init(address=address, **kwargs)
-    return False
 
 
 def serve(cfg, *, out=None, poll_s: float = 5.0) -> int:  # noqa: ANN001 - ClusterConfig

@@ -11,7 +11,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -24,6 +23,7 @@ from router import metrics
 from router.auth import BearerAuthInterceptor
 from router.config import RouterConfig
 from router.router import Router, RouterError
+from workers.worker_link import read_pem
 
 logger = logging.getLogger(__name__)
 
@@ -75,10 +75,6 @@ async def _abort(context: grpc.aio.ServicerContext, e: RouterError) -> None:
     await context.abort(e.code, e.message)
 
 
-def _read(path: str | None) -> bytes | None:
-    return Path(path).read_bytes() if path else None
-
-
 def build_server(router: Router, config: RouterConfig) -> tuple[grpc.aio.Server, int]:
     """The gRPC server with every service registered and its port bound (not started)."""
     options = [
@@ -102,8 +98,8 @@ def build_server(router: Router, config: RouterConfig) -> tuple[grpc.aio.Server,
     address = f"{config.host}:{config.port}"
     if config.tls_cert:
         creds = grpc.ssl_server_credentials(
-            [(_read(config.tls_key), _read(config.tls_cert))],
-            root_certificates=_read(config.tls_client_ca),
+            [(read_pem(config.tls_key), read_pem(config.tls_cert))],
+            root_certificates=read_pem(config.tls_client_ca),
             require_client_auth=bool(config.tls_client_ca),
         )
         port = server.add_secure_port(address, creds)

@@ -5,12 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from workers.block_hash import ROOT_HASH, hash_block
 from workers.sampling_params import SamplingParams
-from workers.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:  # NOTE: annotations only; the scheduler imports this module and must not pull in torch
+    import torch
+
+    from workers.tokenizer import IncrementalDetokenizer
 
 
 class RequestStatus(enum.Enum):
