@@ -1,6 +1,6 @@
 """Triton paged attention over the fixed KV layout: decode (flash-decoding, split-K) and prefill/extend.
 
-KV cache, one tensor per layer (DESIGN.md): ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+KV cache, one tensor per layer (docs/architecture.md): ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
 Token ``t`` of sequence ``s`` lives at ``block_tables[s, t // block_size]``, row ``t % block_size``.
 
 Kernels

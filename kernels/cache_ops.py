@@ -1,6 +1,6 @@
 """Triton cache ops over the fixed KV layout: store K/V by slot, copy blocks, swap blocks.
 
-KV cache, one tensor per layer (DESIGN.md): ``[2, num_blocks, block_size, num_kv_heads, head_dim]``;
+KV cache, one tensor per layer (docs/architecture.md): ``[2, num_blocks, block_size, num_kv_heads, head_dim]``;
 ``slot = block_id * block_size + offset``; a negative slot is skipped.
 
 Quantized caches (same contract as ``kernels.reference``):

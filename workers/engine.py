@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    """A paged-KV engine for one device. Not thread-safe: one thread owns it (DESIGN.md)."""
+    """A paged-KV engine for one device. Not thread-safe: one thread owns it (docs/architecture.md)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config

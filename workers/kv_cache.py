@@ -49,7 +49,7 @@ def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) ->
 class KVCache:
     """Per-layer paged KV tensors on the device plus an optional host swap space of the same layout.
 
-    Shapes (DESIGN.md): ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` per layer.
+    Shapes (docs/architecture.md): ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` per layer.
     """
 
     def __init__(

@@ -28,7 +28,7 @@ class Request:
     """One sequence being generated. Owned by the engine thread; never shared across threads.
 
     ``all_token_ids`` is prompt + outputs; ``num_computed_tokens`` of them have K/V in the cache.
-    ``block_hashes[i]`` is the chain hash of full block i of ``all_token_ids`` (DESIGN.md).
+    ``block_hashes[i]`` is the chain hash of full block i of ``all_token_ids`` (docs/architecture.md).
     """
 
     request_id: str

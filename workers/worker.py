@@ -1,6 +1,6 @@
 """The worker: an engine thread driving ``LLMEngine.step()``, an inbox, and the WorkerLink.
 
-Threading contract (DESIGN.md): the engine thread owns all engine state. Ray method calls and
+Threading contract (docs/architecture.md): the engine thread owns all engine state. Ray method calls and
 the WorkerLink thread only enqueue closures into the inbox (and wait on a Future when they need
 an answer) or read immutable snapshots (``stats``). The engine thread runs the inbox between
 steps, so every command lands at a step boundary.
@@ -232,7 +232,7 @@ class WorkerCore:
             raise
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
-        """Outputs, then block events, then pressure: one ordered stream (DESIGN.md)."""
+        """Outputs, then block events, then pressure: one ordered stream (docs/architecture.md)."""
         if outputs:
             self.outbox.put(pb.WorkerMessage(step_outputs=_step_outputs(self.engine.num_steps, outputs)))
         events = self.engine.pool.drain_events()
