@@ -184,12 +184,13 @@ def add_arguments(
             default = environ[env]
         help_text = f.metadata["help"]
         shown = _default_of(f)
-        plain = unset is dataclasses.MISSING and not f.metadata.get("flag")
-        if plain and shown not in (None, "") and "default" not in help_text:
+        if not f.metadata.get("flag") and shown not in (None, "") and "default" not in help_text:
             help_text += f" (default: {shown})"
         if env:
             help_text += f" (default: ${env})"
         kwargs: dict[str, Any] = {"dest": dest, "default": default, "help": help_text}
+        if _annotation_types(f) != {"bool"} and f.metadata["choices"] is None:
+            kwargs["metavar"] = f.name.upper()
         if _annotation_types(f) == {"bool"}:
             # NOTE: a True-by-default switch needs a declared negative flag (--no-prefix-caching).
             kwargs["action"] = "store_false" if _default_of(f) else "store_true"
