@@ -24,8 +24,6 @@ from typing import Any
 
 from cluster.launch import init_ray
 
-__all__ = ["init_ray"]  # NOTE: re-exported for cluster/demo.py; the one Ray start-up lives in cluster/launch.py
-
 logger = logging.getLogger(__name__)
 
 

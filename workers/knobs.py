@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,7 +151,6 @@ def add_arguments(
     group: argparse._ActionsContainer,
     cls: type,
     *,
-    exclude: Iterable[str] = (),
     prefix: str = "",
     dest_prefix: str = "",
     unset: Any = dataclasses.MISSING,
@@ -162,7 +161,6 @@ def add_arguments(
     Args:
         group: a parser or argument group.
         cls: a dataclass declared with :func:`knob`.
-        exclude: field names to leave out (a command sets them).
         prefix: flag prefix, e.g. ``worker`` -> ``--worker-stall-timeout-s`` (keeps flag names unique).
         dest_prefix: prefix of the namespace attribute (keeps two configs' same-named fields apart).
         unset: every flag's default when given (e.g. a sentinel meaning "keep the YAML value");
@@ -171,11 +169,13 @@ def add_arguments(
 
     Returns:
         ``{dest: field name}`` for every flag added.
+
+    Raises:
+        ValueError: a True-by-default bool knob without a declared negative ``flag``.
     """
     added: dict[str, str] = {}
-    skip = set(exclude)
     for f in knobs(cls):
-        if not f.metadata["cli"] or f.name in skip:
+        if not f.metadata["cli"]:
             continue
         dest = dest_prefix + f.name
         default = _default_of(f) if unset is dataclasses.MISSING else unset
@@ -192,7 +192,8 @@ def add_arguments(
         if _annotation_types(f) != {"bool"} and f.metadata["choices"] is None:
             kwargs["metavar"] = f.name.upper()
         if _annotation_types(f) == {"bool"}:
-            # NOTE: a True-by-default switch needs a declared negative flag (--no-prefix-caching).
+            if _default_of(f) and not f.metadata.get("flag"):
+                raise ValueError(f"{cls.__name__}.{f.name}: a True-by-default switch needs a negative flag= (--no-...)")
             kwargs["action"] = "store_false" if _default_of(f) else "store_true"
         else:
             parser = _parser_for(f)
