@@ -21,6 +21,11 @@ there); the router's address and auth token reach the workers from the router, s
 section cannot set them. Unknown keys and bad values raise ``ValueError`` naming the key, e.g.
 ``engine.block_size: must be a positive power of two, got 12``. Flags override the file
 (``ClusterConfig.load(path, overrides)``), the file overrides the defaults.
+
+Each key's default, help and check are declared once, on its dataclass field (``knob(...)``,
+``workers/knobs.py``); this module only composes the sections, checks YAML types and names the
+key in errors. ``kvserve serve`` generates one flag per key from the same fields
+(``cluster/serve_cli.py``).
 """
 
 from __future__ import annotations
