@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from workers.block_hash import cache_extra
-from workers.block_pool import BlockPool
+from workers.block_pool import BlockPool, blocks_for
 from workers.request import Request, RequestStatus
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
@@ -84,10 +84,6 @@ class SchedulerOutput:
 def _importance(req: Request) -> tuple[int, float]:
     """Sort key: most important first (higher priority, then earlier arrival)."""
     return (-req.priority, req.arrival_time)
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 class Scheduler:
