@@ -259,7 +259,7 @@ def test_stale_and_reordered_reports_never_bounce_a_request(data):
     no request bounces back (it may return to a worker later, after other moves changed it)."""
     n = data.draw(st.integers(2, 3), "workers")
     workers = [f"w{i}" for i in range(n)]
-    total = 32
+    total = 48  # >= the most blocks the requests can hold together (6 x 8)
     sizes = data.draw(st.lists(st.integers(1, 8), min_size=2, max_size=6), "request blocks")
     world = {f"r{j}": data.draw(st.sampled_from(workers), f"worker of r{j}") for j in range(len(sizes))}
     blocks = {f"r{j}": b for j, b in enumerate(sizes)}
