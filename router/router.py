@@ -1,4 +1,9 @@
-"""The Router: request table, placement, admission, demux of worker outputs, cluster-level pressure.
+"""The Router: request table, placement, admission, cluster-level pressure, health and status.
+
+It decides nothing about policy itself: placement (router/placement.py), admission
+(router/admission.py), migration and priority preemption (router/rebalance.py) are pure modules
+over ``WorkerView``s; output ordering and de-duplication is router/demux.py. The Router builds
+their inputs from its tables and carries out what they return.
 
 Everything here runs on one asyncio loop (the Ray actor's, or a test's), so the tables need no
 locks. Workers are Ray actor handles (requests go in by Ray calls); what comes back (outputs,
