@@ -23,6 +23,7 @@ from router import metrics
 from router.auth import BearerAuthInterceptor
 from router.config import RouterConfig
 from router.router import Router, RouterError
+from workers.identity import WorkerIdentity
 from workers.worker_link import read_pem
 
 logger = logging.getLogger(__name__)
@@ -142,8 +143,8 @@ class RouterService:
         logger.info("router serving on %s:%d", self.config.host, self.port)
         return f"{self.config.host}:{self.port}"
 
-    async def add_worker(self, worker_id: str, handle: Any, info: dict[str, Any]) -> None:
-        self.router.add_worker(worker_id, handle, info)
+    async def add_worker(self, worker_id: str, handle: Any, identity: WorkerIdentity) -> None:
+        self.router.add_worker(worker_id, handle, identity)
         entry = self.router.workers[worker_id]
         metrics.REPORT_AGE.labels(worker_id).set_function(
             lambda: time.monotonic() - entry.report_time if entry.report is not None else float("nan")

@@ -26,7 +26,7 @@ from workers.model_config import ModelConfig, parse_dtype
 from workers.model_runner import ModelRunner
 from workers.outputs import CompletionOutput, RequestOutput
 from workers.progress import RequestProgress
-from workers.request import Request, RequestStatus
+from workers.request import Request
 from workers.sampler import Sampler, make_generator
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -335,16 +335,10 @@ class LLMEngine:
                 else IncrementalDetokenizer(self.tokenizer, req.all_token_ids)
             )
         if state.kv_blocks is not None:
-            need = -(-req.num_tokens // self.config.block_size)
-            if self.pool.num_free_blocks - need < self.scheduler.watermark_blocks:
+            blocks = self.scheduler.admit_imported(req, state.num_computed_tokens)
+            if blocks is None:
                 return None
-            blocks = self.pool.allocate(need)
-            assert blocks is not None
             self.kv_cache.write_blocks(blocks[: state.kv_blocks[0].shape[1]], state.kv_blocks, state.kv_scales)
-            req.block_table = blocks
-            req.num_computed_tokens = state.num_computed_tokens
-            req.status = RequestStatus.RUNNING
-            self.scheduler.running.append(req)
         else:
             self.scheduler.add(req)
         self.requests[req.request_id] = req

@@ -84,10 +84,6 @@ class Request:
         """Device blocks this request holds a reference on."""
         return self.block_table[self.num_released_blocks :]
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
-
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

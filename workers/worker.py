@@ -24,6 +24,7 @@ from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import worker_pb2 as pb
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
+from workers.identity import WorkerIdentity
 from workers.kv_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
 from workers.migration import MigrationState
 from workers.options import WorkerOptions
@@ -54,12 +55,14 @@ class WorkerStats:
     num_waiting: int
     num_swapped: int
     tokens_in_flight: int
-    decode_steps: int
+    decode_steps: int  # engine steps that sampled at least one token
     step_latency_ms: float
     num_preemptions: int
     num_swaps: int
     prefix_query_tokens: int
     prefix_hit_tokens: int
+    num_imports: int  # requests migrated in (this incarnation)
+    num_exports: int  # exports finished as migrated (their blocks freed here)
 
     @property
     def usage(self) -> float:
@@ -91,6 +94,9 @@ class WorkerCore:
         self._last_progress = time.monotonic()
         self._busy = False
         self._exported: dict[str, MigrationState] = {}
+        self._decode_steps = 0
+        self._num_imports = 0  # NOTE: engine-thread counters, read by _snapshot on that thread
+        self._num_exports = 0
         self._stats = self._snapshot()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
@@ -152,11 +158,24 @@ class WorkerCore:
         return self._exported.pop(request_id, None)
 
     def finish_export(self, request_id: str, migrated: bool) -> bool:
-        return self._call(lambda: self.engine.finish_export(request_id, migrated))
+        """Free an exported request (``migrated``) or resume it here; False if none is exported."""
+
+        def finish() -> bool:
+            done = self.engine.finish_export(request_id, migrated)
+            self._num_exports += int(done and migrated)
+            return done
+
+        return self._call(finish)
 
     def import_request(self, state: MigrationState) -> bool | None:
         """Continue a migrated request here; None ("not now") if it does not fit."""
-        return self._call(lambda: self.engine.import_request(state))
+
+        def import_() -> bool | None:
+            ok = self.engine.import_request(state)
+            self._num_imports += int(bool(ok))
+            return ok
+
+        return self._call(import_)
 
     def stats(self) -> WorkerStats:
         return self._stats
@@ -174,8 +193,20 @@ class WorkerCore:
         """Test hook: block the engine thread (as a hung kernel would)."""
         self._submit(lambda: time.sleep(seconds))
 
-    def hello(self) -> pb.Hello:
-        return self._hello()
+    def identity(self) -> WorkerIdentity:
+        """Who this worker is and its pool geometry (what its Hello says)."""
+        e = self.engine
+        return WorkerIdentity(
+            worker_id=self.worker_id,
+            model_id=e.model_id,
+            block_size=e.config.block_size,
+            total_blocks=e.pool.num_blocks,
+            max_model_len=e.max_model_len,
+            vocab_size=e.model_config.vocab_size,
+            swap_blocks=e.swap_pool.num_blocks if e.swap_pool else 0,
+            has_tokenizer=e.tokenizer is not None,
+            node_id=_ray_node_id(),
+        )
 
     # ---- inbox ---------------------------------------------------------------------------
     def _submit(self, fn: Callable[[], T]) -> Future:
@@ -216,6 +247,8 @@ class WorkerCore:
                     t0 = time.perf_counter()
                     outputs = engine.step()
                     self._step_latency_ms = (time.perf_counter() - t0) * 1000
+                    # engine.step() returns news only for requests that sampled a token this step.
+                    self._decode_steps += int(bool(outputs))
                     self._last_progress = time.monotonic()
                     self._publish(outputs)
                 else:
@@ -265,12 +298,14 @@ class WorkerCore:
             num_waiting=len(sched.waiting),
             num_swapped=len(sched.swapped),
             tokens_in_flight=sched.tokens_in_flight(),
-            decode_steps=e.num_steps,
+            decode_steps=self._decode_steps,
             step_latency_ms=self._step_latency_ms,
             num_preemptions=sum(sched.num_preemptions.values()),
             num_swaps=sched.num_preemptions["swap"],
             prefix_query_tokens=sched.prefix_queries,
             prefix_hit_tokens=sched.prefix_hits,
+            num_imports=self._num_imports,
+            num_exports=self._num_exports,
         )
 
     def _abort(self, request_id: str) -> bool:
@@ -281,17 +316,7 @@ class WorkerCore:
         return True
 
     def _hello(self) -> pb.Hello:
-        e = self.engine
-        return pb.Hello(
-            worker_id=self.worker_id,
-            model_id=e.model_id,
-            block_size=e.config.block_size,
-            total_blocks=e.pool.num_blocks,
-            swap_blocks=e.swap_pool.num_blocks if e.swap_pool else 0,
-            max_model_len=e.max_model_len,
-            node_id=_ray_node_id(),
-            incarnation=self.incarnation,
-        )
+        return self.identity().to_hello(self.incarnation)
 
     def _on_connect(self) -> None:
         """A (re)connected router gets current pressure and the block snapshot at once, not after
@@ -419,6 +444,8 @@ def _pressure_proto(s: WorkerStats, seq: int) -> pb.PressureReport:
         prefix_cache_query_tokens_total=s.prefix_query_tokens,
         prefix_cache_hit_tokens_total=s.prefix_hit_tokens,
         num_swaps_total=s.num_swaps,
+        num_imports_total=s.num_imports,
+        num_exports_total=s.num_exports,
     )
 
 
@@ -444,20 +471,9 @@ class Worker:
         self.core = WorkerCore(worker_id, engine_config, options)
         self.core.start()
 
-    def ready(self) -> dict[str, Any]:
-        """Identity and sizes (the Hello fields), once the engine is up."""
-        h = self.core.hello()
-        return {
-            "worker_id": h.worker_id,
-            "model_id": h.model_id,
-            "block_size": h.block_size,
-            "total_blocks": h.total_blocks,
-            "swap_blocks": h.swap_blocks,
-            "max_model_len": h.max_model_len,
-            "vocab_size": self.core.engine.model_config.vocab_size,
-            "node_id": h.node_id,
-            "has_tokenizer": self.core.engine.tokenizer is not None,
-        }
+    def ready(self) -> WorkerIdentity:
+        """Identity and sizes (what the WorkerLink Hello says), once the engine is up."""
+        return self.core.identity()
 
     def add_request(
         self,

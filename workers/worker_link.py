@@ -91,9 +91,6 @@ class WorkerLinkClient:
     def connected(self) -> bool:
         return self._connected.is_set()
 
-    def wait_connected(self, timeout: float) -> bool:
-        return self._connected.wait(timeout)
-
     def stop(self) -> None:
         self._stop.set()
         if self._call is not None:
