@@ -146,13 +146,18 @@ class WorkerCore:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        resume_output_ids: Sequence[int] = (),
     ) -> None:
-        """Queue a request; raises ValueError (bad input) or WorkerError (draining/dead)."""
+        """Queue a request, or resume one whose worker died (``resume_output_ids``: the output
+        tokens its client already has; see ``LLMEngine.add_request``). Raises ValueError (bad
+        input) or WorkerError (draining/dead)."""
         if self._draining:
             raise WorkerError(f"worker {self.worker_id} is draining")
 
         def add() -> None:
-            self.engine.add_request(request_id, prompt, params, priority, cache_salt)
+            self.engine.add_request(
+                request_id, prompt, params, priority, cache_salt, resume_output_ids=resume_output_ids
+            )
 
         self._call(add)
 
@@ -485,8 +490,11 @@ class Worker:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        resume_output_ids: list[int] | None = None,
     ) -> None:
-        self.core.add_request(request_id, prompt, params, priority, cache_salt)
+        """Queue a request; with ``resume_output_ids`` continue one after those output tokens
+        (failover replay: the router passes what it already streamed)."""
+        self.core.add_request(request_id, prompt, params, priority, cache_salt, resume_output_ids or ())
 
     def abort(self, request_id: str) -> bool:
         return self.core.abort(request_id)
