@@ -20,6 +20,8 @@ class RouterConfig:
     placement_policy: str = PlacementPolicy.KV_AWARE.value
     max_queue_requests: int = 1024
     max_queue_blocks: int = 1 << 20
+    # A request is queued only if its projected start is within this (and its own deadline).
+    max_queue_wait_s: float = 30.0
     default_max_tokens: int = 256
     # Cluster-level pressure: migrate off a worker above high while another is below low.
     high_watermark: float = 0.9
@@ -39,7 +41,9 @@ class RouterConfig:
             raise ValueError("tls_cert and tls_key go together")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key")
-        for name in ("max_message_bytes", "default_max_tokens", "stale_report_s", "health_check_interval_s"):
+        for name in (
+            "max_message_bytes", "default_max_tokens", "stale_report_s", "health_check_interval_s", "max_queue_wait_s"
+        ):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.max_queue_requests < 0 or self.max_queue_blocks < 0:
