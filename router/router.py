@@ -152,7 +152,13 @@ class Router(WorkerLinkHandler):
             entry.handle, entry.info = handle, info
         # Its WorkerLink may have said Hello before this registration.
         entry.connected = self.link.connected(worker_id)
+        if entry.connected:
+            self._worker_ready.set()
         metrics.WORKER_UP.labels(worker_id).set(1 if entry.connected else 0)
+
+    def ready_event(self) -> asyncio.Event:
+        """Set once a registered worker has said Hello: the cluster can serve (readiness)."""
+        return self._worker_ready
 
     async def wait_for_workers(self, worker_ids: list[str], timeout: float) -> None:
         """Until every listed worker has connected its WorkerLink; TimeoutError otherwise."""
@@ -169,6 +175,7 @@ class Router(WorkerLinkHandler):
             logger.info("Hello from %s before its registration", worker_id)
             return
         entry.connected, entry.healthy = True, True
+        self._worker_ready.set()
         if restarted:
             # A new process: its pool is empty and our requests there are gone.
             self.prefix_index.remove_worker(worker_id)
