@@ -11,6 +11,7 @@ steps, so every command lands at a step boundary.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -526,6 +527,10 @@ class Worker:
 
     def stall_for_test(self, seconds: float) -> None:
         self.core.stall_for_test(seconds)
+
+    def pid(self) -> int:
+        """This actor's OS process id (chaos tests kill it; operators correlate it with logs)."""
+        return os.getpid()
 
     def shutdown(self) -> None:
         self.core.stop()
