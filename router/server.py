@@ -291,10 +291,15 @@ class RouterService:
         self._readiness_task = loop.create_task(self._serve_when_ready(health_servicer))
         metrics.ROUTER_QUEUE_REQUESTS.set_function(lambda: self.router.queue.num_requests)
         metrics.ROUTER_QUEUE_BLOCKS.set_function(lambda: self.router.queue.num_blocks)
+        metrics.ROUTER_PROJECTED_WAIT.set_function(self._projected_wait_s)
         if self.metrics_port is not None:
             metrics.start_metrics_server(self.metrics_port, self.config.host)
         logger.info("router serving on %s:%d", self.config.host, self.port)
         return f"{self.config.host}:{self.port}"
+
+    def _projected_wait_s(self) -> float:
+        wait = self.router.queue.projected_wait_s()
+        return float("nan") if wait is None else wait
 
     async def _serve_when_ready(self, health_servicer: health.aio.HealthServicer) -> None:
         await self.router.ready_event().wait()

@@ -142,3 +142,13 @@ def test_generate_during_startup_gives_up_after_ready_timeout() -> None:
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE  # ready_timeout_s (0.2 s) < the deadline
 
     run(test)
+
+
+def test_projected_wait_metric_reads_the_queue() -> None:
+    from cluster import metrics
+
+    async def test(service: RouterService, channel: grpc.aio.Channel) -> None:
+        (family,) = metrics.ROUTER_PROJECTED_WAIT.collect()
+        assert [s.value for s in family.samples] == [0.0]  # empty queue: no wait
+
+    run(test)
