@@ -36,6 +36,9 @@ class RouterConfig:
         1024, help="requests queued at the router before RESOURCE_EXHAUSTED", check=NON_NEGATIVE
     )
     max_queue_blocks: int = knob(1 << 20, help="KV blocks the queued requests may need", check=NON_NEGATIVE)
+    max_queue_wait_s: float = knob(
+        30.0, help="queue a request only if its projected start is within this (and its own deadline)", check=POSITIVE
+    )
     default_max_tokens: int = knob(256, help="max_tokens of a request that gives none", check=POSITIVE)
     # Cluster-level pressure: migrate off a worker above high while another is below low.
     high_watermark: float = knob(0.9, help="migrate off a worker whose pool usage is above this", check=FRACTION)

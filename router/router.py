@@ -127,6 +127,12 @@ class Router(WorkerLinkHandler):
             entry.handle, entry.identity = handle, identity
         # Its WorkerLink may have said Hello before this registration.
         metrics.WORKER_UP.labels(worker_id).set(1 if self.link.connected(worker_id) else 0)
+        if self.link.connected(worker_id):
+            self._worker_ready.set()
+
+    def ready_event(self) -> asyncio.Event:
+        """Set once a registered worker has said Hello: the cluster can serve (readiness)."""
+        return self._worker_ready
 
     async def wait_for_workers(self, worker_ids: list[str], timeout: float) -> None:
         """Until every listed worker is registered and has connected its WorkerLink; TimeoutError otherwise."""
@@ -142,6 +148,7 @@ class Router(WorkerLinkHandler):
             logger.info("Hello from %s before its registration", worker_id)
             return
         entry.healthy = True
+        self._worker_ready.set()
         if restarted:
             # A new process: its pool is empty, our requests there are gone, and its report and
             # migration counters start from 0 again.

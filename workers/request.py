@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from workers.block_hash import ROOT_HASH, hash_block
+from workers.sampler import TokenRNG
 from workers.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # NOTE: annotations only; the scheduler imports this module and must not pull in torch
@@ -55,7 +56,9 @@ class Request:
     num_swaps: int = 0
     swap_table: list[int] = field(default_factory=list)  # host block ids while SWAPPED
     finish_reason: str | None = None
-    generator: torch.Generator | None = None
+    # Seeded requests only: token i's noise is a function of (seed, i), so the state to carry
+    # anywhere (migration, replay) is the seed and the output tokens (see workers/sampler.py).
+    rng: TokenRNG | None = None
     # {token id: logprob} of the token the last step sampled (sampling_params.logprobs set); set by
     # the runner, taken by the engine's output of that token.
     new_logprobs: dict[int, float] | None = None
@@ -66,6 +69,11 @@ class Request:
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        """The generator for the next output token's noise (None: unseeded, global RNG)."""
+        return self.rng.at(self.num_output_tokens) if self.rng is not None else None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -11,6 +11,7 @@ steps, so every command lands at a step boundary.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -133,13 +134,18 @@ class WorkerCore:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        resume_output_ids: Sequence[int] = (),
     ) -> None:
-        """Queue a request; raises ValueError (bad input) or WorkerError (draining/dead)."""
+        """Queue a request, or resume one whose worker died (``resume_output_ids``: the output
+        tokens its client already has; see ``LLMEngine.add_request``). Raises ValueError (bad
+        input) or WorkerError (draining/dead)."""
         if self._draining:
             raise WorkerError(f"worker {self.worker_id} is draining")
 
         def add() -> None:
-            self.engine.add_request(request_id, prompt, params, priority, cache_salt)
+            self.engine.add_request(
+                request_id, prompt, params, priority, cache_salt, resume_output_ids=resume_output_ids
+            )
 
         self._call(add)
 
@@ -482,8 +488,11 @@ class Worker:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        resume_output_ids: list[int] | None = None,
     ) -> None:
-        self.core.add_request(request_id, prompt, params, priority, cache_salt)
+        """Queue a request; with ``resume_output_ids`` continue one after those output tokens
+        (failover replay: the router passes what it already streamed)."""
+        self.core.add_request(request_id, prompt, params, priority, cache_salt, resume_output_ids or ())
 
     def abort(self, request_id: str) -> bool:
         return self.core.abort(request_id)
@@ -515,6 +524,10 @@ class Worker:
 
     def stall_for_test(self, seconds: float) -> None:
         self.core.stall_for_test(seconds)
+
+    def pid(self) -> int:
+        """This actor's OS process id (chaos tests kill it; operators correlate it with logs)."""
+        return os.getpid()
 
     def shutdown(self) -> None:
         self.core.stop()
