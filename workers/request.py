@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from workers.block_hash import ROOT_HASH, hash_block
-from workers.sampler import TokenRNG
 from workers.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # NOTE: annotations only; the scheduler imports this module and must not pull in torch
     import torch
 
+    from workers.sampler import TokenRNG
     from workers.tokenizer import IncrementalDetokenizer
 
 
