@@ -102,6 +102,7 @@ class Router(WorkerLinkHandler):
         self.ledger = MigrationLedger()
         self._migrating: set[str] = set()  # workers in a migration now (source or destination)
         self._tasks: set[asyncio.Task] = set()
+        self._worker_ready = asyncio.Event()  # set once a registered worker said Hello (readiness)
 
     # ---- workers ---------------------------------------------------------------------------
     def add_worker(self, worker_id: str, handle: Any, identity: WorkerIdentity) -> None:
