@@ -122,11 +122,13 @@ class RouterService:
     """
 
     def __init__(self, config: RouterConfig, metrics_port: int | None = None) -> None:
+        from workers.chat_template import ChatTemplate
         from workers.tokenizer import load_tokenizer
 
         self.config = config
         tokenizer = load_tokenizer(config.model) if config.model else None
-        self.router = Router(config, tokenizer=tokenizer)
+        template = ChatTemplate.from_dir(config.model) if config.model else None
+        self.router = Router(config, tokenizer=tokenizer, chat_template=template)
         self.metrics_port = metrics_port
         self.port = 0
         self._server: grpc.aio.Server | None = None

@@ -14,8 +14,12 @@ transformers = pytest.importorskip("transformers")
 
 CONVERSATIONS = [
     [ChatMessage("user", "What is the capital of France?")],
-    [ChatMessage("system", "You are terse."), ChatMessage("user", "Hi there"), ChatMessage("assistant", "Hello!"),
-     ChatMessage("user", "Écris «ça» en 日本語 please")],  # fmt: skip
+    [
+        ChatMessage("system", "You are terse."),
+        ChatMessage("user", "Hi there"),
+        ChatMessage("assistant", "Hello!"),
+        ChatMessage("user", "Écris «ça» en 日本語 please"),
+    ],
 ]
 
 # A Llama-2-style template: raise_exception, loop variables, whitespace control and tojson.
