@@ -43,6 +43,7 @@ _SERVE_FLAGS = {
     "workers": (None, "workers"),
     "port": (None, "port"),
     "metrics_port": (None, "metrics_port"),
+    "http_port": (None, "http_port"),
     "host": (None, "host"),
     "cpus_per_worker": (None, "cpus_per_worker"),
     "spread": (None, "spread"),
@@ -94,6 +95,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, help="gRPC port of the API (default: 50051; 0 = pick a free one)")
     g.add_argument(
         "--metrics-port", type=_metrics_port_arg, help="Prometheus /metrics port (default: 9400; 0 = free; off)"
+    )
+    g.add_argument(
+        "--http-port",
+        type=_metrics_port_arg,
+        help="OpenAI-compatible HTTP API port (default: off; 0 = free; off)",
     )
     g.add_argument("--cpus-per-worker", type=int, help="Ray CPUs and torch threads per CPU worker (default: 1)")
     g.add_argument("--spread", action="store_true", help="place workers on distinct nodes (placement group SPREAD)")
@@ -240,6 +246,7 @@ def serve(cfg, *, out=None, poll_s: float = 5.0) -> int:  # noqa: ANN001 - Clust
                 name=ROUTER_ACTOR_NAME,
                 ready_timeout_s=cfg.ready_timeout_s,
                 spread=cfg.spread,
+                http_port=cfg.http_port,
             )
             names = ", ".join(cluster.workers)
             print(f"kvserve: API listening on {cluster.address} (gRPC kvserve.v1.KVServe; workers: {names})", file=out)
@@ -247,6 +254,8 @@ def serve(cfg, *, out=None, poll_s: float = 5.0) -> int:  # noqa: ANN001 - Clust
                 print(f"kvserve: metrics listening on http://{cfg.host}:{cluster.metrics_port}/metrics", file=out)
             else:
                 print("kvserve: metrics off", file=out)
+            if cluster.http_port is not None:
+                print(f"kvserve: OpenAI-compatible HTTP API on http://{cfg.host}:{cluster.http_port}/v1", file=out)
             out.flush()
             failures = 0
             while True:

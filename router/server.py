@@ -2,7 +2,8 @@
 
 One ``grpc.aio`` server on the router's event loop serves ``kvserve.v1.KVServe`` for clients,
 ``kvserve.v1.WorkerLink`` for workers, the standard health service and server reflection (so
-``grpcurl`` works with no .proto at hand).
+``grpcurl`` works with no .proto at hand). With an HTTP port, the OpenAI-compatible API
+(``router/http_api.py``) runs on the same loop and the same Router.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import serving_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.auth import BearerAuthInterceptor
 from router.config import RouterConfig
+from router.http_api import HttpApiServer
 from router.router import Router, RouterError
 
 logger = logging.getLogger(__name__)
@@ -121,7 +123,12 @@ class RouterService:
     Used directly in tests and wrapped as the ``RouterActor`` on a Ray cluster.
     """
 
-    def __init__(self, config: RouterConfig, metrics_port: int | None = None) -> None:
+    def __init__(self, config: RouterConfig, metrics_port: int | None = None, http_port: int | None = None) -> None:
+        """
+        Args:
+            metrics_port: Prometheus ``/metrics`` (None = off).
+            http_port: the OpenAI-compatible HTTP API (None = off, 0 = a free port: see ``http_port()``).
+        """
         from workers.chat_template import ChatTemplate
         from workers.tokenizer import load_tokenizer
 
@@ -131,6 +138,8 @@ class RouterService:
         self.router = Router(config, tokenizer=tokenizer, chat_template=template)
         self.metrics_port = metrics_port
         self.port = 0
+        self._http_port = http_port
+        self._http: HttpApiServer | None = None
         self._server: grpc.aio.Server | None = None
         self._health_task: asyncio.Task | None = None
 
@@ -145,6 +154,14 @@ class RouterService:
         metrics.ROUTER_QUEUE_BLOCKS.set_function(lambda: self.router.queue.num_blocks)
         if self.metrics_port is not None:
             metrics.start_metrics_server(self.metrics_port, self.config.host)
+        if self._http_port is not None:
+            # NOTE: on this loop, beside grpc.aio: one Router, one request table, no extra hop.
+            self._http = HttpApiServer(self.router, self.config.host, self._http_port, self.config.auth_token)
+            try:
+                self._http_port = await self._http.start()
+            except BaseException:
+                await self.stop()
+                raise
         logger.info("router serving on %s:%d", self.config.host, self.port)
         return f"{self.config.host}:{self.port}"
 
@@ -167,9 +184,16 @@ class RouterService:
     async def address(self) -> str:
         return f"{self.config.host}:{self.port}"
 
+    async def http_port(self) -> int | None:
+        """The HTTP API's bound port (None = off)."""
+        return self._http_port if self._http is not None else None
+
     async def stop(self, grace: float = 1.0) -> None:
         if self._health_task is not None:
             self._health_task.cancel()
+        if self._http is not None:
+            await self._http.stop()
+            self._http = None
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
