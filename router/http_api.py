@@ -45,7 +45,7 @@ from typing import Any, Literal
 
 import grpc
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -405,12 +405,10 @@ class OpenAIApi:
 
     # -- handlers --
     async def completions(self, body: CompletionBody, request: Request) -> Any:
-        self._check_auth(request)
         self._check_model(body.model)
         return await self._generate(request, body, completion_requests(body), chat=False)
 
     async def chat_completions(self, body: ChatBody, request: Request) -> Any:
-        self._check_auth(request)
         self._check_model(body.model)
         return await self._generate(request, body, chat_requests(body), chat=True)
 
@@ -510,8 +508,7 @@ class OpenAIApi:
             self._cancel_unfinished(admitted)
         yield "data: [DONE]\n\n"
 
-    async def models(self, request: Request) -> dict:
-        self._check_auth(request)
+    async def models(self) -> dict:
         return {"object": "list", "data": [
             {"id": self.model_name(), "object": "model", "created": 0, "owned_by": "kvserve"}]}  # fmt: skip
 
@@ -521,9 +518,11 @@ class OpenAIApi:
 
     def _routes(self) -> None:
         app = self.app
-        app.post("/v1/completions")(self.completions)
-        app.post("/v1/chat/completions")(self.chat_completions)
-        app.get("/v1/models")(self.models)
+        # NOTE: a dependency runs before the body is validated: no schema hints without the token.
+        auth = [Depends(self._check_auth)]
+        app.post("/v1/completions", dependencies=auth)(self.completions)
+        app.post("/v1/chat/completions", dependencies=auth)(self.chat_completions)
+        app.get("/v1/models", dependencies=auth)(self.models)
         app.get("/health")(self.health)
 
         @app.exception_handler(ApiError)

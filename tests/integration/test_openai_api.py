@@ -232,13 +232,13 @@ def test_openai_client_sees_400_and_unknown_fields_are_ignored(oai, model_name):
 
 
 def test_no_or_wrong_token_is_401(base_url):
-    for key in ("wrong", None):
-        with openai.OpenAI(base_url=base_url, api_key=key or "", max_retries=0) as c:
-            with pytest.raises(openai.AuthenticationError) as e:
-                c.completions.create(model="m", prompt="x", max_tokens=1)
-            assert e.value.status_code == 401
-    r = httpx.get(base_url + "/models", timeout=RPC_TIMEOUT)
-    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    with openai.OpenAI(base_url=base_url, api_key="wrong", max_retries=0) as c:
+        with pytest.raises(openai.AuthenticationError) as e:
+            c.completions.create(model="m", prompt="x", max_tokens=1)
+        assert e.value.status_code == 401
+    for path in ("/models", "/completions", "/chat/completions"):  # no Authorization header at all
+        r = httpx.request("GET" if path == "/models" else "POST", base_url + path, json={}, timeout=RPC_TIMEOUT)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", r.text
     # Health is open (as gRPC's health service): probes carry no secret.
     assert httpx.get(base_url.removesuffix("/v1") + "/health", timeout=RPC_TIMEOUT).status_code == 200
 
@@ -262,13 +262,15 @@ def test_full_queue_is_429_with_retry_after(oai, grpc_client, model_name):
 
 
 # ---- disconnects ----------------------------------------------------------------------------------------
-def _used(grpc_client) -> int:
-    return sum(w.used_blocks + w.blocks_in_flight for w in grpc_client.status().workers)
+def _generated_tokens(cluster) -> float:
+    text = httpx.get(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=RPC_TIMEOUT).text
+    return float(re.search(r"^kvserve:generation_tokens_total (\S+)$", text, re.M).group(1))
 
 
 @pytest.mark.usefixtures("idle_after")
 def test_disconnect_mid_stream_frees_the_blocks(base_url, grpc_client, cluster):
-    body = {"prompt": rand_prompt(7400, 60), "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    body = {"prompt": rand_prompt(7400, 60), "max_tokens": 1800, "ignore_eos": True, "stream": True}
+    before = _generated_tokens(cluster)
     with httpx.stream("POST", base_url + "/completions", json=body, headers={"Authorization": f"Bearer {TOKEN}"},
                       timeout=RPC_TIMEOUT) as r:  # fmt: skip
         assert r.status_code == 200
@@ -279,11 +281,13 @@ def test_disconnect_mid_stream_frees_the_blocks(base_url, grpc_client, cluster):
     # The connection is closed: the request is aborted and its blocks freed (idle_after checks the rest).
     st = wait_idle(grpc_client, cluster, timeout=30)
     assert st.router.requests_in_flight == 0
+    assert _generated_tokens(cluster) - before < 1800, "the request ran to its end: not aborted"
 
 
 @pytest.mark.usefixtures("idle_after")
 def test_disconnect_while_waiting_non_streamed_frees_the_blocks(cluster, grpc_client):
-    body = json.dumps({"prompt": rand_prompt(7500, 60), "max_tokens": 2000, "ignore_eos": True}).encode()
+    body = json.dumps({"prompt": rand_prompt(7500, 60), "max_tokens": 1800, "ignore_eos": True}).encode()
+    before = _generated_tokens(cluster)
     with socket.create_connection(("127.0.0.1", cluster.http_port), timeout=RPC_TIMEOUT) as s:
         s.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -292,6 +296,7 @@ def test_disconnect_while_waiting_non_streamed_frees_the_blocks(cluster, grpc_cl
         )
         wait_until(lambda: any(w.num_running > 0 for w in grpc_client.status().workers), 30, "request running")
     wait_idle(grpc_client, cluster, timeout=30)
+    assert _generated_tokens(cluster) - before < 1800, "the request ran to its end: not aborted"
 
 
 # ---- the README's curl example ----------------------------------------------------------------------------
@@ -302,7 +307,7 @@ def test_readme_curl_example_streams(cluster):
     m = re.search(r"<!-- openai-curl-example -->\s*```bash\n(.*?)```", readme, re.S)
     assert m, "README has no marked curl example"
     script = m.group(1).replace("127.0.0.1:8000", f"127.0.0.1:{cluster.http_port}")
-    assert "curl -N" in script
+    assert script.startswith("curl -N ")
     env = {**os.environ, "KVSERVE_AUTH_TOKEN": TOKEN}
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=RPC_TIMEOUT)
     assert out.returncode == 0, out.stderr
@@ -319,3 +324,28 @@ def test_http_requests_are_counted_by_route_and_status(base_url, cluster):
     text = httpx.get(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=RPC_TIMEOUT).text
     assert re.search(r'kvserve:http_requests_total\{route="/v1/models",status="401"\} [1-9]', text), text
     assert 'kvserve:http_request_duration_seconds_count{route="/v1/models"}' in text
+
+
+# ---- kvserve generate --chat ----------------------------------------------------------------------------
+@pytest.mark.usefixtures("idle_after")
+def test_generate_chat_cli_local_and_server(cluster, llm, tiny_llama_dir, capsys):
+    from cluster.cli import main
+
+    exp = greedy(llm, [_chat_ids(tiny_llama_dir, QUESTION)], 6)[0]
+    flags = ["--chat", QUESTION, "--max-tokens", "6", "--ignore-eos", "--json"]
+    assert main(["generate", "--model", str(tiny_llama_dir), "--num-gpu-blocks", "64", *flags]) == 0
+    assert json.loads(capsys.readouterr().out) == [exp.token_ids]
+    assert main(["generate", "--server", cluster.address, "--auth-token", TOKEN, *flags]) == 0
+    assert json.loads(capsys.readouterr().out) == [exp.token_ids]
+    assert main(["generate", "--server", cluster.address, "--auth-token", TOKEN, "--chat", QUESTION,
+                 "--max-tokens", "2"]) == 0  # fmt: skip
+    assert f"prompt: {QUESTION!r}" in capsys.readouterr().out
+
+
+def test_grpc_chat_refusals_name_the_field(grpc_client):
+    import grpc
+
+    with pytest.raises(grpc.RpcError) as e:
+        grpc_client.generate_all(messages=[("user", "a"), ("robot", "b")], max_tokens=1)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("prompt.messages[1].role:")
