@@ -49,7 +49,7 @@ def test_smollm2_template_matches_transformers(smollm2, system):
     assert ids == list(hf_ids["input_ids"] if hasattr(hf_ids, "keys") else hf_ids)
 
 
-def test_smollm2_answers_paris_over_http(ray_session, smollm2):
+def test_smollm2_answers_paris_over_http(smollm2, ray_session):
     from cluster.launch import start_cluster
     from router.config import RouterConfig
     from workers.config import EngineConfig
