@@ -95,7 +95,8 @@ class ChatTemplate:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ChatTemplate | None:
-        """The model directory's template, or None when it has none.
+        """The model directory's template (``chat_template.jinja`` first, then
+        ``tokenizer_config.json``'s), or None when it has none.
 
         Raises:
             ChatTemplateError: a template is there but does not compile.
@@ -104,12 +105,24 @@ class ChatTemplate:
         config_path = model_dir / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         jinja_path = model_dir / TEMPLATE_FILE
-        source = jinja_path.read_text() if jinja_path.is_file() else config.get("chat_template")
+        if jinja_path.is_file():
+            config = {**config, "chat_template": jinja_path.read_text()}
+        return cls.from_config(config)
+
+    @classmethod
+    def from_config(cls, tokenizer_config: Mapping[str, Any]) -> ChatTemplate | None:
+        """From a ``tokenizer_config.json`` dict (e.g. one rebuilt from GGUF metadata); None when it
+        has no ``chat_template``.
+
+        Raises:
+            ChatTemplateError: the template does not compile.
+        """
+        source = tokenizer_config.get("chat_template")
         if isinstance(source, list):  # HF's named templates: [{"name": ..., "template": ...}]
             source = next((t.get("template") for t in source if t.get("name") == "default"), None)
         if not isinstance(source, str) or not source:
             return None
-        tokens = {k: t for k in _SPECIAL_TOKEN_KEYS if (t := _token_text(config.get(k))) is not None}
+        tokens = {k: t for k in _SPECIAL_TOKEN_KEYS if (t := _token_text(tokenizer_config.get(k))) is not None}
         return cls(source, tokens)
 
     def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
