@@ -224,7 +224,7 @@ def completion_requests(body: CompletionBody) -> list[spb.GenerateRequest]:
     return out
 
 
-def _content(m: MessageBody, i: int) -> str:
+def _content(m: MessageBody) -> str:
     if m.content is None:
         return ""  # the router names messages[i].content: empty
     if isinstance(m.content, str):
@@ -235,8 +235,8 @@ def _content(m: MessageBody, i: int) -> str:
 def chat_requests(body: ChatBody) -> list[spb.GenerateRequest]:
     """n GenerateRequests of the chat (the router renders it with the model's template)."""
     messages = spb.ChatMessages()
-    for i, m in enumerate(body.messages):
-        messages.messages.add(role=m.role, content=_content(m, i))
+    for m in body.messages:
+        messages.messages.add(role=m.role, content=_content(m))
     if body.top_logprobs is not None and not body.logprobs:
         raise _bad("top_logprobs", "needs logprobs: true")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -419,8 +419,7 @@ class OpenAIApi:
             "created": int(time.time()),
             "model": self.model_name(),
         }
-        k = 0 if body.logprobs is None or body.logprobs is False else (
-            body.top_logprobs or 0 if chat else body.logprobs)  # fmt: skip
+        k = _top_logprobs(body, chat)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = self._stream(admitted, head, body.n, chat, k, include_usage, body.return_token_ids)
@@ -536,6 +535,13 @@ class OpenAIApi:
             return ApiError(400, f"{param or 'body'}: {err.get('msg')}", "invalid_request_error", param).response()
 
 
+def _top_logprobs(body: Any, chat: bool) -> int:
+    """How many most likely tokens to list per output token (0 when logprobs are off)."""
+    if chat:
+        return (body.top_logprobs or 0) if body.logprobs else 0
+    return body.logprobs or 0
+
+
 def _loc(loc: tuple) -> str | None:
     """Pydantic's error location -> ``messages[0].content`` style (union member names dropped)."""
     parts = [p for p in loc if p != "body"]
@@ -620,9 +626,10 @@ class HttpApiServer:
             sock.close()
             raise OSError(f"cannot bind the HTTP API port at {self.host}:{self.port}: {e}") from e
         self.port = int(sock.getsockname()[1])
+        # NOTE: log_config=None: the process's logging stays as it is (uvicorn would install its own).
         config = uvicorn.Config(
-            MetricsMiddleware(self.api.app), log_level="warning", access_log=False, lifespan="off",
-            timeout_graceful_shutdown=1,
+            MetricsMiddleware(self.api.app), log_config=None, log_level="warning", access_log=False,
+            lifespan="off", timeout_graceful_shutdown=1,
         )  # fmt: skip
         self._server = _Server(config)
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
