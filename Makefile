@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # NOTE: torch is pinned to the CPU wheel on local disk; a bare `torch` can pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup test lint demo proto clean prometheus
+.PHONY: setup test lint demo proto clean prometheus curl
 
 setup: $(STAMP)
 
@@ -23,12 +23,18 @@ prometheus:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null) \
 	  || echo "warning: could not install prometheus; its tests will be skipped"; }
 
+# curl for the README's `curl -N` example test (Debian package; the test skips without it).
+curl:
+	@command -v curl >/dev/null 2>&1 || { \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq curl >/dev/null) \
+	  || echo "warning: could not install curl; the README curl example test will be skipped"; }
+
 # ruff, then the import-linter layers contract of pyproject.toml ([tool.importlinter]).
 lint: setup
 	$(BIN)/python -m ruff check .
 	$(BIN)/lint-imports
 
-test: setup prometheus lint
+test: setup prometheus curl lint
 	$(BIN)/python -m pytest -q
 
 demo: setup

@@ -69,9 +69,33 @@ def read_prompts(args: argparse.Namespace) -> list:
         ):
             raise SystemExit(f"error: --prompt-token-ids {path}: expected a JSON list of token-id lists")
         prompts.extend(data)
+    # A chat prompt: [(role, content), ...], rendered with the model's chat template.
+    prompts.extend([("user", q)] for q in getattr(args, "chat", None) or [])
     if not prompts:
-        raise SystemExit("error: give --prompt TEXT and/or --prompt-token-ids FILE")
+        raise SystemExit("error: give --prompt TEXT, --chat QUESTION and/or --prompt-token-ids FILE")
     return prompts
+
+
+def _is_chat(prompt: object) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], tuple)
+
+
+def _render_chats(prompts: list, model_dir: str) -> list:
+    """Offline: chat prompts -> token ids through the model's chat template (as the router does)."""
+    if not any(_is_chat(p) for p in prompts):
+        return prompts
+    from workers.chat_template import ChatMessage, ChatTemplate
+    from workers.tokenizer import load_tokenizer
+
+    template, tokenizer = ChatTemplate.from_dir(model_dir), load_tokenizer(model_dir)
+    if template is None or tokenizer is None:
+        raise ValueError(f"--chat: {model_dir} has no chat template (tokenizer_config.json chat_template)")
+    return [
+        tokenizer.encode(template.render([ChatMessage(*m) for m in p]), add_special_tokens=False)
+        if _is_chat(p)
+        else p
+        for p in prompts
+    ]
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -86,7 +110,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         try:
             llm = LLM.from_config(engine_config_from_args(args))
-            outs = llm.generate(prompts, params, use_tqdm=not args.json and sys.stderr.isatty())
+            prompts_in = _render_chats(prompts, args.model)
+            outs = llm.generate(prompts_in, params, use_tqdm=not args.json and sys.stderr.isatty())
         except (ValueError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -95,7 +120,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps([ids for ids, _, _ in results]))
     else:
         for prompt, (ids, text, reason) in zip(prompts, results, strict=True):
-            shown = prompt if isinstance(prompt, str) else f"<{len(prompt)} token ids>"
+            if _is_chat(prompt):
+                shown = prompt[-1][1]
+            else:
+                shown = prompt if isinstance(prompt, str) else f"<{len(prompt)} token ids>"
             print(f"prompt: {shown!r}\noutput: {text!r}\ntoken_ids: {ids}\nfinish_reason: {reason}\n")
     return 0
 
@@ -126,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tls-ca", default=None, help="PEM CA of the router's certificate: use TLS (remote mode)")
     gen.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     gen.add_argument("--prompt-token-ids", help="JSON file: a list of token-id lists")
+    gen.add_argument("--chat", action="append", help="a user message, sent through the chat template (repeatable)")
     gen.add_argument("--json", action="store_true", help="print only a JSON list of generated-id lists")
     _add_sampling_arguments(gen)
     _add_engine_arguments(gen)

@@ -2,7 +2,8 @@
 
 ``KVServeClient`` (``grpc``) and ``AsyncKVServeClient`` (``grpc.aio``) have the same methods:
 
-* ``generate(prompt, ...)``: a stream of ``GenerateResponse`` (token ids + text deltas; the last
+* ``generate(prompt, ...)`` or ``generate(messages=[("user", "Hi")], ...)`` (a chat, rendered
+  with the model's chat template by the router): a stream of ``GenerateResponse`` (token ids + text deltas; the last
   message carries ``finish_reason``, usage and the preemption/swap/migration counts). The stream
   has ``cancel()``; leaving its ``with`` block cancels it too, which frees the request's KV blocks
   on the cluster at once.
@@ -27,7 +28,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -47,6 +48,8 @@ MAX_MESSAGE_BYTES = 16 << 20
 REMOTE_MAX_CONCURRENCY = 256
 
 Prompt = str | Sequence[int]
+# A chat: (role, content) pairs or {"role": ..., "content": ...} mappings, in order.
+Messages = Sequence[tuple[str, str]] | Sequence[Mapping[str, str]]
 
 
 # ---- shared helpers -----------------------------------------------------------------------------
@@ -76,9 +79,19 @@ def open_channel(
     return channel_module.secure_channel(address, creds, options=options)
 
 
+def chat_messages(messages: Messages) -> spb.ChatMessages:
+    """(role, content) pairs or role/content mappings -> the proto (the router validates them)."""
+    out = spb.ChatMessages()
+    for m in messages:
+        role, content = (m["role"], m["content"]) if isinstance(m, Mapping) else m
+        out.messages.add(role=role, content=content)
+    return out
+
+
 def build_request(
-    prompt: Prompt,
+    prompt: Prompt | None = None,
     *,
+    messages: Messages | None = None,
     max_tokens: int = 0,
     temperature: float = 0.0,
     top_k: int = 0,
@@ -93,10 +106,15 @@ def build_request(
     tenant: str = "",
 ) -> spb.GenerateRequest:
     """A ``GenerateRequest``: a ``str`` prompt is sent as text (the router tokenizes it), a
-    sequence of ints as token ids. ``max_tokens=0`` = the server's default; ``temperature=0`` =
+    sequence of ints as token ids; or, instead of a prompt, ``messages`` (a chat the router renders
+    with the model's chat template, assistant turn opened). ``max_tokens=0`` = the server's default; ``temperature=0`` =
     greedy; ``top_p=None`` = off; ``logprobs=k`` = each response carries, per token, the sampled
     token's logprob and the top k. The router validates every value (INVALID_ARGUMENT)."""
-    if isinstance(prompt, str):
+    if (prompt is None) == (messages is None):
+        raise TypeError("give a prompt or messages (not both)")
+    if messages is not None:
+        request = spb.GenerateRequest(messages=chat_messages(messages))
+    elif isinstance(prompt, str):
         request = spb.GenerateRequest(text=prompt)
     elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         request = spb.GenerateRequest(token_ids=spb.TokenIds(ids=list(prompt)))
@@ -281,12 +299,12 @@ class KVServeClient(_ClientBase):
         tls_server_name: expect this name in the router's certificate instead of the host's.
     """
 
-    def generate(self, prompt: Prompt, *, timeout: float | None = None, **kwargs: Any) -> GenerateStream:
+    def generate(self, prompt: Prompt | None = None, *, timeout: float | None = None, **kwargs: Any) -> GenerateStream:
         """Stream one request's responses. Keyword arguments: those of ``build_request``."""
         return GenerateStream(self, build_request(prompt, **kwargs), self._timeout(timeout))
 
     def generate_all(
-        self, prompt: Prompt, *, timeout: float | None = None, **kwargs: Any
+        self, prompt: Prompt | None = None, *, timeout: float | None = None, **kwargs: Any
     ) -> tuple[list[int], str, spb.GenerateResponse]:
         """Run one request to its end: (all token ids, all text, the final response)."""
         with self.generate(prompt, timeout=timeout, **kwargs) as stream:
@@ -390,12 +408,14 @@ class AsyncKVServeClient(_ClientBase):
 
     _channels = grpc.aio
 
-    def generate(self, prompt: Prompt, *, timeout: float | None = None, **kwargs: Any) -> AsyncGenerateStream:
+    def generate(
+        self, prompt: Prompt | None = None, *, timeout: float | None = None, **kwargs: Any
+    ) -> AsyncGenerateStream:
         """Stream one request's responses (``async for``). Keyword arguments: ``build_request``'s."""
         return AsyncGenerateStream(self, build_request(prompt, **kwargs), self._timeout(timeout))
 
     async def generate_all(
-        self, prompt: Prompt, *, timeout: float | None = None, **kwargs: Any
+        self, prompt: Prompt | None = None, *, timeout: float | None = None, **kwargs: Any
     ) -> tuple[list[int], str, spb.GenerateResponse]:
         async with self.generate(prompt, timeout=timeout, **kwargs) as stream:
             return _accumulate([r async for r in stream])
@@ -456,7 +476,10 @@ def generate_remote(
 
             async def one(prompt: Prompt) -> tuple[list[int], str, str]:
                 async with limit:
-                    ids, text, final = await client.generate_all(prompt, **kwargs)
+                    if isinstance(prompt, list) and prompt and isinstance(prompt[0], tuple):  # a chat
+                        ids, text, final = await client.generate_all(messages=prompt, **kwargs)
+                    else:
+                        ids, text, final = await client.generate_all(prompt, **kwargs)
                 return ids, text, final.finish_reason
 
             tasks = [asyncio.ensure_future(one(p)) for p in prompts]

@@ -9,6 +9,7 @@ listen) and three sections whose keys are exactly the fields of the frozen confi
     host: 0.0.0.0
     port: 50051                       # gRPC client API + WorkerLink (0 = pick a free port)
     metrics_port: 9400                # Prometheus /metrics on the router host (null = off)
+    http_port: null                   # OpenAI-compatible HTTP API (null = off, 0 = a free port)
     cpus_per_worker: 1                # CPU workers: Ray CPUs and torch threads per worker
     spread: false                     # place workers on distinct nodes (placement group, SPREAD)
     ready_timeout_s: 600              # how long to wait for every worker's Hello
@@ -94,6 +95,8 @@ class ClusterConfig:
         workers: worker actors, or "auto" (one per GPU; 2 CPU workers on a machine without GPUs).
         port: the router's gRPC port (0 = pick a free one).
         metrics_port: Prometheus ``/metrics`` port on the router host; None = off, 0 = pick a free one.
+        http_port: the OpenAI-compatible HTTP API's port on the router host; None = off (the
+            default: a second API port is a deliberate choice), 0 = pick a free one.
         host: the router's bind address (API, WorkerLink and metrics).
         cpus_per_worker: Ray CPUs (and torch threads) per CPU worker.
         spread: put workers on distinct nodes where possible (placement group, SPREAD).
@@ -114,6 +117,9 @@ class ClusterConfig:
     )
     port: int = knob(50051, help="gRPC port of the API and WorkerLink (0 = pick a free one)")
     metrics_port: int | None = knob(9400, help="Prometheus /metrics port (0 = free; off)", parse=_metrics_port_arg)
+    http_port: int | None = knob(
+        None, help="OpenAI-compatible HTTP API port (default: off; 0 = free; off)", parse=_metrics_port_arg
+    )
     host: str = knob("127.0.0.1", help="bind address of the API and metrics")
     cpus_per_worker: int = knob(1, help="Ray CPUs and torch threads per CPU worker")
     spread: bool = knob(False, help="place workers on distinct nodes (placement group SPREAD)")
@@ -132,6 +138,8 @@ class ClusterConfig:
         _check_port("port", self.port)
         if self.metrics_port is not None:
             _check_port("metrics_port", self.metrics_port)
+        if self.http_port is not None:
+            _check_port("http_port", self.http_port)
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"host: must be a non-empty string, got {self.host!r}")
         if not (_is_int(self.cpus_per_worker) and self.cpus_per_worker > 0):

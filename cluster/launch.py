@@ -56,6 +56,7 @@ class Cluster:
     metrics_port: int | None = None
     owns_ray: bool = False
     placement_group: Any = None  # the workers' placement group (spread=True), removed on shutdown
+    http_port: int | None = None  # the OpenAI-compatible HTTP API's port (None = off)
     _stopped: bool = field(default=False, repr=False)
 
     def shutdown(self) -> None:
@@ -98,6 +99,7 @@ def start_cluster(
     name: str | None = None,
     ready_timeout_s: float = 300.0,
     spread: bool = False,
+    http_port: int | None = None,
 ) -> Cluster:
     """Bring up a serving cluster; returns once every worker's WorkerLink has said Hello.
 
@@ -112,6 +114,8 @@ def start_cluster(
         use_gpus: one GPU per worker; None = when the Ray cluster has GPUs.
         name: name the router actor (detached) so ``kvserve status`` and a restarted CLI find it.
         spread: place the workers on distinct nodes where possible (placement group, SPREAD).
+        http_port: serve the OpenAI-compatible HTTP API here too (None = off, 0 = a free port, see
+            ``Cluster.http_port``).
     """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
@@ -131,9 +135,10 @@ def start_cluster(
     router_opts: dict[str, Any] = {"scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)}
     if name:
         router_opts.update(name=name, lifetime="detached", get_if_exists=False)
-    router = router_actor_class().options(**router_opts).remote(router_config, metrics_port)
+    router = router_actor_class().options(**router_opts).remote(router_config, metrics_port, http_port)
     try:
         router_address = ray.get(router.start.remote())
+        http_port = ray.get(router.http_port.remote())
     except BaseException:  # e.g. the port is taken: leave no (detached) router behind
         ray.kill(router)
         if owns_ray:
@@ -173,7 +178,7 @@ def start_cluster(
         Cluster(router, workers, router_address, metrics_port, owns_ray, pg).shutdown()
         raise
     logger.info("cluster up in %.1fs: router %s, %d workers", time.monotonic() - t0, router_address, num_workers)
-    return Cluster(router, workers, router_address, metrics_port, owns_ray, pg)
+    return Cluster(router, workers, router_address, metrics_port, owns_ray, pg, http_port)
 
 
 def _free_port(host: str) -> int:

@@ -178,6 +178,7 @@ def serve(cfg, *, out=None, poll_s: float = 5.0) -> int:  # noqa: ANN001 - Clust
                 name=ROUTER_ACTOR_NAME,
                 ready_timeout_s=cfg.ready_timeout_s,
                 spread=cfg.spread,
+                http_port=cfg.http_port,
             )
             names = ", ".join(cluster.workers)
             print(f"kvserve: API listening on {cluster.address} (gRPC kvserve.v1.KVServe; workers: {names})", file=out)
@@ -185,6 +186,8 @@ def serve(cfg, *, out=None, poll_s: float = 5.0) -> int:  # noqa: ANN001 - Clust
                 print(f"kvserve: metrics listening on http://{cfg.host}:{cluster.metrics_port}/metrics", file=out)
             else:
                 print("kvserve: metrics off", file=out)
+            if cluster.http_port is not None:
+                print(f"kvserve: OpenAI-compatible HTTP API on http://{cfg.host}:{cluster.http_port}/v1", file=out)
             out.flush()
             failures = 0
             while True:

@@ -50,6 +50,7 @@ from router.validation import (
     MAX_TEXT_CHARS,
     ModelLimits,
     ValidationError,
+    chat_messages,
     sampling_params,
     validate_ids,
     validate_prompt_ids,
@@ -57,6 +58,7 @@ from router.validation import (
 from router.worker_link import WorkerLinkHandler, WorkerLinkService
 from workers.block_hash import cache_extra, hash_blocks
 from workers.block_pool import blocks_for
+from workers.chat_template import ChatTemplate, ChatTemplateError
 from workers.identity import WorkerIdentity
 
 __all__ = ["Router", "RouterError", "RouterRequest", "WorkerEntry"]
@@ -86,10 +88,17 @@ class WorkerEntry:
 
 
 class Router(WorkerLinkHandler):
-    def __init__(self, config: RouterConfig, limits: ModelLimits | None = None, tokenizer: Any = None) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        limits: ModelLimits | None = None,
+        tokenizer: Any = None,
+        chat_template: ChatTemplate | None = None,
+    ) -> None:
         self.config = config
         self.limits = limits
         self.tokenizer = tokenizer
+        self.chat_template = chat_template  # None: chat prompts are refused (INVALID_ARGUMENT)
         self.workers: dict[str, WorkerEntry] = {}
         self.requests: dict[str, RouterRequest] = {}
         self.queue: AdmissionQueue[RouterRequest] = AdmissionQueue(config.max_queue_requests, config.max_queue_blocks)
@@ -286,7 +295,19 @@ class Router(WorkerLinkHandler):
             ids = self.tokenizer.encode(request.text)
             validate_prompt_ids(ids, self.limits, "prompt.text")
             return ids
-        raise ValidationError("prompt", "set prompt.text or prompt.token_ids")
+        if kind == "messages":
+            messages = chat_messages(request.messages)
+            if self.tokenizer is None or self.chat_template is None:
+                raise ValidationError("prompt.messages", "this model has no chat template; send prompt.text")
+            try:
+                text = self.chat_template.render(messages, add_generation_prompt=True)
+            except ChatTemplateError as e:
+                raise ValidationError("prompt.messages", str(e)) from e
+            # NOTE: the template wrote the special tokens (BOS included), as HF's apply_chat_template.
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            validate_prompt_ids(ids, self.limits, "prompt.messages")
+            return ids
+        raise ValidationError("prompt", "set prompt.text, prompt.token_ids or prompt.messages")
 
     def _shape(self, r: RouterRequest) -> PlacementRequest:
         # Generation stops at max_model_len ("length"), as the worker's own fit check assumes.

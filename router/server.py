@@ -13,6 +13,9 @@ cancels it.
 
 Readiness: the health service says NOT_SERVING until a worker has said Hello, then SERVING; a
 Generate that arrives before waits for that (bounded by its deadline and ``ready_timeout_s``).
+
+With an HTTP port, the OpenAI-compatible API (``router/http_api.py``) runs on the same loop and the
+same Router.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from protos.kvserve.v1 import serving_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router import metrics
 from router.auth import BearerAuthInterceptor
 from router.config import RouterConfig
+from router.http_api import HttpApiServer
 from router.router import Router, RouterError
 from workers.identity import WorkerIdentity
 from workers.worker_link import read_pem
@@ -260,16 +264,29 @@ class RouterService:
     """
 
     def __init__(
-        self, config: RouterConfig, metrics_port: int | None = None, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S
+        self,
+        config: RouterConfig,
+        metrics_port: int | None = None,
+        http_port: int | None = None,
+        ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
     ) -> None:
+        """
+        Args:
+            metrics_port: Prometheus ``/metrics`` (None = off).
+            http_port: the OpenAI-compatible HTTP API (None = off, 0 = a free port: see ``http_port()``).
+        """
+        from workers.chat_template import ChatTemplate
         from workers.tokenizer import load_tokenizer
 
         self.config = config
         self.ready_timeout_s = ready_timeout_s
         tokenizer = load_tokenizer(config.model) if config.model else None
-        self.router = Router(config, tokenizer=tokenizer)
+        template = ChatTemplate.from_dir(config.model) if config.model else None
+        self.router = Router(config, tokenizer=tokenizer, chat_template=template)
         self.metrics_port = metrics_port
         self.port = 0
+        self._http_port = http_port
+        self._http: HttpApiServer | None = None
         self._server: grpc.aio.Server | None = None
         self._health_task: asyncio.Task | None = None
         self._readiness_task: asyncio.Task | None = None
@@ -291,6 +308,14 @@ class RouterService:
         metrics.ROUTER_PROJECTED_WAIT.set_function(self._projected_wait_s)
         if self.metrics_port is not None:
             metrics.start_metrics_server(self.metrics_port, self.config.host)
+        if self._http_port is not None:
+            # NOTE: on this loop, beside grpc.aio: one Router, one request table, no extra hop.
+            self._http = HttpApiServer(self.router, self.config.host, self._http_port, self.config.auth_token)
+            try:
+                self._http_port = await self._http.start()
+            except BaseException:
+                await self.stop()
+                raise
         logger.info("router serving on %s:%d", self.config.host, self.port)
         return f"{self.config.host}:{self.port}"
 
@@ -331,10 +356,17 @@ class RouterService:
     async def address(self) -> str:
         return f"{self.config.host}:{self.port}"
 
+    async def http_port(self) -> int | None:
+        """The HTTP API's bound port (None = off)."""
+        return self._http_port if self._http is not None else None
+
     async def stop(self, grace: float = 1.0) -> None:
         for task in (self._health_task, self._readiness_task):
             if task is not None:
                 task.cancel()
+        if self._http is not None:
+            await self._http.stop()
+            self._http = None
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None

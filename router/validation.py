@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 
 from protos.kvserve.v1 import serving_pb2 as spb
+from workers.chat_template import CHAT_ROLES, ChatMessage
 from workers.sampling_params import SamplingParams
 
 MAX_REQUEST_ID_LEN = 128
@@ -17,6 +18,7 @@ MAX_TENANT_LEN = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 MAX_TEXT_CHARS = 1 << 20
+MAX_CHAT_MESSAGES = 1024
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]+")  # NOTE: fullmatch; "$" would admit a trailing newline
 
 
@@ -50,6 +52,28 @@ def validate_prompt_ids(ids: list[int], limits: ModelLimits, field: str = "promp
     bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
     if bad is not None:
         raise ValidationError(field, f"token id {bad} outside [0, {limits.vocab_size})")
+
+
+def chat_messages(msg: spb.ChatMessages, field: str = "prompt.messages") -> list[ChatMessage]:
+    """Proto -> ChatMessage list; raises ValidationError naming ``prompt.messages[i].<field>``.
+
+    Contract: 1..MAX_CHAT_MESSAGES messages, each with a known role (``CHAT_ROLES``) and non-empty
+    content, MAX_TEXT_CHARS characters of content in all (checked before the template renders them).
+    """
+    if not msg.messages:
+        raise ValidationError(field, "at least one message")
+    if len(msg.messages) > MAX_CHAT_MESSAGES:
+        raise ValidationError(field, f"at most {MAX_CHAT_MESSAGES} messages")
+    out: list[ChatMessage] = []
+    for i, m in enumerate(msg.messages):
+        if m.role not in CHAT_ROLES:
+            raise ValidationError(f"{field}[{i}].role", f"unknown role {m.role!r}; one of {', '.join(CHAT_ROLES)}")
+        if not m.content:
+            raise ValidationError(f"{field}[{i}].content", "empty content")
+        out.append(ChatMessage(m.role, m.content))
+    if sum(len(m.content) for m in out) > MAX_TEXT_CHARS:
+        raise ValidationError(field, f"longer than {MAX_TEXT_CHARS} characters in all")
+    return out
 
 
 def sampling_params(msg: spb.SamplingParams, num_prompt_tokens: int, limits: ModelLimits) -> SamplingParams:

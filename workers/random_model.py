@@ -27,6 +27,15 @@ from tokenizers import decoders, models, pre_tokenizers, processors
 VOCAB_SIZE = 32000
 UNK_TOKEN, BOS_TOKEN, EOS_TOKEN = "<unk>", "<s>", "</s>"
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
+# ChatML turn markers: the vocabulary's last two ids (special tokens, so text never merges into them).
+IM_START_TOKEN, IM_END_TOKEN = "<|im_start|>", "<|im_end|>"
+IM_START_ID, IM_END_ID = VOCAB_SIZE - 2, VOCAB_SIZE - 1
+# A small ChatML template (as Qwen2/SmolLM2 use), BOS first as Llama-style templates write it.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 MAX_POSITION_EMBEDDINGS = 4096
 INIT_STD = 0.02
 
@@ -227,6 +236,7 @@ _TOKENIZER_CONFIG = {
     "add_eos_token": False,
     "clean_up_tokenization_spaces": False,
     "model_max_length": MAX_POSITION_EMBEDDINGS,
+    "chat_template": CHAT_TEMPLATE,
 }
 
 
@@ -259,7 +269,8 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> HFTokenizer:
 
     Ids: 0 ``<unk>``, 1 ``<s>``, 2 ``</s>``, 3..258 the 256 bytes (in byte order), then merged
     tokens: every pair of printable ASCII chars, then triples (pair + char), most frequent
-    characters first, until the vocabulary is full. Encoding adds ``<s>`` (template post-processor,
+    characters first, until the vocabulary is full but for its last two ids, the ChatML specials
+    ``<|im_start|>`` and ``<|im_end|>``. Encoding adds ``<s>`` (template post-processor,
     matching ``add_bos_token`` in tokenizer_config.json).
     """
     byte_chars = bytes_to_unicode()
@@ -269,12 +280,13 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> HFTokenizer:
         vocab[byte_chars[b]] = len(vocab)
     merges: list[tuple[str, str]] = []
     for left, right in _merge_candidates(chars):
-        if len(vocab) >= vocab_size:
+        if len(vocab) >= vocab_size - 2:
             break
         token = left + right
         if token not in vocab:
             vocab[token] = len(vocab)
             merges.append((left, right))
+    vocab[IM_START_TOKEN], vocab[IM_END_TOKEN] = len(vocab), len(vocab) + 1
     if len(vocab) != vocab_size:
         raise ValueError(f"could not fill a vocabulary of {vocab_size} (got {len(vocab)})")
 
@@ -284,7 +296,8 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> HFTokenizer:
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B", special_tokens=[(BOS_TOKEN, BOS_ID)]
     )
-    tok.add_special_tokens([UNK_TOKEN, BOS_TOKEN, EOS_TOKEN])  # already in vocab: ids unchanged
+    # Already in the vocabulary: ids unchanged.
+    tok.add_special_tokens([UNK_TOKEN, BOS_TOKEN, EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN])
     return tok
 
 

@@ -104,8 +104,14 @@ class Tokenizer:
         """Number of ids the tokenizer knows, added tokens included (may be < the model's vocab)."""
         return self._vocab_size
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``, with BOS per the class's BOS rule; no EOS is added."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``, with BOS per the class's BOS rule; no EOS is added.
+
+        ``add_special_tokens=False``: no BOS and no post-processor (a rendered chat template
+        already writes its special tokens, as HF's ``apply_chat_template`` assumes).
+        """
+        if not add_special_tokens:
+            return self._tok.encode(text, add_special_tokens=False).ids
         if self.add_bos_token is None:
             return self._tok.encode(text, add_special_tokens=True).ids
         ids = self._tok.encode(text, add_special_tokens=False).ids

@@ -8,6 +8,7 @@ naming both workers, and SIGINT -> exit 0 within seconds with every process serv
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -29,6 +30,7 @@ from protos.kvserve.v1 import serving_pb2_grpc
 REPO = Path(__file__).resolve().parents[2]
 API_LINE = re.compile(r"API listening on (\S+)")
 METRICS_LINE = re.compile(r"metrics listening on (http://\S+)")
+HTTP_LINE = re.compile(r"OpenAI-compatible HTTP API on (http://\S+)")
 
 
 # ---- helpers (also used by test_multinode.py) -----------------------------------------------------
@@ -150,13 +152,14 @@ def served(tiny_llama_dir: Path) -> Iterator[tuple[Proc, str, str]]:
     proc = Proc(
         kvserve_argv(
             "serve", "--model", str(tiny_llama_dir), "--workers", "2", "--port", "0", "--metrics-port", "0",
-            "--device", "cpu", "--num-gpu-blocks", "64",
+            "--http-port", "0", "--device", "cpu", "--num-gpu-blocks", "64",
         ),
         clean_env(),
     )  # fmt: skip
     try:
         address = proc.wait_for_line(API_LINE, timeout=180).group(1)
         metrics_url = proc.wait_for_line(METRICS_LINE, timeout=5).group(1)
+        proc.wait_for_line(HTTP_LINE, timeout=5)
         proc.note_descendants()
         yield proc, address, metrics_url
     finally:
@@ -167,11 +170,22 @@ def served(tiny_llama_dir: Path) -> Iterator[tuple[Proc, str, str]]:
 def test_serve_prints_where_it_listens(served: tuple[Proc, str, str]) -> None:
     proc, address, metrics_url = served
     lines = [ln for ln in proc.out.splitlines() if ln.strip()]
-    assert len(lines) == 2, f"one line for the API and one for the metrics, got {lines}"
+    assert len(lines) == 3, f"one line each for the gRPC API, the metrics and the HTTP API, got {lines}"
     assert re.fullmatch(r"127\.0\.0\.1:\d+", address) and not address.endswith(":0")
     assert "worker-0" in lines[0] and "worker-1" in lines[0]
     body = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
     assert 'kvserve:worker_up{worker="worker-0"} 1.0' in body and 'kvserve:worker_up{worker="worker-1"} 1.0' in body
+
+
+def test_http_api_serves_chat(served: tuple[Proc, str, str]) -> None:
+    proc, _, _ = served
+    base = HTTP_LINE.search(proc.out).group(1)
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+/v1", base) and ":0/" not in base
+    body = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "ignore_eos": True})
+    request = urllib.request.Request(base + "/chat/completions", body.encode(), {"Content-Type": "application/json"})
+    out = json.loads(urllib.request.urlopen(request, timeout=60).read())
+    assert out["object"] == "chat.completion" and out["usage"]["completion_tokens"] == 3
+    assert out["choices"][0]["finish_reason"] == "length"
 
 
 def test_a_request_streams_tokens(served: tuple[Proc, str, str], tiny_llama_dir: Path) -> None:

@@ -121,6 +121,8 @@ def test_empty_file_needs_model(tmp_path: Path) -> None:
         ("workers: many", r"workers: must be a positive integer or 'auto'"),
         ("port: 70000", r"port: must be an integer in \[0, 65535\]"),
         ("metrics_port: http", r"metrics_port: expected an integer or null"),
+        ("http_port: web", r"http_port: expected an integer or null"),
+        ("http_port: 70000", r"http_port: must be an integer in \[0, 65535\]"),
         ("address: somewhere", r"address: must be null .*'auto' or HOST:PORT"),
         ("cpus_per_worker: 0", r"cpus_per_worker: must be a positive integer"),
         ("spread: 1", r"spread: expected true or false"),

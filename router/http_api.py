@@ -1,0 +1,650 @@
+"""OpenAI-compatible HTTP API (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``).
+
+FastAPI + uvicorn, served on the router's own event loop beside ``grpc.aio`` (``HttpApiServer``):
+a request becomes ``GenerateRequest`` protos and goes through the very path a gRPC Generate takes
+(``Router.submit`` validates and admits it into the one request table, ``Router.stream`` yields its
+responses, ``Router.cancel`` frees its blocks). So the HTTP layer checks only JSON types and the
+OpenAI-specific fields (``n``, ``stream_options``, ``top_logprobs``...); ranges are the router's, and
+its ``ValidationError`` field is mapped back to the OpenAI parameter name in the error's ``param``.
+
+Status mapping (the gRPC status the router returns -> HTTP): INVALID_ARGUMENT 400,
+UNAUTHENTICATED 401 (the router's bearer token, ``Authorization: Bearer``), RESOURCE_EXHAUSTED 429
+with ``Retry-After`` (seconds) and ``retry-after-ms`` (the OpenAI client honours both), UNAVAILABLE
+503. Errors use OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+Field mapping: ``max_tokens``/``max_completion_tokens`` -> max_tokens; ``temperature``, ``top_p``,
+``top_k`` (-1 or 0 = off, as vLLM), ``seed``, ``stop``, ``stop_token_ids``/``ignore_eos`` (vLLM
+extensions), ``logprobs``/``top_logprobs``, ``priority`` (extension); ``user`` -> the tenant, so
+different users never share prefix-cache blocks (the cache is salted per tenant); ``n`` > 1 runs n
+requests on the same prompt (after the first one's blocks are cached the others reuse its prefix),
+choice j seeded ``seed + j`` when a seed is given (else they would all be equal). Unknown fields are
+ignored, as OpenAI does.
+
+A client that disconnects (stream or not) cancels its requests at once (``Router.cancel``), which
+frees their blocks at the workers' next step. Usage (prompt, cached, completion tokens) and the
+``x-`` extensions (workers, preemptions, swaps, migrations) come in the final object or, streaming
+with ``stream_options.include_usage``, in the final chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import math
+import re
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import grpc
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from protos.kvserve.v1 import serving_pb2 as spb
+from router import http_metrics
+from router.router import Router, RouterError, RouterRequest
+
+logger = logging.getLogger(__name__)
+
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+_INT32_MAX = (1 << 31) - 1
+_UINT32_MAX = (1 << 32) - 1
+_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
+
+_HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+# The router's field names -> OpenAI parameter names (the rest keep theirs, less "sampling.").
+_PARAM_NAMES = {
+    "prompt.text": "prompt",
+    "prompt.token_ids": "prompt",
+    "sampling.max_tokens": "max_tokens",
+    "tenant": "user",
+    "request_id": None,
+}
+_FIELD_PREFIX = re.compile(r"([A-Za-z_][\w.\[\]]*): ")
+
+
+# ---- request bodies (types only; ranges are the router's) ---------------------------------------------
+class _Body(BaseModel):
+    # NOTE: strict: "0.5" for a number is a 400, as OpenAI answers it (ints still pass as floats).
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingBody(_Body):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1, le=_UINT32_MAX)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = Field(None, ge=-1, le=_UINT32_MAX)
+    seed: int | None = Field(None, ge=0, lt=1 << 64)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    priority: int = Field(0, ge=-_INT32_MAX, le=_INT32_MAX)
+    return_token_ids: bool = False  # extension (as vLLM): each choice/chunk carries its token ids
+
+
+class CompletionBody(_SamplingBody):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class MessageBody(_Body):
+    role: str
+    content: str | list[TextPart] | None = None
+
+
+class ChatBody(_SamplingBody):
+    messages: list[MessageBody]
+    max_completion_tokens: int | None = Field(None, ge=1, le=_UINT32_MAX)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+
+# ---- errors ---------------------------------------------------------------------------------------------
+class ApiError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": None}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _param(field: str, chat: bool) -> str | None:
+    if field in _PARAM_NAMES:
+        return _PARAM_NAMES[field]
+    if field.startswith("prompt.messages"):
+        return field.removeprefix("prompt.")
+    if field == "sampling.logprobs":
+        return "top_logprobs" if chat else "logprobs"
+    return field.removeprefix("sampling.")
+
+
+def api_error(e: RouterError, chat: bool = False) -> ApiError:
+    """The router's refusal as an HTTP error: status, OpenAI type, the parameter it names."""
+    status, type_ = _HTTP_STATUS.get(e.code, (500, "server_error"))
+    param = None
+    m = _FIELD_PREFIX.match(e.message)
+    if m and e.code == grpc.StatusCode.INVALID_ARGUMENT:
+        param = _param(m.group(1), chat)
+    headers: dict[str, str] = {}
+    retry_ms = dict(e.trailers).get("retry-after-ms")
+    if retry_ms is not None:
+        headers = {"retry-after-ms": retry_ms, "Retry-After": str(max(1, math.ceil(int(retry_ms) / 1000)))}
+    return ApiError(status, e.message, type_, param, headers)
+
+
+def _bad(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", "invalid_request_error", param)
+
+
+# ---- body -> GenerateRequests -------------------------------------------------------------------------
+def _sampling(
+    body: _SamplingBody, max_tokens: int | None, logprobs: int | None, seed_offset: int
+) -> spb.SamplingParams:
+    s = spb.SamplingParams(max_tokens=max_tokens or 0, ignore_eos=body.ignore_eos)
+    if body.temperature is not None:
+        s.temperature = body.temperature
+    if body.top_p is not None:
+        s.top_p = body.top_p
+    if body.top_k is not None and body.top_k > 0:
+        s.top_k = body.top_k
+    if body.seed is not None:
+        s.seed = (body.seed + seed_offset) % (1 << 64)
+    if body.stop is not None:
+        s.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
+    if body.stop_token_ids:
+        s.stop_token_ids.extend(body.stop_token_ids)
+    if logprobs is not None:
+        s.logprobs = logprobs
+    return s
+
+
+def completion_requests(body: CompletionBody) -> list[spb.GenerateRequest]:
+    """One GenerateRequest per (prompt, choice), in OpenAI's choice order (prompt-major)."""
+    if body.echo:
+        raise _bad("echo", "not supported")
+    prompts: list[str | list[int]]
+    if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)):
+        prompts = [body.prompt]  # type: ignore[list-item]
+    else:
+        prompts = list(body.prompt)  # type: ignore[arg-type]
+    if not prompts:
+        raise _bad("prompt", "empty prompt")
+    out = []
+    for p in prompts:
+        for j in range(body.n):
+            r = spb.GenerateRequest(priority=body.priority, tenant=body.user or "")
+            if isinstance(p, str):
+                r.text = p
+            else:
+                r.token_ids.ids.extend(p)
+            r.sampling.CopyFrom(_sampling(body, body.max_tokens, body.logprobs, j))
+            out.append(r)
+    return out
+
+
+def _content(m: MessageBody) -> str:
+    if m.content is None:
+        return ""  # the router names messages[i].content: empty
+    if isinstance(m.content, str):
+        return m.content
+    return "\n".join(part.text for part in m.content)  # NOTE: text parts joined as vLLM does
+
+
+def chat_requests(body: ChatBody) -> list[spb.GenerateRequest]:
+    """n GenerateRequests of the chat (the router renders it with the model's template)."""
+    messages = spb.ChatMessages()
+    for m in body.messages:
+        messages.messages.add(role=m.role, content=_content(m))
+    if body.top_logprobs is not None and not body.logprobs:
+        raise _bad("top_logprobs", "needs logprobs: true")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    out = []
+    for j in range(body.n):
+        r = spb.GenerateRequest(messages=messages, priority=body.priority, tenant=body.user or "")
+        r.sampling.CopyFrom(_sampling(body, max_tokens, logprobs, j))
+        out.append(r)
+    return out
+
+
+# ---- responses ------------------------------------------------------------------------------------------
+@dataclass
+class _Choice:
+    """What one choice (one router request) accumulated."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    final: spb.GenerateResponse | None = None
+
+
+def _usage(choices: list[_Choice], n: int) -> dict[str, Any]:
+    finals = [c.final for c in choices if c.final is not None]
+    # NOTE: OpenAI counts each prompt once, however many choices (n) it has.
+    prompt = sum(c.final.usage.prompt_tokens for c in choices if c.final is not None and c.index % n == 0)
+    completion = sum(f.usage.completion_tokens for f in finals)
+    cached = sum(f.usage.cached_tokens for f in finals)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+        "x-cached-tokens": cached,
+        "x-workers": [f.worker_id for f in finals],
+        "x-preemptions": sum(f.num_preemptions for f in finals),
+        "x-swaps": sum(f.num_swaps for f in finals),
+        "x-migrations": sum(f.num_migrations for f in finals),
+    }
+
+
+class _TokenText:
+    """Token id -> its text, for logprobs (``token_id:N`` when the model has no tokenizer, as vLLM)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+
+    def __call__(self, token_id: int) -> str:
+        if self._tok is None:
+            return f"token_id:{token_id}"
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
+
+def _chat_logprobs(resp: spb.GenerateResponse, k: int, text: _TokenText) -> list[dict[str, Any]]:
+    out = []
+    for tid, lp in zip(resp.token_ids, resp.logprobs, strict=False):
+        tok = text(tid)
+        top = sorted(lp.logprobs.items(), key=lambda kv: -kv[1])[:k]
+        out.append({
+            "token": tok, "logprob": lp.logprob, "bytes": list(tok.encode()),
+            "top_logprobs": [{"token": text(t), "logprob": v, "bytes": list(text(t).encode())} for t, v in top],
+        })  # fmt: skip
+    return out
+
+
+def _completion_logprobs(resp: spb.GenerateResponse, k: int, text: _TokenText, offset: int) -> dict[str, Any]:
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for tid, lp in zip(resp.token_ids, resp.logprobs, strict=False):
+        tok = text(tid)
+        tokens.append(tok)
+        token_logprobs.append(lp.logprob)
+        tops.append({text(t): v for t, v in sorted(lp.logprobs.items(), key=lambda kv: -kv[1])[:k]})
+        offsets.append(offset)
+        offset += len(tok)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _merge_logprobs(acc: dict[str, Any] | None, new: dict[str, Any], chat: bool) -> dict[str, Any]:
+    if acc is None:
+        return new
+    if chat:
+        acc["content"].extend(new["content"])
+    else:
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            acc[key].extend(new[key])
+    return acc
+
+
+# ---- the app --------------------------------------------------------------------------------------------
+class OpenAIApi:
+    """The FastAPI app over one Router. Every handler runs on the router's event loop."""
+
+    def __init__(self, router: Router, auth_token: str | None = None) -> None:
+        self.router = router
+        self._expected = f"Bearer {auth_token}".encode() if auth_token else None
+        self._text = _TokenText(router.tokenizer)
+        self.app = FastAPI(title="kvserve OpenAI-compatible API", docs_url=None, redoc_url=None)
+        self._routes()
+
+    # -- plumbing --
+    def model_name(self) -> str:
+        return self.router.model_id or "kvserve"
+
+    def _check_auth(self, request: Request) -> None:
+        if self._expected is None:
+            return
+        got = request.headers.get("authorization", "").encode()
+        # NOTE: constant-time compare, as the gRPC interceptor (router/auth.py).
+        if not hmac.compare_digest(got, self._expected):
+            raise ApiError(401, "missing or wrong bearer token (send 'Authorization: Bearer <token>')",
+                           "authentication_error")  # fmt: skip
+
+    def _check_model(self, model: str | None) -> None:
+        name = self.model_name()
+        if model is not None and model not in (name, Path(name).name):
+            raise ApiError(404, f"model {model!r} does not exist; this server serves {name!r}",
+                           "not_found_error", "model")  # fmt: skip
+
+    def _submit(self, requests: list[spb.GenerateRequest], chat: bool) -> list[RouterRequest]:
+        """Admit every choice's request, or none (the ones already admitted are cancelled)."""
+        admitted: list[RouterRequest] = []
+        try:
+            for r in requests:
+                admitted.append(self.router.submit(r))
+        except RouterError as e:
+            for r in admitted:
+                self.router.cancel(r)
+            raise api_error(e, chat) from e
+        return admitted
+
+    def _cancel_unfinished(self, admitted: list[RouterRequest]) -> None:
+        for r in admitted:
+            if not r.finished:
+                self.router.cancel(r)
+
+    async def _responses(self, admitted: list[RouterRequest]) -> AsyncIterator[tuple[int, spb.GenerateResponse]]:
+        """Every choice's responses as they come, tagged with the choice index; RouterError if one failed."""
+        if len(admitted) == 1:  # NOTE: the common case skips the merge queue (one hop less per token)
+            async for resp in self.router.stream(admitted[0]):
+                yield 0, resp
+            return
+        queue: asyncio.Queue[tuple[int, spb.GenerateResponse | RouterError]] = asyncio.Queue()
+
+        async def pump(i: int, r: RouterRequest) -> None:
+            try:
+                async for resp in self.router.stream(r):
+                    queue.put_nowait((i, resp))
+            except RouterError as e:
+                queue.put_nowait((i, e))
+
+        tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(admitted)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if isinstance(item, RouterError):
+                    raise item
+                if item.finish_reason:
+                    remaining -= 1
+                yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    # -- handlers --
+    async def completions(self, body: CompletionBody, request: Request) -> Any:
+        self._check_model(body.model)
+        return await self._generate(request, body, completion_requests(body), chat=False)
+
+    async def chat_completions(self, body: ChatBody, request: Request) -> Any:
+        self._check_model(body.model)
+        return await self._generate(request, body, chat_requests(body), chat=True)
+
+    async def _generate(self, request: Request, body: Any, requests: list[spb.GenerateRequest], chat: bool) -> Any:
+        admitted = self._submit(requests, chat)
+        head = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
+            "created": int(time.time()),
+            "model": self.model_name(),
+        }
+        k = _top_logprobs(body, chat)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = self._stream(admitted, head, body.n, chat, k, include_usage, body.return_token_ids)
+            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        collect = asyncio.ensure_future(self._collect(admitted, head, body.n, chat, k, body.return_token_ids))
+        gone = asyncio.ensure_future(_until_disconnect(request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not collect.done():  # the client left: stop its requests now, not at their end
+                collect.cancel()
+                return JSONResponse({}, status_code=499)
+            try:
+                return JSONResponse(collect.result())
+            except RouterError as e:
+                raise api_error(e, chat) from e
+        finally:
+            gone.cancel()
+            self._cancel_unfinished(admitted)
+
+    async def _collect(
+        self, admitted: list[RouterRequest], head: dict, n: int, chat: bool, k: int, return_ids: bool
+    ) -> dict:
+        choices = [_Choice(i) for i in range(len(admitted))]
+        logprobs: list[dict[str, Any] | None] = [None] * len(admitted)
+        async for i, resp in self._responses(admitted):
+            c = choices[i]
+            if k or resp.logprobs:
+                new = ({"content": _chat_logprobs(resp, k, self._text)} if chat
+                       else _completion_logprobs(resp, k, self._text, len(c.text)))  # fmt: skip
+                logprobs[i] = _merge_logprobs(logprobs[i], new, chat)
+            c.text += resp.text_delta
+            c.token_ids.extend(resp.token_ids)
+            if resp.finish_reason:
+                c.finish_reason, c.final = resp.finish_reason, resp
+        if chat:
+            out = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": logprobs[c.index], "finish_reason": c.finish_reason} for c in choices]  # fmt: skip
+        else:
+            out = [{"index": c.index, "text": c.text, "logprobs": logprobs[c.index], "finish_reason": c.finish_reason}
+                   for c in choices]  # fmt: skip
+        if return_ids:
+            for o, c in zip(out, choices, strict=True):
+                o["token_ids"] = c.token_ids
+        obj = "chat.completion" if chat else "text_completion"
+        return {**head, "object": obj, "choices": out, "usage": _usage(choices, n)}
+
+    async def _stream(self, admitted: list[RouterRequest], head: dict, n: int, chat: bool, k: int,
+                      include_usage: bool, return_ids: bool) -> AsyncIterator[str]:  # fmt: skip
+        """Server-sent events; the client going away cancels this generator, which cancels the requests."""
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        choices = [_Choice(i) for i in range(len(admitted))]
+        extra = {"usage": None} if include_usage else {}
+
+        def chunk(choice: dict[str, Any], token_ids: Any = ()) -> str:
+            if return_ids:
+                choice["token_ids"] = list(token_ids)
+            return _sse({**head, "object": obj, "choices": [choice], **extra})
+
+        try:
+            if chat:
+                for c in choices:  # OpenAI's first chunk per choice: the role
+                    yield chunk({"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None})  # fmt: skip
+            async for i, resp in self._responses(admitted):
+                c = choices[i]
+                lp = None
+                if k or resp.logprobs:
+                    lp = ({"content": _chat_logprobs(resp, k, self._text)} if chat
+                          else _completion_logprobs(resp, k, self._text, len(c.text)))  # fmt: skip
+                c.text += resp.text_delta
+                finish = resp.finish_reason or None
+                if finish:
+                    c.finish_reason, c.final = finish, resp
+                if chat:
+                    delta = {"content": resp.text_delta} if resp.text_delta or not finish else {}
+                    yield chunk({"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}, resp.token_ids)
+                else:
+                    choice = {"index": i, "text": resp.text_delta, "logprobs": lp, "finish_reason": finish}
+                    yield chunk(choice, resp.token_ids)
+            if include_usage:
+                yield _sse({**head, "object": obj, "choices": [], "usage": _usage(choices, n)})
+        except RouterError as e:
+            yield _sse(api_error(e, chat).body())
+        finally:
+            self._cancel_unfinished(admitted)
+        yield "data: [DONE]\n\n"
+
+    async def models(self) -> dict:
+        return {"object": "list", "data": [
+            {"id": self.model_name(), "object": "model", "created": 0, "owned_by": "kvserve"}]}  # fmt: skip
+
+    async def health(self) -> JSONResponse:
+        healthy = any(w.healthy and w.connected for w in self.router.workers.values())
+        return JSONResponse({"status": "ok" if healthy else "no healthy worker"}, status_code=200 if healthy else 503)
+
+    def _routes(self) -> None:
+        app = self.app
+        # NOTE: a dependency runs before the body is validated: no schema hints without the token.
+        auth = [Depends(self._check_auth)]
+        app.post("/v1/completions", dependencies=auth)(self.completions)
+        app.post("/v1/chat/completions", dependencies=auth)(self.chat_completions)
+        app.get("/v1/models", dependencies=auth)(self.models)
+        app.get("/health")(self.health)
+
+        @app.exception_handler(ApiError)
+        async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+            return e.response()
+
+        @app.exception_handler(RequestValidationError)
+        async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+            err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
+            param = _loc(err.get("loc", ()))
+            return ApiError(400, f"{param or 'body'}: {err.get('msg')}", "invalid_request_error", param).response()
+
+
+def _top_logprobs(body: Any, chat: bool) -> int:
+    """How many most likely tokens to list per output token (0 when logprobs are off)."""
+    if chat:
+        return (body.top_logprobs or 0) if body.logprobs else 0
+    return body.logprobs or 0
+
+
+def _loc(loc: tuple) -> str | None:
+    """Pydantic's error location -> ``messages[0].content`` style (union member names dropped)."""
+    parts = [p for p in loc if p != "body"]
+    out = ""
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif p.startswith(("str", "list[", "int", "float", "bool", "function-")) or p in ("TextPart",):
+            break  # pydantic names the union member it tried; the field is what came before
+        else:
+            out += ("." if out else "") + p
+    return out or None
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def _until_disconnect(request: Request) -> None:
+    """Returns when the client has gone (the body was read: the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ---- metrics middleware -------------------------------------------------------------------------------
+class MetricsMiddleware:
+    """Counts requests by route and status (pure ASGI: no per-chunk overhead on streams)."""
+
+    def __init__(self, app: Callable) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in _ROUTES else "other"
+        status = ["500"]
+        start = time.monotonic()
+
+        async def send_wrapper(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = str(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            http_metrics.HTTP_REQUESTS.labels(route, status[0]).inc()
+            http_metrics.HTTP_DURATION.labels(route).observe(time.monotonic() - start)
+
+
+# ---- the server -----------------------------------------------------------------------------------------
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # NOTE: the process (kvserve serve, a Ray actor, a test) owns its signals, not this server.
+        yield
+
+
+class HttpApiServer:
+    """uvicorn serving ``OpenAIApi`` as a task on the current event loop (beside grpc.aio)."""
+
+    def __init__(self, router: Router, host: str, port: int, auth_token: str | None = None) -> None:
+        """
+        Args:
+            host, port: where to listen (port 0 = a free one; ``start`` returns it).
+            auth_token: require ``Authorization: Bearer <token>`` (all but ``/health``).
+        """
+        self.api = OpenAIApi(router, auth_token)
+        self.host, self.port = host, port
+        self._server: _Server | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        """Bind and start serving; returns the bound port. Raises OSError when the port is taken."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as e:
+            sock.close()
+            raise OSError(f"cannot bind the HTTP API port at {self.host}:{self.port}: {e}") from e
+        self.port = int(sock.getsockname()[1])
+        # NOTE: log_config=None: the process's logging stays as it is (uvicorn would install its own).
+        config = uvicorn.Config(
+            MetricsMiddleware(self.api.app), log_config=None, log_level="warning", access_log=False,
+            lifespan="off", timeout_graceful_shutdown=1,
+        )  # fmt: skip
+        self._server = _Server(config)
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:  # NOTE: startup only (socket already bound): a few loop turns
+            if self._task.done():
+                self._task.result()  # raises what failed
+                raise OSError("the HTTP API server stopped at startup")
+            await asyncio.sleep(0.01)
+        logger.info("OpenAI-compatible HTTP API on http://%s:%d", self.host, self.port)
+        return self.port
+
+    async def stop(self) -> None:
+        if self._server is None or self._task is None:
+            return
+        self._server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._task, timeout=5)
+        self._server = self._task = None
