@@ -49,6 +49,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cluster.bench import peers
 from cluster.bench.workloads import WORKLOADS, prompts
 from workers.progress import RequestProgress
 
@@ -278,8 +279,6 @@ def run(args: argparse.Namespace) -> int:
         prompt_ids = prompt_ids[: args.num_requests]
     if args.max_tokens is not None:
         max_tokens = args.max_tokens
-    from cluster.bench import peers
-
     peer = None
     try:
         if args.peer:
@@ -294,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
     peer_runs: list = []
     try:
         _run_rounds(args, engine, prompt_ids, max_tokens, peer, results, peer_runs)
-    except RuntimeError as e:  # peers.PeerError: the peer failed (its log tail is in the message)
+    except peers.PeerError as e:  # the message carries the peer's log tail
         print(f"error: {e}", file=sys.stderr)
         return 1
 
@@ -357,8 +356,6 @@ def _run_rounds(
     Raises:
         peers.PeerError: the peer process failed.
     """
-    from cluster.bench import peers
-
     with contextlib.ExitStack() as stack:
         peer_proc = None
         if peer is not None:
