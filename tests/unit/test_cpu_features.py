@@ -69,3 +69,36 @@ def test_this_machine_agrees_with_torch() -> None:
     if f.onednn_isa_cap is None:
         assert ("avx512_bf16" in f.flags) == torch.cpu._is_avx512_bf16_supported()
         assert f.avx2 == torch.cpu._is_avx2_supported()
+
+
+@pytest.mark.parametrize("cap", [None, "AVX2"])
+def test_native_bf16_gemm_predicts_whether_onednn_packs_bf16(cap: str | None) -> None:
+    """What the bf16 screen needs: oneDNN packs a bf16 weight exactly where ``native_bf16_gemm`` says so.
+
+    NOTE: run in a child process, since oneDNN reads ONEDNN_MAX_CPU_ISA once. On an AVX512-BF16 machine
+    with the cap, the hardware probe (``torch.cpu._is_avx512_bf16_supported``) says yes and oneDNN
+    refuses: the case the screen's own check gets wrong.
+    """
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\nfrom workers.cpu_features import current\n"
+        "try:\n    torch.ops.mkldnn._reorder_linear_weight(torch.ones(32, 32, dtype=torch.bfloat16), 8); ok = True\n"
+        "except RuntimeError:\n    ok = False\n"
+        "print(ok, current().native_bf16_gemm)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")}
+    if cap:
+        env["ONEDNN_MAX_CPU_ISA"] = cap
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    packs, predicted = out.split()
+    # NOTE: a CPU with AVX-512 (BW/VL/DQ) but no bf16 instructions lets oneDNN pack bf16 (emulated):
+    # native_bf16_gemm is False there by design (the screen would be slower), so only check one way.
+    if predicted == "True":
+        assert packs == "True"
+    if cap == "AVX2":
+        assert predicted == "False"
+        if "avx_ne_convert" not in current().flags:  # AVX2-class bf16 conversions: oneDNN may pack there
+            assert packs == "False"
