@@ -14,7 +14,7 @@
 #                                         its interpreter; no pytest step, no timing claims): make test runs it.
 #
 # Every file goes to $OUT (default .), with STEP.log beside it and summary.txt (one line per step). Each
-# step runs in its own process under `timeout` with the budget below (seconds; the sum is 465), so a hang
+# step runs in its own process under `timeout` with the budget below (seconds; the sum is 455), so a hang
 # costs one step. Steps needing Ray (worker actors, router) are not run: the GPU machine has no Ray.
 # Interpreter: $PYTHON, else .venv/bin/python, else python3. PYTHONPATH gets the checkout (and
 # $GPU_CHECK_SITE, default .gpu-site, if it exists: e.g. `pip install --target .gpu-site pytest` here and
@@ -92,20 +92,20 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
   echo "gpu_check.sh: no CUDA device here; use --dry-run on CPU" >&2
   exit 2
 fi
-run_step env 30 "$PY" -c "$ENV_REPORT"
+run_step env 15 "$PY" -c "$ENV_REPORT"
 cat "$OUT_DIR/env.log"
 if "$PY" -c 'import pytest' 2>/dev/null; then
   # NOTE: test_bench_dry.py is this script's own CPU dry run: not what a GPU minute is for.
-  run_step kernel_tests 150 "$PY" -m pytest tests/kernels -q -p no:cacheprovider \
+  run_step kernel_tests 170 "$PY" -m pytest tests/kernels -q -p no:cacheprovider --durations=15 \
     --ignore tests/kernels/test_bench_dry.py
   cp "$OUT_DIR/kernel_tests.log" "$OUT_DIR/kernel_tests.txt"
 else
   skip kernel_tests "pytest is not installed for $PY (pip install --target .gpu-site pytest, and carry .gpu-site)"
 fi
-run_step parity 75 "$PY" -m cluster.bench.gpu_check parity --device cuda --out "$OUT_DIR"
-run_step kv_smoke 45 "$PY" -m cluster.bench.gpu_check kv_smoke --device cuda --out "$OUT_DIR"
-run_step swap_migration 45 "$PY" -m cluster.bench.gpu_check swap_migration --device cuda --out "$OUT_DIR"
-run_step kernels 75 "$PY" -m cluster.bench.kernels --json-out "$OUT_DIR/kernels.json" "$@"
-run_step offline 45 "$PY" -m cluster.bench.gpu_check offline --device cuda --out "$OUT_DIR"
+run_step parity 70 "$PY" -m cluster.bench.gpu_check parity --device cuda --out "$OUT_DIR"
+run_step kv_smoke 40 "$PY" -m cluster.bench.gpu_check kv_smoke --device cuda --out "$OUT_DIR"
+run_step swap_migration 40 "$PY" -m cluster.bench.gpu_check swap_migration --device cuda --out "$OUT_DIR"
+run_step kernels 80 "$PY" -m cluster.bench.kernels --json-out "$OUT_DIR/kernels.json" "$@"
+run_step offline 40 "$PY" -m cluster.bench.gpu_check offline --device cuda --out "$OUT_DIR"
 skip ray "worker actors, router and migration over Ray need Ray, which the GPU machine lacks (CPU tests cover them)"
 exit "$status"
