@@ -88,14 +88,12 @@ class WorkerView:
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ValueError(f"{self.worker_id}: block_size must be positive, got {self.block_size}")
-        for name in (
-            "total_blocks",
-            "free_blocks",
-            "cached_evictable_blocks",
-            "running",
-            "waiting",
-            "blocks_in_flight",
-        ):
+        counts = (self.total_blocks, self.free_blocks, self.cached_evictable_blocks, self.running, self.waiting,
+                  self.blocks_in_flight)  # fmt: skip
+        if min(counts) >= 0:  # NOTE: one check on the common path: the router builds views per decision
+            return
+        names = ("total_blocks", "free_blocks", "cached_evictable_blocks", "running", "waiting", "blocks_in_flight")
+        for name in names:
             if getattr(self, name) < 0:
                 raise ValueError(f"{self.worker_id}: {name} must be >= 0, got {getattr(self, name)}")
 
@@ -264,21 +262,39 @@ class Placement:
         # building a Candidate per worker, and the tie rank only computed among exact ties.
         _check_unique(workers)
         kv_aware = self.policy is PlacementPolicy.KV_AWARE
+        hashes = request.block_hashes
+        n_tokens, reserve = request.num_prompt_tokens, request.decode_reserve_blocks
+        w_overlap, w_running, w_waiting = self.overlap_weight, self.running_weight, self.waiting_weight
         best_key: tuple[float, ...] | None = None
         best: list[str] = []
         for w in workers:
-            scored = self._score(request, w, prefix_hits)
-            if scored is None:
+            # NOTE: ``_score`` inlined (same arithmetic; test_placement_affinity checks choose == candidates[0]).
+            total, bs = w.total_blocks, w.block_size
+            if not w.healthy or total == 0 or -(-(n_tokens + request.max_tokens) // bs) > total:
                 continue
-            _, _, usage_after, cost = scored
-            key = (cost, usage_after, w.running + w.waiting) if kv_aware else (usage_after, w.running + w.waiting)
+            prompt_blocks = -(-n_tokens // bs)
+            cached = 0
+            if hashes:
+                cached = max(0, min(prefix_hits(w.worker_id, hashes), len(hashes), (n_tokens - 1) // bs))
+            need = prompt_blocks - cached + reserve
+            available = w.free_blocks + w.cached_evictable_blocks - w.blocks_in_flight
+            if need > available:
+                continue
+            usage_after = min(1.0, (total - available + need) / total)
+            load = w.running + w.waiting
+            if kv_aware:
+                cost = (w_overlap * (prompt_blocks - cached) / prompt_blocks + usage_after
+                        + w_running * w.running + w_waiting * w.waiting)  # fmt: skip
+                key: tuple[float, ...] = (cost, usage_after, load)
+            else:
+                key = (usage_after, load)
             if best_key is None or key < best_key:
                 best_key, best = key, [w.worker_id]
             elif key == best_key:
                 best.append(w.worker_id)
         if len(best) <= 1:
             return best[0] if best else None
-        return min(best, key=lambda worker_id: (-tie_rank(request.block_hashes, worker_id), worker_id))
+        return min(best, key=lambda worker_id: (-tie_rank(hashes, worker_id), worker_id))
 
     @staticmethod
     def fits_anywhere_ever(request: PlacementRequest, workers: Sequence[WorkerView]) -> bool:
