@@ -132,7 +132,7 @@ async def drive(
         history: list[int] = []
         for turn in conv.rounds:
             prompt = history + list(turn.prompt) if conv.chained else list(turn.prompt)
-            record = RequestRecord(index, turn.round, turn.tenant, prompt, send_t=math.nan)
+            record = RequestRecord(index, turn.round, turn.tenant, prompt, send_t=math.nan, group=turn.group)
             records.append(record)
             await one(record, turn.max_tokens)
             if record.status != "ok":

@@ -9,6 +9,8 @@ Definitions (the ``vllm bench serve`` ones where they exist):
 * ``hit_rate``: cached prompt tokens (``Usage.cached_tokens``) / prompt tokens;
   ``hit_of_ideal``: cached prompt tokens / ``datasets.ideal_cached_tokens`` (hits possible).
 * ``max_share_ratio``: the busiest worker's completed-request share over the mean share.
+* ``split_groups``: of the prefix groups (shared-prefix group, multi-turn user) with two or more
+  completed requests, the share served by more than one worker (each split recomputes the prefix).
 * ``peak_queue``: the most requests the router's admission queue held in any status poll.
 """
 
@@ -32,6 +34,7 @@ class RequestRecord:
     tenant: str
     prompt: list[int]
     send_t: float
+    group: int = -1
     status: str = "pending"  # ok | failed | rejected
     first_t: float | None = None
     end_t: float | None = None
@@ -126,6 +129,7 @@ ROWS: tuple[tuple[str, str, str], ...] = (
     ("hit_rate", "prefix hit rate", "{:.3f}"),
     ("hit_of_ideal", "hit rate / possible", "{:.3f}"),
     ("max_share_ratio", "max worker share / mean", "{:.2f}"),
+    ("split_groups", "prefix groups split over workers", "{:.2f}"),
     ("worker_shares", "worker request shares", "{}"),
     ("preemptions", "preemptions", "{:.0f}"),
     ("swaps", "swaps", "{:.0f}"),
@@ -173,11 +177,24 @@ def summarize(run: RunResult, slo: Slo) -> dict[str, Any]:
     out["worker_shares"] = {w: shares.get(w, 0) / len(ok) if ok else 0.0 for w in workers}
     mean_share = 1 / len(workers) if workers else math.nan
     out["max_share_ratio"] = max(out["worker_shares"].values()) / mean_share if ok and workers else math.nan
+    out["split_groups"] = split_groups(ok)
     out["preemptions"] = sum(r.preemptions for r in run.records)
     out["swaps"] = sum(r.swaps for r in run.records)
     out["migrations"] = sum(r.migrations for r in run.records)
     out["peak_queue"] = max((s.queue_requests for s in run.samples), default=0)
     return out
+
+
+def split_groups(records: Sequence[RequestRecord]) -> float:
+    """Share of groups (``group >= 0``) with >= 2 requests that more than one worker served (NaN: none)."""
+    workers: dict[int, set[str]] = {}
+    counts: Counter[int] = Counter()
+    for r in records:
+        if r.group >= 0:
+            workers.setdefault(r.group, set()).add(r.worker_id)
+            counts[r.group] += 1
+    multi = [g for g, n in counts.items() if n >= 2]
+    return sum(len(workers[g]) > 1 for g in multi) / len(multi) if multi else math.nan
 
 
 def _cell(fmt: str, value: Any) -> str:

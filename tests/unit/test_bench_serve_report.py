@@ -6,12 +6,12 @@ import math
 
 import pytest
 
-from cluster.bench.serve_report import ROWS, RequestRecord, RunResult, Slo, StatusSample, format_table, summarize
+from cluster.bench.serve_report import ROWS, RequestRecord, RunResult, Slo, StatusSample, format_table, split_groups, summarize
 
 
 def _record(send: float, first: float, chunks: list[float], worker: str, prompt: list[int], cached: int,
             status: str = "ok") -> RequestRecord:  # fmt: skip
-    r = RequestRecord(0, 0, "", prompt, send, status=status, first_t=first, end_t=chunks[-1], chunk_times=chunks,
+    r = RequestRecord(0, 0, "", prompt, send, group=prompt[-1] % 2, status=status, first_t=first, end_t=chunks[-1], chunk_times=chunks,
                       output_ids=list(range(len(chunks))), cached_tokens=cached, worker_id=worker)  # fmt: skip
     return r
 
@@ -41,6 +41,7 @@ def test_summarize_figures() -> None:
     assert s["worker_shares"] == pytest.approx({"worker-0": 2 / 3, "worker-1": 1 / 3})
     assert s["max_share_ratio"] == pytest.approx(4 / 3)
     assert s["peak_queue"] == 5
+    assert s["split_groups"] == pytest.approx(1.0)  # one group (prompts end 2, 4, 6), served by both workers
     assert all(key in s for key, _, _ in ROWS)
 
 
@@ -53,6 +54,15 @@ def test_table_has_every_row_and_ratio_columns() -> None:
     for _, label, _ in ROWS:
         assert f"| {label} |" in table
     assert "| requests/s | 1.50 | 1.50 | 1.50 | 1.00x | 1.00x |" in table
+
+
+def test_split_groups() -> None:
+    def rec(group: int, worker: str) -> RequestRecord:
+        return RequestRecord(0, 0, "", [1], 0.0, group=group, status="ok", worker_id=worker)
+
+    records = [rec(0, "a"), rec(0, "a"), rec(1, "a"), rec(1, "b"), rec(2, "b"), rec(-1, "a"), rec(-1, "b")]
+    assert split_groups(records) == pytest.approx(0.5)  # group 2 has one request; -1 is no group
+    assert math.isnan(split_groups([rec(-1, "a")]))
 
 
 def test_slo_parse() -> None:
