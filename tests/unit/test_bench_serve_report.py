@@ -6,7 +6,16 @@ import math
 
 import pytest
 
-from cluster.bench.serve_report import ROWS, RequestRecord, RunResult, Slo, StatusSample, format_table, split_groups, summarize
+from cluster.bench.serve_report import (
+    ROWS,
+    RequestRecord,
+    RunResult,
+    Slo,
+    StatusSample,
+    format_table,
+    split_groups,
+    summarize,
+)
 
 
 def _record(send: float, first: float, chunks: list[float], worker: str, prompt: list[int], cached: int,
