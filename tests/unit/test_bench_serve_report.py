@@ -20,8 +20,9 @@ from cluster.bench.serve_report import (
 
 def _record(send: float, first: float, chunks: list[float], worker: str, prompt: list[int], cached: int,
             status: str = "ok") -> RequestRecord:  # fmt: skip
-    r = RequestRecord(0, 0, "", prompt, send, group=prompt[-1] % 2, status=status, first_t=first, end_t=chunks[-1], chunk_times=chunks,
-                      output_ids=list(range(len(chunks))), cached_tokens=cached, worker_id=worker)  # fmt: skip
+    r = RequestRecord(0, 0, "", prompt, send, group=prompt[-1] % 2, status=status, first_t=first, end_t=chunks[-1],
+                      chunk_times=chunks, output_ids=list(range(len(chunks))), cached_tokens=cached,
+                      worker_id=worker)  # fmt: skip
     return r
 
 
