@@ -83,3 +83,13 @@ def test_slo_parse() -> None:
             Slo.parse(bad)
     assert Slo(ttft_ms=100).met(0.05, None, 9.0) and not Slo(tpot_ms=10).met(0.0, 0.02, 0.0)
     assert math.isnan(summarize(RunResult("p", 1.0, "d", 1.0, 4, [], []), Slo())["ttft_p99_ms"])
+
+
+def test_cli_refuses_several_policies_without_launch(capsys: pytest.CaptureFixture[str]) -> None:
+    from cluster.cli import main
+
+    assert main(["bench", "serve", "--server", "127.0.0.1:1", "--vocab-size", "100",
+                 "--policies", "kv_aware,round_robin"]) == 2  # fmt: skip
+    assert "--launch" in capsys.readouterr().err
+    assert main(["bench", "serve", "--server", "127.0.0.1:1", "--goodput", "ttfx:1", "--vocab-size", "100"]) == 2
+    assert "unknown metric" in capsys.readouterr().err
