@@ -324,6 +324,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--plot", default=None, metavar="PNG", help="per-worker KV usage, router queue, TTFT over time")
     o.add_argument("--compare-offline", action="store_true",
                    help="--launch, one policy: then run `bench offline` on the same workload; print served/offline")
+    o.add_argument("--offline-runs", type=int, default=3, help="--compare-offline: `bench offline --runs` (median)")
     # NOTE: the engine's --seed (default 0) doubles as the dataset and arrival seed, as in `vllm bench serve`.
     defaults: dict[str, Any] = {dest: UNSET for dest in engine_dests if dest != "seed"}
     defaults.update(model=UNSET, workers=UNSET, cpus_per_worker=UNSET, port=UNSET)
@@ -448,10 +449,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def offline_output_throughput(args: argparse.Namespace, cfg: Any) -> dict[str, Any]:
-    """``kvserve bench offline`` (a subprocess) on the same workload, engine and thread count."""
+    """``kvserve bench offline`` (a subprocess, after the cluster is gone) on the same workload, engine
+    and thread count; its JSON summary (median of ``--offline-runs`` runs after its own warm-up)."""
     e = cfg.engine
     argv = [sys.executable, "-m", "cluster.cli", "bench", "offline", "--model", cfg.model, "--workload",
-            args.workload, "--runs", "1", "--json", "--threads", str(cfg.cpus_per_worker),
+            args.workload, "--runs", str(args.offline_runs), "--json", "--threads", str(cfg.cpus_per_worker),
             "--block-size", str(e.block_size), "--dtype", str(e.dtype)]  # fmt: skip
     if e.num_gpu_blocks is not None:
         argv += ["--num-gpu-blocks", str(e.num_gpu_blocks)]
