@@ -20,12 +20,18 @@ Block arithmetic, per worker ``w`` (block_size ``bs``):
 NOTE: ``available`` counts evictable cached blocks as allocatable even when they are the very
 blocks this request hits, so it may overestimate by up to ``cached`` blocks; the worker's own
 scheduler has the final word (it queues rather than fails), so the router errs towards placing.
+
+Ties (equal cost and load) go to the worker that ranks highest for the request's first block hash
+under rendezvous hashing (``tie_rank``), not to the lowest id: on an idle cluster every new prefix
+would otherwise land on the same worker, filling its cache while the others stay empty. Requests
+without a full block fall back to the lowest id.
 """
 
 from __future__ import annotations
 
 import enum
 import itertools
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -35,6 +41,17 @@ __all__ = ["Candidate", "Placement", "PlacementPolicy", "PlacementRequest", "Wor
 
 # (worker_id, prompt block hashes) -> number of leading hashes cached on that worker.
 PrefixHits = Callable[[str, Sequence[int]], int]
+
+
+def tie_rank(block_hashes: Sequence[int], worker_id: str) -> int:
+    """Rendezvous rank of ``worker_id`` for a prompt (higher wins a tie); 0 for a prompt without blocks.
+
+    Stable across processes (crc32, not Python's salted ``hash``), so a restarted router breaks ties
+    the same way, and a prefix's ties always go to the same worker while different prefixes spread.
+    """
+    if not block_hashes:
+        return 0
+    return zlib.crc32(f"{block_hashes[0]}:{worker_id}".encode())
 
 
 @dataclass(frozen=True)
@@ -81,18 +98,13 @@ class WorkerView:
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ValueError(f"{self.worker_id}: block_size must be positive, got {self.block_size}")
-        for name in (
-            "total_blocks",
-            "free_blocks",
-            "cached_evictable_blocks",
-            "running",
-            "waiting",
-            "blocks_in_flight",
-            "used_blocks",
-            "blocks_migrating_in",
-            "blocks_migrating_out",
-            "swap_blocks",
-        ):
+        names = (
+            "total_blocks", "free_blocks", "cached_evictable_blocks", "running", "waiting", "blocks_in_flight",
+            "used_blocks", "blocks_migrating_in", "blocks_migrating_out", "swap_blocks",
+        )  # fmt: skip
+        if min(getattr(self, n) for n in names) >= 0:  # NOTE: one check on the common path
+            return
+        for name in names:
             if getattr(self, name) < 0:
                 raise ValueError(f"{self.worker_id}: {name} must be >= 0, got {getattr(self, name)}")
 
@@ -167,10 +179,12 @@ class Candidate:
     requests: int
     cost: float
 
+    tie: int = 0  # -tie_rank: lower sorts first
+
     @property
-    def load_key(self) -> tuple[float, int, str]:
-        """Order by load: pool usage after placement, then requests, then id."""
-        return (self.usage_after, self.requests, self.worker_id)
+    def load_key(self) -> tuple[float, int, int, str]:
+        """Order by load: pool usage after placement, then requests, then the tie rank, then id."""
+        return (self.usage_after, self.requests, self.tie, self.worker_id)
 
 
 class PlacementPolicy(str, enum.Enum):
@@ -190,8 +204,8 @@ class Placement:
       where ``uncached_fraction = (prompt_blocks - cached) / prompt_blocks`` (prefill work left)
       and ``usage_after`` is the pool fraction committed after placing the request there
       (``(total - available + need) / total``). With the defaults a fully cached prompt is worth
-      as much as a completely empty pool. Ties go to the lower load, then the lower id.
-    * ``least_loaded``: minimise ``(usage_after, running + waiting, worker_id)``.
+      as much as a completely empty pool. Ties go to the lower load, then ``tie_rank``, then the id.
+    * ``least_loaded``: minimise ``(usage_after, running + waiting, -tie_rank, worker_id)``.
     * ``round_robin``: the next feasible worker after the last choice, in id order.
 
     Args:
@@ -261,12 +275,49 @@ class Placement:
         Raises:
             ValueError: two views share a worker_id.
         """
-        ranked = self.candidates(request, workers, prefix_hits)
-        if not ranked:
-            return None
         if self.policy is PlacementPolicy.ROUND_ROBIN:
+            ranked = self.candidates(request, workers, prefix_hits)
+            if not ranked:
+                return None
             self._last_rr = ranked[0].worker_id
-        return ranked[0].worker_id
+            return ranked[0].worker_id
+        # NOTE: the hot path (once per request per worker): the same order as ``candidates`` without
+        # building a Candidate per worker, and the tie rank only computed among exact ties.
+        _check_unique(workers)
+        kv_aware = self.policy is PlacementPolicy.KV_AWARE
+        hashes = request.block_hashes
+        n_tokens, reserve = request.num_prompt_tokens, request.decode_reserve_blocks
+        w_overlap, w_running, w_waiting = self.overlap_weight, self.running_weight, self.waiting_weight
+        best_key: tuple[float, ...] | None = None
+        best: list[str] = []
+        for w in workers:
+            # NOTE: ``_score`` inlined (same arithmetic; test_placement_affinity checks choose == candidates[0]).
+            total, bs = w.total_blocks, w.block_size
+            if not w.healthy or total == 0 or -(-(n_tokens + request.max_tokens) // bs) > total:
+                continue
+            prompt_blocks = -(-n_tokens // bs)
+            cached = 0
+            if hashes:
+                cached = max(0, min(prefix_hits(w.worker_id, hashes), len(hashes), (n_tokens - 1) // bs))
+            need = prompt_blocks - cached + reserve
+            available = w.free_blocks + w.cached_evictable_blocks - w.blocks_in_flight
+            if need > available:
+                continue
+            usage_after = min(1.0, (total - available + need) / total)
+            load = w.running + w.waiting
+            if kv_aware:
+                cost = (w_overlap * (prompt_blocks - cached) / prompt_blocks + usage_after
+                        + w_running * w.running + w_waiting * w.waiting)  # fmt: skip
+                key: tuple[float, ...] = (cost, usage_after, load)
+            else:
+                key = (usage_after, load)
+            if best_key is None or key < best_key:
+                best_key, best = key, [w.worker_id]
+            elif key == best_key:
+                best.append(w.worker_id)
+        if len(best) <= 1:
+            return best[0] if best else None
+        return min(best, key=lambda worker_id: (-tie_rank(hashes, worker_id), worker_id))
 
     @staticmethod
     def fits_anywhere_ever(request: PlacementRequest, workers: Sequence[WorkerView]) -> bool:
@@ -281,6 +332,24 @@ class Placement:
         return any(request.blocks_needed_ever(w.block_size) <= w.total_blocks for w in workers)
 
     def _evaluate(self, request: PlacementRequest, worker: WorkerView, prefix_hits: PrefixHits) -> Candidate | None:
+        scored = self._score(request, worker, prefix_hits)
+        if scored is None:
+            return None
+        cached, need, usage_after, cost = scored
+        return Candidate(
+            worker_id=worker.worker_id,
+            cached_blocks=cached,
+            blocks_needed=need,
+            usage_after=usage_after,
+            requests=worker.running + worker.waiting,
+            cost=cost,
+            tie=-tie_rank(request.block_hashes, worker.worker_id),
+        )
+
+    def _score(
+        self, request: PlacementRequest, worker: WorkerView, prefix_hits: PrefixHits
+    ) -> tuple[int, int, float, float] | None:
+        """``(cached, need, usage_after, cost)`` on ``worker`` (module doc), or None if it does not fit now."""
         if not worker.healthy or worker.total_blocks == 0:
             return None
         bs = worker.block_size
@@ -302,17 +371,12 @@ class Placement:
             + self.running_weight * worker.running
             + self.waiting_weight * worker.waiting
         )
-        return Candidate(
-            worker_id=worker.worker_id,
-            cached_blocks=cached,
-            blocks_needed=need,
-            usage_after=usage_after,
-            requests=worker.running + worker.waiting,
-            cost=cost,
-        )
+        return cached, need, usage_after, cost
 
 
 def _check_unique(workers: Sequence[WorkerView]) -> None:
+    if len({w.worker_id for w in workers}) == len(workers):
+        return
     ids = sorted(w.worker_id for w in workers)
     for a, b in itertools.pairwise(ids):
         if a == b:

@@ -17,10 +17,20 @@ and grows by one per event. ``apply`` folds events in order:
 
 Set semantics (the emitters' contract): after ``stored(h)`` hash h is in the worker's pool,
 after ``removed(h)`` it is not; storing a present hash or removing an absent one is a no-op.
+
+Pending prefixes: a worker announces a block only after computing it, so same-prefix requests that
+arrive while the first is still in prefill would be placed by load alone and the prefix would be
+computed (and cached) on several workers. The router records each placement with
+``add_pending(worker, request_id, hashes)`` and forgets it with ``drop_pending(request_id)`` when
+the request ends or moves; ``affinity`` counts leading hashes that are cached *or* pending on a
+worker (placement's prefix lookup), while ``overlap`` stays "cached now" (what the worker can hit
+at once, e.g. for the blocks a placement promises). Pending entries survive gaps and resyncs (the
+router knows them itself) and go with ``remove_worker``.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -29,13 +39,12 @@ from workers.kv_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockS
 __all__ = ["AllBlocksCleared", "BlockEvent", "BlockRemoved", "BlockStored", "PrefixIndex"]
 
 
-
-
 @dataclass
 class _WorkerIndex:
     last_seq: int = 0
     needs_resync: bool = False
     hashes: set[int] = field(default_factory=set)
+    pending: Counter[int] = field(default_factory=Counter)  # hash -> placed requests whose prompt has it
 
 
 class PrefixIndex:
@@ -43,6 +52,7 @@ class PrefixIndex:
 
     def __init__(self) -> None:
         self._workers: dict[str, _WorkerIndex] = {}
+        self._pending: dict[str, tuple[str, tuple[int, ...]]] = {}  # request_id -> (worker_id, hashes)
 
     def apply(self, worker_id: str, events: Iterable[BlockEvent]) -> bool:
         """Fold a batch of ``worker_id``'s events, in order (see the module doc for seq rules).
@@ -120,6 +130,52 @@ class PrefixIndex:
             count += 1
         return count
 
+    def add_pending(self, worker_id: str, request_id: str, hashes: Sequence[int]) -> None:
+        """Record that ``request_id``, whose prompt has block ``hashes``, was placed on ``worker_id``.
+
+        Raises:
+            ValueError: ``request_id`` is already pending (drop it first when it moves).
+        """
+        if request_id in self._pending:
+            raise ValueError(f"request {request_id!r} is already pending on {self._pending[request_id][0]}")
+        chain = tuple(hashes)
+        self._pending[request_id] = (worker_id, chain)
+        self._workers.setdefault(worker_id, _WorkerIndex()).pending.update(chain)
+
+    def drop_pending(self, request_id: str) -> bool:
+        """Forget ``request_id``'s pending placement (it ended, failed or moves). False if unknown."""
+        entry = self._pending.pop(request_id, None)
+        if entry is None:
+            return False
+        worker_id, chain = entry
+        index = self._workers.get(worker_id)
+        if index is not None:
+            index.pending.subtract(chain)
+            for h in chain:
+                if index.pending[h] <= 0:
+                    del index.pending[h]
+        return True
+
+    def num_pending(self, worker_id: str | None = None) -> int:
+        """Pending requests on ``worker_id`` (all workers if None)."""
+        return sum(1 for w, _ in self._pending.values() if worker_id is None or w == worker_id)
+
+    def affinity(self, worker_id: str, hashes: Sequence[int]) -> int:
+        """Number of leading ``hashes`` cached on ``worker_id`` or pending there (see the module doc).
+
+        Placement's prefix lookup: where a prefix is, or is about to be. 0 for an unknown worker.
+        """
+        index = self._workers.get(worker_id)
+        if index is None:
+            return 0
+        present, pending = index.hashes, index.pending
+        count = 0
+        for h in hashes:
+            if h not in present and h not in pending:
+                break
+            count += 1
+        return count
+
     def overlaps(self, hashes: Sequence[int]) -> dict[str, int]:
         """``overlap`` for every known worker."""
         return {worker_id: self.overlap(worker_id, hashes) for worker_id in self._workers}
@@ -144,5 +200,8 @@ class PrefixIndex:
         return sorted(self._workers)
 
     def remove_worker(self, worker_id: str) -> None:
-        """Forget ``worker_id`` entirely (a no-op if unknown); it restarts at seq 0 if seen again."""
+        """Forget ``worker_id`` entirely, its pending placements too (a no-op if unknown); it restarts at
+        seq 0 if seen again."""
         self._workers.pop(worker_id, None)
+        for request_id in [r for r, (w, _) in self._pending.items() if w == worker_id]:
+            del self._pending[request_id]

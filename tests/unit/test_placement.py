@@ -111,7 +111,8 @@ def test_ties_broken_by_load_then_id():
     # charges requests, so make the cost equal with zero request weights).
     p = Placement(running_weight=0.0, waiting_weight=0.0)
     assert p.choose(r, [view("a", 50, running=5), view("b", 50, running=1)], no_hits) == "b"
-    # Fully equal -> lowest id.
+    # Fully equal, no full block to rank by -> lowest id (prefixed prompts: tests/unit/test_placement_affinity.py).
+    r = req(2 * BS, num_hashes=0)
     assert p.choose(r, [view("c", 50), view("b", 50), view("d", 50)], no_hits) == "b"
     assert Placement().choose(r, [view("c", 50), view("b", 50)], no_hits) == "b"
 
