@@ -271,8 +271,9 @@ def _policies(text: str) -> list[str]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``kvserve bench serve``."""
     from cluster.cli import _add_engine_arguments
+    from cluster.config import _workers_arg
     from cluster.remote_cli import add_connection_arguments
-    from cluster.serve_cli import UNSET, _workers_arg
+    from cluster.serve_cli import UNSET
 
     add_connection_arguments(p)
     t = p.add_argument_group("launch (instead of --server)")
