@@ -40,6 +40,13 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("tiny_qwen3")
+    init_random(d, arch="qwen3", size="tiny", seed=0)
+    return d
+
+
+@pytest.fixture(scope="session")
 def hf_greedy() -> HFGreedy:
     """``hf_greedy(model_dir, prompts, max_new_tokens)`` -> HF transformers greedy continuations.
 

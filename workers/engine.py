@@ -53,8 +53,9 @@ class LLMEngine:
             config.model, self.dtype, self.device, max(self.max_model_len, mc.max_position_embeddings)
         )
         self.tokenizer = load_tokenizer(config.model)
-        self.eos_token_id = (
-            self.tokenizer.eos_token_id if self.tokenizer is not None else (mc.eos_token_ids or (None,))[0]
+        # NOTE: every end id stops (a chat model ends its turn with <|im_end|>, not its primary EOS).
+        self.eos_token_ids = frozenset(
+            (self.tokenizer.eos_token_ids if self.tokenizer is not None else ()) or mc.eos_token_ids
         )
         self.model_id = config.model_id or str(Path(config.model).resolve())
 
@@ -212,7 +213,7 @@ class LLMEngine:
             new_chars = len(detok.add(token))
             text = detok.text
         reason = check_stop(
-            req.output_token_ids, text, params, self.eos_token_id,
+            req.output_token_ids, text, params, self.eos_token_ids,
             req.num_tokens >= self.max_model_len, new_char_count=new_chars,
         )  # fmt: skip
         visible = ""

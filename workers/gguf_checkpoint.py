@@ -16,6 +16,7 @@ dims, HF's pairs the two halves); ``tensors()`` undoes that so HF's formula appl
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -341,6 +342,18 @@ class GGUFCheckpoint:
 def _shortest(value: float) -> float:
     """A float32 metadata value as the decimal it was written from (1e-05, not 9.999999747378752e-06)."""
     return float(str(np.float32(value)))
+
+
+@functools.lru_cache(maxsize=4)
+def _open_cached(path: str, mtime_ns: int) -> GGUFCheckpoint:
+    return GGUFCheckpoint(path)
+
+
+def open_gguf(path: str | Path) -> GGUFCheckpoint:
+    """A ``GGUFCheckpoint`` for ``path``, shared between the config, weight and tokenizer loaders of
+    one process (parsing the metadata of a large vocabulary is not free); a rewritten file reopens."""
+    path = Path(path).resolve()
+    return _open_cached(str(path), path.stat().st_mtime_ns)
 
 
 def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
