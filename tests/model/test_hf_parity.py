@@ -2,8 +2,9 @@
 
 Random tiny Llama, Qwen2 and Qwen3 checkpoints (Qwen3: q/k norms, head_dim decoupled); a batch of
 mixed-length prompts (15/16/17 straddle a 16-token block boundary, 1 and 3 are shorter than a block,
-40 spans three blocks) under block sizes 1 and 16, recompute and swap preemption, chunked prefill and prefix-cache hits (partial and
-full). Every run checks pool integrity after each step and ends with every block released.
+40 spans three blocks) under block sizes 1 and 16, recompute and swap preemption, chunked prefill and
+prefix-cache hits (partial and full). Every run checks pool integrity after each step and ends with every
+block released.
 """
 
 from __future__ import annotations
