@@ -19,6 +19,14 @@ def test_eos_stops_unless_ignored() -> None:
     assert check_stop([5, EOS], None, SamplingParams(), (), False) is None  # unknown EOS
 
 
+def test_any_end_id_stops() -> None:
+    """Chat models end a turn with a token other than their primary EOS (<|im_end|> beside <|endoftext|>)."""
+    ends = frozenset({EOS, 77})
+    assert check_stop([5, 77], None, SamplingParams(), ends, False) == "stop"
+    assert check_stop([5, EOS], None, SamplingParams(), ends, False) == "stop"
+    assert check_stop([5, 77], None, SamplingParams(ignore_eos=True), ends, False) is None
+
+
 def test_stop_token_ids() -> None:
     p = SamplingParams(stop_token_ids=(7, 9), ignore_eos=True)
     assert check_stop([1, 9], None, p, (EOS,), False) == "stop"
