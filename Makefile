@@ -30,8 +30,10 @@ model-cache: setup
 	@$(BIN)/kvserve model fetch smollm2-135m-instruct >/dev/null \
 	  || echo "warning: could not fetch smollm2-135m-instruct; the real-model tests will be skipped"
 
+# ruff, then the import-linter layers contract of pyproject.toml ([tool.importlinter]).
 lint: setup
-	$(BIN)/ruff check .
+	$(BIN)/python -m ruff check .
+	$(BIN)/lint-imports
 
 test: setup prometheus model-cache lint
 	$(BIN)/python -m pytest -q

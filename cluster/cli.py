@@ -1,4 +1,5 @@
-"""The ``kvserve`` command line: model, generate, serve, status, top, demo, bench."""
+"""The ``kvserve`` command line: ``model`` and ``generate`` here; ``serve``, ``demo``, ``status``, ``top``,
+``bench`` and ``plan`` in the modules of ``COMMAND_MODULES``, each registering its own subcommands."""
 
 from __future__ import annotations
 
@@ -11,51 +12,20 @@ from pathlib import Path
 
 
 def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--dtype", default="auto", help="auto (checkpoint) | float32 | float16 | bfloat16")
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--num-gpu-blocks", type=int, default=None, help="pool size in blocks (overrides memory)")
-    g.add_argument("--kv-cache-memory", default="2GiB", help="KV pool size on CPU, e.g. 2GiB")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    g.add_argument("--preemption-mode", default="recompute", choices=("recompute", "swap", "auto"))
-    g.add_argument("--swap-space", type=float, default=0.0, help="GiB of host memory for swapped KV blocks")
-    g.add_argument("--seed", type=int, default=0, help="global seed for unseeded sampling")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp16", "bf16", "fp8", "int8"),
-                   help="KV element type: the model's; fp16/bf16; fp8 (float8_e4m3fn, per-tensor scale; 2x/4x "
-                        "the blocks of fp16/fp32); int8 (a scale per token and head)")
-    g.add_argument("--allocator", default="paged", choices=("paged", "contiguous"),
-                   help="contiguous = reserve each request's longest footprint up front (baseline)")
-    g.add_argument("--reserve", default="max_model_len", choices=("max_model_len", "max_tokens"),
-                   help="contiguous allocator: reserve max_model_len or prompt + max_tokens")
+    """A flag per EngineConfig field (``--block-size``...), generated from the dataclass (workers/knobs.py)."""
+    from workers.config import EngineConfig
+    from workers.knobs import add_arguments
+
+    add_arguments(p.add_argument_group("engine"), EngineConfig)
 
 
 def engine_config_from_args(args: argparse.Namespace):
+    """The EngineConfig of ``--model`` and the engine flags (ValueError on a bad value)."""
     from workers.config import EngineConfig
+    from workers.knobs import knobs
 
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        num_gpu_blocks=args.num_gpu_blocks,
-        kv_cache_memory=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_caching,
-        preemption_mode=args.preemption_mode,
-        swap_space=args.swap_space,
-        seed=args.seed,
-        kv_cache_dtype=args.kv_cache_dtype,
-        allocator=args.allocator,
-        reserve=args.reserve,
-    )
+    values = {f.name: getattr(args, f.name) for f in knobs(EngineConfig) if f.metadata["cli"]}
+    return EngineConfig(model=args.model, **values)
 
 
 def _add_sampling_arguments(p: argparse.ArgumentParser) -> None:

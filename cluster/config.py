@@ -21,10 +21,16 @@ there); the router's address and auth token reach the workers from the router, s
 section cannot set them. Unknown keys and bad values raise ``ValueError`` naming the key, e.g.
 ``engine.block_size: must be a positive power of two, got 12``. Flags override the file
 (``ClusterConfig.load(path, overrides)``), the file overrides the defaults.
+
+Each key's default, help and check are declared once, on its dataclass field (``knob(...)``,
+``workers/knobs.py``); this module only composes the sections, checks YAML types and names the
+key in errors. ``kvserve serve`` generates one flag per key from the same fields
+(``cluster/serve_cli.py``).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 from collections.abc import Mapping
@@ -35,12 +41,11 @@ from typing import Any
 import yaml
 
 from router.config import RouterConfig
-from router.placement import PlacementPolicy
 from workers.config import EngineConfig
-from workers.kv_cache import parse_bytes
-from workers.worker import WorkerOptions
+from workers.knobs import knob
+from workers.options import WorkerOptions
 
-# Ray names (DESIGN.md: the router is a detached, named actor so `kvserve status` can find it).
+# Ray names (docs/architecture.md: the router is a detached, named actor so `kvserve status` can find it).
 RAY_NAMESPACE = "kvserve"
 ROUTER_ACTOR_NAME = "kvserve-router"
 
@@ -51,6 +56,32 @@ _RESERVED = {
     "worker": {"router_address": None, "auth_token": "router.auth_token"},
 }
 _SECTIONS = {"engine": EngineConfig, "router": RouterConfig, "worker": WorkerOptions}
+
+
+# ---- command-line text -> top-level values ------------------------------------------------------
+def _workers_arg(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}")
+    return n
+
+
+def _address_arg(text: str) -> str | None:
+    return None if text in ("local", "") else text
+
+
+def _metrics_port_arg(text: str) -> int | None:
+    if text.lower() in ("off", "none"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number or 'off', got {text!r}") from None
 
 
 @dataclass(frozen=True)
@@ -74,15 +105,19 @@ class ClusterConfig:
         ValueError: a bad value, naming its key.
     """
 
-    model: str
-    address: str | None = None
-    workers: int | str = "auto"
-    port: int = 50051
-    metrics_port: int | None = 9400
-    host: str = "127.0.0.1"
-    cpus_per_worker: int = 1
-    spread: bool = False
-    ready_timeout_s: float = 600.0
+    model: str = knob(help="HF model directory (the same path on every node)")
+    address: str | None = knob(
+        None, help="Ray to join: auto | HOST:PORT (default: start a local Ray; 'local' on the CLI)", parse=_address_arg
+    )
+    workers: int | str = knob(
+        "auto", help="N | auto (default: one per GPU, else 2 CPU workers)", parse=_workers_arg
+    )
+    port: int = knob(50051, help="gRPC port of the API and WorkerLink (0 = pick a free one)")
+    metrics_port: int | None = knob(9400, help="Prometheus /metrics port (0 = free; off)", parse=_metrics_port_arg)
+    host: str = knob("127.0.0.1", help="bind address of the API and metrics")
+    cpus_per_worker: int = knob(1, help="Ray CPUs and torch threads per CPU worker")
+    spread: bool = knob(False, help="place workers on distinct nodes (placement group SPREAD)")
+    ready_timeout_s: float = knob(600.0, help="seconds to wait for every worker's Hello", flag="--ready-timeout")
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(model=""))
     router: RouterConfig = field(default_factory=RouterConfig)
     worker: WorkerOptions = field(default_factory=WorkerOptions)
@@ -231,7 +266,6 @@ def _build_section(name: str, value: Any, top_level: Mapping[str, Any]) -> Any:
             known = ", ".join(sorted(k for k in fields if k not in _RESERVED[name]))
             raise ValueError(f"{name}.{key}: unknown key (known: {known})")
         kwargs[key] = _check_type(f"{name}.{key}", fields[key].type, v)
-    _check_section_values(name, kwargs)
     if name == "engine":
         kwargs["model"] = top_level.get("model") or ""
     try:
@@ -240,36 +274,12 @@ def _build_section(name: str, value: Any, top_level: Mapping[str, Any]) -> Any:
         raise ValueError(_name_key(name, str(e), fields)) from None
 
 
-def _check_section_values(name: str, kwargs: dict[str, Any]) -> None:
-    """Checks the component configs leave to later (or word without naming the key)."""
-    if name == "router" and "placement_policy" in kwargs:
-        policies = [p.value for p in PlacementPolicy]
-        if kwargs["placement_policy"] not in policies:
-            raise ValueError(f"router.placement_policy: must be one of {policies}, got {kwargs['placement_policy']!r}")
-    if name == "engine":
-        if "watermark" in kwargs and not 0.0 <= kwargs["watermark"] < 1.0:
-            raise ValueError(f"engine.watermark: must be in [0, 1), got {kwargs['watermark']}")
-        if "kv_cache_memory" in kwargs:
-            try:
-                parse_bytes(kwargs["kv_cache_memory"])
-            except ValueError as e:
-                raise ValueError(f"engine.kv_cache_memory: {e}") from None
-    if name == "router":
-        for key in ("max_queue_requests", "max_queue_blocks"):
-            if kwargs.get(key, 0) < 0:
-                raise ValueError(f"router.{key}: must be >= 0, got {kwargs[key]}")
-    if name == "worker":
-        if kwargs.get("pressure_interval_ms", 0) < 0:
-            raise ValueError(f"worker.pressure_interval_ms: must be >= 0, got {kwargs['pressure_interval_ms']}")
-        if kwargs.get("stall_timeout_s", 1) <= 0:
-            raise ValueError(f"worker.stall_timeout_s: must be positive, got {kwargs['stall_timeout_s']}")
-
-
 def _name_key(section: str, message: str, fields: Mapping[str, Any]) -> str:
     """'block_size must be ...' from EngineConfig -> 'engine.block_size: must be ...'."""
     first = message.split(" ", 1)
-    if first[0] in fields and len(first) == 2 and first[1].startswith("must "):
-        return f"{section}.{first[0]}: {first[1]}"
+    key = first[0].removesuffix(":")
+    if key in fields and len(first) == 2 and (first[1].startswith("must ") or first[0].endswith(":")):
+        return f"{section}.{key}: {first[1]}"
     mentions = [(m.start(), key) for key in fields if (m := re.search(rf"\b{re.escape(key)}\b", message))]
     if mentions:  # the field the message mentions first
         return f"{section}.{min(mentions)[1]}: {message}"

@@ -17,9 +17,33 @@ from typing import Any
 
 from router.config import RouterConfig
 from workers.config import EngineConfig
-from workers.worker import WorkerOptions
+from workers.options import WorkerOptions
 
 logger = logging.getLogger(__name__)
+
+
+def init_ray(address: str | None, num_cpus: int | None = None, **kwargs: Any) -> bool:
+    """Start a local Ray (``address`` None) or join one; True if this process started it.
+
+    The one Ray start-up of kvserve (``serve``, ``demo`` and ``start_cluster`` all come here), so
+    ``address=None`` means the same everywhere.
+
+    NOTE: a local start passes ``address="local"``: a bare ``ray.init()`` would join whatever
+    cluster ``ray start`` last recorded in /tmp/ray, which is not what "start a local Ray" means.
+    """
+    import ray
+
+    from cluster.config import RAY_NAMESPACE
+
+    if ray.is_initialized():
+        return False
+    kwargs.setdefault("logging_level", logging.WARNING)
+    kwargs.setdefault("namespace", RAY_NAMESPACE)
+    if address is None:
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **kwargs)
+        return True
+    ray.init(address=address, **kwargs)
+    return False
 
 
 @dataclass
@@ -81,7 +105,8 @@ def start_cluster(
         engine_config: every worker's engine.
         num_workers: worker actors to start.
         router_config: the router's (host, port, auth, TLS, queue, placement...).
-        address: Ray address to join ("auto", "host:port"); None starts a local Ray if none runs.
+        address: Ray address to join ("auto", "host:port"); None starts a local Ray (``init_ray``)
+            unless this process already runs one.
         metrics_port: serve Prometheus ``/metrics`` here (None = off, 0 = a free port, see
             ``Cluster.metrics_port``).
         use_gpus: one GPU per worker; None = when the Ray cluster has GPUs.
@@ -97,10 +122,7 @@ def start_cluster(
     if num_workers <= 0:
         raise ValueError(f"num_workers must be positive, got {num_workers}")
     router_config = router_config or RouterConfig(model=engine_config.model)
-    owns_ray = False
-    if not ray.is_initialized():
-        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
-        owns_ray = address is None
+    owns_ray = init_ray(address)
     if use_gpus is None:
         use_gpus = ray.cluster_resources().get("GPU", 0) >= 1
     here = ray.get_runtime_context().get_node_id()

@@ -13,7 +13,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from workers.kv_cache import SCALE_BYTES, parse_bytes
+from workers.sizes import SCALE_BYTES, parse_bytes
 
 KV_DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
 

@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from cluster.launch import init_ray
+
 logger = logging.getLogger(__name__)
 
 
@@ -34,102 +36,59 @@ class _Unset:
 
 UNSET: Any = _Unset()
 
-# Engine flags (cluster/cli.py) whose dest differs from the EngineConfig field, with the mapping.
-_ENGINE_FLAG_FIELDS = {"no_prefix_caching": ("enable_prefix_caching", lambda v: not v)}
-# serve flags -> (section or None for the top level, key)
-_SERVE_FLAGS = {
-    "model": (None, "model"),
-    "address": (None, "address"),
-    "workers": (None, "workers"),
-    "port": (None, "port"),
-    "metrics_port": (None, "metrics_port"),
-    "host": (None, "host"),
-    "cpus_per_worker": (None, "cpus_per_worker"),
-    "spread": (None, "spread"),
-    "ready_timeout": (None, "ready_timeout_s"),
-    "auth_token": ("router", "auth_token"),
-    "tls_cert": ("router", "tls_cert"),
-    "tls_key": ("router", "tls_key"),
-    "tls_client_ca": ("router", "tls_client_ca"),
-    "placement_policy": ("router", "placement_policy"),
-}
+# Flag groups of ``serve``: (group title, cluster.yaml section or None for the top level, flag prefix).
+# Every flag is generated from its config dataclass (workers/knobs.py); the dest is "section.key".
+_FLAG_GROUPS = (
+    ("cluster", None, ""),
+    ("router", "router", ""),
+    ("engine", "engine", ""),
+    ("worker", "worker", "worker"),
+)
 
 
-def _workers_arg(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}")
-    return n
+def _section_classes() -> dict[str | None, type]:
+    from cluster.config import ClusterConfig
+    from router.config import RouterConfig
+    from workers.config import EngineConfig
+    from workers.options import WorkerOptions
 
-
-def _address_arg(text: str) -> str | None:
-    return None if text in ("local", "") else text
-
-
-def _metrics_port_arg(text: str) -> int | None:
-    if text.lower() in ("off", "none"):
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number or 'off', got {text!r}") from None
+    return {None: ClusterConfig, "router": RouterConfig, "engine": EngineConfig, "worker": WorkerOptions}
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    """Every ``kvserve serve`` flag (defaults: UNSET, so the YAML value or the default stands)."""
-    from cluster.cli import _add_engine_arguments
-    from router.placement import PlacementPolicy
+    """Every ``kvserve serve`` flag, one per config field (defaults: UNSET, so the YAML value or the default stands).
 
-    g = p.add_argument_group("cluster")
-    g.add_argument("--model", help="HF model directory (the same path on every node)")
-    g.add_argument("--config", default=None, help="cluster.yaml (see cluster/config.py); flags override it")
-    g.add_argument("--address", type=_address_arg, help="Ray to join: auto | HOST:PORT (default: start a local Ray)")
-    g.add_argument("--workers", type=_workers_arg, help="N | auto (default: one per GPU, else 2 CPU workers)")
-    g.add_argument("--host", help="bind address of the API and metrics (default: 127.0.0.1)")
-    g.add_argument("--port", type=int, help="gRPC port of the API (default: 50051; 0 = pick a free one)")
-    g.add_argument(
-        "--metrics-port", type=_metrics_port_arg, help="Prometheus /metrics port (default: 9400; 0 = free; off)"
-    )
-    g.add_argument("--cpus-per-worker", type=int, help="Ray CPUs and torch threads per CPU worker (default: 1)")
-    g.add_argument("--spread", action="store_true", help="place workers on distinct nodes (placement group SPREAD)")
-    g.add_argument("--ready-timeout", type=float, help="seconds to wait for every worker's Hello (default: 600)")
-    r = p.add_argument_group("router")
-    r.add_argument(
-        "--auth-token",
-        default=os.environ.get("KVSERVE_AUTH_TOKEN") or UNSET,
-        help="require 'authorization: Bearer TOKEN' (default: $KVSERVE_AUTH_TOKEN)",
-    )
-    r.add_argument("--tls-cert", help="PEM server certificate (TLS)")
-    r.add_argument("--tls-key", help="PEM server key")
-    r.add_argument("--tls-client-ca", help="PEM CA: require client certificates (mTLS)")
-    r.add_argument("--placement-policy", choices=[x.value for x in PlacementPolicy])
-    before = set(vars(p.parse_known_args([])[0]))
-    _add_engine_arguments(p)
-    engine_dests = sorted(set(vars(p.parse_known_args([])[0])) - before)
-    defaults: dict[str, Any] = {dest: UNSET for dest in engine_dests}
-    defaults.update({dest: UNSET for dest in _SERVE_FLAGS if dest != "auth_token"})
-    p.set_defaults(**defaults, engine_flags=tuple(engine_dests))
+    Flags: the cluster's top-level keys (``--model``, ``--workers``, ...), the router's and the
+    engine's fields under their own names (``--placement-policy``, ``--block-size``), the worker's
+    with a ``--worker-`` prefix (``--worker-stall-timeout-s``).
+    """
+    from workers.knobs import add_arguments
+
+    p.add_argument("--config", default=None, help="cluster.yaml (see cluster/config.py); flags override it")
+    classes = _section_classes()
+    flags: dict[str, tuple[str | None, str]] = {}
+    for title, section, prefix in _FLAG_GROUPS:
+        group = p.add_argument_group(title)
+        dests = add_arguments(
+            group,
+            classes[section],
+            prefix=prefix,
+            dest_prefix=f"{section}." if section else "",
+            unset=UNSET,
+            environ=os.environ,
+        )
+        flags.update({dest: (section, key) for dest, key in dests.items()})
+    p.set_defaults(knob_flags=flags)
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The flags given on the command line, shaped like cluster.yaml (ClusterConfig.load overrides)."""
     out: dict[str, Any] = {}
-    for dest, (section, key) in _SERVE_FLAGS.items():
-        value = getattr(args, dest, UNSET)
-        if value is UNSET or (dest == "spread" and value is False):
-            continue
-        (out.setdefault(section, {}) if section else out)[key] = value
-    for dest in getattr(args, "engine_flags", ()):
+    for dest, (section, key) in getattr(args, "knob_flags", {}).items():
         value = getattr(args, dest, UNSET)
         if value is UNSET:
             continue
-        key, convert = _ENGINE_FLAG_FIELDS.get(dest, (dest, lambda v: v))
-        out.setdefault("engine", {})[key] = convert(value)
+        (out.setdefault(section, {}) if section else out)[key] = value
     return out
 
 
@@ -186,27 +145,6 @@ def stop_all(cluster: Any, started_ray: bool) -> None:
             cluster.shutdown()
         if started_ray and ray.is_initialized():
             ray.shutdown()
-
-
-def init_ray(address: str | None, num_cpus: int | None = None, **kwargs: Any) -> bool:
-    """Start a local Ray (``address`` None) or join one; True if this process started it.
-
-    NOTE: a local start passes ``address="local"``: a bare ``ray.init()`` would join whatever
-    cluster ``ray start`` last recorded in /tmp/ray, which is not what "start a local Ray" means.
-    """
-    import ray
-
-    from cluster.config import RAY_NAMESPACE
-
-    if ray.is_initialized():
-        return False
-    kwargs.setdefault("logging_level", logging.WARNING)
-    kwargs.setdefault("namespace", RAY_NAMESPACE)
-    if address is None:
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **kwargs)
-        return True
-    ray.init(address=address, **kwargs)
-    return False
 
 
 def serve(cfg, *, out=None, poll_s: float = 5.0) -> int:  # noqa: ANN001 - ClusterConfig

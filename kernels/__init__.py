@@ -1,7 +1,9 @@
 """Backend selection: Triton kernels on CUDA, the torch reference on CPU.
 
 ``KVSERVE_ATTENTION_BACKEND=triton|torch`` overrides the choice; Triton on a CPU tensor needs
-``TRITON_INTERPRET=1`` (slow; for tests). The engine calls only ``get_backend()``.
+``TRITON_INTERPRET=1`` (slow; for tests). Workers run kernels through ``get_backend()`` (the model's
+attention and the KV cache's stores and copies); ``workers/kv_cache.py`` also calls ``reference``
+directly for host swap copies and raw-byte views, which need no kernel.
 """
 
 from __future__ import annotations
@@ -12,6 +14,11 @@ from types import ModuleType
 import torch
 
 BACKENDS = ("triton", "torch")
+
+
+def triton_interpreting() -> bool:
+    """Whether ``TRITON_INTERPRET`` is on (Triton kernels then run on CPU tensors, slowly)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
 def backend_name(device: torch.device | str | None = None) -> str:

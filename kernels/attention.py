@@ -1,6 +1,6 @@
 """Triton paged attention over the fixed KV layout: decode (flash-decoding, split-K) and prefill/extend.
 
-KV cache, one tensor per layer (DESIGN.md): ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+KV cache, one tensor per layer (docs/architecture.md): ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
 Token ``t`` of sequence ``s`` lives at ``block_tables[s, t // block_size]``, row ``t % block_size``.
 
 Kernels
@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels import triton_interpreting
 from kernels.cache_ops import check_kv_quantization
 
 _LOG2E = 1.4426950408889634
@@ -407,14 +407,10 @@ def _num_sms(device: torch.device) -> int:
 # --------------------------------------------------------------------------------------------- checks
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
-
-
 def _check_device(t: torch.Tensor, what: str) -> None:
     if t.device.type == "cuda":
         return
-    if t.device.type == "cpu" and _interpreting():
+    if t.device.type == "cpu" and triton_interpreting():
         if t.dtype == torch.bfloat16:
             raise ValueError(
                 f"{what}: bfloat16 is not supported by the Triton interpreter on CPU; "

@@ -1,6 +1,6 @@
 """Triton cache ops over the fixed KV layout: store K/V by slot, copy blocks, swap blocks.
 
-KV cache, one tensor per layer (DESIGN.md): ``[2, num_blocks, block_size, num_kv_heads, head_dim]``;
+KV cache, one tensor per layer (docs/architecture.md): ``[2, num_blocks, block_size, num_kv_heads, head_dim]``;
 ``slot = block_id * block_size + offset``; a negative slot is skipped.
 
 Quantized caches (same contract as ``kernels.reference``):
@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels import reference
+from kernels import reference, triton_interpreting
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -185,12 +184,8 @@ def _copy_blocks_kernel(
 # --------------------------------------------------------------------------------------------- checks
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
-
-
 def _triton_runs_on(device: torch.device) -> bool:
-    return device.type == "cuda" or (device.type == "cpu" and _interpreting())
+    return device.type == "cuda" or (device.type == "cpu" and triton_interpreting())
 
 
 def _check_cache(name: str, cache: torch.Tensor, what: str = "kv_cache") -> None:

@@ -1,6 +1,6 @@
 """Plain-torch paged-attention and cache ops: the CPU backend and the Triton kernels' reference.
 
-KV cache layout (fixed by DESIGN.md), one tensor per layer:
+KV cache layout (fixed by docs/architecture.md), one tensor per layer:
     kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]   (0 = K, 1 = V)
 Token ``t`` of a sequence lives in slot ``block_table[t // block_size] * block_size + t % block_size``.
 A negative slot in ``slot_mapping`` means "do not store" (padding, or a token already cached).

@@ -14,14 +14,34 @@ does not fit, lower classes may still be served.
 NOTE: this keeps the cluster busy behind one large high-priority request at the price that small
 lower-priority requests can delay it while blocks are scarce; a strict global head-of-line queue
 would instead idle every worker until the big one fits.
+
+Admission that answers in time (``admit``): besides the bounds, a request is queued only if its
+projected start is within its own deadline and ``max_wait_s``; otherwise it is refused at once
+with a ``retry_after_ms`` no shorter than that projection. The projection
+(``projected_wait_s``) is the work queued ahead of it divided by the recent drain rate:
+
+    wait = max((requests ahead + 1) / requests drained per s, (blocks ahead + its blocks) / blocks drained per s)
+
+"Ahead" is every queued request of its priority or higher (they are served first). The drain rate
+counts what ``pop_ready`` took off the queue over the last ``drain_window_s``. NOTE: pops happen
+only when running work completes and frees blocks, so under saturation the rate is the cluster's
+real completion rate, and a burst of arrivals cannot inflate it (direct placements are not
+pops); when the queue is only briefly used it under-estimates capacity, which errs on refusing.
+With no drain observed (a cold start, or nothing finished for a whole window) the wait is
+unknown: only a request with nobody ahead of it is queued (it will be the first to start), the
+others are refused with the "unknown" retry hint. Queued requests whose deadline passes are
+taken out by ``expired`` without ever reaching a worker.
 """
 
 from __future__ import annotations
 
 import enum
+import heapq
+import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 
@@ -47,6 +67,24 @@ class RejectReason(str, enum.Enum):
     QUEUE_FULL_REQUESTS = "queue_full_requests"
     QUEUE_FULL_BLOCKS = "queue_full_blocks"
     NEVER_FITS = "never_fits"
+    WAIT_EXCEEDS_DEADLINE = "wait_exceeds_deadline"  # projected start after the client's deadline
+    WAIT_EXCEEDS_MAX = "wait_exceeds_max"  # projected start beyond max_wait_s
+    WAIT_UNKNOWN = "wait_unknown"  # no drain observed yet and others already waiting
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why ``admit`` refused a request and when to retry.
+
+    Attributes:
+        reason: The rule that refused it (metric label).
+        retry_after_ms: For the "retry-after-ms" trailer: never shorter than the projected wait.
+        projected_wait_s: The projected wait before it could start; None when unknown.
+    """
+
+    reason: RejectReason
+    retry_after_ms: int
+    projected_wait_s: float | None
 
 
 class AdmissionState(str, enum.Enum):
@@ -94,9 +132,11 @@ class AdmissionQueue(Generic[T]):
             worker can eventually wait its turn; the real bound is ``max(max_blocks, one item)``.
         clock: monotonic seconds (injectable for tests).
         drain_window_s: how far back ``pop_ready`` drains count towards the drain rate.
+        max_wait_s: ``admit`` refuses a request whose projected wait exceeds this.
+        unknown_retry_ms: the retry hint when the wait cannot be projected (no drain observed).
 
     Raises:
-        ValueError: a negative bound or a non-positive window.
+        ValueError: a negative bound or a non-positive window or wait.
     """
 
     def __init__(
@@ -106,11 +146,20 @@ class AdmissionQueue(Generic[T]):
         *,
         clock: Callable[[], float] = time.monotonic,
         drain_window_s: float = 30.0,
+        max_wait_s: float = 30.0,
+        unknown_retry_ms: int = 1_000,
     ) -> None:
         if max_requests < 0 or max_blocks < 0:
             raise ValueError(f"queue bounds must be >= 0, got {max_requests=} {max_blocks=}")
         if drain_window_s <= 0:
             raise ValueError(f"drain_window_s must be positive, got {drain_window_s}")
+        if not max_wait_s > 0 or unknown_retry_ms <= 0:
+            raise ValueError(f"max_wait_s and unknown_retry_ms must be positive, got {max_wait_s=} {unknown_retry_ms=}")
+        self.max_wait_s = max_wait_s
+        self.unknown_retry_ms = unknown_retry_ms
+        self._deadlines: list[tuple[float, int, str]] = []  # heap of (deadline, tie, request_id)
+        self._deadline_of: dict[str, float] = {}
+        self._tie = 0
         self.max_requests = max_requests
         self.max_blocks = max_blocks
         self._clock = clock
@@ -118,6 +167,7 @@ class AdmissionQueue(Generic[T]):
         self._created = clock()
         self._classes: dict[int, OrderedDict[str, T]] = {}
         self._priority_of: dict[str, int] = {}
+        self._class_blocks: dict[int, int] = {}  # sum of num_blocks per priority class
         self._num_blocks = 0
         self._drains: deque[tuple[float, int]] = deque()  # (time, blocks) per item popped
         self._rejections = {reason: 0 for reason in RejectReason}
@@ -163,7 +213,107 @@ class AdmissionQueue(Generic[T]):
         self._classes.setdefault(item.priority, OrderedDict())[item.request_id] = item
         self._priority_of[item.request_id] = item.priority
         self._num_blocks += item.num_blocks
+        self._class_blocks[item.priority] = self._class_blocks.get(item.priority, 0) + item.num_blocks
         return True
+
+    def admit(self, item: T, *, fits_ever: bool = True, deadline: float | None = None) -> Refusal | None:
+        """Queue ``item`` only if it fits the bounds and is projected to start in time.
+
+        Args:
+            item: the request record (not yet queued).
+            fits_ever: as ``check``.
+            deadline: the client's deadline on this queue's clock (monotonic seconds), or None for
+                no deadline; the item leaves the queue through ``expired`` once it passes.
+
+        Returns:
+            None if queued; else the ``Refusal`` (counted in ``rejections_total``). NOTE: a refusal
+            by the bounds also carries a retry hint no shorter than the projected wait, since
+            retrying sooner than work can start only earns another refusal.
+
+        Raises:
+            ValueError: as ``check``.
+        """
+        now = self._clock()
+        reason = self.check(item, fits_ever=fits_ever)
+        wait = self.projected_wait_s(item.num_blocks, item.priority)
+        if reason is None:
+            if deadline is not None and deadline <= now:
+                reason = RejectReason.WAIT_EXCEEDS_DEADLINE
+            elif wait is None:
+                if self._requests_ahead(item.priority) > 0:
+                    reason = RejectReason.WAIT_UNKNOWN
+            elif deadline is not None and wait > deadline - now:
+                reason = RejectReason.WAIT_EXCEEDS_DEADLINE
+            elif wait > self.max_wait_s:
+                reason = RejectReason.WAIT_EXCEEDS_MAX
+        if reason is None:
+            self.offer(item, fits_ever=fits_ever)
+            if deadline is not None:
+                self._tie += 1
+                heapq.heappush(self._deadlines, (deadline, self._tie, item.request_id))
+                self._deadline_of[item.request_id] = deadline
+            return None
+        self._rejections[reason] += 1
+        if wait is None:
+            retry = self.unknown_retry_ms if reason is not RejectReason.NEVER_FITS else 0
+            if reason in (RejectReason.QUEUE_FULL_REQUESTS, RejectReason.QUEUE_FULL_BLOCKS):
+                retry = self.retry_after_ms(item.num_blocks)
+        else:
+            retry = max(self.retry_after_ms(item.num_blocks), math.ceil(wait * 1000))
+        return Refusal(reason, retry, wait)
+
+    def expired(self) -> list[T]:
+        """Take out, and return, queued items whose deadline (given to ``admit``) has passed.
+
+        Oldest deadline first. Items already gone (popped, removed) are skipped.
+        """
+        now = self._clock()
+        out: list[T] = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, _, rid = heapq.heappop(self._deadlines)
+            if self._deadline_of.get(rid) == deadline and rid in self._priority_of:
+                out.append(self._take(rid))
+        return out
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline among queued items (when to call ``expired`` next), or None."""
+        while self._deadlines and self._deadline_of.get(self._deadlines[0][2]) != self._deadlines[0][0]:
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def projected_wait_s(self, num_blocks: int = 0, priority: int | None = None) -> float | None:
+        """Projected seconds before a newcomer of ``num_blocks`` blocks and ``priority`` could start.
+
+        Args:
+            num_blocks: the newcomer's blocks.
+            priority: its priority; None for the back of the whole queue (the wait any newcomer of
+                the lowest priority faces: what the projected-wait metric shows).
+
+        Returns:
+            0.0 when nothing is queued ahead and it needs no blocks; None when the wait cannot be
+            projected (no drain observed in the window); else the projection (module doc).
+        """
+        ahead_requests = self._requests_ahead(priority)
+        ahead_blocks = self._blocks_ahead(priority)
+        if ahead_requests == 0 and num_blocks == 0:
+            return 0.0
+        requests_per_s, blocks_per_s = self.drain_rate()
+        if requests_per_s <= 0:
+            return None
+        wait = (ahead_requests + 1) / requests_per_s
+        if ahead_blocks + num_blocks > 0:
+            if blocks_per_s <= 0:
+                return None
+            wait = max(wait, (ahead_blocks + num_blocks) / blocks_per_s)
+        return wait
+
+    def _requests_ahead(self, priority: int | None) -> int:
+        return sum(len(c) for p, c in self._classes.items() if priority is None or p >= priority)
+
+    def _blocks_ahead(self, priority: int | None) -> int:
+        if priority is None:
+            return self._num_blocks
+        return sum(b for p, b in self._class_blocks.items() if p >= priority)
 
     def pop_ready(self, fits: Callable[[T], bool]) -> Iterator[T]:
         """Yield, and remove, queued items that fit now, in service order.
@@ -195,11 +345,15 @@ class AdmissionQueue(Generic[T]):
 
     def _take(self, request_id: str) -> T:
         priority = self._priority_of.pop(request_id)
+        self._deadline_of.pop(request_id, None)
         cls = self._classes[priority]
         item = cls.pop(request_id)
         if not cls:
             del self._classes[priority]
         self._num_blocks -= item.num_blocks
+        self._class_blocks[priority] -= item.num_blocks
+        if not cls:
+            del self._class_blocks[priority]
         return item
 
     # ------------------------------------------------------------------ counts

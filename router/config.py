@@ -1,46 +1,60 @@
-"""RouterConfig: the router's knobs, validated once, frozen."""
+"""RouterConfig: the router's knobs, declared, documented and validated here only.
+
+The ``router:`` section of ``cluster.yaml`` and the router flags of ``kvserve serve`` are
+generated from these fields (``workers/knobs.py``).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from router.placement import PlacementPolicy
+from workers.knobs import FRACTION, NON_NEGATIVE, PORT, POSITIVE, knob, validate
 
 
 @dataclass(frozen=True)
 class RouterConfig:
-    host: str = "127.0.0.1"  # NOTE: loopback by default; serving beyond it is a deliberate choice
-    port: int = 50051  # client API and WorkerLink (0 = pick a free port)
-    model: str = ""  # model directory, for the tokenizer (text prompts)
-    auth_token: str | None = None
-    tls_cert: str | None = None  # PEM server certificate
-    tls_key: str | None = None
-    tls_client_ca: str | None = None  # PEM CA: require client certificates (mTLS)
-    max_message_bytes: int = 16 << 20
-    placement_policy: str = PlacementPolicy.KV_AWARE.value
-    max_queue_requests: int = 1024
-    max_queue_blocks: int = 1 << 20
-    default_max_tokens: int = 256
+    """The router's knobs; ``host``, ``port`` and ``model`` come from the cluster's top level.
+
+    Raises:
+        ValueError: a bad value, ``"<field> must be ..., got <value>"``, or a broken pairing rule.
+    """
+
+    # NOTE: loopback by default; serving beyond it is a deliberate choice
+    host: str = knob("127.0.0.1", help="bind address of the API and WorkerLink", cli=False)
+    port: int = knob(50051, help="client API and WorkerLink port (0 = pick a free port)", check=PORT, cli=False)
+    model: str = knob("", help="model directory, for the tokenizer (text prompts)", cli=False)
+    auth_token: str | None = knob(None, help="require 'authorization: Bearer TOKEN'", env="KVSERVE_AUTH_TOKEN")
+    tls_cert: str | None = knob(None, help="PEM server certificate (TLS)")
+    tls_key: str | None = knob(None, help="PEM server key")
+    tls_client_ca: str | None = knob(None, help="PEM CA: require client certificates (mTLS)")
+    max_message_bytes: int = knob(16 << 20, help="largest gRPC message", check=POSITIVE)
+    placement_policy: str = knob(
+        PlacementPolicy.KV_AWARE.value, help="where a request goes", choices=[p.value for p in PlacementPolicy]
+    )
+    max_queue_requests: int = knob(
+        1024, help="requests queued at the router before RESOURCE_EXHAUSTED", check=NON_NEGATIVE
+    )
+    max_queue_blocks: int = knob(1 << 20, help="KV blocks the queued requests may need", check=NON_NEGATIVE)
+    max_queue_wait_s: float = knob(
+        30.0, help="queue a request only if its projected start is within this (and its own deadline)", check=POSITIVE
+    )
+    default_max_tokens: int = knob(256, help="max_tokens of a request that gives none", check=POSITIVE)
     # Cluster-level pressure: migrate off a worker above high while another is below low.
-    high_watermark: float = 0.9
-    low_watermark: float = 0.6
-    enable_migration: bool = True
-    enable_priority_preemption: bool = True
-    stale_report_s: float = 5.0  # no pressure report for this long -> unhealthy
-    health_check_interval_s: float = 2.0
+    high_watermark: float = knob(0.9, help="migrate off a worker whose pool usage is above this", check=FRACTION)
+    low_watermark: float = knob(0.6, help="... onto a worker whose pool usage is below this", check=FRACTION)
+    enable_migration: bool = knob(True, help="never migrate requests between workers", flag="--no-migration")
+    enable_priority_preemption: bool = knob(
+        True, help="never preempt running work for a higher-priority request", flag="--no-priority-preemption"
+    )
+    stale_report_s: float = knob(5.0, help="no pressure report for this long = unhealthy worker", check=POSITIVE)
+    health_check_interval_s: float = knob(2.0, help="how often worker health is checked", check=POSITIVE)
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        PlacementPolicy(self.placement_policy)  # raises ValueError naming the bad policy
+        validate(self)
         if not 0.0 <= self.low_watermark <= self.high_watermark <= 1.0:
             raise ValueError("need 0 <= low_watermark <= high_watermark <= 1")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key go together")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key")
-        for name in ("max_message_bytes", "default_max_tokens", "stale_report_s", "health_check_interval_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
-        if self.max_queue_requests < 0 or self.max_queue_blocks < 0:
-            raise ValueError("queue limits must be >= 0")

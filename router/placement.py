@@ -29,13 +29,12 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from workers.block_pool import blocks_for
+
+__all__ = ["Candidate", "Placement", "PlacementPolicy", "PlacementRequest", "WorkerView", "blocks_for"]
+
 # (worker_id, prompt block hashes) -> number of leading hashes cached on that worker.
 PrefixHits = Callable[[str, Sequence[int]], int]
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    """Blocks needed to hold ``num_tokens`` tokens (ceil division)."""
-    return -(-num_tokens // block_size)
 
 
 @dataclass(frozen=True)
@@ -53,6 +52,12 @@ class WorkerView:
         waiting: requests queued inside the worker.
         blocks_in_flight: blocks the router promised to requests placed on this worker that the
             last report does not yet reflect.
+        used_blocks: blocks held by requests (ref count > 0), from the last report.
+        reported: False until the first report arrives (the counts above are then defaults).
+        blocks_migrating_in: blocks of requests migrated here that the last report does not
+            reflect yet (router/rebalance.py ``MigrationLedger``).
+        blocks_migrating_out: blocks of requests migrated away that the last report still counts.
+        swap_blocks: host swap space, in blocks (0 = the worker cannot swap).
 
     Raises:
         ValueError: non-positive block_size or a negative count.
@@ -67,6 +72,11 @@ class WorkerView:
     running: int = 0
     waiting: int = 0
     blocks_in_flight: int = 0
+    used_blocks: int = 0
+    reported: bool = True
+    blocks_migrating_in: int = 0
+    blocks_migrating_out: int = 0
+    swap_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -78,14 +88,30 @@ class WorkerView:
             "running",
             "waiting",
             "blocks_in_flight",
+            "used_blocks",
+            "blocks_migrating_in",
+            "blocks_migrating_out",
+            "swap_blocks",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{self.worker_id}: {name} must be >= 0, got {getattr(self, name)}")
 
     @property
     def available_blocks(self) -> int:
-        """Blocks a new request could take now: free + evictable - promised (may be negative)."""
-        return self.free_blocks + self.cached_evictable_blocks - self.blocks_in_flight
+        """Blocks a new request could take now: free + evictable - promised - migrating in (may be
+        negative). NOTE: blocks migrating out are not counted as available before a report shows
+        them freed (placing on them early could overcommit if the export is undone)."""
+        return self.free_blocks + self.cached_evictable_blocks - self.blocks_in_flight - self.blocks_migrating_in
+
+    @property
+    def committed_blocks(self) -> int:
+        """Blocks held by requests once the migrations the last report misses have landed."""
+        return max(0, self.used_blocks + self.blocks_migrating_in - self.blocks_migrating_out)
+
+    @property
+    def usage(self) -> float:
+        """``committed_blocks / total_blocks`` (0 for an empty pool)."""
+        return self.committed_blocks / self.total_blocks if self.total_blocks else 0.0
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,9 @@
-"""The Router: request table, placement, admission, demux of worker outputs, cluster-level pressure.
+"""The Router: request table, placement, admission, cluster-level pressure, health and status.
+
+It decides nothing about policy itself: placement (router/placement.py), admission
+(router/admission.py), migration and priority preemption (router/rebalance.py) are pure modules
+over ``WorkerView``s; output ordering and de-duplication is router/demux.py. The Router builds
+their inputs from its tables and carries out what they return.
 
 Everything here runs on one asyncio loop (the Ray actor's, or a test's), so the tables need no
 locks. Workers are Ray actor handles (requests go in by Ray calls); what comes back (outputs,
@@ -13,7 +18,7 @@ which frees its blocks at the next step boundary.
 from __future__ import annotations
 
 import asyncio
-import itertools
+import dataclasses
 import logging
 import time
 import uuid
@@ -23,13 +28,24 @@ from typing import Any
 
 import grpc
 
-from cluster import metrics
 from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import worker_pb2 as pb
+from router import metrics
 from router.admission import AdmissionQueue, RejectReason
 from router.config import RouterConfig
-from router.placement import Placement, PlacementRequest, WorkerView, blocks_for
+from router.demux import demux_output
+from router.placement import Placement, PlacementRequest, WorkerView
 from router.prefix_index import AllBlocksCleared, BlockRemoved, BlockStored, PrefixIndex
+from router.rebalance import (
+    Migration,
+    MigrationLedger,
+    RunningRequest,
+    WaitingRequest,
+    Watermarks,
+    plan_migration,
+    plan_preemption,
+)
+from router.request import RouterError, RouterRequest
 from router.validation import (
     MAX_TEXT_CHARS,
     ModelLimits,
@@ -40,80 +56,33 @@ from router.validation import (
 )
 from router.worker_link import WorkerLinkHandler, WorkerLinkService
 from workers.block_hash import cache_extra, hash_blocks
-from workers.sampling_params import SamplingParams
+from workers.block_pool import blocks_for
+from workers.identity import WorkerIdentity
+
+__all__ = ["Router", "RouterError", "RouterRequest", "WorkerEntry"]
 
 logger = logging.getLogger(__name__)
 
 
-class RouterError(Exception):
-    """A request refused or ended with a gRPC status (and optional trailing metadata)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, trailers: tuple[tuple[str, str], ...] = ()) -> None:
-        super().__init__(message)
-        self.code, self.message, self.trailers = code, message, trailers
-
-
 @dataclass
 class WorkerEntry:
-    worker_id: str
+    """The router's table row for one worker. Link state (connected or not) lives in the
+    WorkerLinkService only; ``healthy`` is the health checks' verdict."""
+
+    identity: WorkerIdentity
     handle: Any  # Ray actor handle of workers.worker.Worker
-    info: dict[str, Any]
     report: pb.PressureReport | None = None
     report_time: float = 0.0
-    connected: bool = False
     healthy: bool = True
     in_flight: dict[str, int] = field(default_factory=dict)  # request id -> blocks promised, not yet reported
     # Requests whose first output arrived: the next pressure report (same ordered stream) counts
     # their blocks, so their promise is dropped then, not earlier.
     started: set[str] = field(default_factory=set)
     migrations_out: int = 0
-    migrating: bool = False
-
-    def view(self) -> WorkerView:
-        r = self.report
-        total = int(self.info["total_blocks"])
-        return WorkerView(
-            worker_id=self.worker_id,
-            healthy=self.healthy and self.connected,
-            block_size=int(self.info["block_size"]),
-            total_blocks=total,
-            free_blocks=int(r.free_blocks) if r else total,
-            cached_evictable_blocks=int(r.cached_evictable_blocks) if r else 0,
-            running=int(r.num_running) if r else 0,
-            waiting=int(r.num_waiting) if r else 0,
-            blocks_in_flight=sum(self.in_flight.values()),
-        )
 
     @property
-    def usage(self) -> float:
-        r = self.report
-        return r.used_blocks / r.total_blocks if r and r.total_blocks else 0.0
-
-
-@dataclass(eq=False)
-class RouterRequest:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    priority: int
-    tenant: str
-    block_hashes: tuple[int, ...]
-    num_blocks: int  # prompt blocks, for queue accounting
-    arrival: float = field(default_factory=time.monotonic)
-    responses: asyncio.Queue = field(default_factory=asyncio.Queue)
-    worker_id: str | None = None
-    target: str | None = None  # placement decided, dispatch pending
-    tokens_received: int = 0
-    finished: bool = False
-    cancelled: bool = False
-    cached_tokens: int = 0
-    preemptions: int = 0
-    swaps: int = 0
-    migrations: int = 0
-    router_preempted: bool = False
-    held: list[tuple[str, pb.RequestOutput]] = field(default_factory=list)  # outputs past a gap
-    first_token_time: float | None = None
-    last_token_time: float | None = None
+    def worker_id(self) -> str:
+        return self.identity.worker_id
 
 
 class Router(WorkerLinkHandler):
@@ -129,37 +98,47 @@ class Router(WorkerLinkHandler):
         self.link = WorkerLinkService(self)
         self.model_id = ""
         self.block_size = 16
-        self._ids = itertools.count()
+        self.watermarks = Watermarks(config.high_watermark, config.low_watermark)
+        self.ledger = MigrationLedger()
+        self._migrating: set[str] = set()  # workers in a migration now (source or destination)
         self._tasks: set[asyncio.Task] = set()
-        self._worker_ready = asyncio.Event()
-        self._hello_waiters: dict[str, asyncio.Event] = {}
-        self.num_migrations = 0
-        self.num_router_preemptions = 0
 
     # ---- workers ---------------------------------------------------------------------------
-    def add_worker(self, worker_id: str, handle: Any, info: dict[str, Any]) -> None:
-        """Register a worker actor (``info`` = its ``ready()``); it serves once its WorkerLink says Hello."""
-        if self.workers and info["block_size"] != self.block_size:
-            raise ValueError(f"worker {worker_id}: block size {info['block_size']} != cluster's {self.block_size}")
-        self.block_size = int(info["block_size"])
-        self.model_id = str(info["model_id"])
-        limits = ModelLimits(int(info["vocab_size"]), int(info["max_model_len"]), self.config.default_max_tokens)
+    def add_worker(self, worker_id: str, handle: Any, identity: WorkerIdentity) -> None:
+        """Register a worker actor (``identity`` = its ``ready()``); it serves once its WorkerLink
+        says Hello.
+
+        Raises:
+            ValueError: the identity names another worker, or its block size differs from the
+                cluster's.
+        """
+        if identity.worker_id != worker_id:
+            raise ValueError(f"worker {worker_id}: its identity says {identity.worker_id!r}")
+        if self.workers and identity.block_size != self.block_size:
+            raise ValueError(f"worker {worker_id}: block size {identity.block_size} != cluster's {self.block_size}")
+        self.block_size = identity.block_size
+        self.model_id = identity.model_id
+        limits = ModelLimits(identity.vocab_size, identity.max_model_len, self.config.default_max_tokens)
         self.limits = limits if self.limits is None else self.limits
         entry = self.workers.get(worker_id)
         if entry is None:
-            entry = self.workers[worker_id] = WorkerEntry(worker_id, handle, info)
+            entry = self.workers[worker_id] = WorkerEntry(identity, handle)
         else:
-            entry.handle, entry.info = handle, info
+            entry.handle, entry.identity = handle, identity
         # Its WorkerLink may have said Hello before this registration.
-        entry.connected = self.link.connected(worker_id)
-        metrics.WORKER_UP.labels(worker_id).set(1 if entry.connected else 0)
+        metrics.WORKER_UP.labels(worker_id).set(1 if self.link.connected(worker_id) else 0)
+        if self.link.connected(worker_id):
+            self._worker_ready.set()
+
+    def ready_event(self) -> asyncio.Event:
+        """Set once a registered worker has said Hello: the cluster can serve (readiness)."""
+        return self._worker_ready
 
     async def wait_for_workers(self, worker_ids: list[str], timeout: float) -> None:
-        """Until every listed worker has connected its WorkerLink; TimeoutError otherwise."""
+        """Until every listed worker is registered and has connected its WorkerLink; TimeoutError otherwise."""
         deadline = time.monotonic() + timeout
-        while not all(self.workers.get(w) and self.workers[w].connected for w in worker_ids):
+        while missing := [w for w in worker_ids if w not in self.workers or not self.link.connected(w)]:
             if time.monotonic() > deadline:
-                missing = [w for w in worker_ids if not (self.workers.get(w) and self.workers[w].connected)]
                 raise TimeoutError(f"workers never connected their WorkerLink: {missing}")
             await asyncio.sleep(0.05)
 
@@ -168,21 +147,45 @@ class Router(WorkerLinkHandler):
         if entry is None:
             logger.info("Hello from %s before its registration", worker_id)
             return
-        entry.connected, entry.healthy = True, True
+        entry.healthy = True
+        self._worker_ready.set()
         if restarted:
-            # A new process: its pool is empty and our requests there are gone.
+            # A new process: its pool is empty, our requests there are gone, and its report and
+            # migration counters start from 0 again.
             self.prefix_index.remove_worker(worker_id)
+            self.ledger.forget(worker_id)
+            entry.report = None
             for r in [r for r in self.requests.values() if r.worker_id == worker_id]:
                 self._fail(r, grpc.StatusCode.UNAVAILABLE, f"worker {worker_id} restarted")
         metrics.WORKER_UP.labels(worker_id).set(1)
         logger.info("worker %s connected (%d blocks)", worker_id, hello.total_blocks)
 
     def on_disconnect(self, worker_id: str) -> None:
-        entry = self.workers.get(worker_id)
-        if entry is not None:
-            entry.connected = False
+        if worker_id in self.workers:
             metrics.WORKER_UP.labels(worker_id).set(0)
             logger.warning("worker %s disconnected", worker_id)
+
+    def _view(self, entry: WorkerEntry) -> WorkerView:
+        r, ident = entry.report, entry.identity
+        return WorkerView(
+            worker_id=ident.worker_id,
+            healthy=entry.healthy and self.link.connected(ident.worker_id),
+            block_size=ident.block_size,
+            total_blocks=ident.total_blocks,
+            free_blocks=int(r.free_blocks) if r else ident.total_blocks,
+            cached_evictable_blocks=int(r.cached_evictable_blocks) if r else 0,
+            running=int(r.num_running) if r else 0,
+            waiting=int(r.num_waiting) if r else 0,
+            blocks_in_flight=sum(entry.in_flight.values()),
+            used_blocks=int(r.used_blocks) if r else 0,
+            reported=r is not None,
+            blocks_migrating_in=self.ledger.blocks_in(ident.worker_id),
+            blocks_migrating_out=self.ledger.blocks_out(ident.worker_id),
+            swap_blocks=ident.swap_blocks,
+        )
+
+    def _views(self) -> list[WorkerView]:
+        return [self._view(w) for w in self.workers.values()]
 
     def on_message(self, worker_id: str, msg: pb.WorkerMessage) -> None:
         kind = msg.WhichOneof("body")
@@ -207,6 +210,7 @@ class Router(WorkerLinkHandler):
         for rid in entry.started:
             entry.in_flight.pop(rid, None)
         entry.started.clear()
+        self.ledger.reported(worker_id, report.num_imports_total, report.num_exports_total)
         metrics.observe_pressure(report)
         self._pump()
         self._rebalance(entry)
@@ -236,7 +240,7 @@ class Router(WorkerLinkHandler):
             block_hashes=hashes,
             num_blocks=blocks_for(len(prompt_ids), self.block_size),
         )
-        views = [w.view() for w in self.workers.values()]
+        views = self._views()
         shape = self._shape(r)
         if not any(v.healthy for v in views):
             raise RouterError(grpc.StatusCode.UNAVAILABLE, "no healthy worker")
@@ -294,8 +298,7 @@ class Router(WorkerLinkHandler):
         return any(q.priority >= r.priority for q in self.queue)
 
     def _choose(self, r: RouterRequest) -> str | None:
-        views = [w.view() for w in self.workers.values()]
-        return self.placement.choose(self._shape(r), views, self.prefix_index.overlap)
+        return self.placement.choose(self._shape(r), self._views(), self.prefix_index.overlap)
 
     def _place(self, r: RouterRequest) -> bool:
         worker_id = self._choose(r)
@@ -374,62 +377,19 @@ class Router(WorkerLinkHandler):
         entry = self.workers.get(worker_id)
         if entry is not None and r.request_id in entry.in_flight:
             entry.started.add(r.request_id)
-        new = list(out.new_token_ids)
-        start = out.num_output_tokens - len(new)
-        if start > r.tokens_received and not (r.cancelled and out.finish_reason == "abort"):
-            # A gap: after a migration the destination's first tokens can overtake the source's last
-            # ones (two streams). Hold this until the source's outputs close the gap, in order.
-            r.held.append((worker_id, out))
-            return
-        self._deliver(r, worker_id, out, new, start)
-        while r.held and not r.finished:
-            ready = next(
-                (h for h in r.held if h[1].num_output_tokens - len(h[1].new_token_ids) <= r.tokens_received), None
-            )
-            if ready is None:
-                break
-            r.held.remove(ready)
-            held_out = ready[1]
-            held_new = list(held_out.new_token_ids)
-            self._deliver(r, ready[0], held_out, held_new, held_out.num_output_tokens - len(held_new))
-
-    def _deliver(self, r: RouterRequest, worker_id: str, out: pb.RequestOutput, new: list[int], start: int) -> None:
-        logprobs = list(out.logprobs)  # empty, or one per new token
-        skip = r.tokens_received - start
-        if skip > 0:  # already delivered (a replay, or tokens from before a migration)
-            if skip >= len(new) and not out.finish_reason:
-                return
-            new, logprobs = new[skip:], logprobs[skip:]
-        now = time.monotonic()
-        if new:
-            if r.first_token_time is None:
-                r.first_token_time = now
-                metrics.TTFT.observe(now - r.arrival)
-            elif r.last_token_time is not None:
-                metrics.ITL.observe((now - r.last_token_time) / len(new))
-            r.last_token_time = now
-            r.tokens_received += len(new)
-            metrics.GENERATION_TOKENS.inc(len(new))
-        r.cached_tokens = out.num_cached_tokens
-        r.preemptions = max(r.preemptions, out.num_preemptions)
-        r.swaps = max(r.swaps, out.num_swaps)
-        resp = spb.GenerateResponse(
-            request_id=r.request_id, token_ids=new, text_delta=out.text_delta, worker_id=worker_id, logprobs=logprobs
-        )
-        if out.finish_reason:
-            if r.cancelled and out.finish_reason == "abort":
+        for d in demux_output(r, worker_id, out, time.monotonic()):
+            if d.time_to_first_token_s is not None:
+                metrics.TTFT.observe(d.time_to_first_token_s)
+            if d.inter_token_s is not None:
+                metrics.ITL.observe(d.inter_token_s)
+            if d.num_new_tokens:
+                metrics.GENERATION_TOKENS.inc(d.num_new_tokens)
+            if d.e2e_s is not None:
+                metrics.E2E.observe(d.e2e_s)
+            if d.finished:
                 self._finish(r)
-                return
-            resp.finish_reason = out.finish_reason
-            resp.usage.prompt_tokens = len(r.prompt_ids)
-            resp.usage.cached_tokens = out.num_cached_tokens
-            resp.usage.completion_tokens = r.tokens_received
-            resp.num_preemptions = r.preemptions
-            resp.num_swaps = r.swaps
-            resp.num_migrations = r.migrations
-            metrics.E2E.observe(now - r.arrival)
-            self._finish(r)
-        r.responses.put_nowait(resp)
+            if d.response is not None:
+                r.responses.put_nowait(d.response)
 
     def _finish(self, r: RouterRequest) -> None:
         r.finished = True
@@ -445,30 +405,36 @@ class Router(WorkerLinkHandler):
         r.responses.put_nowait(RouterError(code, message))
 
     # ---- cluster-level pressure ------------------------------------------------------------------
-    def _rebalance(self, src: WorkerEntry) -> None:
-        """Above the high watermark with a peer below the low one: migrate one request off."""
-        c = self.config
-        if not c.enable_migration or src.migrating or src.usage < c.high_watermark:
-            return
-        peers = [w for w in self.workers.values() if w is not src and w.healthy and w.connected]
-        dst = min(peers, key=lambda w: w.usage, default=None)
-        if dst is None or dst.usage > c.low_watermark:
-            return
-        victims = [r for r in self.requests.values() if r.worker_id == src.worker_id and r.tokens_received > 0]
-        if not victims:
-            return
-        victim = min(victims, key=lambda r: (r.priority, -r.arrival))
-        held = blocks_for(len(victim.prompt_ids) + victim.tokens_received, self.block_size)
-        # NOTE: only a move that leaves the destination below where the source was helps; it also
-        # rules out a bounce back (that would need the reverse inequality). A lone request is
-        # never moved: it would only carry its load to another card.
-        if dst.report is None or src.report is None or dst.report.used_blocks + held >= src.report.used_blocks:
-            return
-        src.migrating = True
-        self._spawn(self._migrate(victim, src, dst))
+    def _running(self) -> list[RunningRequest]:
+        return [
+            RunningRequest(
+                r.request_id,
+                r.worker_id,
+                r.priority,
+                r.arrival,
+                len(r.prompt_ids) + r.tokens_received,
+                r.tokens_received,
+                preemptible=not r.router_preempted,
+            )  # fmt: skip
+            for r in self.requests.values()
+            if r.worker_id is not None
+        ]
 
-    async def _migrate(self, r: RouterRequest, src: WorkerEntry, dst: WorkerEntry) -> bool:
-        """Export from ``src`` at a step boundary, import into ``dst``; resume on ``src`` if it does not fit."""
+    def _rebalance(self, src: WorkerEntry) -> None:
+        """Carry out the migration off ``src`` that ``plan_migration`` decides, if any."""
+        if not self.config.enable_migration:
+            return
+        move = plan_migration(
+            src.worker_id, self._views(), self._running(), self.watermarks, frozenset(self._migrating)
+        )
+        if move is not None:
+            self._migrating.update((move.src, move.dst))
+            self._spawn(self._migrate(self.requests[move.request_id], move))
+
+    async def _migrate(self, r: RouterRequest, move: Migration) -> bool:
+        """Export from ``move.src`` at a step boundary, import into ``move.dst``; resume on the
+        source if it does not fit. The caller has put both workers in ``_migrating``."""
+        src, dst = self.workers[move.src], self.workers[move.dst]
         try:
             state = await src.handle.export_request.remote(r.request_id)
             if state is None:
@@ -480,7 +446,8 @@ class Router(WorkerLinkHandler):
             r.worker_id = dst.worker_id
             r.migrations += 1
             src.migrations_out += 1
-            self.num_migrations += 1
+            # NOTE: the blocks it holds as exported (it may have grown since the decision).
+            self.ledger.moved(dataclasses.replace(move, blocks=blocks_for(state.num_tokens, self.block_size)))
             metrics.MIGRATIONS.inc()
             logger.info("migrated %s from %s to %s (%d tokens)", r.request_id, src.worker_id, dst.worker_id,
                         state.num_tokens)  # fmt: skip
@@ -489,46 +456,40 @@ class Router(WorkerLinkHandler):
             logger.exception("migration of %s failed", r.request_id)
             return False
         finally:
-            src.migrating = False
+            self._migrating.difference_update((move.src, move.dst))
 
     async def migrate(self, request_id: str, dst_worker_id: str) -> bool:
-        """Operator/test entry point: move one running request to another worker."""
+        """Operator/test entry point: move one running request to another worker (no watermark
+        rule); False if the request, the worker or the pair is not eligible now."""
         r = self.requests.get(request_id)
         if r is None or r.worker_id is None or dst_worker_id not in self.workers or r.worker_id == dst_worker_id:
             return False
-        src = self.workers[r.worker_id]
-        src.migrating = True
-        return await self._migrate(r, src, self.workers[dst_worker_id])
+        if self._migrating & {r.worker_id, dst_worker_id}:
+            return False
+        blocks = blocks_for(len(r.prompt_ids) + r.tokens_received, self.block_size)
+        move = Migration(request_id, r.worker_id, dst_worker_id, blocks)
+        self._migrating.update((move.src, move.dst))
+        return await self._migrate(r, move)
 
     def _maybe_preempt_for(self, waiting: RouterRequest) -> None:
-        """A queued request more important than running work: preempt the least important running
-        request whose blocks make room for it (swap when its worker has swap space), and hand the
-        newcomer straight to that worker, whose scheduler admits by priority."""
+        """Carry out the preemption ``plan_preemption`` decides for a queued request, if any: the
+        victim's worker gets a Preempt command and the newcomer at once."""
         if not self.config.enable_priority_preemption:
             return
-        need = waiting.num_blocks + 1
-        running = [
-            r
-            for r in self.requests.values()
-            if r.worker_id is not None and not r.router_preempted and r.priority < waiting.priority
-        ]
-        for victim in sorted(running, key=lambda r: (r.priority, -r.arrival)):
-            entry = self.workers[victim.worker_id]  # type: ignore[index]
-            held = blocks_for(len(victim.prompt_ids) + victim.tokens_received, self.block_size)
-            view = entry.view()
-            if not view.healthy or view.available_blocks() + held < need:
-                continue
-            mode = pb.Preempt.SWAP if entry.info.get("swap_blocks") else pb.Preempt.RECOMPUTE
-            victim.router_preempted = True
-            self.num_router_preemptions += 1
-            metrics.PREEMPTIONS.labels("router_" + pb.Preempt.Mode.Name(mode).lower()).inc()
-            command = pb.Preempt(request_id=victim.request_id, mode=mode)
-            self.link.send(entry.worker_id, pb.RouterCommand(preempt=command))
-            self.queue.remove(waiting.request_id)
-            entry.in_flight[waiting.request_id] = need
-            waiting.target = entry.worker_id
-            self._spawn(self._dispatch(waiting, entry))
+        shape = WaitingRequest(waiting.request_id, waiting.priority, waiting.num_blocks + 1)
+        decision = plan_preemption(shape, self._views(), self._running())
+        if decision is None:
             return
+        self.requests[decision.victim_id].router_preempted = True
+        mode = pb.Preempt.SWAP if decision.swap else pb.Preempt.RECOMPUTE
+        metrics.PREEMPTIONS.labels("router_" + pb.Preempt.Mode.Name(mode).lower()).inc()
+        command = pb.Preempt(request_id=decision.victim_id, mode=mode)
+        self.link.send(decision.worker_id, pb.RouterCommand(preempt=command))
+        entry = self.workers[decision.worker_id]
+        self.queue.remove(waiting.request_id)
+        entry.in_flight[waiting.request_id] = decision.blocks_needed
+        waiting.target = entry.worker_id
+        self._spawn(self._dispatch(waiting, entry))
 
     # ---- health ----------------------------------------------------------------------------------
     async def health_loop(self) -> None:
@@ -549,28 +510,29 @@ class Router(WorkerLinkHandler):
                     if type(e).__name__ in ("RayActorError", "ActorDiedError"):
                         for r in [r for r in self.requests.values() if r.worker_id == entry.worker_id]:
                             self._fail(r, grpc.StatusCode.UNAVAILABLE, f"worker {entry.worker_id} died")
-                metrics.WORKER_UP.labels(entry.worker_id).set(1 if entry.healthy and entry.connected else 0)
+                up = entry.healthy and self.link.connected(entry.worker_id)
+                metrics.WORKER_UP.labels(entry.worker_id).set(1 if up else 0)
 
     # ---- status ----------------------------------------------------------------------------------
     def cluster_status(self) -> spb.ClusterStatus:
         now = time.monotonic()
         status = spb.ClusterStatus(timestamp_ms=int(time.time() * 1000))
         for entry in self.workers.values():
-            r = entry.report
+            r, ident = entry.report, entry.identity
             w = status.workers.add(
                 worker_id=entry.worker_id,
-                healthy=entry.healthy and entry.connected,
-                total_blocks=int(entry.info["total_blocks"]),
+                healthy=entry.healthy and self.link.connected(entry.worker_id),
+                total_blocks=ident.total_blocks,
                 num_migrations_total=entry.migrations_out,
                 blocks_in_flight=sum(entry.in_flight.values()),
-                model_id=str(entry.info.get("model_id", "")),
-                node_id=str(entry.info.get("node_id", "")),
+                model_id=ident.model_id,
+                node_id=ident.node_id,
                 last_report_age_s=now - entry.report_time if r else -1.0,
             )
             if r is not None:
                 w.free_blocks, w.used_blocks = r.free_blocks, r.used_blocks
                 w.cached_evictable_blocks = r.cached_evictable_blocks
-                w.usage = entry.usage
+                w.usage = r.used_blocks / r.total_blocks if r.total_blocks else 0.0
                 w.num_running, w.num_waiting, w.num_swapped = r.num_running, r.num_waiting, r.num_swapped
                 w.swap_blocks_total, w.swap_blocks_free = r.swap_blocks_total, r.swap_blocks_free
                 w.num_preemptions_total = r.num_preemptions_total
@@ -578,7 +540,7 @@ class Router(WorkerLinkHandler):
                 q = r.prefix_cache_query_tokens_total
                 w.prefix_cache_hit_rate = r.prefix_cache_hit_tokens_total / q if q else 0.0
             else:
-                w.free_blocks = int(entry.info["total_blocks"])
+                w.free_blocks = ident.total_blocks
         q = self.queue
         status.router.queue_requests = q.num_requests
         status.router.queue_blocks = q.num_blocks

@@ -3,40 +3,177 @@
 One ``grpc.aio`` server on the router's event loop serves ``kvserve.v1.KVServe`` for clients,
 ``kvserve.v1.WorkerLink`` for workers, the standard health service and server reflection (so
 ``grpcurl`` works with no .proto at hand).
+
+Every client call goes through ``_guard``: request bytes that are not a valid message get
+INVALID_ARGUMENT (the methods are registered with a deserializer that never raises), and an
+unexpected exception is logged once with its traceback and answered INTERNAL with an incident id
+(the request id when there is one), never UNKNOWN with a class name. CANCELLED is produced here
+only by the Abort RPC (the client asked); grpc itself ends a call CANCELLED when the client
+cancels it.
+
+Readiness: the health service says NOT_SERVING until a worker has said Hello, then SERVING; a
+Generate that arrives before waits for that (bounded by its deadline and ``ready_timeout_s``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator
-from pathlib import Path
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from cluster import metrics
 from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import serving_pb2_grpc, worker_pb2, worker_pb2_grpc
+from router import metrics
 from router.auth import BearerAuthInterceptor
 from router.config import RouterConfig
 from router.router import Router, RouterError
+from workers.identity import WorkerIdentity
+from workers.worker_link import read_pem
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_WATCH_INTERVAL_MS = 500
+DEFAULT_READY_TIMEOUT_S = 60.0
+_HEALTH_SERVICES = ("", spb.DESCRIPTOR.services_by_name["KVServe"].full_name)
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """Stands in for a request whose bytes did not parse (the method answers INVALID_ARGUMENT)."""
+
+    message_type: str
+    error: str
+
+
+def _lenient_deserializer(message_class: type[Message]) -> Callable[[bytes], Message | Undecodable]:
+    """``message_class.FromString`` that returns ``Undecodable`` instead of raising.
+
+    NOTE: a raising deserializer makes grpc answer UNKNOWN with the exception's class name; the
+    client sent bad bytes, which is INVALID_ARGUMENT, and the method must be the one to say so.
+    """
+
+    def deserialize(data: bytes) -> Message | Undecodable:
+        try:
+            return message_class.FromString(data)
+        except (DecodeError, ValueError, RuntimeError) as e:  # upb raises DecodeError; be generous
+            return Undecodable(message_class.DESCRIPTOR.full_name, str(e) or "malformed message")
+
+    return deserialize
+
+
+async def _reject_undecodable(context: grpc.aio.ServicerContext, request: Undecodable) -> None:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable {request.message_type}: {request.error}")
+
+
+def _incident_id(request: object) -> str:
+    rid = getattr(request, "request_id", "")
+    return rid if isinstance(rid, str) and rid else f"incident-{uuid.uuid4().hex[:12]}"
+
+
+async def _answer_internal(context: grpc.aio.ServicerContext, method: str, request: object) -> None:
+    incident = _incident_id(request)
+    logger.exception("%s failed unexpectedly (id %s)", method, incident)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method} (id {incident}); see the router log")
+
+
+def _guard_unary(method: Callable[..., Any], name: str) -> Callable[..., Any]:
+    @functools.wraps(method)
+    async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, Undecodable):
+            await _reject_undecodable(context, request)
+        try:
+            return await method(request, context)
+        except grpc.aio.AbortError:
+            raise  # context.abort: the status is already chosen
+        except Exception:  # noqa: BLE001 - anything else is our bug: log it, answer INTERNAL
+            await _answer_internal(context, name, request)
+
+    return guarded
+
+
+def _guard_stream(method: Callable[..., AsyncIterator[Any]], name: str) -> Callable[..., AsyncIterator[Any]]:
+    @functools.wraps(method)
+    async def guarded(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        if isinstance(request, Undecodable):
+            await _reject_undecodable(context, request)
+        try:
+            async for response in method(request, context):
+                yield response
+        except grpc.aio.AbortError:
+            raise
+        except Exception:  # noqa: BLE001 - see _guard_unary
+            await _answer_internal(context, name, request)
+
+    return guarded
+
+
+def add_kvserve_servicer(servicer: serving_pb2_grpc.KVServeServicer, server: grpc.aio.Server) -> None:
+    """``add_KVServeServicer_to_server`` with lenient deserializers and every method guarded."""
+    service = spb.DESCRIPTOR.services_by_name["KVServe"]
+    handlers = {}
+    for m in service.methods:
+        request_class = getattr(spb, m.input_type.name)
+        response_class = getattr(spb, m.output_type.name)
+        method = getattr(servicer, m.name)
+        if m.server_streaming:
+            handler = grpc.unary_stream_rpc_method_handler(
+                _guard_stream(method, m.name),
+                request_deserializer=_lenient_deserializer(request_class),
+                response_serializer=response_class.SerializeToString,
+            )
+        else:
+            handler = grpc.unary_unary_rpc_method_handler(
+                _guard_unary(method, m.name),
+                request_deserializer=_lenient_deserializer(request_class),
+                response_serializer=response_class.SerializeToString,
+            )
+        handlers[m.name] = handler
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
 
 
 class KVServeServicer(serving_pb2_grpc.KVServeServicer):
-    def __init__(self, router: Router) -> None:
+    """The client API (register with ``add_kvserve_servicer``, which adds the guards).
+
+    Args:
+        router: The router.
+        ready_timeout_s: Longest a Generate arriving before any worker said Hello waits for one
+            (also bounded by the call's own deadline) before UNAVAILABLE.
+    """
+
+    def __init__(self, router: Router, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S) -> None:
+        if not ready_timeout_s >= 0:
+            raise ValueError(f"ready_timeout_s must be >= 0, got {ready_timeout_s}")
         self.router = router
+        self.ready_timeout_s = ready_timeout_s
+
+    async def _wait_until_ready(self, context: grpc.aio.ServicerContext) -> None:
+        """Wait for the first worker's Hello, at most ``ready_timeout_s`` and the call's deadline;
+        returns either way (``submit`` then answers UNAVAILABLE if there is still none)."""
+        ready = self.router.ready_event()
+        if ready.is_set():
+            return
+        remaining = context.time_remaining()
+        timeout = self.ready_timeout_s if remaining is None else min(self.ready_timeout_s, max(remaining, 0.0))
+        try:
+            await asyncio.wait_for(ready.wait(), timeout)
+        except TimeoutError:
+            pass
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: spb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[spb.GenerateResponse]:
+        await self._wait_until_ready(context)
         try:
             r = self.router.submit(request)
         except RouterError as e:
@@ -75,12 +212,13 @@ async def _abort(context: grpc.aio.ServicerContext, e: RouterError) -> None:
     await context.abort(e.code, e.message)
 
 
-def _read(path: str | None) -> bytes | None:
-    return Path(path).read_bytes() if path else None
+def build_server(
+    router: Router, config: RouterConfig, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S
+) -> tuple[grpc.aio.Server, int]:
+    """The gRPC server with every service registered and its port bound (not started).
 
-
-def build_server(router: Router, config: RouterConfig) -> tuple[grpc.aio.Server, int]:
-    """The gRPC server with every service registered and its port bound (not started)."""
+    The health service starts NOT_SERVING; ``RouterService.start`` flips it once a worker is ready.
+    """
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -88,7 +226,7 @@ def build_server(router: Router, config: RouterConfig) -> tuple[grpc.aio.Server,
     ]
     interceptors = [BearerAuthInterceptor(config.auth_token)] if config.auth_token else []
     server = grpc.aio.server(interceptors=interceptors, options=options)
-    serving_pb2_grpc.add_KVServeServicer_to_server(KVServeServicer(router), server)
+    add_kvserve_servicer(KVServeServicer(router, ready_timeout_s), server)
     worker_pb2_grpc.add_WorkerLinkServicer_to_server(router.link, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -102,8 +240,8 @@ def build_server(router: Router, config: RouterConfig) -> tuple[grpc.aio.Server,
     address = f"{config.host}:{config.port}"
     if config.tls_cert:
         creds = grpc.ssl_server_credentials(
-            [(_read(config.tls_key), _read(config.tls_cert))],
-            root_certificates=_read(config.tls_client_ca),
+            [(read_pem(config.tls_key), read_pem(config.tls_cert))],
+            root_certificates=read_pem(config.tls_client_ca),
             require_client_auth=bool(config.tls_client_ca),
         )
         port = server.add_secure_port(address, creds)
@@ -121,37 +259,65 @@ class RouterService:
     Used directly in tests and wrapped as the ``RouterActor`` on a Ray cluster.
     """
 
-    def __init__(self, config: RouterConfig, metrics_port: int | None = None) -> None:
+    def __init__(
+        self, config: RouterConfig, metrics_port: int | None = None, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S
+    ) -> None:
         from workers.tokenizer import load_tokenizer
 
         self.config = config
+        self.ready_timeout_s = ready_timeout_s
         tokenizer = load_tokenizer(config.model) if config.model else None
         self.router = Router(config, tokenizer=tokenizer)
         self.metrics_port = metrics_port
         self.port = 0
         self._server: grpc.aio.Server | None = None
         self._health_task: asyncio.Task | None = None
+        self._readiness_task: asyncio.Task | None = None
 
     async def start(self) -> str:
-        """Start serving; returns the bound ``host:port``."""
-        server, self.port = build_server(self.router, self.config)
+        """Start serving; returns the bound ``host:port``. Health answers NOT_SERVING until a
+        worker has said Hello."""
+        server, self.port = build_server(self.router, self.config, self.ready_timeout_s)
+        health_servicer = server._kvserve_health  # type: ignore[attr-defined]
+        for name in _HEALTH_SERVICES:
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
-        await server._kvserve_health.set("", health_pb2.HealthCheckResponse.SERVING)  # type: ignore[attr-defined]
         self._server = server
-        self._health_task = asyncio.get_running_loop().create_task(self.router.health_loop())
+        loop = asyncio.get_running_loop()
+        self._health_task = loop.create_task(self.router.health_loop())
+        self._readiness_task = loop.create_task(self._serve_when_ready(health_servicer))
         metrics.ROUTER_QUEUE_REQUESTS.set_function(lambda: self.router.queue.num_requests)
         metrics.ROUTER_QUEUE_BLOCKS.set_function(lambda: self.router.queue.num_blocks)
+        metrics.ROUTER_PROJECTED_WAIT.set_function(self._projected_wait_s)
         if self.metrics_port is not None:
             metrics.start_metrics_server(self.metrics_port, self.config.host)
         logger.info("router serving on %s:%d", self.config.host, self.port)
         return f"{self.config.host}:{self.port}"
 
-    async def add_worker(self, worker_id: str, handle: Any, info: dict[str, Any]) -> None:
-        self.router.add_worker(worker_id, handle, info)
+    def _projected_wait_s(self) -> float:
+        wait = self.router.queue.projected_wait_s()
+        return float("nan") if wait is None else wait
+
+    async def _serve_when_ready(self, health_servicer: health.aio.HealthServicer) -> None:
+        await self.router.ready_event().wait()
+        for name in _HEALTH_SERVICES:
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        logger.info("router ready: a worker has said Hello")
+
+    async def add_worker(self, worker_id: str, handle: Any, identity: WorkerIdentity) -> None:
+        self.router.add_worker(worker_id, handle, identity)
         entry = self.router.workers[worker_id]
         metrics.REPORT_AGE.labels(worker_id).set_function(
             lambda: time.monotonic() - entry.report_time if entry.report is not None else float("nan")
         )
+
+    async def worker_pid(self, worker_id: str) -> int:
+        """The OS pid of a registered worker's actor process; KeyError if unknown."""
+        return int(await self.router.workers[worker_id].handle.pid.remote())
+
+    async def check_worker_integrity(self, worker_id: str) -> None:
+        """Run a worker's block-pool integrity check (raises on a broken invariant; tests)."""
+        await self.router.workers[worker_id].handle.check_integrity.remote()
 
     async def wait_for_workers(self, worker_ids: list[str], timeout: float = 120.0) -> None:
         await self.router.wait_for_workers(worker_ids, timeout)
@@ -166,8 +332,9 @@ class RouterService:
         return f"{self.config.host}:{self.port}"
 
     async def stop(self, grace: float = 1.0) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
+        for task in (self._health_task, self._readiness_task):
+            if task is not None:
+                task.cancel()
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None

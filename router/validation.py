@@ -55,6 +55,15 @@ def validate_prompt_ids(ids: list[int], limits: ModelLimits, field: str = "promp
 def sampling_params(msg: spb.SamplingParams, num_prompt_tokens: int, limits: ModelLimits) -> SamplingParams:
     """Proto -> SamplingParams with server defaults; raises ValidationError naming ``sampling.<field>``."""
     room = limits.max_model_len - num_prompt_tokens
+    # NOTE: as vLLM: an explicit max_tokens that cannot fit the context is refused, not clamped
+    # (a client asking for 2**32-1 tokens has a bug it should hear about). Unset, the server
+    # picks what fits (at least 1: a prompt filling the context still gets its next token).
+    if msg.max_tokens and msg.max_tokens > room:
+        raise ValidationError(
+            "sampling.max_tokens",
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({msg.max_tokens}) exceeds "
+            f"max_model_len={limits.max_model_len}; at most {max(room, 0)} fits",
+        )
     max_tokens = msg.max_tokens or min(limits.default_max_tokens, max(room, 1))
     if not math.isfinite(msg.temperature) or not 0 <= msg.temperature <= 100:
         raise ValidationError("sampling.temperature", f"must be in [0, 100], got {msg.temperature}")

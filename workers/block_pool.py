@@ -25,6 +25,11 @@ from dataclasses import dataclass
 from workers.kv_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks needed to hold ``num_tokens`` tokens (ceil division); the one definition of it."""
+    return -(-num_tokens // block_size)
+
+
 @dataclass(frozen=True)
 class PoolStats:
     total: int

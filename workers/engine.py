@@ -21,23 +21,23 @@ from workers.block_pool import BlockPool
 from workers.config import EngineConfig
 from workers.kv_cache import KVCache, bytes_per_block, kv_storage_dtype
 from workers.loader import load_model
-from workers.migration import MigrationState
+from workers.migration import MigrationState, rebuild_output_text
 from workers.model_config import ModelConfig, parse_dtype
 from workers.model_runner import ModelRunner
 from workers.outputs import CompletionOutput, RequestOutput
 from workers.progress import RequestProgress
-from workers.request import Request, RequestStatus
-from workers.sampler import Sampler, make_generator
+from workers.request import Request
+from workers.sampler import Sampler, make_token_rng
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from workers.stop_checker import check_stop, stop_holdback_len, truncate_at_stop
+from workers.stop_checker import advance_output
 from workers.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    """A paged-KV engine for one device. Not thread-safe: one thread owns it (DESIGN.md)."""
+    """A paged-KV engine for one device. Not thread-safe: one thread owns it (docs/architecture.md)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -74,17 +74,7 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, caching)
         self.swap_pool = BlockPool(num_swap_blocks, enable_caching=False) if num_swap_blocks else None
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                block_size=config.block_size,
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-                watermark=config.watermark,
-                preemption_mode=config.preemption_mode,
-                sliding_window=mc.sliding_window,
-                allocator=config.allocator,
-                reserve=config.reserve,
-            ),
+            SchedulerConfig.from_engine(config, max_model_len=self.max_model_len, sliding_window=mc.sliding_window),
             self.pool,
             self.swap_pool,
             self.model_id,
@@ -139,20 +129,79 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        *,
+        resume_output_ids: Sequence[int] = (),
     ) -> Request:
-        """Validate and queue a request. Raises ValueError (nothing allocated) on bad input."""
+        """Validate and queue a request, or resume one (replay after its worker died).
+
+        Args:
+            request_id: Unique among this engine's live requests.
+            prompt: The original prompt (text or token ids).
+            params: Sampling parameters; ``max_tokens`` is the whole budget, streamed tokens included.
+            priority: Larger is more important.
+            cache_salt: Prefix-cache isolation key.
+            resume_output_ids: Output tokens the client already has (replay): the request continues
+                exactly after them. Their K/V is recomputed (like a recompute preemption); outputs
+                report ``num_output_tokens`` counting them; the seeded RNG draws what it would have
+                drawn for token ``len(resume_output_ids)``; text held back (a stop string's prefix,
+                a split UTF-8 character) is rebuilt and released as the original would have.
+                Empty for a new request.
+
+        Returns:
+            The queued request.
+
+        Raises:
+            ValueError: bad input (nothing allocated), including a resume whose tokens are out of
+                the vocabulary, use up the budget, or already hit a stop rule.
+        """
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.encode(prompt)
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}")
         self.scheduler.check_fits(len(token_ids), params.max_tokens)
-        req = Request(request_id, token_ids, params, priority=priority, cache_salt=cache_salt)
-        req.generator = make_generator(params.seed, self.device)
-        if self.tokenizer is not None:
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids)
+        outputs = self._check_resume(resume_output_ids, params) if resume_output_ids else []
+        req = self._continued_request(request_id, token_ids, outputs, params, priority, cache_salt)
+        if outputs:
+            req.detokenizer, req.output_text = rebuild_output_text(
+                self.tokenizer, token_ids, outputs, params, self.eos_token_ids, self.max_model_len
+            )
         self.requests[request_id] = req
         self.scheduler.add(req)
+        return req
+
+    def _check_resume(self, output_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        try:
+            ids = self.encode(output_ids)  # same integer / vocabulary checks as a prompt
+        except ValueError as e:
+            raise ValueError(f"resume_output_ids: {e}".replace("prompt ", "")) from e
+        if len(ids) >= params.max_tokens:
+            raise ValueError(f"resume has {len(ids)} output tokens; max_tokens={params.max_tokens} leaves none to do")
+        return ids
+
+    def _continued_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        output_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        cache_salt: str | None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """A request that has produced ``output_ids`` (none: a new one), with its RNG and a fresh
+        detokenizer; a continued request's caller sets the detokenizer and shown text."""
+        req = Request(
+            request_id, list(prompt_ids), params, priority=priority, cache_salt=cache_salt,
+            output_token_ids=list(output_ids),
+        )  # fmt: skip
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        # NOTE: the RNG is a function of (seed, output index): a continued request draws token
+        # len(output_ids) next, exactly as the original would have; nothing else is carried.
+        req.rng = make_token_rng(params.seed, self.device)
+        if self.tokenizer is not None:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids)
         return req
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -205,25 +254,11 @@ class LLMEngine:
         return [self._on_new_token(req) for req in grew]
 
     def _on_new_token(self, req: Request) -> RequestOutput:
-        params = req.sampling_params
         token = req.output_token_ids[-1]
-        detok = req.detokenizer
-        text = new_chars = None
-        if detok is not None:
-            new_chars = len(detok.add(token))
-            text = detok.text
-        reason = check_stop(
-            req.output_token_ids, text, params, self.eos_token_ids,
-            req.num_tokens >= self.max_model_len, new_char_count=new_chars,
+        reason, delta = advance_output(
+            req.output_token_ids, req.detokenizer, req.output_text, req.sampling_params, self.eos_token_ids,
+            req.num_tokens >= self.max_model_len,
         )  # fmt: skip
-        visible = ""
-        if detok is not None:
-            if reason is not None:
-                detok.flush()
-                visible = truncate_at_stop(detok.text, params.stop) if params.stop else detok.text
-            else:
-                visible = detok.text[: len(detok.text) - stop_holdback_len(detok.text, params.stop)]
-        delta = visible[len(req.output_text) :]
         req.output_text += delta
         if reason is not None:
             self.scheduler.finish(req, reason)
@@ -295,7 +330,6 @@ class LLMEngine:
             model_id=self.model_id,
             kv_blocks=kv,
             kv_scales=scales,
-            generator_state=req.generator.get_state() if req.generator is not None else None,
             output_text=req.output_text,
             detokenizer=detok.snapshot() if detok is not None else None,
             num_cached_tokens=req.num_cached_tokens,
@@ -328,34 +362,26 @@ class LLMEngine:
             raise ValueError(f"request id {state.request_id!r} is already in use")
         if state.kv_blocks is not None:
             self.kv_cache.check_blocks(state.kv_blocks, state.kv_scales)
-        req = Request(
-            state.request_id, list(state.prompt_token_ids), state.sampling_params,
-            priority=state.priority, cache_salt=state.cache_salt, arrival_time=state.arrival_time,
-            output_token_ids=list(state.output_token_ids),
+        req = self._continued_request(
+            state.request_id, state.prompt_token_ids, state.output_token_ids, state.sampling_params,
+            state.priority, state.cache_salt, state.arrival_time,
         )  # fmt: skip
         req.num_cached_tokens = state.num_cached_tokens
         req.num_preemptions, req.num_swaps = state.num_preemptions, state.num_swaps
-        req.output_text = state.output_text
-        if state.generator_state is not None:
-            req.generator = make_generator(0, self.device)
-            req.generator.set_state(state.generator_state)
-        if self.tokenizer is not None:
-            req.detokenizer = (
-                IncrementalDetokenizer.restore(self.tokenizer, state.detokenizer)
-                if state.detokenizer is not None
-                else IncrementalDetokenizer(self.tokenizer, req.all_token_ids)
-            )
+        if self.tokenizer is not None and state.detokenizer is not None:
+            req.detokenizer = IncrementalDetokenizer.restore(self.tokenizer, state.detokenizer)
+            req.output_text = state.output_text
+        elif state.output_token_ids:
+            # No snapshot (an exporter without a tokenizer): rebuild as a replay would.
+            req.detokenizer, req.output_text = rebuild_output_text(
+                self.tokenizer, req.prompt_token_ids, req.output_token_ids, req.sampling_params,
+                self.eos_token_ids, self.max_model_len,
+            )  # fmt: skip
         if state.kv_blocks is not None:
-            need = -(-req.num_tokens // self.config.block_size)
-            if self.pool.num_free_blocks - need < self.scheduler.watermark_blocks:
+            blocks = self.scheduler.admit_imported(req, state.num_computed_tokens)
+            if blocks is None:
                 return None
-            blocks = self.pool.allocate(need)
-            assert blocks is not None
             self.kv_cache.write_blocks(blocks[: state.kv_blocks[0].shape[1]], state.kv_blocks, state.kv_scales)
-            req.block_table = blocks
-            req.num_computed_tokens = state.num_computed_tokens
-            req.status = RequestStatus.RUNNING
-            self.scheduler.running.append(req)
         else:
             self.scheduler.add(req)
         self.requests[req.request_id] = req

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 
 import torch
 
@@ -11,26 +10,10 @@ import kernels
 from kernels import reference
 from kernels.reference import raw_bytes
 from workers.model_config import ModelConfig
+from workers.sizes import KV_CACHE_DTYPES, SCALE_BYTES
 
 logger = logging.getLogger(__name__)
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
-
-
-def parse_bytes(value: str | int | float) -> int:
-    """'2GiB', '512MiB', '1.5GB', 1024 -> bytes. Raises ValueError on anything else."""
-    if isinstance(value, int | float):
-        if value < 0:
-            raise ValueError(f"negative size {value}")
-        return int(value)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot parse size {value!r}; use e.g. '2GiB', '512MiB' or a byte count")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-KV_CACHE_DTYPES = ("auto", "fp16", "bf16", "fp8", "int8")
 _STORAGE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
 
@@ -63,13 +46,10 @@ def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) ->
     return 2 * config.num_layers * block_size * config.num_kv_heads * per_row
 
 
-SCALE_BYTES = 4  # one fp32 scale per (K|V, token, KV head) of an int8 cache
-
-
 class KVCache:
     """Per-layer paged KV tensors on the device plus an optional host swap space of the same layout.
 
-    Shapes (DESIGN.md): ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` per layer.
+    Shapes (docs/architecture.md): ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` per layer.
     """
 
     def __init__(

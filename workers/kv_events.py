@@ -1,4 +1,4 @@
-"""Block events a worker's pool emits for the router's prefix index (DESIGN.md: fixed interface).
+"""Block events a worker's pool emits for the router's prefix index (docs/architecture.md: fixed interface).
 
 Each event carries the pool's own sequence number, consecutive from 1, so a consumer detects a
 gap (a lost event) and asks for a full snapshot instead of trusting a stale index.

@@ -9,13 +9,13 @@ projections to oneDNN (``Linear``) and greedy rows skip the fp32 logits (``Scree
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch import nn
 
 import kernels
 from workers.attention_metadata import AttentionMetadata
+from workers.host_tuning import env_switch
 from workers.model_config import ModelConfig
 
 
@@ -45,7 +45,7 @@ def onednn_linear_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``Linear.pack_for_cpu`` applies: CPU, fp32 (or bf16 with AVX512-BF16), oneDNN built in."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    if not hasattr(torch.ops.mkldnn, "_linear_pointwise") or os.environ.get("KVSERVE_ONEDNN", "1") == "0":
+    if not hasattr(torch.ops.mkldnn, "_linear_pointwise") or not env_switch("KVSERVE_ONEDNN"):
         return False
     return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.cpu._is_avx512_bf16_supported())
 
@@ -305,7 +305,7 @@ class ScreenedArgmax:
             and weight.dtype == torch.float32
             and weight.shape[1] <= 2**14
             and torch.cpu._is_avx512_bf16_supported()
-            and os.environ.get("KVSERVE_GREEDY_SCREEN", "1") != "0"
+            and env_switch("KVSERVE_GREEDY_SCREEN")
         )
         return cls(weight.detach()) if usable else None
 

@@ -5,12 +5,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from workers.block_hash import ROOT_HASH, hash_block
 from workers.sampling_params import SamplingParams
-from workers.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:  # NOTE: annotations only; the scheduler imports this module and must not pull in torch
+    import torch
+
+    from workers.sampler import TokenRNG
+    from workers.tokenizer import IncrementalDetokenizer
 
 
 class RequestStatus(enum.Enum):
@@ -25,7 +29,7 @@ class Request:
     """One sequence being generated. Owned by the engine thread; never shared across threads.
 
     ``all_token_ids`` is prompt + outputs; ``num_computed_tokens`` of them have K/V in the cache.
-    ``block_hashes[i]`` is the chain hash of full block i of ``all_token_ids`` (DESIGN.md).
+    ``block_hashes[i]`` is the chain hash of full block i of ``all_token_ids`` (docs/architecture.md).
     """
 
     request_id: str
@@ -52,7 +56,9 @@ class Request:
     num_swaps: int = 0
     swap_table: list[int] = field(default_factory=list)  # host block ids while SWAPPED
     finish_reason: str | None = None
-    generator: torch.Generator | None = None
+    # Seeded requests only: token i's noise is a function of (seed, i), so the state to carry
+    # anywhere (migration, replay) is the seed and the output tokens (see workers/sampler.py).
+    rng: TokenRNG | None = None
     # {token id: logprob} of the token the last step sampled (sampling_params.logprobs set); set by
     # the runner, taken by the engine's output of that token.
     new_logprobs: dict[int, float] | None = None
@@ -63,6 +69,11 @@ class Request:
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        """The generator for the next output token's noise (None: unseeded, global RNG)."""
+        return self.rng.at(self.num_output_tokens) if self.rng is not None else None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -80,10 +91,6 @@ class Request:
     def live_blocks(self) -> list[int]:
         """Device blocks this request holds a reference on."""
         return self.block_table[self.num_released_blocks :]
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
 
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

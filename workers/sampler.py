@@ -7,6 +7,12 @@ Sampling uses the exponential race (Gumbel-max in disguise): ``argmax(probs / E)
 ``E ~ Exponential(1)`` i.i.d. per token picks token i with probability ``probs[i]``. Unlike
 ``torch.multinomial`` it needs no CPU sync per row and the noise for a row depends only on that
 row's generator, so a seeded request gets the same tokens whatever else shares its batch.
+
+Seeded requests draw through a ``TokenRNG``: the noise for output token ``i`` comes from a
+generator seeded with ``mix(seed, i)`` (counter-based, like a Philox key/offset), not from one
+generator that advances. A request's sampling is therefore a function of (seed, tokens drawn so
+far) alone: a migrated request or a replay on another worker continues with nothing carried but
+the seed and its output tokens.
 """
 
 from __future__ import annotations
@@ -30,6 +36,55 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return g
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """One round of SplitMix64: a bijective 64-bit mixer with full avalanche."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def token_seed(seed: int, index: int) -> int:
+    """The generator seed for output token ``index`` of a request seeded with ``seed``.
+
+    NOTE: both halves of ``seed`` and the index are mixed into every output bit, because the CPU
+    generator (mt19937) keeps only the low 32 bits of its seed: seeds 1 and 1 + 2**32 must not
+    share a stream, nor must (seed, i) and (seed', i') collide in any simple pattern.
+    """
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ (index & _MASK64))
+
+
+class TokenRNG:
+    """A seeded request's randomness, reproducible from (seed, output index).
+
+    ``at(i)`` returns a generator positioned at the start of output token ``i``'s noise; it is
+    the same generator object re-seeded each call (cheap on CPU and CUDA), so hold it only for
+    one draw.
+
+    Args:
+        seed: The request's seed in [0, 2**64).
+        device: The device of the logits it samples from.
+    """
+
+    def __init__(self, seed: int, device: torch.device | str = "cpu") -> None:
+        self.seed = seed
+        self._generator = torch.Generator(device=device)
+
+    def at(self, index: int) -> torch.Generator:
+        """The generator for output token ``index`` (0-based); raises ValueError if negative."""
+        if index < 0:
+            raise ValueError(f"output index must be >= 0, got {index}")
+        return self._generator.manual_seed(token_seed(self.seed, index))
+
+
+def make_token_rng(seed: int | None, device: torch.device | str = "cpu") -> TokenRNG | None:
+    """A ``TokenRNG`` for a seeded request, or None when the request is unseeded (global RNG)."""
+    return None if seed is None else TokenRNG(seed, device)
+
+
 class Sampler:
     """Picks one token id per row of a logits batch according to each row's SamplingParams."""
 
@@ -44,8 +99,9 @@ class Sampler:
         Args:
             logits: ``[num_seqs, vocab]`` float32 next-token logits (not modified).
             params: One SamplingParams per row.
-            generators: One per row: the row's seeded generator (see ``make_generator``) or None
-                for the global RNG. Ignored for greedy rows, which consume no randomness.
+            generators: One per row: the row's seeded generator (``TokenRNG.at(index)`` of the
+                token being drawn, or ``make_generator``) or None for the global RNG. Ignored for
+                greedy rows, which consume no randomness.
 
         Returns:
             The sampled token id of each row, in row order.

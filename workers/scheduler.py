@@ -22,45 +22,48 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from workers.block_hash import cache_extra
-from workers.block_pool import BlockPool
+from workers.block_pool import BlockPool, blocks_for
+from workers.config import EngineConfig
+from workers.knobs import POSITIVE, knob, same_as, validate
 from workers.request import Request, RequestStatus
 
-PREEMPTION_MODES = ("recompute", "swap", "auto")
-ALLOCATORS = ("paged", "contiguous")
-RESERVES = ("max_model_len", "max_tokens")
+# The scheduler's knobs that the engine's config declares (default, help, choices, check): EngineConfig's.
+ENGINE_KNOBS = (
+    "block_size", "max_num_seqs", "max_num_batched_tokens", "watermark", "preemption_mode", "allocator", "reserve"
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 4096
-    max_model_len: int = 4096
-    watermark: float = 0.01  # fraction of the pool kept free at admission
-    preemption_mode: str = "recompute"
+    """The scheduler's knobs: ``ENGINE_KNOBS`` as declared by ``EngineConfig``, plus what the engine resolves.
+
+    Raises:
+        ValueError: a bad value, ``"<field> must be ..., got <value>"``.
+    """
+
+    block_size: int = same_as(EngineConfig, "block_size")
+    max_num_seqs: int = same_as(EngineConfig, "max_num_seqs")
+    max_num_batched_tokens: int = same_as(EngineConfig, "max_num_batched_tokens")
+    max_model_len: int = knob(4096, help="the resolved context limit", check=POSITIVE)
+    watermark: float = same_as(EngineConfig, "watermark")
+    preemption_mode: str = same_as(EngineConfig, "preemption_mode")
     # auto mode: swap contexts at least this long (shorter ones are cheaper to recompute)
-    swap_min_tokens: int = 256
+    swap_min_tokens: int = knob(256, help="auto preemption: swap contexts at least this long")
     # Mistral-style window: blocks wholly behind every future query's window go back to the pool.
-    sliding_window: int | None = None
+    sliding_window: int | None = knob(None, help="the model's attention window", check=POSITIVE)
     # "contiguous" reserves a request's longest possible footprint at admission, as pre-paging
     # engines did (a baseline to measure what paging buys); ``reserve`` picks that footprint.
-    allocator: str = "paged"
-    reserve: str = "max_model_len"
+    allocator: str = same_as(EngineConfig, "allocator")
+    reserve: str = same_as(EngineConfig, "reserve")
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if not 0.0 <= self.watermark < 1.0:
-            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        if self.allocator not in ALLOCATORS:
-            raise ValueError(f"allocator must be one of {ALLOCATORS}, got {self.allocator!r}")
-        if self.reserve not in RESERVES:
-            raise ValueError(f"reserve must be one of {RESERVES}, got {self.reserve!r}")
-        if self.sliding_window is not None and self.sliding_window <= 0:
-            raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
+        validate(self)
+
+    @classmethod
+    def from_engine(cls, config: EngineConfig, *, max_model_len: int, sliding_window: int | None) -> SchedulerConfig:
+        """The engine's shared knobs with the context limit and window it resolved from the model."""
+        shared = {name: getattr(config, name) for name in ENGINE_KNOBS}
+        return cls(**shared, max_model_len=max_model_len, sliding_window=sliding_window)
 
 
 @dataclass
@@ -84,10 +87,6 @@ class SchedulerOutput:
 def _importance(req: Request) -> tuple[int, float]:
     """Sort key: most important first (higher priority, then earlier arrival)."""
     return (-req.priority, req.arrival_time)
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 class Scheduler:
@@ -266,6 +265,52 @@ class Scheduler:
             return False
         return mode == "swap" or req.num_computed_tokens >= self.config.swap_min_tokens
 
+    def admit_imported(self, req: Request, num_computed_tokens: int) -> list[int] | None:
+        """Admit a migrated request that brings its KV: it runs at once, in fresh blocks.
+
+        The same rule as admitting a waiting request (``_has_room``: the watermark, the footprint
+        of the allocator, ``max_num_seqs``), so an import never takes what admission would not.
+
+        Args:
+            req: the request, with its prompt and outputs; it holds no blocks yet.
+            num_computed_tokens: tokens whose K/V it brings (the caller writes them into the
+                leading blocks returned).
+
+        Returns:
+            Its new block table (the request is RUNNING), or None ("not now": no room; nothing
+            was taken).
+
+        Raises:
+            ValueError: ``num_computed_tokens`` outside ``[0, req.num_tokens]`` or the request
+                already holds blocks.
+        """
+        if not 0 <= num_computed_tokens <= req.num_tokens or req.block_table:
+            raise ValueError(f"{req.request_id}: cannot import {num_computed_tokens} of {req.num_tokens} tokens")
+        if len(self.running) >= self.config.max_num_seqs:
+            return None
+        need = self._footprint_blocks(req)
+        if not self._has_room(need):
+            return None
+        blocks = self.pool.allocate(need)
+        assert blocks is not None  # _has_room checked the free count
+        req.block_table = blocks
+        req.num_computed_tokens = num_computed_tokens
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return blocks
+
+    def _footprint_blocks(self, req: Request) -> int:
+        """Blocks a request holds once admitted: its known tokens, or the contiguous reservation."""
+        footprint = req.num_tokens
+        if self.config.allocator == "contiguous":
+            footprint = max(footprint, self._reservation(req.num_prompt_tokens, req.sampling_params.max_tokens))
+        return blocks_for(footprint, self.block_size)
+
+    def _has_room(self, need: int, revived: int = 0) -> bool:
+        """The one admission rule: taking ``need`` free blocks (and reviving ``revived`` cached
+        ones) leaves the watermark free."""
+        return self.pool.num_free_blocks - revived - need >= self._watermark()
+
     def _watermark(self) -> int:
         """Blocks admission keeps free. NOTE: waived while nothing runs: the watermark exists to keep
         running requests from thrashing, and holding it then could leave a request that needs the
@@ -283,7 +328,7 @@ class Scheduler:
             # Re-reserve what the request held (a chunked prefill reserved its whole prompt).
             released = req.num_released_blocks
             need = max(len(req.swap_table), blocks_for(req.num_tokens, self.block_size) - released)
-            if self.pool.num_free_blocks - need < self._watermark():
+            if not self._has_room(need):
                 break
             blocks = self.pool.allocate(need)
             assert blocks is not None
@@ -306,12 +351,9 @@ class Scheduler:
             req.update_block_hashes(bs, cache_extra(self.model_id, req.cache_salt), req.num_tokens)
             hits = self.pool.find_prefix(req.block_hashes)
             num_hit_tokens = len(hits) * bs
-            footprint = req.num_tokens
-            if self.config.allocator == "contiguous":
-                footprint = max(footprint, self._reservation(req.num_prompt_tokens, req.sampling_params.max_tokens))
-            need = blocks_for(footprint, bs) - len(hits)
+            need = self._footprint_blocks(req) - len(hits)
             revived = sum(1 for b in hits if self.pool.ref_cnt[b] == 0)
-            if self.pool.num_free_blocks - revived - need < self._watermark():
+            if not self._has_room(need, revived):
                 break
             self.waiting.pop(0)
             self.pool.touch(hits)

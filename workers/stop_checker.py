@@ -1,12 +1,13 @@
 """When does a request finish? EOS, stop token ids, stop strings, max_tokens, model length.
 
 Pure functions over plain values (no torch, no tokenizer), called once per request per step
-after the new token was appended and detokenized.
+after the new token was appended; ``advance_output`` drives a detokenizer given to it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from typing import Protocol
 
 from workers.sampling_params import SamplingParams
 
@@ -99,3 +100,60 @@ def stop_holdback_len(text: str, stop: Sequence[str]) -> int:
                 longest = n
                 break
     return longest
+
+
+class TextSource(Protocol):
+    """What ``advance_output`` needs of an incremental detokenizer (``IncrementalDetokenizer``)."""
+
+    text: str
+
+    def add(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+def advance_output(
+    output_token_ids: list[int],
+    detokenizer: TextSource | None,
+    shown_text: str,
+    params: SamplingParams,
+    eos_token_ids: Collection[int],
+    max_model_len_reached: bool,
+) -> tuple[str | None, str]:
+    """Account for the newest output token: detokenize it, check every stop rule, and cut the text
+    the client may see now.
+
+    The one place that turns a token into (finish reason, visible text): the engine calls it per
+    sampled token, and a replay calls it over the already-streamed tokens to rebuild exactly the
+    state the original worker had (detokenizer window, text held back mid-match of a stop string).
+
+    Args:
+        output_token_ids: Output ids so far, the newest last (already appended).
+        detokenizer: The request's detokenizer (advanced here by one token), or None without a
+            tokenizer (then only token-level rules apply and no text is produced).
+        shown_text: Text already handed out before this token.
+        params: The request's sampling parameters.
+        eos_token_ids: The ids that end generation (EOS, end of turn); empty when unknown.
+        max_model_len_reached: True when prompt + output fill the model's context.
+
+    Returns:
+        ``(finish_reason or None, text delta to hand out now)``. Text that may be the start of a
+        stop string is held back until the next token decides; at finish it is flushed (or cut
+        before the stop string).
+    """
+    token = output_token_ids[-1]
+    text = new_chars = None
+    if detokenizer is not None:
+        new_chars = len(detokenizer.add(token))
+        text = detokenizer.text
+    reason = check_stop(
+        output_token_ids, text, params, eos_token_ids, max_model_len_reached, new_char_count=new_chars
+    )
+    visible = ""
+    if detokenizer is not None:
+        if reason is not None:
+            detokenizer.flush()
+            visible = truncate_at_stop(detokenizer.text, params.stop) if params.stop else detokenizer.text
+        else:
+            visible = detokenizer.text[: len(detokenizer.text) - stop_holdback_len(detokenizer.text, params.stop)]
+    return reason, visible[len(shown_text) :]

@@ -1,6 +1,6 @@
 """The worker: an engine thread driving ``LLMEngine.step()``, an inbox, and the WorkerLink.
 
-Threading contract (DESIGN.md): the engine thread owns all engine state. Ray method calls and
+Threading contract (docs/architecture.md): the engine thread owns all engine state. Ray method calls and
 the WorkerLink thread only enqueue closures into the inbox (and wait on a Future when they need
 an answer) or read immutable snapshots (``stats``). The engine thread runs the inbox between
 steps, so every command lands at a step boundary.
@@ -11,6 +11,7 @@ steps, so every command lands at a step boundary.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -24,8 +25,10 @@ from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import worker_pb2 as pb
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
+from workers.identity import WorkerIdentity
 from workers.kv_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
 from workers.migration import MigrationState
+from workers.options import WorkerOptions
 from workers.outbox import Outbox
 from workers.outputs import RequestOutput
 from workers.pressure import PressurePolicy
@@ -36,26 +39,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _PREEMPT_MODES = {pb.Preempt.RECOMPUTE: "recompute", pb.Preempt.SWAP: "swap", pb.Preempt.MODE_UNSPECIFIED: None}
-
-
-@dataclass(frozen=True)
-class WorkerOptions:
-    """Worker knobs beside the engine's."""
-
-    router_address: str | None = None  # host:port of the router's WorkerLink; None = no link
-    auth_token: str | None = None
-    tls_ca: str | None = None  # PEM: trust this CA for the router's certificate
-    tls_cert: str | None = None  # PEM: client certificate (mTLS)
-    tls_key: str | None = None
-    pressure_interval_ms: float = 50.0
-    idle_report_s: float = 1.0
-    high_watermark: float = 0.9
-    low_watermark: float = 0.7
-    stall_timeout_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        if self.pressure_interval_ms < 0 or self.stall_timeout_s <= 0:
-            raise ValueError("pressure_interval_ms must be >= 0 and stall_timeout_s > 0")
 
 
 @dataclass(frozen=True)
@@ -73,12 +56,14 @@ class WorkerStats:
     num_waiting: int
     num_swapped: int
     tokens_in_flight: int
-    decode_steps: int
+    decode_steps: int  # engine steps that sampled at least one token
     step_latency_ms: float
     num_preemptions: int
     num_swaps: int
     prefix_query_tokens: int
     prefix_hit_tokens: int
+    num_imports: int  # requests migrated in (this incarnation)
+    num_exports: int  # exports finished as migrated (their blocks freed here)
 
     @property
     def usage(self) -> float:
@@ -110,6 +95,9 @@ class WorkerCore:
         self._last_progress = time.monotonic()
         self._busy = False
         self._exported: dict[str, MigrationState] = {}
+        self._decode_steps = 0
+        self._num_imports = 0  # NOTE: engine-thread counters, read by _snapshot on that thread
+        self._num_exports = 0
         self._stats = self._snapshot()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
@@ -146,13 +134,18 @@ class WorkerCore:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        resume_output_ids: Sequence[int] = (),
     ) -> None:
-        """Queue a request; raises ValueError (bad input) or WorkerError (draining/dead)."""
+        """Queue a request, or resume one whose worker died (``resume_output_ids``: the output
+        tokens its client already has; see ``LLMEngine.add_request``). Raises ValueError (bad
+        input) or WorkerError (draining/dead)."""
         if self._draining:
             raise WorkerError(f"worker {self.worker_id} is draining")
 
         def add() -> None:
-            self.engine.add_request(request_id, prompt, params, priority, cache_salt)
+            self.engine.add_request(
+                request_id, prompt, params, priority, cache_salt, resume_output_ids=resume_output_ids
+            )
 
         self._call(add)
 
@@ -171,11 +164,24 @@ class WorkerCore:
         return self._exported.pop(request_id, None)
 
     def finish_export(self, request_id: str, migrated: bool) -> bool:
-        return self._call(lambda: self.engine.finish_export(request_id, migrated))
+        """Free an exported request (``migrated``) or resume it here; False if none is exported."""
+
+        def finish() -> bool:
+            done = self.engine.finish_export(request_id, migrated)
+            self._num_exports += int(done and migrated)
+            return done
+
+        return self._call(finish)
 
     def import_request(self, state: MigrationState) -> bool | None:
         """Continue a migrated request here; None ("not now") if it does not fit."""
-        return self._call(lambda: self.engine.import_request(state))
+
+        def import_() -> bool | None:
+            ok = self.engine.import_request(state)
+            self._num_imports += int(bool(ok))
+            return ok
+
+        return self._call(import_)
 
     def stats(self) -> WorkerStats:
         return self._stats
@@ -193,8 +199,20 @@ class WorkerCore:
         """Test hook: block the engine thread (as a hung kernel would)."""
         self._submit(lambda: time.sleep(seconds))
 
-    def hello(self) -> pb.Hello:
-        return self._hello()
+    def identity(self) -> WorkerIdentity:
+        """Who this worker is and its pool geometry (what its Hello says)."""
+        e = self.engine
+        return WorkerIdentity(
+            worker_id=self.worker_id,
+            model_id=e.model_id,
+            block_size=e.config.block_size,
+            total_blocks=e.pool.num_blocks,
+            max_model_len=e.max_model_len,
+            vocab_size=e.model_config.vocab_size,
+            swap_blocks=e.swap_pool.num_blocks if e.swap_pool else 0,
+            has_tokenizer=e.tokenizer is not None,
+            node_id=_ray_node_id(),
+        )
 
     # ---- inbox ---------------------------------------------------------------------------
     def _submit(self, fn: Callable[[], T]) -> Future:
@@ -235,6 +253,8 @@ class WorkerCore:
                     t0 = time.perf_counter()
                     outputs = engine.step()
                     self._step_latency_ms = (time.perf_counter() - t0) * 1000
+                    # engine.step() returns news only for requests that sampled a token this step.
+                    self._decode_steps += int(bool(outputs))
                     self._last_progress = time.monotonic()
                     self._publish(outputs)
                 else:
@@ -251,7 +271,7 @@ class WorkerCore:
             raise
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
-        """Outputs, then block events, then pressure: one ordered stream (DESIGN.md)."""
+        """Outputs, then block events, then pressure: one ordered stream (docs/architecture.md)."""
         if outputs:
             self.outbox.put(pb.WorkerMessage(step_outputs=_step_outputs(self.engine.num_steps, outputs)))
         events = self.engine.pool.drain_events()
@@ -284,12 +304,14 @@ class WorkerCore:
             num_waiting=len(sched.waiting),
             num_swapped=len(sched.swapped),
             tokens_in_flight=sched.tokens_in_flight(),
-            decode_steps=e.num_steps,
+            decode_steps=self._decode_steps,
             step_latency_ms=self._step_latency_ms,
             num_preemptions=sum(sched.num_preemptions.values()),
             num_swaps=sched.num_preemptions["swap"],
             prefix_query_tokens=sched.prefix_queries,
             prefix_hit_tokens=sched.prefix_hits,
+            num_imports=self._num_imports,
+            num_exports=self._num_exports,
         )
 
     def _abort(self, request_id: str) -> bool:
@@ -300,17 +322,7 @@ class WorkerCore:
         return True
 
     def _hello(self) -> pb.Hello:
-        e = self.engine
-        return pb.Hello(
-            worker_id=self.worker_id,
-            model_id=e.model_id,
-            block_size=e.config.block_size,
-            total_blocks=e.pool.num_blocks,
-            swap_blocks=e.swap_pool.num_blocks if e.swap_pool else 0,
-            max_model_len=e.max_model_len,
-            node_id=_ray_node_id(),
-            incarnation=self.incarnation,
-        )
+        return self.identity().to_hello(self.incarnation)
 
     def _on_connect(self) -> None:
         """A (re)connected router gets current pressure and the block snapshot at once, not after
@@ -438,6 +450,8 @@ def _pressure_proto(s: WorkerStats, seq: int) -> pb.PressureReport:
         prefix_cache_query_tokens_total=s.prefix_query_tokens,
         prefix_cache_hit_tokens_total=s.prefix_hit_tokens,
         num_swaps_total=s.num_swaps,
+        num_imports_total=s.num_imports,
+        num_exports_total=s.num_exports,
     )
 
 
@@ -463,20 +477,9 @@ class Worker:
         self.core = WorkerCore(worker_id, engine_config, options)
         self.core.start()
 
-    def ready(self) -> dict[str, Any]:
-        """Identity and sizes (the Hello fields), once the engine is up."""
-        h = self.core.hello()
-        return {
-            "worker_id": h.worker_id,
-            "model_id": h.model_id,
-            "block_size": h.block_size,
-            "total_blocks": h.total_blocks,
-            "swap_blocks": h.swap_blocks,
-            "max_model_len": h.max_model_len,
-            "vocab_size": self.core.engine.model_config.vocab_size,
-            "node_id": h.node_id,
-            "has_tokenizer": self.core.engine.tokenizer is not None,
-        }
+    def ready(self) -> WorkerIdentity:
+        """Identity and sizes (what the WorkerLink Hello says), once the engine is up."""
+        return self.core.identity()
 
     def add_request(
         self,
@@ -485,8 +488,11 @@ class Worker:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        resume_output_ids: list[int] | None = None,
     ) -> None:
-        self.core.add_request(request_id, prompt, params, priority, cache_salt)
+        """Queue a request; with ``resume_output_ids`` continue one after those output tokens
+        (failover replay: the router passes what it already streamed)."""
+        self.core.add_request(request_id, prompt, params, priority, cache_salt, resume_output_ids or ())
 
     def abort(self, request_id: str) -> bool:
         return self.core.abort(request_id)
@@ -518,6 +524,10 @@ class Worker:
 
     def stall_for_test(self, seconds: float) -> None:
         self.core.stall_for_test(seconds)
+
+    def pid(self) -> int:
+        """This actor's OS process id (chaos tests kill it; operators correlate it with logs)."""
+        return os.getpid()
 
     def shutdown(self) -> None:
         self.core.stop()

@@ -21,6 +21,11 @@ from workers.outbox import Outbox
 logger = logging.getLogger(__name__)
 
 
+def read_pem(path: str | None) -> bytes | None:
+    """The bytes of a PEM file, or None for no path (the one PEM reader: router and worker TLS)."""
+    return Path(path).read_bytes() if path else None
+
+
 def channel_credentials(
     tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None
 ) -> grpc.ChannelCredentials | None:
@@ -36,12 +41,8 @@ def channel_credentials(
         return None
     if bool(tls_cert) != bool(tls_key):
         raise ValueError("tls_cert and tls_key go together")
-
-    def read(path: str | None) -> bytes | None:
-        return Path(path).read_bytes() if path else None
-
     return grpc.ssl_channel_credentials(
-        root_certificates=read(tls_ca), private_key=read(tls_key), certificate_chain=read(tls_cert)
+        root_certificates=read_pem(tls_ca), private_key=read_pem(tls_key), certificate_chain=read_pem(tls_cert)
     )
 
 
@@ -89,9 +90,6 @@ class WorkerLinkClient:
     @property
     def connected(self) -> bool:
         return self._connected.is_set()
-
-    def wait_connected(self, timeout: float) -> bool:
-        return self._connected.wait(timeout)
 
     def stop(self) -> None:
         self._stop.set()

@@ -245,7 +245,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 DEFAULT_BLOCK_SIZE = 4
 
 KNOBS = ("dtype", "block_size", "num_gpu_blocks", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
-         "no_prefix_caching", "threads", "allocator", "reserve", "max_model_len", "kv_cache_dtype")  # fmt: skip
+         "enable_prefix_caching", "threads", "allocator", "reserve", "max_model_len", "kv_cache_dtype")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

@@ -440,6 +440,42 @@ class TestWatermarkMigration:
             assert sum(w.num_migrations_total for w in st.workers) == 1
 
 
+# ---- priority preemption ------------------------------------------------------------------------------
+@pytest.fixture(scope="class")
+def one_worker_cluster(ray_session, tiny_llama_dir):
+    cl = start(tiny_llama_dir, num_workers=1, blocks=64)  # 1024 tokens
+    yield cl
+    cl.shutdown()
+
+
+class TestPriorityPreemption:
+    """One 64-block worker filled by a low-priority request; a high-priority one that does not fit
+    next to it makes the router preempt the low one (RECOMPUTE: no swap space) and hand the
+    newcomer to that worker. Both complete token-identical to the offline greedy run."""
+
+    def test_high_priority_request_preempts_and_both_complete(self, one_worker_cluster, llm):
+        low, high = rand_prompt(950, 600), rand_prompt(951, 420)  # 38 and 27 (+1 decode) blocks
+        low_max, high_max = 400, 16  # low: 1000 tokens = 63 blocks at its longest; the pool is 64
+        expected_low, expected_high = greedy(llm, [low], low_max)[0], greedy(llm, [high], high_max)[0]
+        with KVServeClient(one_worker_cluster.address, timeout=RPC_TIMEOUT) as c, cf.ThreadPoolExecutor(1) as pool:
+            with c.generate(low, max_tokens=low_max, ignore_eos=True, priority=0) as stream:
+                responses = [next(stream)]
+                # The router must see the low request's blocks before the high one arrives: then
+                # the high one cannot be placed (26 blocks available < 28 needed) and is queued.
+                wait_until(lambda: used_blocks(c, "worker-0") >= 38, 30, "the low request's blocks reported")
+                urgent = pool.submit(c.generate_all, high, max_tokens=high_max, ignore_eos=True, priority=5)
+                responses += list(stream)
+            high_ids, high_text, high_final = urgent.result(RPC_TIMEOUT)
+            low_ids = [t for r in responses for t in r.token_ids]
+            assert low_ids == expected_low.token_ids
+            assert "".join(r.text_delta for r in responses) == expected_low.text
+            assert high_ids == expected_high.token_ids and high_text == expected_high.text
+            assert high_final.finish_reason == "length" and responses[-1].finish_reason == "length"
+            # Alone in a pool that holds it whole, the low request is only preempted by the router.
+            assert responses[-1].num_preemptions >= 1
+            wait_idle(c, one_worker_cluster)
+
+
 # ---- overload -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="class")
 def flood_cluster(ray_session, tiny_llama_dir):

@@ -45,11 +45,8 @@ def test_limit_by_blocks():
     assert q.offer(Item("c", 4))
     assert q.num_blocks == 10 and q.num_requests == 2
     assert not q.offer(Item("d", 1))
-    assert q.rejections_total == {
-        RejectReason.QUEUE_FULL_REQUESTS: 0,
-        RejectReason.QUEUE_FULL_BLOCKS: 2,
-        RejectReason.NEVER_FITS: 0,
-    }
+    expected = {reason: 2 if reason is RejectReason.QUEUE_FULL_BLOCKS else 0 for reason in RejectReason}
+    assert q.rejections_total == expected
 
 
 def test_oversize_item_only_into_empty_queue():
@@ -195,3 +192,125 @@ def test_retry_after_from_drain_rate():
     clock.t += 11.0
     assert q.drain_rate() == (0.0, 0.0)
     assert q.retry_after_ms() == 1_000
+
+
+# --- admission that answers in time ----------------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from router.admission import Refusal  # noqa: E402
+
+
+def _drained_queue(clock: Clock, blocks_each: int = 4, n: int = 10, **kw) -> AdmissionQueue:
+    """A queue that drained n items of ``blocks_each`` blocks over the last 10 s: 1 req/s."""
+    q = AdmissionQueue(max_requests=100, max_blocks=1000, clock=clock, drain_window_s=10.0, **kw)
+    for i in range(n):
+        q.offer(Item(f"old{i}", blocks_each))
+    clock.t += 10.0
+    assert len(list(q.pop_ready(lambda _: True))) == n
+    return q
+
+
+def test_projected_wait_counts_queue_ahead_by_priority():
+    clock = Clock()
+    q = _drained_queue(clock)  # 1 request/s, 4 blocks/s
+    assert q.drain_rate() == pytest.approx((1.0, 4.0))
+    assert q.projected_wait_s(0) == 0.0  # nothing ahead, nothing needed
+    assert q.projected_wait_s(4) == pytest.approx(1.0)  # one completion's worth
+    assert q.admit(Item("a", 8)) is None
+    assert q.admit(Item("b", 4, priority=5)) is None
+    assert q.projected_wait_s(4, priority=0) == pytest.approx(max(3 / 1.0, 16 / 4.0))
+    assert q.projected_wait_s(4, priority=5) == pytest.approx(max(2 / 1.0, 8 / 4.0))  # "a" is behind it
+    assert q.projected_wait_s(4, priority=9) == pytest.approx(1.0)
+    assert q.projected_wait_s() == pytest.approx(max(3 / 1.0, 12 / 4.0))  # back of the queue
+
+
+def test_admit_refuses_past_deadline_and_max_wait_with_retry_after_the_projection():
+    clock = Clock()
+    q = _drained_queue(clock, max_wait_s=5.0)
+    assert q.admit(Item("a", 4), deadline=clock.t + 0.5) == Refusal(RejectReason.WAIT_EXCEEDS_DEADLINE, 1000, 1.0)
+    assert q.admit(Item("b", 4), deadline=clock.t + 1.0) is None
+    for i in range(3):
+        assert q.admit(Item(f"c{i}", 4)) is None  # waits 2, 3, 4 s
+    refusal = q.admit(Item("d", 8))  # 5 ahead requests, 24 blocks: 6 s > max_wait_s
+    assert refusal is not None and refusal.reason is RejectReason.WAIT_EXCEEDS_MAX
+    assert refusal.retry_after_ms >= 6000 and refusal.projected_wait_s == pytest.approx(6.0)
+    assert q.rejections_total[RejectReason.WAIT_EXCEEDS_MAX] == 1
+    assert "d" not in q and len(q) == 4
+
+
+def test_admit_with_unknown_rate_queues_only_the_head():
+    clock = Clock()
+    q = AdmissionQueue(max_requests=100, max_blocks=1000, clock=clock, unknown_retry_ms=700)
+    assert q.projected_wait_s(3) is None
+    assert q.admit(Item("head", 3)) is None
+    assert q.admit(Item("second", 3)) == Refusal(RejectReason.WAIT_UNKNOWN, 700, None)
+    assert q.admit(Item("urgent", 3, priority=1)) is None  # nobody ahead of its class
+    assert q.admit(Item("late", 3), deadline=clock.t) == Refusal(RejectReason.WAIT_EXCEEDS_DEADLINE, 700, None)
+
+
+def test_expired_takes_out_only_passed_deadlines():
+    clock = Clock()
+    q = AdmissionQueue(max_requests=10, max_blocks=100, clock=clock)
+    assert q.admit(Item("a"), deadline=clock.t + 5) is None  # head: admitted with unknown rate
+    assert q.admit(Item("b", priority=2), deadline=clock.t + 1) is None
+    assert q.admit(Item("c", priority=3)) is None  # no deadline: never expires
+    assert q.next_deadline() == clock.t + 1
+    assert q.expired() == []
+    clock.t += 1
+    assert ids(q.expired()) == ["b"]
+    q.remove("a")
+    clock.t += 10
+    assert q.expired() == [] and ids(q) == ["c"] and q.num_blocks == 1
+    assert q.next_deadline() is None
+
+
+_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["admit", "pop", "tick", "expire"]),
+        st.integers(0, 12),  # blocks
+        st.integers(-1, 2),  # priority
+        st.one_of(st.none(), st.floats(-1.0, 60.0)),  # deadline offset (s)
+        st.floats(0.0, 8.0),  # tick (s)
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=_ops, max_wait=st.floats(0.5, 40.0), max_requests=st.integers(0, 20), max_blocks=st.integers(0, 60))
+def test_admit_never_past_deadline_and_retry_never_below_projection(ops, max_wait, max_requests, max_blocks):
+    clock = Clock()
+    q = AdmissionQueue(max_requests, max_blocks, clock=clock, drain_window_s=20.0, max_wait_s=max_wait)
+    deadlines: dict[str, float | None] = {}
+    for n, (op, blocks, priority, offset, tick) in enumerate(ops):
+        if op == "admit":
+            item = Item(f"r{n}", blocks, priority)
+            deadline = None if offset is None else clock.t + offset
+            wait = q.projected_wait_s(blocks, priority)
+            refusal = q.admit(item, deadline=deadline)
+            if refusal is None:
+                assert item.request_id in q
+                deadlines[item.request_id] = deadline
+                if wait is not None:
+                    assert wait <= max_wait
+                    assert deadline is None or clock.t + wait <= deadline
+                else:  # unknown wait: only with nobody ahead
+                    assert all(i.priority < priority for i in q if i.request_id != item.request_id)
+                assert deadline is None or deadline > clock.t
+            else:
+                assert item.request_id not in q
+                assert refusal.projected_wait_s == wait
+                if wait is not None:
+                    assert refusal.retry_after_ms >= wait * 1000
+                assert refusal.retry_after_ms >= 0
+        elif op == "pop":
+            list(q.pop_ready(lambda i, limit=blocks: i.num_blocks <= limit))
+        elif op == "tick":
+            clock.t += tick
+        else:
+            gone = q.expired()
+            assert all(deadlines[i.request_id] is not None and deadlines[i.request_id] <= clock.t for i in gone)
+            assert all(deadlines.get(i.request_id) is None or deadlines[i.request_id] > clock.t for i in q)
+        assert q.num_blocks == sum(i.num_blocks for i in q)

@@ -184,10 +184,10 @@ def test_dockerfile_copies_every_package() -> None:
 
 # ---- metrics used by alerts and the dashboard --------------------------------------------------------
 def exported_sample_names() -> set[str]:
-    """Every sample name cluster/metrics.py exports (counters with _total, histograms' series)."""
+    """Every sample name router/metrics.py exports (counters with _total, histograms' series)."""
     from prometheus_client.metrics import MetricWrapperBase
 
-    from cluster import metrics
+    from router import metrics
 
     names = set()
     for obj in vars(metrics).values():

@@ -5,15 +5,18 @@ from __future__ import annotations
 from protos.kvserve.v1 import worker_pb2 as pb
 from router.config import RouterConfig
 from router.router import Router, RouterRequest
+from workers.identity import WorkerIdentity
 from workers.sampling_params import SamplingParams
 
-INFO = {"block_size": 16, "model_id": "m", "vocab_size": 100, "max_model_len": 64, "total_blocks": 8}
+
+def _identity(worker_id: str) -> WorkerIdentity:
+    return WorkerIdentity(worker_id, "m", block_size=16, total_blocks=8, max_model_len=64, vocab_size=100)
 
 
 def _router() -> tuple[Router, RouterRequest]:
     router = Router(RouterConfig(port=0))
-    router.add_worker("a", None, INFO)
-    router.add_worker("b", None, INFO)
+    router.add_worker("a", None, _identity("a"))
+    router.add_worker("b", None, _identity("b"))
     r = RouterRequest("r", [1, 2, 3], SamplingParams(max_tokens=8), 0, "", (), 1, worker_id="a")
     router.requests["r"] = r
     return router, r

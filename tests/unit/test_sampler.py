@@ -191,3 +191,43 @@ def test_params_lists_become_tuples() -> None:
 def test_params_validation_names_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+# --- TokenRNG: reproducible from (seed, output index) ----------------------------------------
+
+
+def test_token_rng_is_a_function_of_seed_and_index() -> None:
+    from workers.sampler import TokenRNG, make_token_rng
+
+    assert make_token_rng(None) is None
+    a, b = TokenRNG(42), TokenRNG(42)
+    draws_a = [torch.rand(4, generator=a.at(i)) for i in range(6)]
+    # b jumps straight to index 5, then back to 2: no history, no advancing state.
+    assert torch.equal(torch.rand(4, generator=b.at(5)), draws_a[5])
+    assert torch.equal(torch.rand(4, generator=b.at(2)), draws_a[2])
+    assert not torch.equal(draws_a[0], draws_a[1])
+    with pytest.raises(ValueError):
+        a.at(-1)
+
+
+def test_token_rng_seeds_differing_in_high_bits_differ() -> None:
+    """mt19937 keeps only 32 bits of its seed; the mix must still tell these apart."""
+    from workers.sampler import TokenRNG, token_seed
+
+    x, y = TokenRNG(1), TokenRNG(1 + 2**32)
+    assert not torch.equal(torch.rand(8, generator=x.at(0)), torch.rand(8, generator=y.at(0)))
+    low32 = {token_seed(s, i) & 0xFFFFFFFF for s in range(50) for i in range(50)}
+    assert len(low32) == 2500
+
+
+def test_seeded_replay_from_index_matches_a_continuous_run() -> None:
+    """Sampling token i with TokenRNG.at(i) gives the same tokens whether the run started at 0 or
+    resumes at i (what a replay on another worker does)."""
+    from workers.sampler import TokenRNG
+
+    logits = _logits(1, seed=9)
+    params = [SamplingParams(temperature=1.0, seed=3)]
+    full = [Sampler()(logits, params, [TokenRNG(3).at(i)])[0] for i in range(12)]
+    resumed_rng = TokenRNG(3)
+    assert [Sampler()(logits, params, [resumed_rng.at(i)])[0] for i in range(7, 12)] == full[7:]
+    assert len(set(full)) > 1  # the noise really changes per index

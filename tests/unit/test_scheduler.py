@@ -381,3 +381,35 @@ def test_preempted_request_is_readmitted_once_the_pool_drains() -> None:
     out, _ = _step(s)  # an empty pool: the only waiting request must run
     assert [r.request_id for r, _ in out.scheduled] == ["long"]
     assert long.status is RequestStatus.RUNNING
+
+
+# ---- migration import ---------------------------------------------------------------------------------
+def test_admit_imported_uses_the_admission_rule() -> None:
+    # 10 blocks of 4 tokens, watermark 20% = 2 blocks, kept free only while something runs.
+    s = _sched(10, watermark=0.2)
+    s.add(_req("run", [1] * 12))  # 3 blocks
+    _step(s)
+    big = _req("big", [2] * 20)  # 5 blocks: 10 - 3 - 5 = 2 left == the watermark -> fits
+    assert s.admit_imported(big, 20) == [3, 4, 5, 6, 7]
+    assert big.status is RequestStatus.RUNNING and big.num_computed_tokens == 20 and big in s.running
+    _check(s)
+    nope = _req("nope", [3] * 4)  # 1 block would eat into the watermark: "not now", nothing taken
+    assert s.admit_imported(nope, 4) is None
+    assert nope.block_table == [] and s.pool.num_free_blocks == 2 and nope not in s.running
+    _check(s)
+
+
+def test_admit_imported_into_an_idle_pool_waives_the_watermark_like_admission() -> None:
+    s = _sched(10, watermark=0.2)
+    whole = _req("whole", [1] * 40)  # the whole pool
+    assert s.admit_imported(whole, 39) == list(range(10))
+    _check(s)
+
+
+def test_admit_imported_respects_max_num_seqs_and_rejects_bad_counts() -> None:
+    s = _sched(10, max_num_seqs=1)
+    s.add(_req("run", [1] * 4))
+    _step(s)
+    assert s.admit_imported(_req("second", [2] * 4), 4) is None
+    with pytest.raises(ValueError, match="cannot import"):
+        _sched(10).admit_imported(_req("x", [1] * 4), 5)

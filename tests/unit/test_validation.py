@@ -147,10 +147,17 @@ def test_default_max_tokens_is_capped_by_room_left():
     assert sampling_params(sp(), LIMITS.max_model_len, LIMITS).max_tokens == 1
 
 
-def test_explicit_max_tokens_is_kept():
-    # NOTE: validation does not cap it; "can never fit" is the router's placement check.
+def test_explicit_max_tokens_is_kept_when_it_fits():
     assert sampling_params(sp(max_tokens=7), 10, LIMITS).max_tokens == 7
-    assert sampling_params(sp(max_tokens=100_000), 10, LIMITS).max_tokens == 100_000
+    assert sampling_params(sp(max_tokens=502), 10, LIMITS).max_tokens == 502  # exactly max_model_len
+
+
+@pytest.mark.parametrize("max_tokens", [503, 100_000, 2**32 - 1])
+def test_explicit_max_tokens_beyond_the_context_is_invalid(max_tokens):
+    # As vLLM: refused, never silently clamped.
+    with pytest.raises(ValidationError) as e:
+        sampling_params(sp(max_tokens=max_tokens), 10, LIMITS)
+    assert e.value.field == "sampling.max_tokens" and "max_model_len=512" in str(e.value)
 
 
 def test_fields_are_carried_over():

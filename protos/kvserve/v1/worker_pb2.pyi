@@ -30,7 +30,7 @@ class WorkerMessage(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., step_outputs: _Optional[_Union[StepOutputs, _Mapping]] = ..., pressure: _Optional[_Union[PressureReport, _Mapping]] = ..., block_events: _Optional[_Union[BlockEvents, _Mapping]] = ..., block_snapshot: _Optional[_Union[BlockSnapshot, _Mapping]] = ..., export_result: _Optional[_Union[ExportResult, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("worker_id", "model_id", "block_size", "total_blocks", "swap_blocks", "max_model_len", "node_id", "address", "incarnation", "last_command_seq")
+    __slots__ = ("worker_id", "model_id", "block_size", "total_blocks", "swap_blocks", "max_model_len", "node_id", "address", "incarnation", "last_command_seq", "vocab_size", "has_tokenizer")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,8 @@ class Hello(_message.Message):
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     LAST_COMMAND_SEQ_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model_id: str
     block_size: int
@@ -51,7 +53,9 @@ class Hello(_message.Message):
     address: str
     incarnation: str
     last_command_seq: int
-    def __init__(self, worker_id: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., swap_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[str] = ..., last_command_seq: _Optional[int] = ...) -> None: ...
+    vocab_size: int
+    has_tokenizer: bool
+    def __init__(self, worker_id: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., swap_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[str] = ..., last_command_seq: _Optional[int] = ..., vocab_size: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ...) -> None: ...
 
 class StepOutputs(_message.Message):
     __slots__ = ("decode_step", "outputs")
@@ -88,7 +92,7 @@ class RequestOutput(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_swaps: _Optional[int] = ..., error: _Optional[str] = ..., num_output_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_serving_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class PressureReport(_message.Message):
-    __slots__ = ("worker_id", "seq", "total_blocks", "free_blocks", "used_blocks", "cached_evictable_blocks", "swap_blocks_total", "swap_blocks_free", "num_running", "num_waiting", "num_swapped", "tokens_in_flight", "decode_steps", "step_latency_ms", "num_preemptions_total", "prefix_cache_query_tokens_total", "prefix_cache_hit_tokens_total", "num_swaps_total")
+    __slots__ = ("worker_id", "seq", "total_blocks", "free_blocks", "used_blocks", "cached_evictable_blocks", "swap_blocks_total", "swap_blocks_free", "num_running", "num_waiting", "num_swapped", "tokens_in_flight", "decode_steps", "step_latency_ms", "num_preemptions_total", "prefix_cache_query_tokens_total", "prefix_cache_hit_tokens_total", "num_swaps_total", "num_imports_total", "num_exports_total")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +111,8 @@ class PressureReport(_message.Message):
     PREFIX_CACHE_QUERY_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_SWAPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_IMPORTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPORTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     seq: int
     total_blocks: int
@@ -125,7 +131,9 @@ class PressureReport(_message.Message):
     prefix_cache_query_tokens_total: int
     prefix_cache_hit_tokens_total: int
     num_swaps_total: int
-    def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_evictable_blocks: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., decode_steps: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., num_preemptions_total: _Optional[int] = ..., prefix_cache_query_tokens_total: _Optional[int] = ..., prefix_cache_hit_tokens_total: _Optional[int] = ..., num_swaps_total: _Optional[int] = ...) -> None: ...
+    num_imports_total: int
+    num_exports_total: int
+    def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_evictable_blocks: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., decode_steps: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., num_preemptions_total: _Optional[int] = ..., prefix_cache_query_tokens_total: _Optional[int] = ..., prefix_cache_hit_tokens_total: _Optional[int] = ..., num_swaps_total: _Optional[int] = ..., num_imports_total: _Optional[int] = ..., num_exports_total: _Optional[int] = ...) -> None: ...
 
 class BlockEvents(_message.Message):
     __slots__ = ("events",)

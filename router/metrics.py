@@ -35,6 +35,10 @@ REPORT_AGE = Gauge("kvserve:pressure_report_age_seconds", "Seconds since the wor
 
 ROUTER_QUEUE_REQUESTS = Gauge("kvserve:router_queue_requests", "Requests waiting in the router queue")
 ROUTER_QUEUE_BLOCKS = Gauge("kvserve:router_queue_blocks", "KV blocks the router queue's requests need")
+ROUTER_PROJECTED_WAIT = Gauge(
+    "kvserve:router_projected_queue_wait_seconds",
+    "Projected wait before a request joining the back of the router queue could start (NaN: no drain observed)",
+)
 
 PREEMPTIONS = Counter("kvserve:num_preemptions", "Preemptions by mode", ["mode"])
 MIGRATIONS = Counter("kvserve:num_migrations", "Requests migrated between workers")

@@ -1,0 +1,115 @@
+"""Worker outputs -> client responses: in order, each token once (pure: no Ray, no gRPC).
+
+A request's outputs can arrive from two workers (a migration: the destination's first tokens may
+overtake the source's last ones, on two streams) and more than once (a worker resends after a
+reconnect). Every ``RequestOutput`` says where its tokens start (``num_output_tokens -
+len(new_token_ids)``), so the demux:
+
+* holds an output that starts past the tokens delivered so far until the gap closes;
+* drops the tokens of an output that were already delivered (a replay, or tokens from before a
+  migration), and the output itself when nothing new is left and it does not finish the request;
+* ends a cancelled request silently on its worker's ``abort`` (the client already has its status).
+
+``demux_output`` updates the request's output fields and returns the ``Delivery``s the router
+hands to the client and to its metrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from protos.kvserve.v1 import serving_pb2 as spb
+from protos.kvserve.v1 import worker_pb2 as pb
+
+if TYPE_CHECKING:
+    from router.request import RouterRequest
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One step of a request's output stream.
+
+    Attributes:
+        response: what the client gets; None when the request ends without one (the worker's
+            abort of a request the client cancelled).
+        num_new_tokens: tokens ``response`` adds.
+        time_to_first_token_s: set on the response that carries the first token.
+        inter_token_s: mean gap per token since the previous tokens, on later responses.
+        e2e_s: arrival to final response, set on the final one.
+        finished: the request is over (the router forgets it).
+    """
+
+    response: spb.GenerateResponse | None
+    num_new_tokens: int = 0
+    time_to_first_token_s: float | None = None
+    inter_token_s: float | None = None
+    e2e_s: float | None = None
+    finished: bool = False
+
+
+def demux_output(r: RouterRequest, worker_id: str, out: pb.RequestOutput, now: float) -> list[Delivery]:
+    """Fold one worker output into ``r``; returns what to deliver, in order (maybe nothing).
+
+    Args:
+        r: the request (its ``tokens_received``, ``held`` and counts are updated).
+        worker_id: the worker that sent ``out``.
+        out: the output.
+        now: monotonic time, for the token timings.
+    """
+    new = list(out.new_token_ids)
+    start = out.num_output_tokens - len(new)
+    if start > r.tokens_received and not (r.cancelled and out.finish_reason == "abort"):
+        r.held.append((worker_id, out))
+        return []
+    deliveries = _deliver(r, worker_id, out, new, start, now)
+    while r.held and not any(d.finished for d in deliveries):
+        ready = next((h for h in r.held if _start(h[1]) <= r.tokens_received), None)
+        if ready is None:
+            break
+        r.held.remove(ready)
+        held_out = ready[1]
+        deliveries += _deliver(r, ready[0], held_out, list(held_out.new_token_ids), _start(held_out), now)
+    return deliveries
+
+
+def _start(out: pb.RequestOutput) -> int:
+    return out.num_output_tokens - len(out.new_token_ids)
+
+
+def _deliver(
+    r: RouterRequest, worker_id: str, out: pb.RequestOutput, new: list[int], start: int, now: float
+) -> list[Delivery]:
+    logprobs = list(out.logprobs)  # empty, or one per new token
+    skip = r.tokens_received - start
+    if skip > 0:  # already delivered (a replay, or tokens from before a migration)
+        if skip >= len(new) and not out.finish_reason:
+            return []
+        new, logprobs = new[skip:], logprobs[skip:]
+    ttft = itl = None
+    if new:
+        if r.first_token_time is None:
+            r.first_token_time = now
+            ttft = now - r.arrival
+        elif r.last_token_time is not None:
+            itl = (now - r.last_token_time) / len(new)
+        r.last_token_time = now
+        r.tokens_received += len(new)
+    r.cached_tokens = out.num_cached_tokens
+    r.preemptions = max(r.preemptions, out.num_preemptions)
+    r.swaps = max(r.swaps, out.num_swaps)
+    resp = spb.GenerateResponse(
+        request_id=r.request_id, token_ids=new, text_delta=out.text_delta, worker_id=worker_id, logprobs=logprobs
+    )
+    if not out.finish_reason:
+        return [Delivery(resp, len(new), ttft, itl)]
+    if r.cancelled and out.finish_reason == "abort":
+        return [Delivery(None, len(new), ttft, itl, finished=True)]
+    resp.finish_reason = out.finish_reason
+    resp.usage.prompt_tokens = len(r.prompt_ids)
+    resp.usage.cached_tokens = out.num_cached_tokens
+    resp.usage.completion_tokens = r.tokens_received
+    resp.num_preemptions = r.preemptions
+    resp.num_swaps = r.swaps
+    resp.num_migrations = r.migrations
+    return [Delivery(resp, len(new), ttft, itl, e2e_s=now - r.arrival, finished=True)]

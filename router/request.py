@@ -1,0 +1,54 @@
+"""The router's record of one request, and the error that ends one with a gRPC status."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos.kvserve.v1 import worker_pb2 as pb
+from workers.sampling_params import SamplingParams
+
+
+class RouterError(Exception):
+    """A request refused or ended with a gRPC status (and optional trailing metadata)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, trailers: tuple[tuple[str, str], ...] = ()) -> None:
+        super().__init__(message)
+        self.code, self.message, self.trailers = code, message, trailers
+
+
+@dataclass(eq=False)
+class RouterRequest:
+    """One request from ``submit`` to its final response.
+
+    ``worker_id`` is set once a worker accepted it (``target`` while that call is in flight);
+    ``responses`` is what ``Router.stream`` yields (GenerateResponse or a final RouterError).
+    The output fields (``tokens_received``, ``held``, the token times and counts) belong to the
+    demux (router/demux.py).
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int
+    tenant: str
+    block_hashes: tuple[int, ...]
+    num_blocks: int  # prompt blocks, for queue accounting
+    arrival: float = field(default_factory=time.monotonic)
+    responses: asyncio.Queue = field(default_factory=asyncio.Queue)
+    worker_id: str | None = None
+    target: str | None = None  # placement decided, dispatch pending
+    tokens_received: int = 0
+    finished: bool = False
+    cancelled: bool = False
+    cached_tokens: int = 0
+    preemptions: int = 0
+    swaps: int = 0
+    migrations: int = 0
+    router_preempted: bool = False
+    held: list[tuple[str, pb.RequestOutput]] = field(default_factory=list)  # outputs past a gap
+    first_token_time: float | None = None
+    last_token_time: float | None = None

@@ -1,0 +1,58 @@
+"""A helper process that joins a running ``kvserve serve``'s Ray cluster and answers questions
+about it on stdin/stdout, one JSON line per command (so chaos tests need no Ray of their own).
+
+Usage: ``python -m tests.chaos.ray_probe GCS_ADDRESS``; then write lines:
+``{"op": "pid", "worker_id": "worker-0"}`` -> ``{"ok": true, "value": 12345}``
+``{"op": "integrity"}`` -> ``{"ok": true, "value": {"worker-0": null, ...}}`` (error text or null)
+Errors come back as ``{"ok": false, "error": "..."}``; EOF on stdin ends the process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import ray
+
+from cluster.config import RAY_NAMESPACE, ROUTER_ACTOR_NAME
+
+TIMEOUT_S = 60.0
+
+
+def _integrity(router: ray.actor.ActorHandle) -> dict[str, str | None]:
+    status_bytes = ray.get(router.cluster_status.remote(), timeout=TIMEOUT_S)
+    from protos.kvserve.v1 import serving_pb2 as spb
+
+    status = spb.ClusterStatus.FromString(status_bytes)
+    out: dict[str, str | None] = {}
+    for w in status.workers:
+        try:
+            ray.get(router.check_worker_integrity.remote(w.worker_id), timeout=TIMEOUT_S)
+            out[w.worker_id] = None
+        except Exception as e:  # noqa: BLE001 - reported to the test, which fails on it
+            out[w.worker_id] = repr(e)
+    return out
+
+
+def main(gcs_address: str) -> None:
+    ray.init(address=gcs_address, namespace=RAY_NAMESPACE, logging_level=logging.ERROR, log_to_driver=False)
+    router = ray.get_actor(ROUTER_ACTOR_NAME)
+    print(json.dumps({"ok": True, "value": "ready"}), flush=True)
+    for line in sys.stdin:
+        try:
+            cmd = json.loads(line)
+            if cmd["op"] == "pid":
+                value = ray.get(router.worker_pid.remote(cmd["worker_id"]), timeout=TIMEOUT_S)
+            elif cmd["op"] == "integrity":
+                value = _integrity(router)
+            else:
+                raise ValueError(f"unknown op {cmd['op']!r}")
+            print(json.dumps({"ok": True, "value": value}), flush=True)
+        except Exception as e:  # noqa: BLE001 - one bad command must not end the probe
+            print(json.dumps({"ok": False, "error": repr(e)}), flush=True)
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,39 @@
+"""WorkerOptions: a worker's knobs beside its engine's, declared and validated here only.
+
+The ``worker:`` section of ``cluster.yaml`` and the ``--worker-*`` flags of ``kvserve serve`` are
+generated from these fields (``workers/knobs.py``).
+
+NOTE: a leaf module apart from ``workers/worker.py`` so the launcher and the config loader can
+name the options without importing the worker (torch, grpc).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workers.knobs import NON_NEGATIVE, POSITIVE, knob, validate
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """Worker knobs beside the engine's.
+
+    Raises:
+        ValueError: a bad value, ``"<field> must be ..., got <value>"``.
+    """
+
+    router_address: str | None = knob(None, help="host:port of the router's WorkerLink (None = no link)", cli=False)
+    auth_token: str | None = knob(None, help="bearer token for the WorkerLink", cli=False)
+    tls_ca: str | None = knob(None, help="PEM: trust this CA for the router's certificate")
+    tls_cert: str | None = knob(None, help="PEM: client certificate (mTLS)")
+    tls_key: str | None = knob(None, help="PEM: client key (mTLS)")
+    pressure_interval_ms: float = knob(50.0, help="most frequent pressure report, ms", check=NON_NEGATIVE)
+    idle_report_s: float = knob(1.0, help="pressure report interval when nothing changes, s", check=POSITIVE)
+    high_watermark: float = knob(0.9, help="report at once when pool usage crosses this")
+    low_watermark: float = knob(0.7, help="report at once when pool usage crosses this")
+    stall_timeout_s: float = knob(30.0, help="engine step slower than this = stalled worker", check=POSITIVE)
+
+    def __post_init__(self) -> None:
+        validate(self)
+        if not 0.0 <= self.low_watermark <= self.high_watermark <= 1.0:
+            raise ValueError("need 0 <= low_watermark <= high_watermark <= 1")
