@@ -142,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     init = model_sub.add_parser("init-random", help="write a random-weight HF-format checkpoint + tokenizer.json")
     add_init_random_arguments(init)
     init.set_defaults(func=run_init_random)
+    from cluster.model_fetch import add_fetch_arguments, run_fetch
+
+    fetch = model_sub.add_parser("fetch", help="download a real model (models.json) and write it as an HF directory")
+    add_fetch_arguments(fetch)
+    fetch.set_defaults(func=run_fetch)
 
     gen = sub.add_parser("generate", help="generate offline (or against a server with --server)")
     gen.add_argument("--model", help="HF model directory (offline mode)")

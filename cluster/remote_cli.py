@@ -81,41 +81,58 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+# Below this many columns the worker table is split in two (pressure, then activity) with short
+# headers: the 16-column table needs ~135 columns, and rich would otherwise squeeze every header
+# to one letter and an ellipsis (a pipe gets 80 columns).
+WIDE_TABLE_MIN_COLUMNS = 140
+
+# (header, justify, cell) per column; cells are rich markup strings.
+_Column = tuple[str, str, "Any"]
+
+
+def _usage_cell(w: Any) -> str:
+    style = "red" if w.usage >= 0.9 else "yellow" if w.usage >= 0.6 else "green"
+    return f"[{style}]{w.usage:.0%}[/]"
+
+
+def _swap_blocks_cell(w: Any) -> str:
+    return f"{w.swap_blocks_total - w.swap_blocks_free}/{w.swap_blocks_total}" if w.swap_blocks_total else "-"
+
+
+_WORKER: _Column = ("worker", "left", lambda w: w.worker_id)
+_PRESSURE: list[_Column] = [
+    ("up", "center", lambda w: "[green]yes[/]" if w.healthy else "[red]NO[/]"),
+    ("used/total", "right", lambda w: f"{w.used_blocks}/{w.total_blocks}"),
+    ("usage", "right", _usage_cell),
+    ("free", "right", lambda w: str(w.free_blocks)),
+    ("cached", "right", lambda w: str(w.cached_evictable_blocks)),
+    ("in flight", "right", lambda w: str(w.blocks_in_flight)),
+    ("swap", "right", _swap_blocks_cell),
+]
+_ACTIVITY: list[_Column] = [
+    ("run", "right", lambda w: str(w.num_running)),
+    ("wait", "right", lambda w: str(w.num_waiting)),
+    ("swapped", "right", lambda w: str(w.num_swapped)),
+    ("preempt", "right", lambda w: str(w.num_preemptions_total)),
+    ("migr", "right", lambda w: str(w.num_migrations_total)),
+    ("hit", "right", lambda w: f"{w.prefix_cache_hit_rate:.0%}"),
+    ("ms/step", "right", lambda w: f"{w.step_latency_ms:.1f}"),
+    ("age s", "right", lambda w: "-" if w.last_report_age_s < 0 else f"{w.last_report_age_s:.1f}"),
+]
+
+
 def render_status(status: Any, console: Any = None) -> None:
-    """A rich table: one row per worker, then the router's admission queue."""
+    """Rich tables: the workers (one row each; one wide table, or two narrow ones below
+    ``WIDE_TABLE_MIN_COLUMNS``), then the router's admission queue. Readable at 80 columns and
+    when piped: no header or value is ever truncated."""
     from rich.console import Console
-    from rich.table import Table
 
     console = console or Console()
-    table = Table(title="kvserve workers", title_justify="left")
-    for name, justify in (
-        ("worker", "left"), ("up", "center"), ("used/total", "right"), ("usage", "right"),
-        ("free", "right"), ("cached", "right"), ("in flight", "right"), ("run", "right"),
-        ("wait", "right"), ("swap", "right"), ("preempt", "right"), ("migr out", "right"),
-        ("hit rate", "right"), ("step ms", "right"), ("age s", "right"),
-    ):  # fmt: skip
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
-    for w in status.workers:
-        usage_style = "red" if w.usage >= 0.9 else "yellow" if w.usage >= 0.6 else "green"
-        swap = f"{w.num_swapped} ({w.swap_blocks_total - w.swap_blocks_free}/{w.swap_blocks_total})"
-        table.add_row(
-            w.worker_id,
-            "[green]yes[/]" if w.healthy else "[red]NO[/]",
-            f"{w.used_blocks}/{w.total_blocks}",
-            f"[{usage_style}]{w.usage:.0%}[/]",
-            str(w.free_blocks),
-            str(w.cached_evictable_blocks),
-            str(w.blocks_in_flight),
-            str(w.num_running),
-            str(w.num_waiting),
-            swap if w.swap_blocks_total else str(w.num_swapped),
-            str(w.num_preemptions_total),
-            str(w.num_migrations_total),
-            f"{w.prefix_cache_hit_rate:.0%}",
-            f"{w.step_latency_ms:.1f}",
-            "-" if w.last_report_age_s < 0 else f"{w.last_report_age_s:.1f}",
-        )
-    console.print(table)
+    if console.width >= WIDE_TABLE_MIN_COLUMNS:
+        console.print(_worker_table("kvserve workers", [_WORKER, *_PRESSURE, *_ACTIVITY], status.workers))
+    else:
+        console.print(_worker_table("kvserve workers: KV blocks", [_WORKER, *_PRESSURE], status.workers))
+        console.print(_worker_table("kvserve workers: activity", [_WORKER, *_ACTIVITY], status.workers))
     r = status.router
     rejections = ", ".join(f"{k}={v}" for k, v in sorted(r.rejections_total.items())) or "none"
     console.print(
@@ -123,3 +140,15 @@ def render_status(status: Any, console: Any = None) -> None:
         f"queue {r.queue_requests}/{r.max_queue_requests} requests, {r.queue_blocks}/{r.max_queue_blocks} blocks, "
         f"{r.requests_in_flight} in flight; rejections: {rejections}"
     )
+
+
+def _worker_table(title: str, columns: list[_Column], workers: Any) -> Any:
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for name, justify, _ in columns:
+        table.add_column(name, justify=justify, no_wrap=True, min_width=len(name))  # type: ignore[arg-type]
+    for w in workers:
+        table.add_row(*(cell(w) for _, _, cell in columns))
+    return table

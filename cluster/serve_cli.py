@@ -217,8 +217,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if not (Path(cfg.model) / "config.json").is_file():
-        print(f"error: model: {cfg.model} has no config.json (a HuggingFace model directory)", file=sys.stderr)
+    from workers.gguf_checkpoint import find_gguf
+
+    try:
+        gguf = find_gguf(cfg.model)
+    except ValueError as e:
+        print(f"error: model: {e}", file=sys.stderr)
+        return 2
+    if gguf is None and not (Path(cfg.model) / "config.json").is_file():
+        print(f"error: model: {cfg.model} has no config.json (an HF model directory) nor a .gguf file", file=sys.stderr)
         return 2
     return serve(cfg)
 

@@ -40,6 +40,25 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("tiny_qwen3")
+    init_random(d, arch="qwen3", size="tiny", seed=0)
+    return d
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real SmolLM2-135M-Instruct (fp32 HF directory) from the model cache (``make model-cache``
+    fills it); fetched here when missing, and the test skipped with the reason when that fails."""
+    from cluster.model_fetch import FetchError, fetch
+
+    try:
+        return fetch("smollm2-135m-instruct", "float32", quiet=True)
+    except FetchError as e:
+        pytest.skip(f"SmolLM2 not in the model cache and cannot be fetched: {e}")
+
+
+@pytest.fixture(scope="session")
 def hf_greedy() -> HFGreedy:
     """``hf_greedy(model_dir, prompts, max_new_tokens)`` -> HF transformers greedy continuations.
 

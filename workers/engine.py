@@ -53,8 +53,9 @@ class LLMEngine:
             config.model, self.dtype, self.device, max(self.max_model_len, mc.max_position_embeddings)
         )
         self.tokenizer = load_tokenizer(config.model)
-        self.eos_token_id = (
-            self.tokenizer.eos_token_id if self.tokenizer is not None else (mc.eos_token_ids or (None,))[0]
+        # NOTE: every end id stops (a chat model ends its turn with <|im_end|>, not its primary EOS).
+        self.eos_token_ids = frozenset(
+            (self.tokenizer.eos_token_ids if self.tokenizer is not None else ()) or mc.eos_token_ids
         )
         self.model_id = config.model_id or str(Path(config.model).resolve())
 
@@ -163,7 +164,7 @@ class LLMEngine:
         req = self._continued_request(request_id, token_ids, outputs, params, priority, cache_salt)
         if outputs:
             req.detokenizer, req.output_text = rebuild_output_text(
-                self.tokenizer, token_ids, outputs, params, self.eos_token_id, self.max_model_len
+                self.tokenizer, token_ids, outputs, params, self.eos_token_ids, self.max_model_len
             )
         self.requests[request_id] = req
         self.scheduler.add(req)
@@ -255,7 +256,7 @@ class LLMEngine:
     def _on_new_token(self, req: Request) -> RequestOutput:
         token = req.output_token_ids[-1]
         reason, delta = advance_output(
-            req.output_token_ids, req.detokenizer, req.output_text, req.sampling_params, self.eos_token_id,
+            req.output_token_ids, req.detokenizer, req.output_text, req.sampling_params, self.eos_token_ids,
             req.num_tokens >= self.max_model_len,
         )  # fmt: skip
         req.output_text += delta
@@ -374,7 +375,7 @@ class LLMEngine:
             # No snapshot (an exporter without a tokenizer): rebuild as a replay would.
             req.detokenizer, req.output_text = rebuild_output_text(
                 self.tokenizer, req.prompt_token_ids, req.output_token_ids, req.sampling_params,
-                self.eos_token_id, self.max_model_len,
+                self.eos_token_ids, self.max_model_len,
             )  # fmt: skip
         if state.kv_blocks is not None:
             blocks = self.scheduler.admit_imported(req, state.num_computed_tokens)

@@ -73,6 +73,9 @@ def _targets(model: CausalLM, name: str) -> tuple[torch.Tensor, int, int] | None
         "input_layernorm.weight": (layer.input_layernorm.weight, 0, c.hidden_size),
         "post_attention_layernorm.weight": (layer.post_attention_layernorm.weight, 0, c.hidden_size),
     }
+    if attn.q_norm is not None and attn.k_norm is not None:
+        table["self_attn.q_norm.weight"] = (attn.q_norm.weight, 0, c.head_dim)
+        table["self_attn.k_norm.weight"] = (attn.k_norm.weight, 0, c.head_dim)
     if attn.qkv_proj.bias is not None:
         table["self_attn.q_proj.bias"] = (attn.qkv_proj.bias, 0, q)
         table["self_attn.k_proj.bias"] = (attn.qkv_proj.bias, q, kv)
@@ -101,43 +104,57 @@ def load_model(
     device: str | torch.device = "cpu",
     max_positions: int | None = None,
 ) -> CausalLM:
-    """Build the model for ``model_dir`` and fill it from its safetensors.
+    """Build the model for ``model_dir`` and fill it from its weights.
+
+    ``model_dir`` is an HF directory (config.json + safetensors) or a GGUF checkpoint (a ``.gguf``
+    file or a directory holding one, dequantized here to ``dtype``).
 
     Raises:
         FileNotFoundError: missing config or weights.
         ValueError: unknown architecture, corrupt file, wrong shape, or a parameter never loaded.
     """
+    from workers.gguf_checkpoint import find_gguf, open_gguf
+
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
     dtype = dtype or config.dtype
-    files = checkpoint_files(model_dir)
+    gguf_path = find_gguf(model_dir)
+    files = [gguf_path] if gguf_path is not None else checkpoint_files(model_dir)
     with torch.device(device):
         model = CausalLM(config, max_positions or config.max_position_embeddings)
     model = model.to(dtype)
     model.rotary.float()  # NOTE: the cos/sin table stays fp32 (cast per use) as in HF.
     written: dict[int, int] = {}  # id(param) -> rows written
+
+    def copy_in(source: Path, name: str, tensor: torch.Tensor) -> None:
+        target = _targets(model, name)
+        if target is None:
+            return
+        param, offset, rows = target
+        expected = (rows, *param.shape[1:])
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"{source}: {name} has shape {tuple(tensor.shape)}, expected {expected}")
+        param[offset : offset + rows].copy_(tensor.to(dtype))
+        written[id(param)] = written.get(id(param), 0) + rows
+
     with torch.no_grad():
-        for f in files:
-            try:
-                handle = safe_open(str(f), framework="pt", device="cpu")
-            except (SafetensorError, OSError) as e:
-                raise ValueError(f"{f}: cannot read safetensors ({e})") from e
-            with handle:
-                for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    if _load_kv_scale(model, name, handle):
-                        continue
-                    target = _targets(model, name)
-                    if target is None:
-                        continue
-                    param, offset, rows = target
-                    tensor = handle.get_tensor(name)
-                    expected = (rows, *param.shape[1:])
-                    if tuple(tensor.shape) != expected:
-                        raise ValueError(f"{f}: {name} has shape {tuple(tensor.shape)}, expected {expected}")
-                    param[offset : offset + rows].copy_(tensor.to(dtype))
-                    written[id(param)] = written.get(id(param), 0) + rows
+        if gguf_path is not None:
+            for name, tensor in open_gguf(gguf_path).tensors():
+                copy_in(gguf_path, name, tensor)
+        else:
+            for f in files:
+                try:
+                    handle = safe_open(str(f), framework="pt", device="cpu")
+                except (SafetensorError, OSError) as e:
+                    raise ValueError(f"{f}: cannot read safetensors ({e})") from e
+                with handle:
+                    for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                        if _load_kv_scale(model, name, handle):
+                            continue
+                        if _targets(model, name) is not None:
+                            copy_in(f, name, handle.get_tensor(name))
     missing = [n for n, p in model.named_parameters() if written.get(id(p), 0) != p.shape[0]]
     if missing:
         raise ValueError(f"{model_dir}: checkpoint lacks weights for {missing[:5]}{'...' if len(missing) > 5 else ''}")
-    logger.info("loaded %s (%s, %d layers) from %s", config.architecture, dtype, config.num_layers, model_dir)
+    logger.info("loaded %s (%s, %d layers) from %s", config.architecture, dtype, config.num_layers, files[0])
     return model.eval()

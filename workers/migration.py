@@ -15,6 +15,7 @@ seed and its output tokens draws exactly what the original would have drawn next
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -62,7 +63,7 @@ def rebuild_output_text(
     prompt_token_ids: list[int],
     output_token_ids: list[int],
     params: SamplingParams,
-    eos_token_id: int | None,
+    eos_token_ids: Collection[int],
     max_model_len: int,
 ) -> tuple[IncrementalDetokenizer | None, str]:
     """The detokenizer and the handed-out text of a request that has produced ``output_token_ids``.
@@ -78,7 +79,7 @@ def rebuild_output_text(
         prompt_token_ids: The original prompt.
         output_token_ids: Output tokens already streamed to the client.
         params: The request's sampling parameters (stop rules).
-        eos_token_id: The model's EOS id.
+        eos_token_ids: The ids that end generation.
         max_model_len: The model's context length.
 
     Returns:
@@ -94,7 +95,7 @@ def rebuild_output_text(
     for token in output_token_ids:
         outputs.append(token)
         reason, delta = advance_output(
-            outputs, detokenizer, shown, params, eos_token_id,
+            outputs, detokenizer, shown, params, eos_token_ids,
             len(prompt_token_ids) + len(outputs) >= max_model_len,
         )  # fmt: skip
         if reason is not None:

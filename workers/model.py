@@ -1,4 +1,4 @@
-"""Llama-family forward (Llama 2/3, Mistral, Qwen2) over a paged KV cache.
+"""Llama-family forward (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 Batched tensors throughout: a step is one flat token batch ``[num_tokens, hidden]`` with no
 per-token Python. Projections are fused (q|k|v, gate|up) so each layer runs two big GEMMs
@@ -114,6 +114,9 @@ class Attention(nn.Module):
         self.config = config
         self.qkv_proj = Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(config.q_size, config.hidden_size, bias=False)
+        # Qwen3: each q and k head is RMS-normalised over head_dim (its own weights) before rope.
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = config.head_dim**-0.5
         # Per-tensor fp8 KV scales (checkpoint ``self_attn.k_scale``/``v_scale``; 1.0 without): the cache
         # holds k / k_scale and v / v_scale. Applied only to fp8 caches (the loader sets them).
@@ -132,7 +135,11 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
         # q and k rotate together: one pass over [num_tokens, num_heads + num_kv_heads, head_dim].
-        qk = RotaryEmbedding.apply(qkv[:, : c.q_size + c.kv_size].view(num_tokens, -1, c.head_dim), *rope)
+        qk = qkv[:, : c.q_size + c.kv_size].view(num_tokens, -1, c.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        qk = RotaryEmbedding.apply(qk, *rope)
         q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
         v = qkv[:, c.q_size + c.kv_size :].view(num_tokens, c.num_kv_heads, c.head_dim)
         backend = kernels.get_backend(x.device)

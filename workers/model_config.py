@@ -14,7 +14,10 @@ ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "LlamaForCausalLM": ("llama", False),
     "MistralForCausalLM": ("mistral", False),
     "Qwen2ForCausalLM": ("qwen2", True),
+    "Qwen3ForCausalLM": ("qwen3", False),
 }
+# Families that RMS-normalise each q and k head (over head_dim) before the rotary embedding.
+QK_NORM_FAMILIES = frozenset({"qwen3"})
 ROPE_TYPES = ("default", "linear", "llama3")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -34,7 +37,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # the HF class name
-    family: str  # llama | mistral | qwen2
+    family: str  # llama | mistral | qwen2 | qwen3
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -49,6 +52,7 @@ class ModelConfig:
     rope_params: tuple[tuple[str, float], ...]  # extra rope parameters (factor, ...), sorted
     tie_word_embeddings: bool
     qkv_bias: bool
+    qk_norm: bool  # per-head RMSNorm of q and k before rope (Qwen3)
     sliding_window: int | None
     dtype: torch.dtype
     bos_token_id: int | None
@@ -74,9 +78,21 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        """From an HF directory's ``config.json``, or a GGUF checkpoint's metadata (a ``.gguf`` file or
+        a directory holding one).
+
+        Raises:
+            FileNotFoundError: neither found.
+            ValueError: invalid or unsupported configuration.
+        """
+        from workers.gguf_checkpoint import find_gguf, open_gguf
+
+        gguf_path = find_gguf(model_dir)
+        if gguf_path is not None:
+            return cls.from_dict(open_gguf(gguf_path).hf_config())
         path = Path(model_dir) / "config.json"
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: no config.json (expected a HuggingFace model directory)")
+            raise FileNotFoundError(f"{path}: no config.json (expected a HuggingFace model directory or a GGUF file)")
         try:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as e:
@@ -93,7 +109,7 @@ class ModelConfig:
         qkv_bias = bool(raw.get("attention_bias", qkv_bias))
         rope_theta, rope_type, rope_params = _parse_rope(raw)
         window = raw.get("sliding_window")
-        if family == "qwen2" and not raw.get("use_sliding_window", False):
+        if family in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
             window = None
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -116,6 +132,7 @@ class ModelConfig:
             rope_params=rope_params,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
+            qk_norm=family in QK_NORM_FAMILIES,
             sliding_window=int(window) if window else None,
             dtype=parse_dtype(dtype_name),
             bos_token_id=raw.get("bos_token_id"),

@@ -1,4 +1,4 @@
-"""Write a randomly initialised HF-format Llama/Qwen2 checkpoint (no transformers needed).
+"""Write a randomly initialised HF-format Llama/Qwen2/Qwen3 checkpoint (no transformers needed).
 
 For tests, demos and benchmarks without downloading weights: ``config.json``, safetensors
 weights (optionally sharded with the standard ``model.safetensors.index.json``), a byte-level
@@ -39,7 +39,7 @@ CHAT_TEMPLATE = (
 MAX_POSITION_EMBEDDINGS = 4096
 INIT_STD = 0.02
 
-ARCHS = ("llama", "qwen2")
+ARCHS = ("llama", "qwen2", "qwen3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -59,7 +59,10 @@ SIZES = {
     "small": ModelSize(768, 2048, 12, 12, 4),
 }
 
-_ARCH_NAMES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_ARCH_NAMES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# NOTE: Qwen3 decouples head_dim from hidden_size / heads (Qwen3-0.6B: 1024 / 16 heads, head_dim 128);
+# its random checkpoints use twice the derived head_dim so a coupling bug cannot pass the parity test.
+_HEAD_DIM_FACTOR = {"qwen3": 2}
 
 
 def init_random(
@@ -74,7 +77,8 @@ def init_random(
 
     Args:
         out_dir: Target directory.
-        arch: "llama" or "qwen2" (qwen2 adds q/k/v projection biases).
+        arch: "llama", "qwen2" (adds q/k/v projection biases) or "qwen3" (per-head q/k RMSNorm,
+            head_dim twice hidden_size / heads).
         size: "tiny" or "small" (see ``SIZES``).
         seed: Seeds the weight generator; same seed, same bytes.
         dtype: "float32", "bfloat16" or "float16" (weights are drawn in float32, then cast).
@@ -120,7 +124,7 @@ def model_config(arch: str, shape: ModelSize, dtype: str) -> dict:
         "num_hidden_layers": shape.num_hidden_layers,
         "num_attention_heads": shape.num_attention_heads,
         "num_key_value_heads": shape.num_key_value_heads,
-        "head_dim": shape.hidden_size // shape.num_attention_heads,
+        "head_dim": head_dim(arch, shape),
         "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
@@ -132,6 +136,11 @@ def model_config(arch: str, shape: ModelSize, dtype: str) -> dict:
     }
     if arch == "llama":
         config.update(attention_bias=False, mlp_bias=False)
+    elif arch == "qwen3":
+        config.update(
+            attention_bias=False, use_sliding_window=False, sliding_window=None,
+            max_window_layers=shape.num_hidden_layers,
+        )  # fmt: skip
     else:
         # Qwen2 always has q/k/v biases (no config switch); sliding window stays off so every
         # layer is full attention.
@@ -139,6 +148,11 @@ def model_config(arch: str, shape: ModelSize, dtype: str) -> dict:
             use_sliding_window=False, sliding_window=None, max_window_layers=shape.num_hidden_layers
         )
     return config
+
+
+def head_dim(arch: str, shape: ModelSize) -> int:
+    """The checkpoint's head_dim: hidden_size / heads, times ``_HEAD_DIM_FACTOR`` for Qwen3."""
+    return shape.hidden_size // shape.num_attention_heads * _HEAD_DIM_FACTOR.get(arch, 1)
 
 
 def random_weights(arch: str, shape: ModelSize, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -153,8 +167,8 @@ def random_weights(arch: str, shape: ModelSize, seed: int, dtype: torch.dtype) -
         return torch.empty(*dims).normal_(0.0, INIT_STD, generator=g).to(dtype)
 
     h, inter = shape.hidden_size, shape.intermediate_size
-    head_dim = h // shape.num_attention_heads
-    q_dim, kv_dim = shape.num_attention_heads * head_dim, shape.num_key_value_heads * head_dim
+    hd = head_dim(arch, shape)
+    q_dim, kv_dim = shape.num_attention_heads * hd, shape.num_key_value_heads * hd
 
     w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(VOCAB_SIZE, h)}
     for i in range(shape.num_hidden_layers):
@@ -166,6 +180,10 @@ def random_weights(arch: str, shape: ModelSize, seed: int, dtype: torch.dtype) -
             w[p + "self_attn.q_proj.bias"] = normal(q_dim)
             w[p + "self_attn.k_proj.bias"] = normal(kv_dim)
             w[p + "self_attn.v_proj.bias"] = normal(kv_dim)
+        if arch == "qwen3":
+            # Norm weights around 1 but not 1: a q/k norm the engine skipped would show.
+            w[p + "self_attn.q_norm.weight"] = 1 + 10 * normal(hd)
+            w[p + "self_attn.k_norm.weight"] = 1 + 10 * normal(hd)
         w[p + "self_attn.o_proj.weight"] = normal(h, q_dim)
         w[p + "mlp.gate_proj.weight"] = normal(inter, h)
         w[p + "mlp.up_proj.weight"] = normal(inter, h)

@@ -6,7 +6,7 @@ after the new token was appended; ``advance_output`` drives a detokenizer given 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 from workers.sampling_params import SamplingParams
@@ -19,7 +19,7 @@ def check_stop(
     output_token_ids: list[int],
     new_text: str | None,
     params: SamplingParams,
-    eos_token_id: int | None,
+    eos_token_ids: Collection[int],
     max_model_len_reached: bool,
     *,
     new_char_count: int | None = None,
@@ -35,7 +35,7 @@ def check_stop(
         new_text: The decoded output text so far (all of it, not only the latest delta), or None
             when the model has no tokenizer; stop strings are then not checked.
         params: The request's sampling parameters.
-        eos_token_id: The model's EOS id, or None when unknown.
+        eos_token_ids: The ids that end generation (EOS, end of turn); empty when unknown.
         max_model_len_reached: True when prompt + output fill the model's context.
         new_char_count: Characters the latest token added to ``new_text``; when given, only the
             tail that could contain a new match is searched (O(1) per step instead of O(text)).
@@ -47,7 +47,7 @@ def check_stop(
     """
     if output_token_ids:
         last = output_token_ids[-1]
-        if eos_token_id is not None and last == eos_token_id and not params.ignore_eos:
+        if last in eos_token_ids and not params.ignore_eos:
             return FINISH_STOP
         if last in params.stop_token_ids:
             return FINISH_STOP
@@ -117,7 +117,7 @@ def advance_output(
     detokenizer: TextSource | None,
     shown_text: str,
     params: SamplingParams,
-    eos_token_id: int | None,
+    eos_token_ids: Collection[int],
     max_model_len_reached: bool,
 ) -> tuple[str | None, str]:
     """Account for the newest output token: detokenize it, check every stop rule, and cut the text
@@ -133,7 +133,7 @@ def advance_output(
             tokenizer (then only token-level rules apply and no text is produced).
         shown_text: Text already handed out before this token.
         params: The request's sampling parameters.
-        eos_token_id: The model's EOS id, or None.
+        eos_token_ids: The ids that end generation (EOS, end of turn); empty when unknown.
         max_model_len_reached: True when prompt + output fill the model's context.
 
     Returns:
@@ -147,7 +147,7 @@ def advance_output(
         new_chars = len(detokenizer.add(token))
         text = detokenizer.text
     reason = check_stop(
-        output_token_ids, text, params, eos_token_id, max_model_len_reached, new_char_count=new_chars
+        output_token_ids, text, params, eos_token_ids, max_model_len_reached, new_char_count=new_chars
     )
     visible = ""
     if detokenizer is not None:

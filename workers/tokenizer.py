@@ -69,19 +69,40 @@ class Tokenizer:
         path = model_dir / "tokenizer.json"
         if not path.is_file():  # tokenizers raises a bare Exception here
             raise FileNotFoundError(f"no tokenizer.json in {model_dir}")
-        hf_tokenizer = tokenizers.Tokenizer.from_file(str(path))
-        tok_config = _read_json(model_dir / "tokenizer_config.json")
-        model_config = _read_json(model_dir / "config.json")
-        gen_config = _read_json(model_dir / "generation_config.json")
+        return cls.from_parts(
+            tokenizers.Tokenizer.from_file(str(path)),
+            tokenizer_config=_read_json(model_dir / "tokenizer_config.json"),
+            model_config=_read_json(model_dir / "config.json"),
+            generation_config=_read_json(model_dir / "generation_config.json"),
+        )
 
-        eos_ids = _as_id_list(model_config.get("eos_token_id")) or _as_id_list(gen_config.get("eos_token_id"))
-        if not eos_ids:
-            eos_ids = _as_id_list(_special_token_id(hf_tokenizer, tok_config.get("eos_token")))
-        bos_id = _special_token_id(hf_tokenizer, tok_config.get("bos_token"))
+    @classmethod
+    def from_parts(
+        cls,
+        hf_tokenizer: tokenizers.Tokenizer,
+        *,
+        tokenizer_config: dict,
+        model_config: dict,
+        generation_config: dict,
+    ) -> Tokenizer:
+        """Build from a loaded ``tokenizers.Tokenizer`` and the three HF config dicts.
+
+        End ids: every id of config.json's ``eos_token_id``, then generation_config.json's (chat
+        models list their end-of-turn token there, e.g. ``[<|im_end|>, <|endoftext|>]``), then
+        tokenizer_config.json's ``eos_token``; duplicates dropped, the first is the primary one.
+        """
+        eos_ids: list[int] = []
+        for candidate in (
+            _as_id_list(model_config.get("eos_token_id")),
+            _as_id_list(generation_config.get("eos_token_id")),
+            _as_id_list(_special_token_id(hf_tokenizer, tokenizer_config.get("eos_token"))),
+        ):
+            eos_ids.extend(i for i in candidate if i not in eos_ids)
+        bos_id = _special_token_id(hf_tokenizer, tokenizer_config.get("bos_token"))
         if bos_id is None:
             bos_ids = _as_id_list(model_config.get("bos_token_id"))
             bos_id = bos_ids[0] if bos_ids else None
-        add_bos = tok_config.get("add_bos_token")
+        add_bos = tokenizer_config.get("add_bos_token")
         return cls(
             hf_tokenizer,
             eos_token_ids=eos_ids,
@@ -96,7 +117,7 @@ class Tokenizer:
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        """Every EOS id the model config lists (Llama-3 style configs list several)."""
+        """Every id that ends generation (see ``from_parts``), the primary one first."""
         return self._eos_token_ids
 
     @property
@@ -129,8 +150,23 @@ class Tokenizer:
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
-    """The model directory's tokenizer, or None when it has no ``tokenizer.json`` (prompts must
-    then be given as token ids)."""
+    """The model's tokenizer, or None when it has none (prompts must then be given as token ids).
+
+    ``model_dir`` is an HF directory (``tokenizer.json``) or a GGUF checkpoint (a ``.gguf`` file or a
+    directory holding one), whose tokenizer is rebuilt from its metadata.
+    """
+    from workers.gguf_checkpoint import find_gguf, open_gguf
+
+    gguf_path = find_gguf(model_dir)
+    if gguf_path is not None:
+        ckpt = open_gguf(gguf_path)
+        parts = ckpt.tokenizer()
+        return Tokenizer.from_parts(
+            parts.tokenizer,
+            tokenizer_config=parts.tokenizer_config,
+            model_config=ckpt.hf_config(),
+            generation_config=parts.generation_config,
+        )
     if not (Path(model_dir) / "tokenizer.json").is_file():
         return None
     return Tokenizer.from_dir(model_dir)

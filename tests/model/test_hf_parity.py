@@ -1,9 +1,10 @@
 """The engine's greedy tokens equal HF transformers' token for token, whatever the paging does.
 
-Random tiny Llama and Qwen2 checkpoints; a batch of mixed-length prompts (15/16/17 straddle a
-16-token block boundary, 1 and 3 are shorter than a block, 40 spans three blocks) under block
-sizes 1 and 16, recompute and swap preemption, chunked prefill and prefix-cache hits (partial and
-full). Every run checks pool integrity after each step and ends with every block released.
+Random tiny Llama, Qwen2 and Qwen3 checkpoints (Qwen3: q/k norms, head_dim decoupled); a batch of
+mixed-length prompts (15/16/17 straddle a 16-token block boundary, 1 and 3 are shorter than a block,
+40 spans three blocks) under block sizes 1 and 16, recompute and swap preemption, chunked prefill and
+prefix-cache hits (partial and full). Every run checks pool integrity after each step and ends with every
+block released.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ PREFIX_B = PREFIX + _rand_ids(11, 9)
 assert PREFIX_A[32] != PREFIX_B[32]  # the shared part is exactly PREFIX
 
 
-@pytest.fixture(params=["llama", "qwen2"])
+@pytest.fixture(params=["llama", "qwen2", "qwen3"])
 def model_dir(request: pytest.FixtureRequest) -> Path:
     return request.getfixturevalue(f"tiny_{request.param}_dir")
 

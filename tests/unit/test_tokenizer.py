@@ -154,3 +154,12 @@ def test_snapshot_restore_mid_character_continues_the_text(tok: Tokenizer) -> No
         second = IncrementalDetokenizer.restore(tok, first.snapshot())
         out += "".join(second.add(i) for i in ids[cut:]) + second.flush()
         assert out == text, f"cut at {cut}"
+
+
+def test_end_ids_join_config_generation_config_and_eos_token(tmp_path) -> None:
+    """A chat model's end of turn (generation_config.json's list) stops it beside config.json's EOS."""
+    write_tokenizer(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 7}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 7]}))
+    t = Tokenizer.from_dir(tmp_path)
+    assert t.eos_token_id == 7 and t.eos_token_ids == (7, 9, EOS_ID)  # EOS_ID: tokenizer_config's eos_token
