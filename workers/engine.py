@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from workers import cpu_features
 from workers.block_pool import BlockPool
 from workers.config import EngineConfig
 from workers.kv_cache import KVCache, bytes_per_block, kv_storage_dtype
@@ -68,6 +69,8 @@ class LLMEngine:
             str(self.kv_dtype).removeprefix("torch."), num_blocks, config.block_size,
             num_blocks * config.block_size, num_blocks * block_bytes / 2**20, num_swap_blocks,
         )  # fmt: skip
+        if self.device.type == "cpu":  # NOTE: a benchmark row must say which ISA its levers chose for
+            logger.info("CPU: %s", cpu_features.current().describe())
         self.kv_cache = KVCache(mc, num_blocks, config.block_size, self.kv_dtype, self.device, num_swap_blocks)
         # Contiguous reservation models pre-paging engines, which shared nothing between requests.
         caching = config.enable_prefix_caching and config.allocator == "paged"

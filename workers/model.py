@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import kernels
+from workers import cpu_features
 from workers.attention_metadata import AttentionMetadata
 from workers.host_tuning import env_switch
 from workers.model_config import ModelConfig
@@ -47,7 +48,7 @@ def onednn_linear_supported(device: torch.device, dtype: torch.dtype) -> bool:
         return False
     if not hasattr(torch.ops.mkldnn, "_linear_pointwise") or not env_switch("KVSERVE_ONEDNN"):
         return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.cpu._is_avx512_bf16_supported())
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_features.current().native_bf16_gemm)
 
 
 class RMSNorm(nn.Module):
@@ -304,7 +305,7 @@ class ScreenedArgmax:
             weight.device.type == "cpu"
             and weight.dtype == torch.float32
             and weight.shape[1] <= 2**14
-            and torch.cpu._is_avx512_bf16_supported()
+            and cpu_features.current().native_bf16_gemm  # NOTE: the ISA oneDNN may use, not just the hardware
             and env_switch("KVSERVE_GREEDY_SCREEN")
         )
         return cls(weight.detach()) if usable else None
