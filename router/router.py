@@ -320,7 +320,9 @@ class Router(WorkerLinkHandler):
         return any(q.priority >= r.priority for q in self.queue)
 
     def _choose(self, r: RouterRequest) -> str | None:
-        return self.placement.choose(self._shape(r), self._views(), self.prefix_index.overlap)
+        # NOTE: affinity counts prefixes placed but not yet reported stored, so same-prefix requests that
+        # arrive close together follow each other instead of being placed by load alone.
+        return self.placement.choose(self._shape(r), self._views(), self.prefix_index.affinity)
 
     def _place(self, r: RouterRequest) -> bool:
         worker_id = self._choose(r)
@@ -329,6 +331,7 @@ class Router(WorkerLinkHandler):
         entry = self.workers[worker_id]
         cached = min(self.prefix_index.overlap(worker_id, r.block_hashes), (len(r.prompt_ids) - 1) // self.block_size)
         entry.in_flight[r.request_id] = r.num_blocks - cached + 1
+        self._pend(r, worker_id)
         r.target = worker_id
         self._spawn(self._dispatch(r, entry))
         return True
@@ -413,9 +416,15 @@ class Router(WorkerLinkHandler):
             if d.response is not None:
                 r.responses.put_nowait(d.response)
 
+    def _pend(self, r: RouterRequest, worker_id: str) -> None:
+        """Record ``r``'s prompt blocks as about to be on ``worker_id`` (placement affinity)."""
+        self.prefix_index.drop_pending(r.request_id)
+        self.prefix_index.add_pending(worker_id, r.request_id, r.block_hashes)
+
     def _finish(self, r: RouterRequest) -> None:
         r.finished = True
         self.requests.pop(r.request_id, None)
+        self.prefix_index.drop_pending(r.request_id)
         for entry in self.workers.values():
             entry.in_flight.pop(r.request_id, None)
 
@@ -466,6 +475,7 @@ class Router(WorkerLinkHandler):
             if not ok:
                 return False
             r.worker_id = dst.worker_id
+            self._pend(r, dst.worker_id)
             r.migrations += 1
             src.migrations_out += 1
             # NOTE: the blocks it holds as exported (it may have grown since the decision).
@@ -510,6 +520,7 @@ class Router(WorkerLinkHandler):
         entry = self.workers[decision.worker_id]
         self.queue.remove(waiting.request_id)
         entry.in_flight[waiting.request_id] = decision.blocks_needed
+        self._pend(waiting, entry.worker_id)
         waiting.target = entry.worker_id
         self._spawn(self._dispatch(waiting, entry))
 
