@@ -145,8 +145,10 @@ class Outbox:
             cursor = 0
             while True:
                 with self._cond:
-                    while not self._closed and generation == self._generation and (
-                        not self._log or self._log[-1].seq <= cursor
+                    while (
+                        not self._closed
+                        and generation == self._generation
+                        and (not self._log or self._log[-1].seq <= cursor)
                     ):
                         self._cond.wait(timeout=0.5)
                     if self._closed or generation != self._generation:

@@ -106,8 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpus-per-worker", type=int, default=2)
     p.add_argument("--block-size", type=int, default=4)
     p.add_argument("--no-offline", action="store_true", help="served passes only (e.g. while profiling)")
-    p.add_argument("--py-spy", metavar="OUT", help="record the worker with py-spy during the first served pass "
-                   "(collapsed stacks, --threads --idle --nonblocking) into OUT")
+    p.add_argument(
+        "--py-spy",
+        metavar="OUT",
+        help="record the worker with py-spy during the first served pass "
+        "(collapsed stacks, --threads --idle --nonblocking) into OUT",
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument("--offline-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

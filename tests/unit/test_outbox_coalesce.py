@@ -10,8 +10,9 @@ def _outputs(step: int, *outs: tuple[str, list[int], int, str]) -> pb.StepOutput
     return pb.StepOutputs(
         decode_step=step,
         outputs=[
-            pb.RequestOutput(request_id=rid, new_token_ids=ids, num_output_tokens=n, text_delta=f"<{step}>",
-                             finish_reason=fin)  # fmt: skip
+            pb.RequestOutput(
+                request_id=rid, new_token_ids=ids, num_output_tokens=n, text_delta=f"<{step}>", finish_reason=fin
+            )  # fmt: skip
             for rid, ids, n, fin in outs
         ],
     )
