@@ -92,9 +92,21 @@ def _offline_child(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cpu_s(pid: int) -> float:
+def _thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds so far of each thread of process ``pid``, keyed ``tid`` (Ray names every thread alike)."""
+    out: dict[str, float] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out[tid] = _cpu_s(pid, tid)
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that just exited
+    return out
+
+
+def _cpu_s(pid: int, tid: str | None = None) -> float:
     """User + system CPU seconds of process ``pid`` (all its threads) so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    path = f"/proc/{pid}/task/{tid}/stat" if tid else f"/proc/{pid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -109,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--py-spy",
         metavar="OUT",
-        help="record the worker with py-spy during the first served pass "
-        "(collapsed stacks, --threads --idle --nonblocking) into OUT",
+        help="record the worker and the router with py-spy during the first served pass "
+        "(collapsed stacks, --threads --idle --nonblocking) into OUT.worker and OUT.router",
     )
     p.add_argument("--json", action="store_true")
     p.add_argument("--offline-child", action="store_true", help=argparse.SUPPRESS)
@@ -130,23 +142,36 @@ def main(argv: list[str] | None = None) -> int:
     router_cpu: list[float] = []
     client_cpu: list[float] = []
     offline_cpu: list[float] = []
+    thread_cpu: list[dict[str, float]] = []  # worker CPU seconds per served pass, by thread name
+    messages: list[int] = []  # WorkerLink messages the worker logged per served pass
+    coalesced: list[int] = []  # steps folded into an earlier step's messages per served pass
     identical = True
     try:
-        worker_pid, router_pid = _actor_pid(next(iter(cluster.workers.values()))), _actor_pid(cluster.router)
+        worker = next(iter(cluster.workers.values()))
+        worker_pid, router_pid = _actor_pid(worker), _actor_pid(cluster.router)
         print(f"cluster up: router {cluster.address} (pid {router_pid}), worker pid {worker_pid}",
               file=sys.stderr, flush=True)  # fmt: skip
         asyncio.run(served_pass(cluster.address, prompt_ids[:2], 4))  # warm-up
         for i in range(args.rounds):
-            spy = None
+            spies = []
             if args.py_spy and i == 0:
-                spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--pid",
-                                        str(worker_pid), "--format", "raw", "--threads", "--idle", "--nonblocking",
-                                        "--rate", "200", "-o", args.py_spy], stdout=subprocess.DEVNULL)  # fmt: skip
+                spies = [
+                    _py_spy(pid, f"{args.py_spy}.{who}")
+                    for who, pid in (("worker", worker_pid), ("router", router_pid))
+                ]
                 time.sleep(1.0)  # NOTE: let py-spy attach before the pass starts
+            link0, threads0 = _link_counts(worker), _thread_cpu_s(worker_pid)
             before = (_cpu_s(worker_pid), _cpu_s(router_pid), time.process_time())
             run = asyncio.run(served_pass(cluster.address, prompt_ids, max_tokens))
             after = (_cpu_s(worker_pid), _cpu_s(router_pid), time.process_time())
-            if spy is not None:
+            link1, threads1 = _link_counts(worker), _thread_cpu_s(worker_pid)
+            busy = {k: round(v - threads0.get(k, 0.0), 2) for k, v in threads1.items() if v - threads0.get(k, 0.0) > 0}
+            names = _thread_names(worker)
+            top = sorted(busy.items(), key=lambda kv: -kv[1])[:6]
+            thread_cpu.append({f"{names.get(int(tid), 'native')}/{tid}": v for tid, v in top})
+            messages.append(link1[0] - link0[0])
+            coalesced.append(link1[1] - link0[1])
+            for spy in spies:
                 spy.send_signal(signal.SIGINT)
                 spy.wait(timeout=60)
             worker_cpu.append(after[0] - before[0])
@@ -154,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             client_cpu.append(after[2] - before[2])
             served.append(run.output_tokens_per_s)
             line = (f"round {i}: served {run.output_tokens_per_s:.0f} tok/s ({run.seconds:.2f}s; cpu s: worker "
-                    f"{worker_cpu[-1]:.2f} router {router_cpu[-1]:.2f} client {client_cpu[-1]:.2f})")  # fmt: skip
+                    f"{worker_cpu[-1]:.2f} router {router_cpu[-1]:.2f} client {client_cpu[-1]:.2f}; "
+                f"{messages[-1]} link messages, {coalesced[-1]} steps coalesced)")  # fmt: skip
             if not args.no_offline:
                 off = offline_pass(args)
                 offline.append(off.output_tokens_per_s)
@@ -178,11 +204,41 @@ def main(argv: list[str] | None = None) -> int:
         "served_worker_cpu_s_median": statistics.median(worker_cpu),
         "served_router_cpu_s_median": statistics.median(router_cpu),
         "served_client_cpu_s_median": statistics.median(client_cpu),
+        "worker_thread_cpu_s": thread_cpu,
+        "link_messages": messages,
+        "steps_coalesced": coalesced,
         "offline_cpu_s_median": statistics.median(offline_cpu) if offline_cpu else None,
         "load_average_1m": os.getloadavg()[0],
     }
     print(json.dumps(summary) if args.json else "\n".join(f"{k}: {v}" for k, v in summary.items()))
     return 0
+
+
+def _py_spy(pid: int, out: str) -> subprocess.Popen:
+    """``py-spy record`` of ``pid`` into ``out`` until SIGINT (py-spy sits beside this interpreter)."""
+    exe = str(Path(sys.executable).with_name("py-spy"))
+    cmd = [exe, "record", "--pid", str(pid), "--format", "raw", "--threads", "--idle", "--nonblocking",
+           "--rate", "200", "-o", out]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+
+
+def _thread_names(worker) -> dict[int, str]:  # noqa: ANN001 - a Worker actor handle
+    """Python thread names of the worker process by native thread id (OpenMP threads are not among them)."""
+    import ray
+
+    def names(_self: object) -> dict[int, str]:
+        import threading
+
+        return {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+
+    return ray.get(worker.__ray_call__.remote(names))
+
+
+def _link_counts(worker) -> tuple[int, int]:  # noqa: ANN001 - a Worker actor handle
+    """(messages logged so far, steps coalesced so far) of the worker's outbox."""
+    import ray
+
+    return ray.get(worker.__ray_call__.remote(lambda self: (self.core.outbox.last_seq, self.core.outbox.num_coalesced)))
 
 
 def _actor_pid(handle) -> int:  # noqa: ANN001 - a Ray actor handle
