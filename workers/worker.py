@@ -271,22 +271,25 @@ class WorkerCore:
             raise
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
-        """Outputs, then block events, then pressure: one ordered stream (docs/architecture.md)."""
-        if outputs:
-            self.outbox.put(pb.WorkerMessage(step_outputs=_step_outputs(self.engine.num_steps, outputs)))
+        """Outputs, then block events, then pressure: one ordered stream (docs/architecture.md).
+
+        The step's messages go to the outbox together (``Outbox.put_step``), which folds them into the
+        previous step's while the link has not sent those yet."""
+        step_outputs = _step_outputs(self.engine.num_steps, outputs) if outputs else None
         events = self.engine.pool.drain_events()
-        if events:
-            self.outbox.put(pb.WorkerMessage(block_events=pb.BlockEvents(events=[_event_proto(e) for e in events])))
+        block_events = pb.BlockEvents(events=[_event_proto(e) for e in events]) if events else None
         self._stats = stats = self._snapshot()
         counts = (stats.free_blocks, stats.used_blocks, stats.cached_evictable_blocks, stats.swap_blocks_free,
                   stats.num_running, stats.num_waiting, stats.num_swapped)  # fmt: skip
         now = time.monotonic()
+        pressure = None
         if self._pressure.due(now, stats.usage, counts):
             self._report_seq += 1
-            # NOTE: a report dropped while disconnected was not sent: the first _publish after a
-            # reconnect then reports at once instead of up to idle_report_s later.
-            if self.outbox.put(pb.WorkerMessage(pressure=_pressure_proto(stats, self._report_seq))) is not None:
-                self._pressure.sent(now, stats.usage, counts)
+            pressure = _pressure_proto(stats, self._report_seq)
+        # NOTE: a report dropped while disconnected was not sent: the first _publish after a
+        # reconnect then reports at once instead of up to idle_report_s later.
+        if self.outbox.put_step(step_outputs, block_events, pressure):
+            self._pressure.sent(now, stats.usage, counts)
 
     def _snapshot(self) -> WorkerStats:
         e = self.engine
