@@ -175,7 +175,7 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
     ) -> AsyncIterator[spb.GenerateResponse]:
         await self._wait_until_ready(context)
         try:
-            r = self.router.submit(request)
+            r = self.router.submit(request, context.time_remaining())
         except RouterError as e:
             await _abort(context, e)
             return
