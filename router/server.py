@@ -311,6 +311,12 @@ class RouterService:
             lambda: time.monotonic() - entry.report_time if entry.report is not None else float("nan")
         )
 
+    async def pid(self) -> int:
+        """This router's OS process id (chaos tests kill it)."""
+        import os
+
+        return os.getpid()
+
     async def worker_pid(self, worker_id: str) -> int:
         """The OS pid of a registered worker's actor process; KeyError if unknown."""
         return int(await self.router.workers[worker_id].handle.pid.remote())
