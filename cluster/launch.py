@@ -170,8 +170,7 @@ def start_cluster(
     options = WorkerOptions(
         **{**base.__dict__, "router_address": link_address, "auth_token": router_config.auth_token or base.auth_token}
     )
-    # NOTE: Ray restarts a dead worker forever; the router retires one that crash-loops.
-    actor = worker_actor_class().options(max_restarts=-1)
+    actor = worker_actor_class()
     workers: dict[str, Any] = {}
     resources = {"num_gpus": 1, "num_cpus": 1} if use_gpus else {"num_cpus": cpus_per_worker}
     pg = None
@@ -180,7 +179,8 @@ def start_cluster(
         pg = ray.util.placement_group([dict(bundle) for _ in range(num_workers)], strategy="SPREAD")
     for i in range(num_workers):
         worker_id = f"worker-{i}"
-        opts: dict[str, Any] = dict(resources)
+        # NOTE: Ray restarts a dead worker forever; the router retires one that crash-loops.
+        opts: dict[str, Any] = dict(resources, max_restarts=-1)
         if pg is not None:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
         workers[worker_id] = actor.options(**opts).remote(
