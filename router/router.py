@@ -269,7 +269,7 @@ class Router(WorkerLinkHandler):
         self.replays_total += 1
         metrics.REPLAYS.inc()
         logger.info("replaying %s after %d tokens (worker %s died)", r.request_id, len(r.output_ids), dead_worker_id)
-        if not self._place(r) and not self.queue.offer(r, fits_ever=True):
+        if not self._place(r) and not self.queue.offer(r, first=True):
             self._fail(r, grpc.StatusCode.UNAVAILABLE, f"worker {dead_worker_id} died and no worker can take over")
 
     def _view(self, entry: WorkerEntry) -> WorkerView:
