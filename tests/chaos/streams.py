@@ -90,3 +90,29 @@ def run_all(address: str, reqs: list[spb.GenerateRequest], timeout: float = 180.
 
 def rss_bytes(pid: int) -> int:
     return psutil.Process(pid).memory_info().rss
+
+
+class RssSampler:
+    """Samples a process's RSS on a thread (every ``interval_s``) while in a ``with`` block; ``peak``."""
+
+    def __init__(self, pid: int, interval_s: float = 0.1) -> None:
+        self.process, self.interval_s = psutil.Process(pid), interval_s
+        self.before = self.peak = self.process.memory_info().rss
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak = max(self.peak, self.process.memory_info().rss)
+            self.samples += 1
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.after = self.process.memory_info().rss
+        self.peak = max(self.peak, self.after)

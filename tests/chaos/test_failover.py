@@ -25,7 +25,7 @@ import pytest
 from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import serving_pb2_grpc
 from tests.chaos.conftest import ServedCluster, serve_cluster, stop_cluster
-from tests.chaos.streams import Stream, prompt, request, rss_bytes, run_all
+from tests.chaos.streams import RssSampler, Stream, prompt, request, rss_bytes, run_all
 
 MAX_BUFFERED = 32
 RESTART_TIMEOUT_S = 240.0  # a new worker process loads the model again, on a loaded 2-core box
@@ -148,10 +148,9 @@ def test_10x_overload_is_ok_or_resource_exhausted_and_admitted_ones_meet_their_d
     c = cluster
     # Capacity: 2 x 64 blocks; a request of 32 + 64 tokens holds 6 blocks, so ~20 run at once.
     n, max_tokens, deadline_s = 200, 64, 30.0
-    router_pid = _router_pid(c)
-    rss_before = rss_bytes(router_pid)
-    results = asyncio.run(_overload(c.address, n, max_tokens, deadline_s))
-    rss_after = rss_bytes(router_pid)
+    with RssSampler(_router_pid(c)) as rss:
+        results = asyncio.run(_overload(c.address, n, max_tokens, deadline_s))
+    rss_before, rss_after = rss.before, rss.after
     codes = [r[0] for r in results]
     ok = [r for r in results if r[0] == grpc.StatusCode.OK]
     rejected = [r for r in results if r[0] == grpc.StatusCode.RESOURCE_EXHAUSTED]
@@ -160,12 +159,12 @@ def test_10x_overload_is_ok_or_resource_exhausted_and_admitted_ones_meet_their_d
     assert all(r[3] == max_tokens and r[2] < deadline_s for r in ok)
     assert all(r[1] is not None and int(r[1]) > 0 and r[3] == 0 for r in rejected), "no retry-after-ms"
     # NOTE: 200 streams' state is a few MB at most; a leak per request would show as tens of MB.
-    assert rss_after - rss_before < 100 << 20, f"router RSS grew {(rss_after - rss_before) >> 20} MB"
+    assert rss.peak - rss_before < 100 << 20, f"router RSS peaked {(rss.peak - rss_before) >> 20} MB above its start"
     c.wait_idle()
     print(f"\nFIGURES overload {n} calls (deadline {deadline_s}s): ok {len(ok)}, rejected {len(rejected)}, "
           f"deadline 0; slowest ok {max(r[2] for r in ok):.1f}s; retry-after-ms "
           f"{min(int(r[1]) for r in rejected)}..{max(int(r[1]) for r in rejected)}; router RSS "
-          f"{rss_before >> 20} -> {rss_after >> 20} MB")  # fmt: skip
+          f"{rss_before >> 20} -> {rss_after >> 20} MB (peak {rss.peak >> 20} MB, {rss.samples} samples)")  # fmt: skip
 
 
 def test_stalled_reader_is_aborted_and_others_keep_streaming(cluster: ServedCluster) -> None:

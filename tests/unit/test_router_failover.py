@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+from prometheus_client import REGISTRY
 
 from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import worker_pb2 as pb
@@ -63,6 +64,10 @@ def _connect(router: Router, worker_id: str, incarnation: str) -> None:
     router.on_hello(worker_id, pb.Hello(worker_id=worker_id, total_blocks=32), restarted)
 
 
+def _worker_up(worker_id: str) -> float:
+    return REGISTRY.get_sample_value("kvserve:worker_up", {"worker": worker_id})
+
+
 def _out(rid: str, tokens: list[int], total: int, finish: str = "") -> pb.RequestOutput:
     return pb.RequestOutput(request_id=rid, new_token_ids=tokens, num_output_tokens=total, finish_reason=finish)
 
@@ -108,6 +113,7 @@ def test_replay_continues_on_another_worker_after_the_streamed_tokens() -> None:
         router.on_disconnect(src)
         await _settle()
         assert router.workers[src].state == WORKER_DOWN
+        assert _worker_up(src) == 0.0
         (args, kwargs), = workers[dst].added()
         assert args[0] != first_rid and args[0].startswith("r1#")
         assert kwargs["resume_output_ids"] == [10, 11]
@@ -122,6 +128,9 @@ def test_replay_continues_on_another_worker_after_the_streamed_tokens() -> None:
         assert router.replays_total == 1 and "r1" not in router.requests
         # The old dispatch is aborted on its worker, should it ever come back with that process.
         assert any(c.abort.request_id == first_rid for c in _commands(router, src))
+        _connect(router, src, "inc-2")  # its new incarnation says Hello: up again
+        assert router.workers[src].state == WORKER_UP and _worker_up(src) == 1.0
+        assert router.cluster_status().router.replays_total == 1
 
     _run(test)
 
