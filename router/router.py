@@ -33,7 +33,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -117,6 +117,7 @@ class Router(WorkerLinkHandler):
         self.workers: dict[str, WorkerEntry] = {}
         self.requests: dict[str, RouterRequest] = {}
         self._by_worker_rid: dict[str, RouterRequest] = {}  # current dispatches only
+        self._orphans: OrderedDict[str, None] = OrderedDict()  # a previous router's requests, aborted
         # NOTE: worker-side ids carry this router's incarnation, so outputs of requests a previous
         # router placed (orphans after a router restart) are recognised and aborted.
         self._incarnation = uuid.uuid4().hex[:8]
@@ -540,8 +541,12 @@ class Router(WorkerLinkHandler):
             # An earlier dispatch (aborted, or its worker was given up), or an orphan a previous
             # router placed: that one nobody will ever read, so stop it.
             tag = out.request_id.rpartition("#")[2]
-            if not out.finish_reason and not tag.startswith(self._incarnation + "."):
-                self.link.send(worker_id, pb.RouterCommand(abort=pb.Abort(request_id=out.request_id)))
+            if out.finish_reason or tag.startswith(self._incarnation + ".") or out.request_id in self._orphans:
+                return
+            self._orphans[out.request_id] = None  # NOTE: one abort per orphan, not one per step
+            while len(self._orphans) > 4096:
+                self._orphans.popitem(last=False)
+            self.link.send(worker_id, pb.RouterCommand(abort=pb.Abort(request_id=out.request_id)))
             return
         entry = self.workers.get(worker_id)
         if entry is not None and r.worker_rid in entry.in_flight:

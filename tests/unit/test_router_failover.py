@@ -204,6 +204,7 @@ def test_outputs_of_a_previous_routers_requests_are_aborted() -> None:
     async def test() -> None:
         router, _ = _router()
         router._on_output("a", _out("old#deadbeef.7", [1], 1))
+        router._on_output("a", _out("old#deadbeef.7", [2], 2))  # the next step's: no second abort
         assert [c.abort.request_id for c in _commands(router, "a")] == ["old#deadbeef.7"]
 
     _run(test)
