@@ -248,6 +248,7 @@ class WorkerCore:
                 self._wake.clear()
                 self._drain_inbox()
                 engine = self.engine
+                self._abort_orphans()
                 if engine.has_unfinished_requests():
                     self._busy = True
                     t0 = time.perf_counter()
@@ -269,6 +270,22 @@ class WorkerCore:
             self._error = e
             logger.exception("engine thread of worker %s died", self.worker_id)
             raise
+
+    def _abort_orphans(self) -> None:
+        """Abort every request once the router has been gone for ``orphan_timeout_s``: their
+        clients' streams ended with it, so nobody reads them, and their blocks serve no one.
+
+        NOTE: a router that comes back sooner gets the outputs replayed and aborts what it no
+        longer knows itself (router.py ``_on_output``); this bounds the time without one.
+        """
+        if self.link is None or self.link.disconnected_for() <= self.options.orphan_timeout_s:
+            return
+        orphans = list(self.engine.requests)
+        for rid in orphans:
+            self._abort(rid)
+        if orphans:
+            logger.warning("worker %s: no router for %.0fs; aborted %d orphaned requests", self.worker_id,
+                           self.options.orphan_timeout_s, len(orphans))  # fmt: skip
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         """Outputs, then block events, then pressure: one ordered stream (docs/architecture.md).
