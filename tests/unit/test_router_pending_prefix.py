@@ -14,7 +14,7 @@ import pytest
 from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import worker_pb2 as pb
 from router.config import RouterConfig
-from router.router import Router
+from router.router import Router, RouterRequest
 from workers.identity import WorkerIdentity
 
 BS = 16
@@ -27,8 +27,9 @@ class _Method:
     def __init__(self, calls: list[tuple[str, str]], worker_id: str) -> None:
         self.calls, self.worker_id = calls, worker_id
 
-    async def remote(self, request_id: str, *args) -> None:  # noqa: ANN002 - the worker's signature
-        self.calls.append((self.worker_id, request_id))
+    async def remote(self, request_id: str, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 - the worker's
+        # NOTE: the router may tag the id it sends a worker (``r1#<incarnation>.<n>``); record the request's.
+        self.calls.append((self.worker_id, request_id.partition("#")[0]))
 
 
 class _FakeWorker:
@@ -63,9 +64,16 @@ async def _settle(router: Router) -> None:
         await asyncio.gather(*list(router._tasks))
 
 
-def _finish(router: Router, rid: str, worker_id: str) -> None:
-    router._on_output(worker_id, pb.RequestOutput(
-        request_id=rid, new_token_ids=[7], num_output_tokens=1, finish_reason="stop",
+def _worker_rid(r: RouterRequest) -> str:
+    """The id the router sent the worker (and keys outputs and pending entries by), if it tags one."""
+    return getattr(r, "worker_rid", None) or r.request_id
+
+
+def _finish(router: Router, r: RouterRequest) -> None:
+    """The worker's final output for ``r``."""
+    assert r.worker_id is not None
+    router._on_output(r.worker_id, pb.RequestOutput(
+        request_id=_worker_rid(r), new_token_ids=[7], num_output_tokens=1, finish_reason="stop",
     ))  # fmt: skip
 
 
@@ -110,27 +118,28 @@ def test_a_finished_request_drops_its_pending_prefix(monkeypatch: pytest.MonkeyP
         index = router.prefix_index
         assert index.affinity(w, r1.block_hashes) == len(r1.block_hashes) == 8
 
-        _finish(router, "r1", w)
+        _finish(router, r1)
         assert r1.finished and "r1" not in router.requests
         assert index.num_pending(w) == 1, "r1's entry is gone, r2's stays"
         assert index.affinity(w, r1.block_hashes) == 8, "r2 still holds the prefix as pending"
-        assert not index.drop_pending("r1"), "nothing left to drop for r1"
+        assert not index.drop_pending(_worker_rid(r1)), "nothing left to drop for r1"
 
-        _finish(router, "r2", w)
+        _finish(router, r2)
         assert index.num_pending() == 0
         assert index.affinity(w, r1.block_hashes) == 0, "no block event came: nothing stored, nothing pending"
 
     asyncio.run(scenario())
 
 
-def test_a_cancelled_request_keeps_its_entry_until_its_final_output(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cancelled_request_leaves_no_pending_entry(monkeypatch: pytest.MonkeyPatch) -> None:
     async def scenario() -> None:
         router, _ = _router(monkeypatch)
         r1 = router.submit(_request("r1", SHARED, 1))
         await _settle(router)
-        router.cancel(r1)  # on a worker: an abort goes out; the entry stays until the final output
         assert router.prefix_index.num_pending() == 1
-        _finish(router, "r1", r1.worker_id)
+        router.cancel(r1)  # on a worker: an abort goes out, whose final output ends it there
+        _finish(router, r1)
         assert router.prefix_index.num_pending() == 0
+        assert router.prefix_index.affinity(r1.worker_id, r1.block_hashes) == 0
 
     asyncio.run(scenario())
