@@ -526,11 +526,22 @@ class Router(WorkerLinkHandler):
             self._place(r)
 
     async def stream(self, r: RouterRequest) -> AsyncIterator[spb.GenerateResponse]:
-        """Responses of one request until its final one; RouterError if it ended abnormally."""
+        """Responses of one request until its final one; RouterError if it ended abnormally.
+
+        Responses already waiting when the client reads are merged into one (same worker only, so
+        ``worker_id`` stays exact): a client that keeps up gets one message per step, one that
+        falls behind gets fewer, larger ones instead of paying per-message costs for every token
+        (vLLM's output collector does the same).
+        """
         while True:
             item = await r.responses.get()
             if isinstance(item, RouterError):
                 raise item
+            while not item.finish_reason and not r.responses.empty():
+                nxt = r.responses._queue[0]  # NOTE: peek; asyncio.Queue has no public one
+                if isinstance(nxt, RouterError) or nxt.worker_id != item.worker_id:
+                    break
+                item = _merge_responses(item, r.responses.get_nowait())
             yield item
             if item.finish_reason:
                 return
@@ -811,3 +822,15 @@ def _event(e: pb.BlockEvent) -> BlockStored | BlockRemoved | AllBlocksCleared:
     if kind == "removed":
         return BlockRemoved(e.seq, tuple(e.removed.hashes))
     return AllBlocksCleared(e.seq)
+
+
+def _merge_responses(first: spb.GenerateResponse, then: spb.GenerateResponse) -> spb.GenerateResponse:
+    """One response carrying ``first``'s tokens, text and logprobs followed by ``then``'s (and
+    ``then``'s final fields, if it is the final one)."""
+    merged = spb.GenerateResponse()
+    merged.CopyFrom(then)
+    del merged.token_ids[:], merged.logprobs[:]
+    merged.token_ids.extend([*first.token_ids, *then.token_ids])
+    merged.logprobs.extend([*first.logprobs, *then.logprobs])
+    merged.text_delta = first.text_delta + then.text_delta
+    return merged
