@@ -115,3 +115,15 @@ def _deliver(
     resp.num_migrations = r.migrations
     resp.num_replays = r.replays
     return [Delivery(resp, len(new), ttft, itl, e2e_s=now - r.arrival, finished=True)]
+
+
+def merge_responses(first: spb.GenerateResponse, then: spb.GenerateResponse) -> spb.GenerateResponse:
+    """One response carrying ``first``'s tokens, text and logprobs followed by ``then``'s (and
+    ``then``'s final fields, if it is the final one)."""
+    merged = spb.GenerateResponse()
+    merged.CopyFrom(then)
+    del merged.token_ids[:], merged.logprobs[:]
+    merged.token_ids.extend([*first.token_ids, *then.token_ids])
+    merged.logprobs.extend([*first.logprobs, *then.logprobs])
+    merged.text_delta = first.text_delta + then.text_delta
+    return merged

@@ -11,6 +11,9 @@ import grpc
 from protos.kvserve.v1 import worker_pb2 as pb
 from workers.sampling_params import SamplingParams
 
+# A worker's state at the router (ClusterStatus.workers[].state).
+WORKER_UP, WORKER_DOWN, WORKER_RETIRED = "up", "down", "retired"
+
 
 class RouterError(Exception):
     """A request refused or ended with a gRPC status (and optional trailing metadata)."""

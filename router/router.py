@@ -45,9 +45,10 @@ from protos.kvserve.v1 import worker_pb2 as pb
 from router import metrics
 from router.admission import AdmissionQueue, RejectReason
 from router.config import RouterConfig
-from router.demux import demux_output
+from router.demux import demux_output, merge_responses
 from router.placement import Placement, PlacementRequest, WorkerView
 from router.prefix_index import AllBlocksCleared, BlockRemoved, BlockStored, PrefixIndex
+from router.prompts import prompt_ids
 from router.rebalance import (
     Migration,
     MigrationLedger,
@@ -57,20 +58,13 @@ from router.rebalance import (
     plan_migration,
     plan_preemption,
 )
-from router.request import RouterError, RouterRequest
-from router.validation import (
-    MAX_TEXT_CHARS,
-    ModelLimits,
-    ValidationError,
-    chat_messages,
-    sampling_params,
-    validate_ids,
-    validate_prompt_ids,
-)
+from router.request import WORKER_DOWN, WORKER_RETIRED, WORKER_UP, RouterError, RouterRequest
+from router.status import build_cluster_status
+from router.validation import ModelLimits, ValidationError, sampling_params, validate_ids
 from router.worker_link import WorkerLinkHandler, WorkerLinkService
 from workers.block_hash import cache_extra, hash_blocks
 from workers.block_pool import blocks_for
-from workers.chat_template import ChatTemplate, ChatTemplateError
+from workers.chat_template import ChatTemplate
 from workers.identity import WorkerIdentity
 
 __all__ = ["Router", "RouterError", "RouterRequest", "WorkerEntry"]
@@ -78,7 +72,6 @@ __all__ = ["Router", "RouterError", "RouterRequest", "WorkerEntry"]
 logger = logging.getLogger(__name__)
 
 
-WORKER_UP, WORKER_DOWN, WORKER_RETIRED = "up", "down", "retired"
 _ACTOR_DEAD_ERRORS = ("RayActorError", "ActorDiedError", "ActorUnavailableError")
 
 
@@ -417,35 +410,8 @@ class Router(WorkerLinkHandler):
         self._arm_expiry()
 
     def _prompt_ids(self, request: spb.GenerateRequest) -> list[int]:
-        kind = request.WhichOneof("prompt")
         assert self.limits is not None
-        if kind == "token_ids":
-            ids = list(request.token_ids.ids)
-            validate_prompt_ids(ids, self.limits)
-            return ids
-        if kind == "text":
-            if self.tokenizer is None:
-                raise ValidationError("prompt.text", "this model has no tokenizer; send prompt.token_ids")
-            if not request.text:
-                raise ValidationError("prompt.text", "empty prompt")
-            if len(request.text) > MAX_TEXT_CHARS:  # NOTE: before tokenizing it on the event loop
-                raise ValidationError("prompt.text", f"longer than {MAX_TEXT_CHARS} characters")
-            ids = self.tokenizer.encode(request.text)
-            validate_prompt_ids(ids, self.limits, "prompt.text")
-            return ids
-        if kind == "messages":
-            messages = chat_messages(request.messages)
-            if self.tokenizer is None or self.chat_template is None:
-                raise ValidationError("prompt.messages", "this model has no chat template; send prompt.text")
-            try:
-                text = self.chat_template.render(messages, add_generation_prompt=True)
-            except ChatTemplateError as e:
-                raise ValidationError("prompt.messages", str(e)) from e
-            # NOTE: the template wrote the special tokens (BOS included), as HF's apply_chat_template.
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-            validate_prompt_ids(ids, self.limits, "prompt.messages")
-            return ids
-        raise ValidationError("prompt", "set prompt.text, prompt.token_ids or prompt.messages")
+        return prompt_ids(request, self.limits, self.tokenizer, self.chat_template)
 
     def _shape(self, r: RouterRequest) -> PlacementRequest:
         # Generation stops at max_model_len ("length"), as the worker's own fit check assumes. A
@@ -541,7 +507,7 @@ class Router(WorkerLinkHandler):
                 nxt = r.responses._queue[0]  # NOTE: peek; asyncio.Queue has no public one
                 if isinstance(nxt, RouterError) or nxt.worker_id != item.worker_id:
                     break
-                item = _merge_responses(item, r.responses.get_nowait())
+                item = merge_responses(item, r.responses.get_nowait())
             yield item
             if item.finish_reason:
                 return
@@ -766,47 +732,7 @@ class Router(WorkerLinkHandler):
 
     # ---- status ----------------------------------------------------------------------------------
     def cluster_status(self) -> spb.ClusterStatus:
-        now = time.monotonic()
-        status = spb.ClusterStatus(timestamp_ms=int(time.time() * 1000))
-        for entry in self.workers.values():
-            r, ident = entry.report, entry.identity
-            w = status.workers.add(
-                worker_id=entry.worker_id,
-                healthy=entry.state == WORKER_UP and entry.healthy and self.link.connected(entry.worker_id),
-                state=entry.state,
-                restarts_total=entry.restarts_total,
-                total_blocks=ident.total_blocks,
-                num_migrations_total=entry.migrations_out,
-                blocks_in_flight=sum(entry.in_flight.values()),
-                model_id=ident.model_id,
-                node_id=ident.node_id,
-                last_report_age_s=now - entry.report_time if r else -1.0,
-            )
-            if r is not None:
-                w.free_blocks, w.used_blocks = r.free_blocks, r.used_blocks
-                w.cached_evictable_blocks = r.cached_evictable_blocks
-                w.usage = r.used_blocks / r.total_blocks if r.total_blocks else 0.0
-                w.num_running, w.num_waiting, w.num_swapped = r.num_running, r.num_waiting, r.num_swapped
-                w.swap_blocks_total, w.swap_blocks_free = r.swap_blocks_total, r.swap_blocks_free
-                w.num_preemptions_total = r.num_preemptions_total
-                w.decode_steps, w.step_latency_ms = r.decode_steps, r.step_latency_ms
-                q = r.prefix_cache_query_tokens_total
-                w.prefix_cache_hit_rate = r.prefix_cache_hit_tokens_total / q if q else 0.0
-            else:
-                w.free_blocks = ident.total_blocks
-        q = self.queue
-        status.router.queue_requests = q.num_requests
-        status.router.queue_blocks = q.num_blocks
-        status.router.max_queue_requests = q.max_requests
-        status.router.max_queue_blocks = q.max_blocks
-        status.router.admission_state = q.state.value
-        for reason, n in q.rejections_total.items():
-            status.router.rejections_total[reason.value] = n
-        status.router.requests_in_flight = sum(1 for r in self.requests.values() if r.worker_id is not None)
-        wait = q.projected_wait_s()
-        status.router.projected_wait_s = -1.0 if wait is None else wait
-        status.router.replays_total = self.replays_total
-        return status
+        return build_cluster_status(self)
 
     # ---- plumbing --------------------------------------------------------------------------------
     def _spawn(self, coro: Any) -> None:
@@ -822,15 +748,3 @@ def _event(e: pb.BlockEvent) -> BlockStored | BlockRemoved | AllBlocksCleared:
     if kind == "removed":
         return BlockRemoved(e.seq, tuple(e.removed.hashes))
     return AllBlocksCleared(e.seq)
-
-
-def _merge_responses(first: spb.GenerateResponse, then: spb.GenerateResponse) -> spb.GenerateResponse:
-    """One response carrying ``first``'s tokens, text and logprobs followed by ``then``'s (and
-    ``then``'s final fields, if it is the final one)."""
-    merged = spb.GenerateResponse()
-    merged.CopyFrom(then)
-    del merged.token_ids[:], merged.logprobs[:]
-    merged.token_ids.extend([*first.token_ids, *then.token_ids])
-    merged.logprobs.extend([*first.logprobs, *then.logprobs])
-    merged.text_delta = first.text_delta + then.text_delta
-    return merged

@@ -1,0 +1,54 @@
+"""A request's prompt as token ids: given as ids, as text (tokenized), or as chat messages (rendered
+with the model's chat template, then tokenized). Pure: no router state, no I/O."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from protos.kvserve.v1 import serving_pb2 as spb
+from router.validation import MAX_TEXT_CHARS, ModelLimits, ValidationError, chat_messages, validate_prompt_ids
+from workers.chat_template import ChatTemplate, ChatTemplateError
+
+
+def prompt_ids(
+    request: spb.GenerateRequest, limits: ModelLimits, tokenizer: Any, chat_template: ChatTemplate | None
+) -> list[int]:
+    """The prompt's token ids.
+
+    Args:
+        request: the client's request (one of ``token_ids``, ``text``, ``messages`` set).
+        limits: the model's vocabulary and context limits.
+        tokenizer: the model's tokenizer, or None (then only ``token_ids`` are accepted).
+        chat_template: the model's chat template, or None (then ``messages`` are refused).
+
+    Raises:
+        ValidationError: naming the field (``prompt.text``, ``prompt.messages[i].role``, ...).
+    """
+    kind = request.WhichOneof("prompt")
+    if kind == "token_ids":
+        ids = list(request.token_ids.ids)
+        validate_prompt_ids(ids, limits)
+        return ids
+    if kind == "text":
+        if tokenizer is None:
+            raise ValidationError("prompt.text", "this model has no tokenizer; send prompt.token_ids")
+        if not request.text:
+            raise ValidationError("prompt.text", "empty prompt")
+        if len(request.text) > MAX_TEXT_CHARS:  # NOTE: before tokenizing it on the event loop
+            raise ValidationError("prompt.text", f"longer than {MAX_TEXT_CHARS} characters")
+        ids = tokenizer.encode(request.text)
+        validate_prompt_ids(ids, limits, "prompt.text")
+        return ids
+    if kind == "messages":
+        messages = chat_messages(request.messages)
+        if tokenizer is None or chat_template is None:
+            raise ValidationError("prompt.messages", "this model has no chat template; send prompt.text")
+        try:
+            text = chat_template.render(messages, add_generation_prompt=True)
+        except ChatTemplateError as e:
+            raise ValidationError("prompt.messages", str(e)) from e
+        # NOTE: the template wrote the special tokens (BOS included), as HF's apply_chat_template.
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        validate_prompt_ids(ids, limits, "prompt.messages")
+        return ids
+    raise ValidationError("prompt", "set prompt.text, prompt.token_ids or prompt.messages")
