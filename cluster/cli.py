@@ -1,5 +1,6 @@
 """The ``kvserve`` command line: ``model`` and ``generate`` here; ``serve``, ``demo``, ``status``, ``top``,
-``bench`` and ``plan`` in the modules of ``COMMAND_MODULES``, each registering its own subcommands."""
+``bench`` and ``plan`` in their own modules, each registering its subcommands (``register(subparsers)``).
+Every command is declared in ``COMMANDS`` and built only when chosen (``cluster.lazy_subcommands``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import logging
 import os
 import sys
 from pathlib import Path
+
+from cluster.lazy_subcommands import LazySubParsers, module_loader
 
 
 def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -128,15 +131,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="kvserve", description="A Ray-based LLM serving cluster with a paged KV cache"
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    model = sub.add_parser("model", help="model utilities")
-    model_sub = model.add_subparsers(dest="model_command", required=True)
+def _register_model(sub: argparse._SubParsersAction) -> None:
+    """``kvserve model init-random|fetch``."""
+    model = sub.add_parser("model", help=COMMANDS["model"])
+    # NOTE: intermixed parsing, so `fetch NAME --dtype X OUT` works as well as `fetch --dtype X NAME OUT`
+    # (plain argparse binds every positional at the first one and rejects OUT after an option).
+    model_sub = model.add_subparsers(dest="model_command", required=True, parser_class=IntermixedArgumentParser)
     from workers.random_model import add_init_random_arguments, run_init_random
 
     init = model_sub.add_parser("init-random", help="write a random-weight HF-format checkpoint + tokenizer.json")
@@ -148,7 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_fetch_arguments(fetch)
     fetch.set_defaults(func=run_fetch)
 
-    gen = sub.add_parser("generate", help="generate offline (or against a server with --server)")
+
+def _register_generate(sub: argparse._SubParsersAction) -> None:
+    """``kvserve generate`` (offline, or against a server with ``--server``)."""
+    gen = sub.add_parser("generate", help=COMMANDS["generate"])
     gen.add_argument("--model", help="HF model directory (offline mode)")
     gen.add_argument("--server", default=None, help="HOST:PORT of a kvserve router (remote mode)")
     gen.add_argument(
@@ -165,32 +168,64 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_arguments(gen)
     gen.set_defaults(func=cmd_generate)
 
-    for register in _optional_commands():
-        register(sub)
-    return parser
+
+class IntermixedArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser whose positionals may follow options (``parse_intermixed_args`` semantics),
+    also when it is a subcommand's parser (argparse calls ``parse_known_args`` on those)."""
+
+    _intermixing = False
+
+    def parse_known_args(self, args=None, namespace=None):  # noqa: ANN001, ANN201 - argparse's signature
+        if self._intermixing:  # the two passes of parse_known_intermixed_args
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
 
 
-# Subcommands living in their own modules, each exposing ``register(subparsers)``.
-COMMAND_MODULES = (
-    "cluster.serve_cli",  # serve, demo
-    "cluster.remote_cli",  # status
-    "cluster.top",  # top
-    "cluster.bench.cli",  # bench offline|kernels
-    "cluster.plan",  # plan
+# The top-level commands and their one-line help. Each is built only when chosen (LazySubParsers), by
+# the loader named in _LOADERS: `kvserve plan` must not import torch, grpc or ray for its parser.
+COMMANDS = {
+    "model": "model utilities: init-random, fetch",
+    "generate": "generate offline (or against a server with --server)",
+    "serve": "run a serving cluster (router + workers) until SIGINT/SIGTERM",
+    "demo": "local cluster + chat workload (SmolLM2, or a random model) + live view + summary",
+    "status": "per-worker KV block pressure of a running cluster",
+    "top": "live view of a cluster's KV block pressure",
+    "bench": "benchmarks: offline engine, served cluster, router, kernels",
+    "plan": "KV memory per token/request/users, and how many users fit",
+}
+# Loader per group of commands registered together (a module's ``register(subparsers)``).
+_LOADERS = (
+    (("model",), _register_model),
+    (("generate",), _register_generate),
+    (("serve", "demo"), module_loader("cluster.serve_cli")),
+    (("status",), module_loader("cluster.remote_cli")),
+    (("top",), module_loader("cluster.top")),
+    (("bench",), module_loader("cluster.bench.cli")),
+    (("plan",), module_loader("cluster.plan")),
 )
 
 
-def _optional_commands():
-    import importlib
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvserve`` parser; a command's own parser is built (its module imported) when it is parsed,
+    or by ``command_parser``."""
+    parser = argparse.ArgumentParser(
+        prog="kvserve", description="A Ray-based LLM serving cluster with a paged KV cache"
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, action=LazySubParsers)
+    for names, loader in _LOADERS:
+        sub.add_lazy({name: COMMANDS[name] for name in names}, loader)
+    return parser
 
-    out = []
-    for mod in COMMAND_MODULES:
-        try:
-            out.append(importlib.import_module(mod).register)
-        except ModuleNotFoundError as e:
-            if e.name != mod:  # a real missing dependency inside the module: say so
-                raise
-    return out
+
+def command_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The fully built parser of top-level command ``name`` (for tests and tools that walk its flags)."""
+    sub = next(a for a in parser._actions if isinstance(a, LazySubParsers))
+    return sub.load(name)
 
 
 def main(argv: list[str] | None = None) -> int:

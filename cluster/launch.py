@@ -5,10 +5,18 @@ and metrics ports are where a Kubernetes Service or a user expects them. Workers
 on CUDA clusters, or ``cpus_per_worker`` CPUs (and as many torch threads) otherwise. With
 ``spread=True`` the workers go into one placement group (strategy SPREAD: distinct nodes where
 there are enough), so a multi-node cluster serves from all of its nodes.
+
+Supervision (README "Failure behaviour"): worker actors have Ray ``max_restarts=-1``: Ray starts a
+killed worker's process again with the same arguments, and its new incarnation says Hello to the
+router, which takes it back with an empty pool (or retires it if it crash-loops: the router kills
+it with ``no_restart``). The router actor is restarted by ``kvserve serve``
+(``Cluster.restart_router``), on the same port, and re-registers the workers, which reconnect on
+their own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import time
@@ -57,7 +65,28 @@ class Cluster:
     owns_ray: bool = False
     placement_group: Any = None  # the workers' placement group (spread=True), removed on shutdown
     http_port: int | None = None  # the OpenAI-compatible HTTP API's port (None = off)
+    router_config: RouterConfig | None = None  # as started (its port the bound one), for a restart
+    router_name: str | None = None
+    router_restarts: int = 0
     _stopped: bool = field(default=False, repr=False)
+
+    def restart_router(self, ready_timeout_s: float = 300.0) -> None:
+        """Start a new router actor (same name, same port) after the old one died, register the
+        workers with it and wait for their WorkerLinks (they reconnect with backoff).
+
+        Raises:
+            Exception: the new router did not start, or the workers did not reconnect in time.
+        """
+        import ray
+
+        assert self.router_config is not None
+        try:
+            ray.kill(self.router)  # NOTE: frees the name should the old one linger half-dead
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        self.router, _ = _start_router(self.router_config, self.metrics_port, self.router_name, self.http_port)
+        _register_workers(self.router, self.workers, ready_timeout_s)
+        self.router_restarts += 1
 
     def shutdown(self) -> None:
         """Stop workers and router (and Ray, if this process started it). Idempotent."""
@@ -118,9 +147,8 @@ def start_cluster(
             ``Cluster.http_port``).
     """
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from router.server import router_actor_class
     from workers.worker import worker_actor_class
 
     if num_workers <= 0:
@@ -129,21 +157,16 @@ def start_cluster(
     owns_ray = init_ray(address)
     if use_gpus is None:
         use_gpus = ray.cluster_resources().get("GPU", 0) >= 1
-    here = ray.get_runtime_context().get_node_id()
     if metrics_port == 0:
         metrics_port = _free_port(router_config.host)  # the router runs on this node
-    router_opts: dict[str, Any] = {"scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)}
-    if name:
-        router_opts.update(name=name, lifetime="detached", get_if_exists=False)
-    router = router_actor_class().options(**router_opts).remote(router_config, metrics_port, http_port)
     try:
-        router_address = ray.get(router.start.remote())
-        http_port = ray.get(router.http_port.remote())
-    except BaseException:  # e.g. the port is taken: leave no (detached) router behind
-        ray.kill(router)
+        router, http_port = _start_router(router_config, metrics_port, name, http_port)
+    except BaseException:
         if owns_ray:
             ray.shutdown()
         raise
+    router_address = ray.get(router.address.remote())
+    bound_config = dataclasses.replace(router_config, port=int(router_address.rsplit(":", 1)[1]))
     link_address = router_address
     if router_config.host in ("0.0.0.0", "::"):
         link_address = f"{ray.util.get_node_ip_address()}:{router_address.rsplit(':', 1)[1]}"
@@ -160,7 +183,8 @@ def start_cluster(
         pg = ray.util.placement_group([dict(bundle) for _ in range(num_workers)], strategy="SPREAD")
     for i in range(num_workers):
         worker_id = f"worker-{i}"
-        opts: dict[str, Any] = dict(resources)
+        # NOTE: Ray restarts a dead worker forever; the router retires one that crash-loops.
+        opts: dict[str, Any] = dict(resources, max_restarts=-1)
         if pg is not None:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
         workers[worker_id] = actor.options(**opts).remote(
@@ -170,15 +194,50 @@ def start_cluster(
     try:
         if pg is not None:
             ray.get(pg.ready(), timeout=ready_timeout_s)
-        infos = ray.get([w.ready.remote() for w in workers.values()], timeout=ready_timeout_s)
-        for (worker_id, handle), info in zip(workers.items(), infos, strict=True):
-            ray.get(router.add_worker.remote(worker_id, handle, info))
-        ray.get(router.wait_for_workers.remote(list(workers), ready_timeout_s))
+        _register_workers(router, workers, ready_timeout_s)
     except BaseException:
         Cluster(router, workers, router_address, metrics_port, owns_ray, pg).shutdown()
         raise
     logger.info("cluster up in %.1fs: router %s, %d workers", time.monotonic() - t0, router_address, num_workers)
-    return Cluster(router, workers, router_address, metrics_port, owns_ray, pg, http_port)
+    return Cluster(router, workers, router_address, metrics_port, owns_ray, pg, http_port, bound_config, name)
+
+
+def _start_router(
+    config: RouterConfig, metrics_port: int | None, name: str | None, http_port: int | None
+) -> tuple[Any, int | None]:
+    """Create the router actor on this node (detached and named if ``name``) and start it; returns it
+    and its bound HTTP port (None = off).
+
+    Raises:
+        Exception: it did not start (e.g. the port is taken); no router is left behind.
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from router.server import router_actor_class
+
+    here = ray.get_runtime_context().get_node_id()
+    opts: dict[str, Any] = {"scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)}
+    if name:
+        opts.update(name=name, lifetime="detached", get_if_exists=False)
+    router = router_actor_class().options(**opts).remote(config, metrics_port, http_port)
+    try:
+        ray.get(router.start.remote())
+        http_port = ray.get(router.http_port.remote())
+    except BaseException:  # e.g. the port is taken: leave no (detached) router behind
+        ray.kill(router)
+        raise
+    return router, http_port
+
+
+def _register_workers(router: Any, workers: dict[str, Any], timeout_s: float) -> None:
+    """Register every worker (its identity from ``ready``) and wait for its WorkerLink."""
+    import ray
+
+    infos = ray.get([w.ready.remote() for w in workers.values()], timeout=timeout_s)
+    for (worker_id, handle), info in zip(workers.items(), infos, strict=True):
+        ray.get(router.add_worker.remote(worker_id, handle, info))
+    ray.get(router.wait_for_workers.remote(list(workers), timeout_s))
 
 
 def _free_port(host: str) -> int:

@@ -13,6 +13,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from workers.block_pool import blocks_for
 from workers.sizes import SCALE_BYTES, parse_bytes
 
 KV_DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
@@ -97,7 +98,7 @@ def plan(shape: Shape, context: int, users: int, kv_dtype: str, memory_bytes: in
         raise ValueError("context and block_size must be positive, users >= 0")
     per_token = kv_bytes_per_token(shape, kv_dtype)
     per_block = per_token * block_size
-    blocks_per_request = -(-context // block_size)
+    blocks_per_request = blocks_for(context, block_size)
     per_request = blocks_per_request * per_block
     weights = shape.num_params * shape.weight_bytes_per_param
     room = max(memory_bytes - weights, 0)

@@ -147,7 +147,7 @@ def stop_all(cluster: Any, started_ray: bool) -> None:
             ray.shutdown()
 
 
-def serve(cfg, *, out=None, poll_s: float = 5.0) -> int:  # noqa: ANN001 - ClusterConfig
+def serve(cfg, *, out=None, poll_s: float = 0.5) -> int:  # noqa: ANN001 - ClusterConfig
     """Run a cluster for ``cfg`` until SIGINT/SIGTERM. Returns the exit status."""
     import ray
 
@@ -192,10 +192,18 @@ def serve(cfg, *, out=None, poll_s: float = 5.0) -> int:  # noqa: ANN001 - Clust
             failures = 0
             while True:
                 time.sleep(poll_s)
-                try:  # the router is the cluster: if it is gone, so is serving (let a supervisor restart us)
+                try:
                     ray.get(cluster.router.address.remote(), timeout=30)
                     failures = 0
-                except ray.exceptions.GetTimeoutError:
+                except ray.exceptions.RayActorError as e:
+                    # NOTE: the router died (its clients got UNAVAILABLE as their connections
+                    # broke): start a new one on the same port; the workers reconnect to it.
+                    logger.warning("router died (%s); restarting it", type(e).__name__)
+                    cluster.restart_router(cfg.ready_timeout_s)
+                    print(f"kvserve: router restarted ({cluster.router_restarts}); API listening on "
+                          f"{cluster.address}", file=out)  # fmt: skip
+                    out.flush()
+                except ray.exceptions.GetTimeoutError:  # alive but unresponsive: let a supervisor restart us
                     failures += 1
                     if failures >= 3:
                         raise

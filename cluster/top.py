@@ -150,10 +150,14 @@ def render_frame(
     header.append(f"\nrouter queue {r.queue_requests}/{r.max_queue_requests} req, {r.queue_blocks} blocks  ")
     state = r.admission_state or "open"
     header.append(f"[{state}]", style={"open": "green", "queueing": "yellow"}.get(state, "red"))
+    wait = "?" if r.projected_wait_s < 0 else f"{r.projected_wait_s:.1f}s"
+    header.append(f"  projected wait {wait}")
     header.append(f"  rejections {rejections} ({_rate(rejections, prev_rejections, dt)}/s)")
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(r.rejections_total.items()) if v)
     if reasons:
         header.append(f": {reasons}")
+    if r.replays_total:
+        header.append(f"  failover replays {r.replays_total}", style="yellow")
 
     shown, bar = _layout(width, bar_width)
     table = Table(box=None, pad_edge=False, header_style="bold", expand=False)
@@ -164,7 +168,10 @@ def render_frame(
         p = before.get(w.worker_id)
         name = Text(w.worker_id, style="bold" if w.healthy else "bold red")
         if not w.healthy:
-            name.append(" ✗")
+            # NOTE: "down" = dead or restarting, "retired" = crash loop, stays down
+            name.append(f" ✗ {w.state}" if w.state and w.state != "up" else " ✗")
+        if w.restarts_total:
+            name.append(f" ↻{w.restarts_total}", style="yellow")
         cells = {
             "worker": name,
             "node": _short_node(w.node_id),

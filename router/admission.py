@@ -196,8 +196,11 @@ class AdmissionQueue(Generic[T]):
             return RejectReason.QUEUE_FULL_BLOCKS
         return None
 
-    def offer(self, item: T, *, fits_ever: bool = True) -> bool:
+    def offer(self, item: T, *, fits_ever: bool = True, first: bool = False) -> bool:
         """Queue ``item`` if the bounds allow; count the reason if not.
+
+        ``first`` puts it at the head of its priority class (a failover replay: it was admitted
+        long ago and its client is mid-stream).
 
         Returns:
             True if queued; False if refused (``check`` gives the reason; ``rejections_total``
@@ -210,7 +213,10 @@ class AdmissionQueue(Generic[T]):
         if reason is not None:
             self._rejections[reason] += 1
             return False
-        self._classes.setdefault(item.priority, OrderedDict())[item.request_id] = item
+        cls = self._classes.setdefault(item.priority, OrderedDict())
+        cls[item.request_id] = item
+        if first:
+            cls.move_to_end(item.request_id, last=False)
         self._priority_of[item.request_id] = item.priority
         self._num_blocks += item.num_blocks
         self._class_blocks[item.priority] = self._class_blocks.get(item.priority, 0) + item.num_blocks

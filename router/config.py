@@ -49,6 +49,16 @@ class RouterConfig:
     )
     stale_report_s: float = knob(5.0, help="no pressure report for this long = unhealthy worker", check=POSITIVE)
     health_check_interval_s: float = knob(2.0, help="how often worker health is checked", check=POSITIVE)
+    migration_limit: int = knob(
+        3, help="failover replays per request when its worker dies; then UNAVAILABLE", check=NON_NEGATIVE
+    )
+    max_buffered_responses: int = knob(
+        256, help="responses a client may leave unread before its request is aborted", check=POSITIVE
+    )
+    worker_restart_limit: int = knob(
+        3, help="restarts of one worker within worker_restart_window_s before it stays down", check=NON_NEGATIVE
+    )
+    worker_restart_window_s: float = knob(300.0, help="window of worker_restart_limit, s", check=POSITIVE)
 
     def __post_init__(self) -> None:
         validate(self)

@@ -95,6 +95,7 @@ def _deliver(
             itl = (now - r.last_token_time) / len(new)
         r.last_token_time = now
         r.tokens_received += len(new)
+        r.output_ids.extend(new)
     r.cached_tokens = out.num_cached_tokens
     r.preemptions = max(r.preemptions, out.num_preemptions)
     r.swaps = max(r.swaps, out.num_swaps)
@@ -112,4 +113,5 @@ def _deliver(
     resp.num_preemptions = r.preemptions
     resp.num_swaps = r.swaps
     resp.num_migrations = r.migrations
+    resp.num_replays = r.replays
     return [Delivery(resp, len(new), ttft, itl, e2e_s=now - r.arrival, finished=True)]

@@ -42,6 +42,8 @@ ROUTER_PROJECTED_WAIT = Gauge(
 
 PREEMPTIONS = Counter("kvserve:num_preemptions", "Preemptions by mode", ["mode"])
 MIGRATIONS = Counter("kvserve:num_migrations", "Requests migrated between workers")
+REPLAYS = Counter("kvserve:num_failover_replays", "Requests continued on another worker after theirs died")
+WORKER_RESTARTS = Counter("kvserve:worker_restarts", "Worker processes that came back as a new incarnation", _W)
 REJECTIONS = Counter("kvserve:admission_rejections", "Requests refused at admission, by reason", ["reason"])
 PREFIX_QUERIES = Counter("kvserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", _W)
 PREFIX_HITS = Counter("kvserve:prefix_cache_hits", "Prompt tokens found in the prefix cache", _W)

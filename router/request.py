@@ -26,8 +26,13 @@ class RouterRequest:
 
     ``worker_id`` is set once a worker accepted it (``target`` while that call is in flight);
     ``responses`` is what ``Router.stream`` yields (GenerateResponse or a final RouterError).
-    The output fields (``tokens_received``, ``held``, the token times and counts) belong to the
-    demux (router/demux.py).
+    The output fields (``tokens_received``, ``output_ids``, ``held``, the token times and counts)
+    belong to the demux (router/demux.py).
+
+    ``worker_rid`` is the id the current dispatch has on its worker (``<request_id>#<dispatch>``):
+    every dispatch (first placement, failover replay) gets a new one, so outputs of an earlier
+    dispatch (a dead worker's, an aborted one's) are told apart and dropped, and a finished
+    request's id is free for a new request at once.
     """
 
     request_id: str
@@ -42,6 +47,9 @@ class RouterRequest:
     worker_id: str | None = None
     target: str | None = None  # placement decided, dispatch pending
     tokens_received: int = 0
+    output_ids: list[int] = field(default_factory=list)  # tokens delivered to the client (for a replay)
+    worker_rid: str = ""
+    replays: int = 0  # failover replays (counted in ``migrations`` too)
     finished: bool = False
     cancelled: bool = False
     cached_tokens: int = 0

@@ -10,18 +10,30 @@ locks. Workers are Ray actor handles (requests go in by Ray calls); what comes b
 pressure, block events) arrives over WorkerLink and is handled in ``on_message``.
 
 Lifecycle of a request: ``submit`` validates and either places it (Ray ``add_request``) or queues
-it (bounded, in blocks) or refuses it (RouterError with a gRPC status). ``stream`` yields its
-responses until the final one. ``cancel`` (client gone, deadline, Abort) aborts it on its worker,
-which frees its blocks at the next step boundary.
+it (only if it is projected to start within its deadline and ``max_queue_wait_s``) or refuses it
+(RouterError with a gRPC status). ``stream`` yields its responses until the final one. ``cancel``
+(client gone, deadline, Abort) aborts it on its worker, which frees its blocks at the next step
+boundary; the request id is free again at once.
+
+Failure handling (README "Failure behaviour"): a worker is *down* from the first sign of its death
+(its WorkerLink breaks, a health probe or a call finds the actor dead); each request it held is
+replayed once per death on a healthy worker (``_replay``: the prompt plus the tokens already
+streamed, the same sampling parameters; the worker fast-forwards the text state and the seeded
+RNG), at most ``migration_limit`` times, then UNAVAILABLE. Ray restarts the worker process
+(``max_restarts``); its new incarnation's Hello makes it *up* again with an empty pool, unless it
+restarted more than ``worker_restart_limit`` times within ``worker_restart_window_s``: then the
+router kills it for good (*retired*) and says so once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import time
 import uuid
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +78,15 @@ __all__ = ["Router", "RouterError", "RouterRequest", "WorkerEntry"]
 logger = logging.getLogger(__name__)
 
 
+WORKER_UP, WORKER_DOWN, WORKER_RETIRED = "up", "down", "retired"
+_ACTOR_DEAD_ERRORS = ("RayActorError", "ActorDiedError", "ActorUnavailableError")
+
+
+def _actor_dead(e: BaseException) -> bool:
+    """The Ray error says the actor process is gone (dead or being restarted)."""
+    return any(c.__name__ in _ACTOR_DEAD_ERRORS for c in type(e).__mro__)
+
+
 @dataclass
 class WorkerEntry:
     """The router's table row for one worker. Link state (connected or not) lives in the
@@ -81,6 +102,9 @@ class WorkerEntry:
     # their blocks, so their promise is dropped then, not earlier.
     started: set[str] = field(default_factory=set)
     migrations_out: int = 0
+    state: str = WORKER_UP  # WORKER_UP, WORKER_DOWN (dead or restarting) or WORKER_RETIRED
+    restart_times: deque[float] = field(default_factory=deque)  # monotonic, within the restart window
+    restarts_total: int = 0
 
     @property
     def worker_id(self) -> str:
@@ -101,7 +125,17 @@ class Router(WorkerLinkHandler):
         self.chat_template = chat_template  # None: chat prompts are refused (INVALID_ARGUMENT)
         self.workers: dict[str, WorkerEntry] = {}
         self.requests: dict[str, RouterRequest] = {}
-        self.queue: AdmissionQueue[RouterRequest] = AdmissionQueue(config.max_queue_requests, config.max_queue_blocks)
+        self._by_worker_rid: dict[str, RouterRequest] = {}  # current dispatches only
+        self._orphans: OrderedDict[str, None] = OrderedDict()  # a previous router's requests, aborted
+        # NOTE: worker-side ids carry this router's incarnation, so outputs of requests a previous
+        # router placed (orphans after a router restart) are recognised and aborted.
+        self._incarnation = uuid.uuid4().hex[:8]
+        self._dispatch_seq = itertools.count(1)
+        self.replays_total = 0
+        self.queue: AdmissionQueue[RouterRequest] = AdmissionQueue(
+            config.max_queue_requests, config.max_queue_blocks, max_wait_s=config.max_queue_wait_s
+        )
+        self._expiry: asyncio.TimerHandle | None = None
         self.placement = Placement(config.placement_policy)
         self.prefix_index = PrefixIndex()
         self.link = WorkerLinkService(self)
@@ -157,29 +191,102 @@ class Router(WorkerLinkHandler):
         if entry is None:
             logger.info("Hello from %s before its registration", worker_id)
             return
-        entry.healthy = True
-        self._worker_ready.set()
+        if entry.state == WORKER_RETIRED:
+            return
         if restarted:
-            # A new process: its pool is empty, our requests there are gone, and its report and
-            # migration counters start from 0 again.
-            self.prefix_index.remove_worker(worker_id)
-            self.ledger.forget(worker_id)
-            entry.report = None
-            for r in [r for r in self.requests.values() if r.worker_id == worker_id]:
-                self._fail(r, grpc.StatusCode.UNAVAILABLE, f"worker {worker_id} restarted")
+            # A new process: its pool is empty, our requests there are gone (replayed elsewhere
+            # unless its death went unnoticed until now), its counters start from 0 again.
+            self._worker_down(entry, "restarted")
+            entry.restarts_total += 1
+            metrics.WORKER_RESTARTS.labels(worker_id).inc()
+            now = time.monotonic()
+            entry.restart_times.append(now)
+            while entry.restart_times and now - entry.restart_times[0] > self.config.worker_restart_window_s:
+                entry.restart_times.popleft()
+            if len(entry.restart_times) > self.config.worker_restart_limit:
+                self._retire(entry)
+                return
+        entry.healthy = True
+        was_down = entry.state == WORKER_DOWN
+        entry.state = WORKER_UP
+        self._worker_ready.set()
         metrics.WORKER_UP.labels(worker_id).set(1)
-        logger.info("worker %s connected (%d blocks)", worker_id, hello.total_blocks)
+        if was_down or restarted:
+            logger.warning("worker %s is up again (restart %d, %d blocks)", worker_id, entry.restarts_total,
+                           hello.total_blocks)  # fmt: skip
+        else:
+            logger.info("worker %s connected (%d blocks)", worker_id, hello.total_blocks)
+        self._pump()
 
     def on_disconnect(self, worker_id: str) -> None:
-        if worker_id in self.workers:
-            metrics.WORKER_UP.labels(worker_id).set(0)
-            logger.warning("worker %s disconnected", worker_id)
+        entry = self.workers.get(worker_id)
+        if entry is not None:
+            self._worker_down(entry, "its WorkerLink broke")
+
+    def _worker_down(self, entry: WorkerEntry, why: str) -> None:
+        """First sign of a worker's death: mark it down (logged once per state change) and replay
+        every request it held on the others. Idempotent."""
+        metrics.WORKER_UP.labels(entry.worker_id).set(0)
+        if entry.state == WORKER_UP:
+            entry.state = WORKER_DOWN
+            logger.warning("worker %s is down: %s", entry.worker_id, why)
+        entry.healthy = False
+        entry.report = None
+        entry.in_flight.clear()
+        entry.started.clear()
+        self.prefix_index.remove_worker(entry.worker_id)
+        self.ledger.forget(entry.worker_id)
+        for r in [r for r in self.requests.values() if r.worker_id == entry.worker_id]:
+            self._replay(r, entry.worker_id)
+
+    def _retire(self, entry: WorkerEntry) -> None:
+        """A crash-looping worker stays down: kill its actor for good (no more restarts)."""
+        entry.state = WORKER_RETIRED
+        entry.healthy = False
+        metrics.WORKER_UP.labels(entry.worker_id).set(0)
+        logger.error(
+            "worker %s restarted %d times within %.0fs: it stays down (retired); fix it and restart serve",
+            entry.worker_id, len(entry.restart_times), self.config.worker_restart_window_s,
+        )  # fmt: skip
+        try:
+            import ray
+
+            ray.kill(entry.handle, no_restart=True)
+        except Exception:  # noqa: BLE001 - not a Ray actor (tests) or already gone
+            logger.debug("killing retired worker %s failed", entry.worker_id, exc_info=True)
+
+    def _replay(self, r: RouterRequest, dead_worker_id: str) -> None:
+        """Continue ``r`` (its worker died) on a healthy worker after the tokens already streamed,
+        or end it UNAVAILABLE beyond ``migration_limit`` replays."""
+        if r.finished:
+            return
+        self._by_worker_rid.pop(r.worker_rid, None)
+        # NOTE: if the worker only lost its link (same process), this stops the old dispatch
+        # when it reconnects; a new incarnation never gets it.
+        self.link.send(dead_worker_id, pb.RouterCommand(abort=pb.Abort(request_id=r.worker_rid)))
+        r.worker_id = None
+        r.held.clear()
+        if r.cancelled:
+            self._finish(r)
+            return
+        if r.replays >= self.config.migration_limit:
+            self._fail(r, grpc.StatusCode.UNAVAILABLE,
+                       f"worker {dead_worker_id} died; request {r.request_id} was already replayed "
+                       f"{r.replays} times (migration limit {self.config.migration_limit})")  # fmt: skip
+            return
+        r.replays += 1
+        r.migrations += 1
+        self.replays_total += 1
+        metrics.REPLAYS.inc()
+        logger.info("replaying %s after %d tokens (worker %s died)", r.request_id, len(r.output_ids), dead_worker_id)
+        if not self._place(r) and not self.queue.offer(r, first=True):
+            self._fail(r, grpc.StatusCode.UNAVAILABLE, f"worker {dead_worker_id} died and no worker can take over")
 
     def _view(self, entry: WorkerEntry) -> WorkerView:
         r, ident = entry.report, entry.identity
         return WorkerView(
             worker_id=ident.worker_id,
-            healthy=entry.healthy and self.link.connected(ident.worker_id),
+            healthy=entry.state == WORKER_UP and entry.healthy and self.link.connected(ident.worker_id),
             block_size=ident.block_size,
             total_blocks=ident.total_blocks,
             free_blocks=int(r.free_blocks) if r else ident.total_blocks,
@@ -226,8 +333,18 @@ class Router(WorkerLinkHandler):
         self._rebalance(entry)
 
     # ---- requests --------------------------------------------------------------------------
-    def submit(self, request: spb.GenerateRequest) -> RouterRequest:
-        """Validate and place or queue a request. Raises RouterError with the status to return."""
+    def submit(self, request: spb.GenerateRequest, time_remaining_s: float | None = None) -> RouterRequest:
+        """Validate and place or queue a request.
+
+        Args:
+            request: the client's request.
+            time_remaining_s: seconds left of the client's deadline (None: no deadline); a request
+                is queued only if it is projected to start within it.
+
+        Raises:
+            RouterError: with the status to return (INVALID_ARGUMENT, ALREADY_EXISTS, UNAVAILABLE,
+                RESOURCE_EXHAUSTED with a ``retry-after-ms`` trailer).
+        """
         if self.limits is None or not self.workers:
             raise RouterError(grpc.StatusCode.UNAVAILABLE, "no workers registered yet")
         try:
@@ -261,22 +378,43 @@ class Router(WorkerLinkHandler):
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
                 "can never fit any worker's KV pool",
             )
-        self.requests[rid] = r
-        metrics.PROMPT_TOKENS.inc(len(prompt_ids))
         if not self._queue_has_precedence(r) and self._place(r):
+            self.requests[rid] = r
+            metrics.PROMPT_TOKENS.inc(len(prompt_ids))
             return r
-        if not self.queue.offer(r):
-            del self.requests[rid]
-            reason = self.queue.check(r)
-            metrics.REJECTIONS.labels((reason or RejectReason.QUEUE_FULL_REQUESTS).value).inc()
-            retry = self.queue.retry_after_ms(r.num_blocks)
+        deadline = None if time_remaining_s is None else time.monotonic() + max(time_remaining_s, 0.0)
+        refusal = self.queue.admit(r, deadline=deadline)
+        if refusal is not None:
+            metrics.REJECTIONS.labels(refusal.reason.value).inc()
+            wait = "unknown" if refusal.projected_wait_s is None else f"{refusal.projected_wait_s:.1f} s"
             raise RouterError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"router queue full ({reason.value if reason else 'full'}); retry in {retry} ms",
-                (("retry-after-ms", str(retry)),),
+                f"router busy ({refusal.reason.value}, projected wait {wait}); retry in {refusal.retry_after_ms} ms",
+                (("retry-after-ms", str(refusal.retry_after_ms)),),
             )
+        self.requests[rid] = r
+        metrics.PROMPT_TOKENS.inc(len(prompt_ids))
+        if deadline is not None:
+            self._arm_expiry()
         self._maybe_preempt_for(r)
         return r
+
+    def _arm_expiry(self) -> None:
+        """Schedule ``_expire`` for the earliest deadline among queued requests."""
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+        deadline = self.queue.next_deadline()
+        if deadline is not None:
+            loop = asyncio.get_running_loop()
+            self._expiry = loop.call_later(max(deadline - time.monotonic(), 0.0) + 0.001, self._expire)
+
+    def _expire(self) -> None:
+        """Queued requests whose deadline passed leave the queue without touching a worker."""
+        self._expiry = None
+        for r in self.queue.expired():
+            self._fail(r, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed while queued at the router")
+        self._arm_expiry()
 
     def _prompt_ids(self, request: spb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("prompt")
@@ -310,10 +448,12 @@ class Router(WorkerLinkHandler):
         raise ValidationError("prompt", "set prompt.text, prompt.token_ids or prompt.messages")
 
     def _shape(self, r: RouterRequest) -> PlacementRequest:
-        # Generation stops at max_model_len ("length"), as the worker's own fit check assumes.
+        # Generation stops at max_model_len ("length"), as the worker's own fit check assumes. A
+        # replay's prompt is the prompt plus the tokens already streamed.
         assert self.limits is not None
-        room = max(self.limits.max_model_len - len(r.prompt_ids), 1)
-        return PlacementRequest(len(r.prompt_ids), r.block_hashes, min(r.params.max_tokens, room))
+        done = len(r.output_ids)
+        room = max(self.limits.max_model_len - len(r.prompt_ids) - done, 1)
+        return PlacementRequest(len(r.prompt_ids) + done, r.block_hashes, min(max(r.params.max_tokens - done, 1), room))
 
     def _queue_has_precedence(self, r: RouterRequest) -> bool:
         """FIFO within priority: a newcomer never overtakes a queued request as important or more."""
@@ -330,30 +470,53 @@ class Router(WorkerLinkHandler):
             return False
         entry = self.workers[worker_id]
         cached = min(self.prefix_index.overlap(worker_id, r.block_hashes), (len(r.prompt_ids) - 1) // self.block_size)
-        entry.in_flight[r.request_id] = r.num_blocks - cached + 1
+        self._new_dispatch(r)
+        blocks = blocks_for(len(r.prompt_ids) + len(r.output_ids), self.block_size)
+        entry.in_flight[r.worker_rid] = blocks - cached + 1
         self._pend(r, worker_id)
         r.target = worker_id
-        self._spawn(self._dispatch(r, entry))
+        self._spawn(self._dispatch(r, entry, r.worker_rid))
         return True
 
-    async def _dispatch(self, r: RouterRequest, entry: WorkerEntry) -> None:
+    def _new_dispatch(self, r: RouterRequest) -> None:
+        """Give ``r`` a fresh worker-side id (see RouterRequest)."""
+        self._by_worker_rid.pop(r.worker_rid, None)
+        r.worker_rid = f"{r.request_id}#{self._incarnation}.{next(self._dispatch_seq)}"
+        self._by_worker_rid[r.worker_rid] = r
+
+    async def _dispatch(self, r: RouterRequest, entry: WorkerEntry, worker_rid: str) -> None:
         metrics.QUEUE_TIME.observe(time.monotonic() - r.arrival)
+        resume = list(r.output_ids) or None
         try:
-            await entry.handle.add_request.remote(r.request_id, r.prompt_ids, r.params, r.priority, r.tenant or None)
-            r.worker_id = entry.worker_id
-            if r.cancelled:  # the client left while the call was in flight
-                self._send_abort(r)
+            await entry.handle.add_request.remote(
+                worker_rid, r.prompt_ids, r.params, r.priority, r.tenant or None, resume_output_ids=resume
+            )
         except Exception as e:  # noqa: BLE001 - Ray wraps the worker's exception
-            entry.in_flight.pop(r.request_id, None)
+            entry.in_flight.pop(worker_rid, None)
+            if r.worker_rid != worker_rid or r.finished:
+                return  # superseded meanwhile (its worker died and it was replayed, or it ended)
+            r.target = None
             cause = getattr(e, "cause", e)
             if isinstance(cause, ValueError):
                 self._fail(r, grpc.StatusCode.INVALID_ARGUMENT, str(cause))
+            elif _actor_dead(e):
+                r.worker_id = entry.worker_id
+                self._worker_down(entry, f"a call found its actor dead ({type(e).__name__})")
             else:
                 logger.warning("dispatch of %s to %s failed: %r", r.request_id, entry.worker_id, e)
                 entry.healthy = False
                 self._fail(r, grpc.StatusCode.UNAVAILABLE, f"worker {entry.worker_id} failed: {cause}")
-        finally:
-            r.target = None
+            return
+        if r.worker_rid != worker_rid:  # superseded while the call was in flight: stop this one
+            self.link.send(entry.worker_id, pb.RouterCommand(abort=pb.Abort(request_id=worker_rid)))
+            return
+        r.target = None
+        r.worker_id = entry.worker_id
+        if r.cancelled:  # the client left while the call was in flight
+            self._send_abort(r)
+            self._finish(r)
+        elif entry.state != WORKER_UP:  # it died while the call was in flight
+            self._replay(r, entry.worker_id)
 
     def _pump(self) -> None:
         """Place queued requests that fit now (called whenever blocks may have freed)."""
@@ -363,25 +526,37 @@ class Router(WorkerLinkHandler):
             self._place(r)
 
     async def stream(self, r: RouterRequest) -> AsyncIterator[spb.GenerateResponse]:
-        """Responses of one request until its final one; RouterError if it ended abnormally."""
+        """Responses of one request until its final one; RouterError if it ended abnormally.
+
+        Responses already waiting when the client reads are merged into one (same worker only, so
+        ``worker_id`` stays exact): a client that keeps up gets one message per step, one that
+        falls behind gets fewer, larger ones instead of paying per-message costs for every token
+        (vLLM's output collector does the same).
+        """
         while True:
             item = await r.responses.get()
             if isinstance(item, RouterError):
                 raise item
+            while not item.finish_reason and not r.responses.empty():
+                nxt = r.responses._queue[0]  # NOTE: peek; asyncio.Queue has no public one
+                if isinstance(nxt, RouterError) or nxt.worker_id != item.worker_id:
+                    break
+                item = _merge_responses(item, r.responses.get_nowait())
             yield item
             if item.finish_reason:
                 return
 
     def cancel(self, r: RouterRequest) -> None:
-        """Client gone (cancel, deadline) or Abort: free everything the request holds."""
+        """Client gone (cancel, deadline) or Abort: free everything the request holds. Its id is
+        free at once; its worker frees the blocks at its next step boundary."""
         if r.finished:
             return
         r.cancelled = True
         self.queue.remove(r.request_id)
         if r.worker_id is not None:
             self._send_abort(r)
-        elif r.target is None:
-            self._finish(r)
+        # NOTE: a dispatch still in flight sees ``cancelled`` (or a superseded id) and aborts itself.
+        self._finish(r)
 
     def abort(self, request_id: str) -> bool:
         r = self.requests.get(request_id)
@@ -393,15 +568,24 @@ class Router(WorkerLinkHandler):
 
     def _send_abort(self, r: RouterRequest) -> None:
         assert r.worker_id is not None
-        self.link.send(r.worker_id, pb.RouterCommand(abort=pb.Abort(request_id=r.request_id)))
+        self.link.send(r.worker_id, pb.RouterCommand(abort=pb.Abort(request_id=r.worker_rid)))
 
     def _on_output(self, worker_id: str, out: pb.RequestOutput) -> None:
-        r = self.requests.get(out.request_id)
+        r = self._by_worker_rid.get(out.request_id)
         if r is None:
+            # An earlier dispatch (aborted, or its worker was given up), or an orphan a previous
+            # router placed: that one nobody will ever read, so stop it.
+            tag = out.request_id.rpartition("#")[2]
+            if out.finish_reason or tag.startswith(self._incarnation + ".") or out.request_id in self._orphans:
+                return
+            self._orphans[out.request_id] = None  # NOTE: one abort per orphan, not one per step
+            while len(self._orphans) > 4096:
+                self._orphans.popitem(last=False)
+            self.link.send(worker_id, pb.RouterCommand(abort=pb.Abort(request_id=out.request_id)))
             return
         entry = self.workers.get(worker_id)
-        if entry is not None and r.request_id in entry.in_flight:
-            entry.started.add(r.request_id)
+        if entry is not None and r.worker_rid in entry.in_flight:
+            entry.started.add(r.worker_rid)
         for d in demux_output(r, worker_id, out, time.monotonic()):
             if d.time_to_first_token_s is not None:
                 metrics.TTFT.observe(d.time_to_first_token_s)
@@ -413,20 +597,45 @@ class Router(WorkerLinkHandler):
                 metrics.E2E.observe(d.e2e_s)
             if d.finished:
                 self._finish(r)
-            if d.response is not None:
-                r.responses.put_nowait(d.response)
+            if d.response is None:
+                continue
+            if not d.finished and r.responses.qsize() >= self.config.max_buffered_responses:
+                self._overflow(r)
+                return
+            r.responses.put_nowait(d.response)
+
+    def _overflow(self, r: RouterRequest) -> None:
+        """The client left ``max_buffered_responses`` unread: abort the request (its blocks are
+        freed on its worker) and drop what it did not read; it ends RESOURCE_EXHAUSTED."""
+        logger.warning("request %s: client stopped reading (%d responses unread); aborted",
+                       r.request_id, r.responses.qsize())  # fmt: skip
+        if r.worker_id is not None:
+            self._send_abort(r)
+        self._finish(r)
+        while not r.responses.empty():
+            r.responses.get_nowait()
+        r.responses.put_nowait(RouterError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"client did not read its stream ({self.config.max_buffered_responses} responses unread); aborted",
+        ))  # fmt: skip
 
     def _pend(self, r: RouterRequest, worker_id: str) -> None:
-        """Record ``r``'s prompt blocks as about to be on ``worker_id`` (placement affinity)."""
-        self.prefix_index.drop_pending(r.request_id)
-        self.prefix_index.add_pending(worker_id, r.request_id, r.block_hashes)
+        """Record ``r``'s prompt blocks as about to be on ``worker_id`` (placement affinity).
+
+        NOTE: keyed by the dispatch's worker-side id: a request id is reusable as soon as its stream
+        ended, and the old request's late clean-up must not drop the new one's entry.
+        """
+        self.prefix_index.drop_pending(r.worker_rid)
+        self.prefix_index.add_pending(worker_id, r.worker_rid, r.block_hashes)
 
     def _finish(self, r: RouterRequest) -> None:
         r.finished = True
-        self.requests.pop(r.request_id, None)
-        self.prefix_index.drop_pending(r.request_id)
+        if self.requests.get(r.request_id) is r:
+            del self.requests[r.request_id]
+        self._by_worker_rid.pop(r.worker_rid, None)
+        self.prefix_index.drop_pending(r.worker_rid)
         for entry in self.workers.values():
-            entry.in_flight.pop(r.request_id, None)
+            entry.in_flight.pop(r.worker_rid, None)
 
     def _fail(self, r: RouterRequest, code: grpc.StatusCode, message: str) -> None:
         if r.finished:
@@ -467,11 +676,11 @@ class Router(WorkerLinkHandler):
         source if it does not fit. The caller has put both workers in ``_migrating``."""
         src, dst = self.workers[move.src], self.workers[move.dst]
         try:
-            state = await src.handle.export_request.remote(r.request_id)
+            state = await src.handle.export_request.remote(r.worker_rid)
             if state is None:
                 return False
             ok = await dst.handle.import_request.remote(state)
-            await src.handle.finish_export.remote(r.request_id, bool(ok))
+            await src.handle.finish_export.remote(r.worker_rid, bool(ok))
             if not ok:
                 return False
             r.worker_id = dst.worker_id
@@ -512,39 +721,48 @@ class Router(WorkerLinkHandler):
         decision = plan_preemption(shape, self._views(), self._running())
         if decision is None:
             return
-        self.requests[decision.victim_id].router_preempted = True
+        victim = self.requests[decision.victim_id]
+        victim.router_preempted = True
         mode = pb.Preempt.SWAP if decision.swap else pb.Preempt.RECOMPUTE
         metrics.PREEMPTIONS.labels("router_" + pb.Preempt.Mode.Name(mode).lower()).inc()
-        command = pb.Preempt(request_id=decision.victim_id, mode=mode)
+        command = pb.Preempt(request_id=victim.worker_rid, mode=mode)
         self.link.send(decision.worker_id, pb.RouterCommand(preempt=command))
         entry = self.workers[decision.worker_id]
         self.queue.remove(waiting.request_id)
-        entry.in_flight[waiting.request_id] = decision.blocks_needed
+        self._new_dispatch(waiting)
+        entry.in_flight[waiting.worker_rid] = decision.blocks_needed
         self._pend(waiting, entry.worker_id)
         waiting.target = entry.worker_id
-        self._spawn(self._dispatch(waiting, entry))
+        self._spawn(self._dispatch(waiting, entry, waiting.worker_rid))
 
     # ---- health ----------------------------------------------------------------------------------
     async def health_loop(self) -> None:
-        """Mark workers with stale reports or failing ``check_health`` unhealthy; fail their requests
-        when the actor is gone."""
+        """Probe every worker that is up: a stale report or a failing ``check_health`` makes it
+        unhealthy (no new work), a dead actor makes it down (its requests replayed). Logged once
+        per state change; workers already down wait for their new incarnation's Hello."""
         while True:
             await asyncio.sleep(self.config.health_check_interval_s)
-            now = time.monotonic()
-            for entry in list(self.workers.values()):
-                stale = entry.report is not None and now - entry.report_time > self.config.stale_report_s
-                try:
-                    await asyncio.wait_for(entry.handle.check_health.remote(), timeout=self.config.stale_report_s)
-                    entry.healthy = not stale
-                except Exception as e:  # noqa: BLE001 - Ray errors of many kinds mean the same here
-                    if entry.healthy:
-                        logger.warning("worker %s unhealthy: %s", entry.worker_id, e)
-                    entry.healthy = False
-                    if type(e).__name__ in ("RayActorError", "ActorDiedError"):
-                        for r in [r for r in self.requests.values() if r.worker_id == entry.worker_id]:
-                            self._fail(r, grpc.StatusCode.UNAVAILABLE, f"worker {entry.worker_id} died")
-                up = entry.healthy and self.link.connected(entry.worker_id)
-                metrics.WORKER_UP.labels(entry.worker_id).set(1 if up else 0)
+            await asyncio.gather(*(self._probe(e) for e in list(self.workers.values()) if e.state == WORKER_UP))
+
+    async def _probe(self, entry: WorkerEntry) -> None:
+        stale = entry.report is not None and time.monotonic() - entry.report_time > self.config.stale_report_s
+        try:
+            await asyncio.wait_for(entry.handle.check_health.remote(), timeout=self.config.stale_report_s)
+            problem = f"no pressure report for {self.config.stale_report_s:.0f}s" if stale else None
+        except Exception as e:  # noqa: BLE001 - Ray errors of many kinds
+            if _actor_dead(e):
+                self._worker_down(entry, f"health probe: {type(e).__name__}")
+                return
+            problem = f"health probe failed: {e!r}"
+        if entry.state != WORKER_UP:
+            return
+        if problem is not None and entry.healthy:
+            logger.warning("worker %s unhealthy: %s", entry.worker_id, problem)
+        elif problem is None and not entry.healthy:
+            logger.warning("worker %s healthy again", entry.worker_id)
+        entry.healthy = problem is None
+        up = entry.healthy and self.link.connected(entry.worker_id)
+        metrics.WORKER_UP.labels(entry.worker_id).set(1 if up else 0)
 
     # ---- status ----------------------------------------------------------------------------------
     def cluster_status(self) -> spb.ClusterStatus:
@@ -554,7 +772,9 @@ class Router(WorkerLinkHandler):
             r, ident = entry.report, entry.identity
             w = status.workers.add(
                 worker_id=entry.worker_id,
-                healthy=entry.healthy and self.link.connected(entry.worker_id),
+                healthy=entry.state == WORKER_UP and entry.healthy and self.link.connected(entry.worker_id),
+                state=entry.state,
+                restarts_total=entry.restarts_total,
                 total_blocks=ident.total_blocks,
                 num_migrations_total=entry.migrations_out,
                 blocks_in_flight=sum(entry.in_flight.values()),
@@ -583,6 +803,9 @@ class Router(WorkerLinkHandler):
         for reason, n in q.rejections_total.items():
             status.router.rejections_total[reason.value] = n
         status.router.requests_in_flight = sum(1 for r in self.requests.values() if r.worker_id is not None)
+        wait = q.projected_wait_s()
+        status.router.projected_wait_s = -1.0 if wait is None else wait
+        status.router.replays_total = self.replays_total
         return status
 
     # ---- plumbing --------------------------------------------------------------------------------
@@ -599,3 +822,15 @@ def _event(e: pb.BlockEvent) -> BlockStored | BlockRemoved | AllBlocksCleared:
     if kind == "removed":
         return BlockRemoved(e.seq, tuple(e.removed.hashes))
     return AllBlocksCleared(e.seq)
+
+
+def _merge_responses(first: spb.GenerateResponse, then: spb.GenerateResponse) -> spb.GenerateResponse:
+    """One response carrying ``first``'s tokens, text and logprobs followed by ``then``'s (and
+    ``then``'s final fields, if it is the final one)."""
+    merged = spb.GenerateResponse()
+    merged.CopyFrom(then)
+    del merged.token_ids[:], merged.logprobs[:]
+    merged.token_ids.extend([*first.token_ids, *then.token_ids])
+    merged.logprobs.extend([*first.logprobs, *then.logprobs])
+    merged.text_delta = first.text_delta + then.text_delta
+    return merged

@@ -179,7 +179,7 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
     ) -> AsyncIterator[spb.GenerateResponse]:
         await self._wait_until_ready(context)
         try:
-            r = self.router.submit(request)
+            r = self.router.submit(request, context.time_remaining())
         except RouterError as e:
             await _abort(context, e)
             return
@@ -335,6 +335,12 @@ class RouterService:
         metrics.REPORT_AGE.labels(worker_id).set_function(
             lambda: time.monotonic() - entry.report_time if entry.report is not None else float("nan")
         )
+
+    async def pid(self) -> int:
+        """This router's OS process id (chaos tests kill it)."""
+        import os
+
+        return os.getpid()
 
     async def worker_pid(self, worker_id: str) -> int:
         """The OS pid of a registered worker's actor process; KeyError if unknown."""

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from workers import cpu_features
-from workers.block_pool import BlockPool
+from workers.block_pool import BlockPool, blocks_for
 from workers.config import EngineConfig
 from workers.kv_cache import KVCache, bytes_per_block, kv_storage_dtype
 from workers.loader import load_model
@@ -106,7 +106,7 @@ class LLMEngine:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = min(c.max_num_batched_tokens, self.max_model_len)
-        blocks = -(-num_tokens // c.block_size)
+        blocks = blocks_for(num_tokens, c.block_size)
         scratch = KVCache(self.model_config, blocks, c.block_size, self.kv_dtype, self.device)
         probe = Request("__profile__", [0] * num_tokens, SamplingParams(max_tokens=1, temperature=0.0))
         probe.block_table = list(range(blocks))
@@ -317,7 +317,7 @@ class LLMEngine:
             kv, scales = self.kv_cache.read_blocks(req.swap_table, swapped=True)
         elif req.block_table and req.num_computed_tokens:
             kv, scales = self.kv_cache.read_blocks(
-                req.block_table[: -(-req.num_computed_tokens // self.config.block_size)]
+                req.block_table[: blocks_for(req.num_computed_tokens, self.config.block_size)]
             )
         detok = req.detokenizer
         return MigrationState(

@@ -32,6 +32,9 @@ class WorkerOptions:
     high_watermark: float = knob(0.9, help="report at once when pool usage crosses this")
     low_watermark: float = knob(0.7, help="report at once when pool usage crosses this")
     stall_timeout_s: float = knob(30.0, help="engine step slower than this = stalled worker", check=POSITIVE)
+    orphan_timeout_s: float = knob(
+        10.0, help="abort every request after this long without a router (its clients are gone)", check=POSITIVE
+    )
 
     def __post_init__(self) -> None:
         validate(self)

@@ -4,6 +4,13 @@ Every WorkerMessage gets the next sequence number and stays in the log until the
 seq at or beyond it. After a reconnect the link replays the log from the start; the router drops
 what it already has by seq. So a broken link never loses outputs that were produced.
 Pressure reports are not logged while disconnected: a fresh one follows the reconnect.
+
+A step's messages (outputs, block events, pressure: ``put_step``) coalesce with the previous step's
+while the link has not taken those yet: when the router or the link thread falls behind the engine,
+the next message it gets carries every step since, one ``RequestOutput`` per request with all its new
+tokens (vLLM V1's ``RequestOutputCollector`` merges delta outputs for a slow consumer the same way).
+So the work per message (serialising, the router's demux, the client's stream) stops growing with the
+engine's step rate exactly when it would fall further behind, and nothing waits for a batch to fill.
 """
 
 from __future__ import annotations
@@ -28,6 +35,10 @@ class Outbox:
         self.connected = False
         self._closed = False
         self._generation = 0  # bumps on every (re)connect; old stream generators end
+        # Highest seq a stream has taken (over every connection): messages at or below it may have
+        # reached the router and are never changed; only those above it may coalesce.
+        self._taken = 0
+        self.num_coalesced = 0  # steps folded into an earlier step's messages (a metric, for benches)
 
     @property
     def last_seq(self) -> int:
@@ -46,6 +57,70 @@ class Outbox:
                 logger.warning("outbox full: dropped message seq %d (router unreachable?)", dropped.seq)
             self._cond.notify_all()
             return self._seq
+
+    def put_step(
+        self,
+        outputs: pb.StepOutputs | None,
+        events: pb.BlockEvents | None,
+        pressure: pb.PressureReport | None,
+    ) -> bool:
+        """Log one engine step's messages, in the order outputs, block events, pressure.
+
+        When the log's untaken tail is exactly an earlier step's group (outputs? events? pressure?,
+        nothing else), this step folds into it: outputs merge per request, events append, the newer
+        pressure report replaces the older one; the group is renumbered in place.
+
+        NOTE: the router then sees (O1+O2, E1+E2, P2) instead of (O1, E1, P1, O2, E2, P2). Each
+        request's finish still precedes the block events and pressure that free its blocks, and no
+        block is reported free before its request finishes (docs/architecture.md, section 4); the
+        router's state after the group equals its state after the separate messages. Without a new
+        report the older one stays last (it was due; the next due report replaces it).
+
+        Returns:
+            whether ``pressure`` was logged (False: none given, or dropped while disconnected).
+        """
+        with self._cond:
+            if not self.connected:
+                pressure = None
+            new = [m for m in (outputs, events, pressure) if m is not None]
+            if not new:
+                return False
+            group = self._untaken_step_group()
+            if group is not None:
+                merged = _merge_groups(group, outputs, events, pressure)
+                for _ in group:
+                    self._log.pop()
+                self._seq -= len(group)
+                self.num_coalesced += 1
+            else:
+                merged = [_wrap(m) for m in new]
+            for msg in merged:
+                self._seq += 1
+                msg.seq = self._seq
+                self._log.append(msg)
+            while len(self._log) > self.max_messages:
+                dropped = self._log.popleft()
+                logger.warning("outbox full: dropped message seq %d (router unreachable?)", dropped.seq)
+            self._cond.notify_all()
+            return pressure is not None
+
+    def _untaken_step_group(self) -> list[pb.WorkerMessage] | None:
+        """The untaken tail of the log if it is one step group (outputs? events? pressure?), else None.
+
+        Call with the lock held."""
+        tail: list[pb.WorkerMessage] = []
+        for msg in reversed(self._log):
+            if msg.seq <= self._taken:
+                break
+            tail.append(msg)
+            if len(tail) > 3:
+                return None
+        if not tail:
+            return None
+        tail.reverse()
+        kinds = [m.WhichOneof("body") for m in tail]
+        order = [k for k in _STEP_KINDS if k in kinds]
+        return tail if kinds == order else None
 
     def ack(self, seq: int) -> None:
         """The router has processed every message up to ``seq``."""
@@ -70,8 +145,10 @@ class Outbox:
             cursor = 0
             while True:
                 with self._cond:
-                    while not self._closed and generation == self._generation and (
-                        not self._log or self._log[-1].seq <= cursor
+                    while (
+                        not self._closed
+                        and generation == self._generation
+                        and (not self._log or self._log[-1].seq <= cursor)
                     ):
                         self._cond.wait(timeout=0.5)
                     if self._closed or generation != self._generation:
@@ -80,6 +157,7 @@ class Outbox:
                     while i > 0 and self._log[i - 1].seq > cursor:
                         i -= 1
                     batch = [self._log[j] for j in range(i, len(self._log))]
+                    self._taken = max(self._taken, batch[-1].seq)
                 for msg in batch:
                     cursor = msg.seq
                     yield msg
@@ -96,3 +174,63 @@ class Outbox:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+
+
+_STEP_KINDS = ("step_outputs", "block_events", "pressure")
+
+
+def _wrap(body: pb.StepOutputs | pb.BlockEvents | pb.PressureReport) -> pb.WorkerMessage:
+    if isinstance(body, pb.StepOutputs):
+        return pb.WorkerMessage(step_outputs=body)
+    if isinstance(body, pb.BlockEvents):
+        return pb.WorkerMessage(block_events=body)
+    return pb.WorkerMessage(pressure=body)
+
+
+def _merge_groups(
+    group: list[pb.WorkerMessage],
+    outputs: pb.StepOutputs | None,
+    events: pb.BlockEvents | None,
+    pressure: pb.PressureReport | None,
+) -> list[pb.WorkerMessage]:
+    """An earlier step group with a later step's messages folded in, in step-group order."""
+    old = {m.WhichOneof("body"): m for m in group}
+    merged: list[pb.WorkerMessage] = []
+    if "step_outputs" in old:
+        if outputs is not None:
+            _merge_outputs(old["step_outputs"].step_outputs, outputs)
+        merged.append(old["step_outputs"])
+    elif outputs is not None:
+        merged.append(pb.WorkerMessage(step_outputs=outputs))
+    if "block_events" in old:
+        if events is not None:
+            old["block_events"].block_events.events.extend(events.events)
+        merged.append(old["block_events"])
+    elif events is not None:
+        merged.append(pb.WorkerMessage(block_events=events))
+    if pressure is not None:
+        merged.append(pb.WorkerMessage(pressure=pressure))
+    elif "pressure" in old:
+        merged.append(old["pressure"])
+    return merged
+
+
+def _merge_outputs(into: pb.StepOutputs, later: pb.StepOutputs) -> None:
+    """Fold ``later``'s per-request news into ``into``: one ``RequestOutput`` per request, tokens,
+    text and logprobs appended, counters and finish reason from the later step."""
+    by_id = {o.request_id: o for o in into.outputs if not o.finish_reason}
+    for o in later.outputs:
+        prev = by_id.get(o.request_id)
+        if prev is None or prev.num_output_tokens != o.num_output_tokens - len(o.new_token_ids):
+            # NOTE: not contiguous (a resumed or re-imported request): keep it apart; the router's
+            # demux places every output by its own num_output_tokens.
+            into.outputs.append(o)
+            continue
+        prev.new_token_ids.extend(o.new_token_ids)
+        prev.text_delta += o.text_delta
+        prev.logprobs.extend(o.logprobs)
+        prev.finish_reason, prev.error = o.finish_reason, o.error
+        prev.num_output_tokens = o.num_output_tokens
+        prev.num_cached_tokens, prev.num_prompt_tokens = o.num_cached_tokens, o.num_prompt_tokens
+        prev.num_preemptions, prev.num_swaps = o.num_preemptions, o.num_swaps
+    into.decode_step = later.decode_step

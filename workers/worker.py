@@ -248,6 +248,7 @@ class WorkerCore:
                 self._wake.clear()
                 self._drain_inbox()
                 engine = self.engine
+                self._abort_orphans()
                 if engine.has_unfinished_requests():
                     self._busy = True
                     t0 = time.perf_counter()
@@ -270,23 +271,42 @@ class WorkerCore:
             logger.exception("engine thread of worker %s died", self.worker_id)
             raise
 
+    def _abort_orphans(self) -> None:
+        """Abort every request once the router has been gone for ``orphan_timeout_s``: their
+        clients' streams ended with it, so nobody reads them, and their blocks serve no one.
+
+        NOTE: a router that comes back sooner gets the outputs replayed and aborts what it no
+        longer knows itself (router.py ``_on_output``); this bounds the time without one.
+        """
+        if self.link is None or self.link.disconnected_for() <= self.options.orphan_timeout_s:
+            return
+        orphans = list(self.engine.requests)
+        for rid in orphans:
+            self._abort(rid)
+        if orphans:
+            logger.warning("worker %s: no router for %.0fs; aborted %d orphaned requests", self.worker_id,
+                           self.options.orphan_timeout_s, len(orphans))  # fmt: skip
+
     def _publish(self, outputs: list[RequestOutput]) -> None:
-        """Outputs, then block events, then pressure: one ordered stream (docs/architecture.md)."""
-        if outputs:
-            self.outbox.put(pb.WorkerMessage(step_outputs=_step_outputs(self.engine.num_steps, outputs)))
+        """Outputs, then block events, then pressure: one ordered stream (docs/architecture.md).
+
+        The step's messages go to the outbox together (``Outbox.put_step``), which folds them into the
+        previous step's while the link has not sent those yet."""
+        step_outputs = _step_outputs(self.engine.num_steps, outputs) if outputs else None
         events = self.engine.pool.drain_events()
-        if events:
-            self.outbox.put(pb.WorkerMessage(block_events=pb.BlockEvents(events=[_event_proto(e) for e in events])))
+        block_events = pb.BlockEvents(events=[_event_proto(e) for e in events]) if events else None
         self._stats = stats = self._snapshot()
         counts = (stats.free_blocks, stats.used_blocks, stats.cached_evictable_blocks, stats.swap_blocks_free,
                   stats.num_running, stats.num_waiting, stats.num_swapped)  # fmt: skip
         now = time.monotonic()
+        pressure = None
         if self._pressure.due(now, stats.usage, counts):
             self._report_seq += 1
-            # NOTE: a report dropped while disconnected was not sent: the first _publish after a
-            # reconnect then reports at once instead of up to idle_report_s later.
-            if self.outbox.put(pb.WorkerMessage(pressure=_pressure_proto(stats, self._report_seq))) is not None:
-                self._pressure.sent(now, stats.usage, counts)
+            pressure = _pressure_proto(stats, self._report_seq)
+        # NOTE: a report dropped while disconnected was not sent: the first _publish after a
+        # reconnect then reports at once instead of up to idle_report_s later.
+        if self.outbox.put_step(step_outputs, block_events, pressure):
+            self._pressure.sent(now, stats.usage, counts)
 
     def _snapshot(self) -> WorkerStats:
         e = self.engine

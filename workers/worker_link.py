@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -79,6 +80,7 @@ class WorkerLinkClient:
         self._max_backoff = max_backoff_s
         self._stop = threading.Event()
         self._connected = threading.Event()
+        self._disconnected_since = time.monotonic()
         self.last_command_seq = 0
         self.num_connects = 0
         self._call: grpc.Future | None = None
@@ -90,6 +92,11 @@ class WorkerLinkClient:
     @property
     def connected(self) -> bool:
         return self._connected.is_set()
+
+    def disconnected_for(self) -> float:
+        """Seconds since the link was last connected (0.0 while connected, counted from start
+        before the first connect)."""
+        return 0.0 if self._connected.is_set() else time.monotonic() - self._disconnected_since
 
     def stop(self) -> None:
         self._stop.set()
@@ -115,6 +122,8 @@ class WorkerLinkClient:
             except Exception:  # noqa: BLE001 - a link bug must not kill the worker; log and retry
                 logger.exception("WorkerLink session failed")
             finally:
+                if self._connected.is_set():
+                    self._disconnected_since = time.monotonic()
                 self._connected.clear()
                 self.outbox.disconnected()
             self._stop.wait(backoff)

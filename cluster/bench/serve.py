@@ -246,6 +246,7 @@ def launch_config(args: argparse.Namespace) -> Any:
     if ns.port is UNSET:
         ns.port = 0  # NOTE: a free port: a bench must not collide with a cluster already serving on 50051
     ns.metrics_port = None
+    ns.knob_flags = {**args.knob_flags, "auth_token": ("router", "auth_token"), "metrics_port": (None, "metrics_port")}
     return config_from_args(ns)
 
 
@@ -329,7 +330,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # NOTE: the engine's --seed (default 0) doubles as the dataset and arrival seed, as in `vllm bench serve`.
     defaults: dict[str, Any] = {dest: UNSET for dest in engine_dests if dest != "seed"}
     defaults.update(model=UNSET, workers=UNSET, cpus_per_worker=UNSET, port=UNSET)
-    p.set_defaults(**defaults, engine_flags=tuple(d for d in engine_dests if d != "seed"))
+    # NOTE: the dest -> (cluster.yaml section, key) map that serve_cli.config_from_args reads.
+    knob_flags: dict[str, tuple[str | None, str]] = {d: ("engine", d) for d in engine_dests if d != "seed"}
+    knob_flags.update({k: (None, k) for k in ("model", "workers", "cpus_per_worker", "port")})
+    p.set_defaults(**defaults, knob_flags=knob_flags)
 
 
 def dataset_config(args: argparse.Namespace, vocab: int) -> DatasetConfig:

@@ -4,6 +4,8 @@ about it on stdin/stdout, one JSON line per command (so chaos tests need no Ray 
 Usage: ``python -m tests.chaos.ray_probe GCS_ADDRESS``; then write lines:
 ``{"op": "pid", "worker_id": "worker-0"}`` -> ``{"ok": true, "value": 12345}``
 ``{"op": "integrity"}`` -> ``{"ok": true, "value": {"worker-0": null, ...}}`` (error text or null)
+``{"op": "router_pid"}`` -> ``{"ok": true, "value": 12345}``
+The router actor is looked up by name for every command (``serve`` may have restarted it).
 Errors come back as ``{"ok": false, "error": "..."}``; EOF on stdin ends the process.
 """
 
@@ -37,12 +39,15 @@ def _integrity(router: ray.actor.ActorHandle) -> dict[str, str | None]:
 
 def main(gcs_address: str) -> None:
     ray.init(address=gcs_address, namespace=RAY_NAMESPACE, logging_level=logging.ERROR, log_to_driver=False)
-    router = ray.get_actor(ROUTER_ACTOR_NAME)
+    ray.get_actor(ROUTER_ACTOR_NAME)
     print(json.dumps({"ok": True, "value": "ready"}), flush=True)
     for line in sys.stdin:
         try:
             cmd = json.loads(line)
-            if cmd["op"] == "pid":
+            router = ray.get_actor(ROUTER_ACTOR_NAME)
+            if cmd["op"] == "router_pid":
+                value = ray.get(router.pid.remote(), timeout=TIMEOUT_S)
+            elif cmd["op"] == "pid":
                 value = ray.get(router.worker_pid.remote(cmd["worker_id"]), timeout=TIMEOUT_S)
             elif cmd["op"] == "integrity":
                 value = _integrity(router)

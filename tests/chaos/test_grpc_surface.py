@@ -71,7 +71,7 @@ def test_undecodable_bytes_are_invalid_argument(payload: bytes) -> None:
 
 def test_unexpected_exception_is_internal_with_request_id_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     async def test(service: RouterService, channel: grpc.aio.Channel) -> None:
-        def broken_submit(request: spb.GenerateRequest) -> None:
+        def broken_submit(request: spb.GenerateRequest, time_remaining_s: float | None = None) -> None:
             raise TypeError("a bug in submit")
 
         service.router.submit = broken_submit  # type: ignore[method-assign]
@@ -100,7 +100,7 @@ def test_health_not_serving_until_a_worker_is_ready_and_generate_waits_for_it() 
         ready = service.router.ready_event()
         submitted_when_ready: list[bool] = []
 
-        def submit(request: spb.GenerateRequest) -> None:
+        def submit(request: spb.GenerateRequest, time_remaining_s: float | None = None) -> None:
             submitted_when_ready.append(ready.is_set())
             raise RouterError(grpc.StatusCode.FAILED_PRECONDITION, "reached submit")
 

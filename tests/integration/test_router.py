@@ -515,7 +515,9 @@ class TestFlood:
             # Room for at least the two placed per worker and the two queued.
             assert len(done) >= 4
             st = wait_idle(c, flood_cluster, timeout=30)
-            rejected = st.router.rejections_total["queue_full_requests"]
+            # NOTE: by the queue bound, or by admission's projection (no drain observed yet, or a
+            # projected start past max_queue_wait_s): every refusal is counted under one reason.
+            rejected = sum(st.router.rejections_total.values())
             assert rejected == len(errors)
             assert st.router.max_queue_requests == 2
 

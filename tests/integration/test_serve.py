@@ -285,23 +285,43 @@ def test_bad_config_is_a_clear_error(tmp_path: Path) -> None:
 
 
 # ---- kvserve demo -----------------------------------------------------------------------------------
-def test_demo_runs_and_summarizes(tmp_path: Path) -> None:
-    """A fresh machine: no cached model (XDG_CACHE_HOME is empty), no live view (not a TTY)."""
+def _demo(argv: list[str], env: dict[str, str], limit_s: float = 240) -> tuple[Proc, int, float]:
+    """Run ``kvserve demo ARGV`` to its end: (the process, its exit status, seconds)."""
     t0 = time.monotonic()
-    proc = Proc(kvserve_argv("demo", "--requests", "12", "--no-live"), clean_env(XDG_CACHE_HOME=str(tmp_path)))
+    proc = Proc(kvserve_argv("demo", *argv), env)
     try:
-        while proc.popen.poll() is None and time.monotonic() - t0 < 240:
+        while proc.popen.poll() is None and time.monotonic() - t0 < limit_s:
             proc.note_descendants()
             time.sleep(0.5)
         rc = proc.popen.wait(timeout=1)
     finally:
         if proc.popen.poll() is None:
             proc.kill_tree()
-    took = time.monotonic() - t0
+    return proc, rc, time.monotonic() - t0
+
+
+def _no_registry_env(tmp_path: Path) -> dict[str, str]:
+    """A fresh machine without a package registry: empty caches, pip finds no index and no wheel."""
+    empty = tmp_path / "no-wheels"
+    empty.mkdir(exist_ok=True)
+    return clean_env(
+        XDG_CACHE_HOME=str(tmp_path), KVSERVE_MODEL_CACHE=str(tmp_path / "models"), PIP_NO_INDEX="1",
+        PIP_FIND_LINKS=str(empty),
+    )  # fmt: skip
+
+
+def test_demo_runs_and_summarizes(tmp_path: Path) -> None:
+    """A fresh machine without a registry: SmolLM2 cannot be fetched, so one line says so and the demo
+    falls back to the tiny random model (XDG_CACHE_HOME is empty) and the random-token workload; no
+    live view (not a TTY)."""
+    proc, rc, took = _demo(["--requests", "12", "--no-live"], _no_registry_env(tmp_path))
     out = proc.out
     print(out)
     assert rc == 0, proc.err[-4000:]
     assert (tmp_path / "kvserve" / "models" / "tiny-llama" / "config.json").is_file(), "the model is cached"
+    fallback = [ln for ln in out.splitlines() if "falling back" in ln]
+    assert len(fallback) == 1 and "cannot fetch smollm2-135m-instruct" in fallback[0], out[:2000]
+    assert "Traceback" not in proc.err
     summary = out[out.index("kvserve demo summary") :]
     assert "12 ok, 0 failed" in summary
     for field in ("tokens", "tok/s", "prefix cache   hit rate", "preemptions", "swaps", "migrations", "peak KV usage"):
@@ -313,3 +333,34 @@ def test_demo_runs_and_summarizes(tmp_path: Path) -> None:
     assert "\x1b[" not in out, "plain output when stdout is not a terminal"
     assert proc.alive_descendants(timeout=10) == []
     assert took < 120, f"the demo took {took:.0f}s"
+
+
+def _cached_smollm2() -> Path:
+    from cluster.model_fetch import MARKER, default_model_dir
+
+    d = default_model_dir("smollm2-135m-instruct")
+    if not (d / MARKER).is_file():
+        pytest.skip(f"SmolLM2-135M-Instruct not fetched ({d}; `kvserve model fetch smollm2-135m-instruct`)")
+    return d
+
+
+def test_demo_chats_with_the_cached_model(tmp_path: Path) -> None:
+    """With SmolLM2 in the cache (no download here): users' questions under a shared system prompt,
+    each answer printed under its question, prefix-cache hits from the shared system prompt."""
+    model = _cached_smollm2()
+    proc, rc, _ = _demo(["--requests", "4", "--no-live"], clean_env(XDG_CACHE_HOME=str(tmp_path)), limit_s=400)
+    out = proc.out
+    print(out)
+    assert rc == 0, proc.err[-4000:]
+    assert f"model: {model}" in out and "falling back" not in out
+    assert not (tmp_path / "kvserve" / "models" / "tiny-llama").exists(), "no random model was written"
+    summary = out[out.index("kvserve demo summary") :]
+    assert "4 ok, 0 failed: 4 users' questions sharing a system prompt" in summary
+    hit = float(re.search(r"hit rate ([\d.]+)%", summary).group(1))
+    assert hit > 0, "the users share a system prompt: some of it comes from the prefix cache"
+    assert len(re.findall(r"^\[\s*\d+/4\] user ", out, re.M)) == 4
+    questions = re.findall(r"^    Q: (.+)$", out, re.M)
+    assert len(questions) == 4 and "What is the capital of France?" in questions
+    france = out[out.index("Q: What is the capital of France?") :]
+    assert re.match(r"Q: What is the capital of France\?\n    A: .*Paris", france), france[:300]
+    assert proc.alive_descendants(timeout=10) == []

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from cluster.cli import build_parser, engine_config_from_args
+from cluster.cli import build_parser, command_parser, engine_config_from_args
 from cluster.config import _RESERVED, _SECTIONS, ClusterConfig
 from cluster.serve_cli import config_from_args
 from workers.config import EngineConfig
@@ -79,7 +79,7 @@ def test_serve_flag_reaches_its_field(section: str) -> None:
             continue
         f = next(f for f in knobs(cls) if f.name == name)
         value = _sample_value(f)
-        flag = next(a for a in build_parser()._subparsers._group_actions[0].choices["serve"]._actions
+        flag = next(a for a in command_parser(build_parser(), "serve")._actions
                     if a.dest == dest).option_strings[0]  # fmt: skip
         argv = ["serve", "--model", "/m"]
         if section == "router" and name in ("tls_cert", "tls_key", "tls_client_ca"):

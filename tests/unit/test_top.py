@@ -136,3 +136,20 @@ def test_render_frame_is_a_rich_renderable() -> None:
     console = Console(record=True, width=120)
     console.print(render_frame(None, status(1, worker_0={"used_blocks": 1, "free_blocks": 47}), width=120))
     assert "worker-0" in console.export_text()
+
+
+def test_worker_down_restarts_retired_and_projected_wait_are_shown() -> None:
+    cur = status(
+        5000,
+        worker_0={"state": "up", "restarts_total": 2},
+        worker_1={"healthy": False, "state": "down", "restarts_total": 1},
+        worker_2={"healthy": False, "state": "retired", "restarts_total": 4},
+    )
+    cur.router.projected_wait_s, cur.router.replays_total = 2.5, 3
+    text = render_text(None, cur, width=200)
+    assert "projected wait 2.5s" in text and "failover replays 3" in text
+    assert row(text, "worker-0")[1] == "↻2"
+    assert row(text, "worker-1")[1:4] == ["✗", "down", "↻1"]
+    assert row(text, "worker-2")[1:4] == ["✗", "retired", "↻4"]
+    cur.router.projected_wait_s = -1.0  # unknown: no drain observed yet
+    assert "projected wait ?" in render_text(None, cur, width=200)

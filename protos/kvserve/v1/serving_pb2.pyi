@@ -83,7 +83,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., logprobs: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text_delta", "finish_reason", "usage", "worker_id", "num_preemptions", "num_swaps", "num_migrations", "logprobs")
+    __slots__ = ("request_id", "token_ids", "text_delta", "finish_reason", "usage", "worker_id", "num_preemptions", "num_swaps", "num_migrations", "num_replays", "logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_DELTA_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class GenerateResponse(_message.Message):
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_SWAPS_FIELD_NUMBER: _ClassVar[int]
     NUM_MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REPLAYS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -103,8 +104,9 @@ class GenerateResponse(_message.Message):
     num_preemptions: int
     num_swaps: int
     num_migrations: int
+    num_replays: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., worker_id: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., num_swaps: _Optional[int] = ..., num_migrations: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., worker_id: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., num_swaps: _Optional[int] = ..., num_migrations: _Optional[int] = ..., num_replays: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens")
@@ -149,7 +151,7 @@ class ClusterStatus(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., router: _Optional[_Union[RouterStatus, _Mapping]] = ..., timestamp_ms: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "healthy", "total_blocks", "free_blocks", "used_blocks", "cached_evictable_blocks", "usage", "num_running", "num_waiting", "num_swapped", "swap_blocks_total", "swap_blocks_free", "num_preemptions_total", "num_migrations_total", "last_report_age_s", "blocks_in_flight", "decode_steps", "step_latency_ms", "prefix_cache_hit_rate", "model_id", "node_id")
+    __slots__ = ("worker_id", "healthy", "total_blocks", "free_blocks", "used_blocks", "cached_evictable_blocks", "usage", "num_running", "num_waiting", "num_swapped", "swap_blocks_total", "swap_blocks_free", "num_preemptions_total", "num_migrations_total", "last_report_age_s", "blocks_in_flight", "decode_steps", "step_latency_ms", "prefix_cache_hit_rate", "model_id", "node_id", "state", "restarts_total")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +173,8 @@ class WorkerStatus(_message.Message):
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     healthy: bool
     total_blocks: int
@@ -192,10 +196,12 @@ class WorkerStatus(_message.Message):
     prefix_cache_hit_rate: float
     model_id: str
     node_id: str
-    def __init__(self, worker_id: _Optional[str] = ..., healthy: _Optional[bool] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_evictable_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., num_preemptions_total: _Optional[int] = ..., num_migrations_total: _Optional[int] = ..., last_report_age_s: _Optional[float] = ..., blocks_in_flight: _Optional[int] = ..., decode_steps: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., model_id: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
+    state: str
+    restarts_total: int
+    def __init__(self, worker_id: _Optional[str] = ..., healthy: _Optional[bool] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_evictable_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., num_preemptions_total: _Optional[int] = ..., num_migrations_total: _Optional[int] = ..., last_report_age_s: _Optional[float] = ..., blocks_in_flight: _Optional[int] = ..., decode_steps: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., model_id: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[str] = ..., restarts_total: _Optional[int] = ...) -> None: ...
 
 class RouterStatus(_message.Message):
-    __slots__ = ("queue_requests", "queue_blocks", "max_queue_requests", "max_queue_blocks", "admission_state", "rejections_total", "requests_in_flight")
+    __slots__ = ("queue_requests", "queue_blocks", "max_queue_requests", "max_queue_blocks", "admission_state", "rejections_total", "requests_in_flight", "projected_wait_s", "replays_total")
     class RejectionsTotalEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +216,8 @@ class RouterStatus(_message.Message):
     ADMISSION_STATE_FIELD_NUMBER: _ClassVar[int]
     REJECTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    PROJECTED_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    REPLAYS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     queue_requests: int
     queue_blocks: int
     max_queue_requests: int
@@ -217,4 +225,6 @@ class RouterStatus(_message.Message):
     admission_state: str
     rejections_total: _containers.ScalarMap[str, int]
     requests_in_flight: int
-    def __init__(self, queue_requests: _Optional[int] = ..., queue_blocks: _Optional[int] = ..., max_queue_requests: _Optional[int] = ..., max_queue_blocks: _Optional[int] = ..., admission_state: _Optional[str] = ..., rejections_total: _Optional[_Mapping[str, int]] = ..., requests_in_flight: _Optional[int] = ...) -> None: ...
+    projected_wait_s: float
+    replays_total: int
+    def __init__(self, queue_requests: _Optional[int] = ..., queue_blocks: _Optional[int] = ..., max_queue_requests: _Optional[int] = ..., max_queue_blocks: _Optional[int] = ..., admission_state: _Optional[str] = ..., rejections_total: _Optional[_Mapping[str, int]] = ..., requests_in_flight: _Optional[int] = ..., projected_wait_s: _Optional[float] = ..., replays_total: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,197 @@
+"""Worker death, overload and a stalled reader against a real ``kvserve serve`` (2 CPU workers).
+
+* SIGKILL of the worker holding requests: every stream completes with exactly the tokens of an
+  undisturbed run (greedy and seeded sampling), its final message counts the replay, and the
+  worker comes back (a new incarnation) and serves again.
+* 10x overload: every call ends OK or RESOURCE_EXHAUSTED with ``retry-after-ms``; every admitted
+  one completes within its deadline; the router's RSS stays bounded.
+* A client that stops reading: the others complete, the stalled request is aborted (its blocks
+  freed while its call is still open) and ends RESOURCE_EXHAUSTED.
+
+Every test ends with the cluster idle: all blocks free, every pool's integrity intact.
+Figures (kill-to-detect, restart, overload counts, RSS) are printed for the README.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from protos.kvserve.v1 import serving_pb2 as spb
+from protos.kvserve.v1 import serving_pb2_grpc
+from tests.chaos.conftest import ServedCluster, serve_cluster, stop_cluster
+from tests.chaos.streams import RssSampler, Stream, prompt, request, rss_bytes, run_all
+
+MAX_BUFFERED = 32
+RESTART_TIMEOUT_S = 240.0  # a new worker process loads the model again, on a loaded 2-core box
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_dir: Path) -> Iterator[ServedCluster]:
+    c = serve_cluster(tiny_llama_dir, "--max-buffered-responses", str(MAX_BUFFERED))
+    try:
+        yield c
+    finally:
+        stop_cluster(c)
+
+
+def _wait_status(c: ServedCluster, ok, timeout: float, what: str) -> spb.ClusterStatus:  # noqa: ANN001
+    """Follow WatchBlockPressure until ``ok(status)``; AssertionError after ``timeout``."""
+    last = None
+    with c.channel() as ch:
+        watch = serving_pb2_grpc.KVServeStub(ch).WatchBlockPressure(spb.WatchRequest(interval_ms=100), timeout=timeout)
+        try:
+            for last in watch:
+                if ok(last):
+                    return last
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+        finally:
+            watch.cancel()
+    raise AssertionError(f"{what}: not within {timeout}s; last status {last}")
+
+
+def _worker(status: spb.ClusterStatus, worker_id: str) -> spb.WorkerStatus:
+    return next(w for w in status.workers if w.worker_id == worker_id)
+
+
+def _router_pid(c: ServedCluster) -> int:
+    pid = int(c._ask({"op": "router_pid"}))
+    c.proc.note_descendants()
+    assert pid in c.proc.descendants
+    return pid
+
+
+def test_worker_sigkill_streams_continue_token_identical_and_worker_returns(cluster: ServedCluster) -> None:
+    c = cluster
+    max_tokens = 160
+    reqs = [request(prompt(i), max_tokens, seed=None if i % 2 == 0 else 1000 + i) for i in range(4)]
+    reference = run_all(c.address, reqs)
+    assert all(s.code == grpc.StatusCode.OK and len(s.tokens) == max_tokens for s in reference), [
+        (s.code, s.details) for s in reference
+    ]
+    c.wait_idle()
+
+    streams = [Stream(c.address, r, first_tokens=3).start() for r in reqs]
+    for s in streams:
+        assert s.started.wait(120), "no first tokens"
+    holders = [s.last_worker for s in streams]
+    victim = max(set(holders), key=holders.count)
+    t_kill = time.monotonic()
+    c.kill_worker(victim)
+    down = _wait_status(c, lambda st: _worker(st, victim).state != "up", 30, f"{victim} marked down")
+    t_detect = time.monotonic() - t_kill
+    for s in streams:
+        s.wait(240)
+
+    moved = [s for s in streams if victim in s.worker_ids and len(set(s.worker_ids)) > 1]
+    for s, ref in zip(streams, reference, strict=True):
+        assert s.code == grpc.StatusCode.OK, (s.req.request_id, s.code, s.details)
+        assert s.tokens == ref.tokens, "a replayed stream differs from the undisturbed run"
+        assert s.final is not None and s.final.usage.completion_tokens == max_tokens
+        if s in moved:
+            assert s.final.num_replays == 1 and s.final.num_migrations >= 1
+    assert moved, f"no stream was on {victim} when it died ({holders}); nothing was tested"
+
+    back = _wait_status(
+        c, lambda st: _worker(st, victim).state == "up" and _worker(st, victim).healthy, RESTART_TIMEOUT_S,
+        f"{victim} back up",
+    )  # fmt: skip
+    t_restart = time.monotonic() - t_kill
+    assert _worker(back, victim).restarts_total >= 1
+    assert back.router.replays_total >= len(moved)
+    # The restarted worker serves: concurrent requests spread over both idle workers.
+    after = run_all(c.address, [request(prompt(50 + i), 8) for i in range(4)])
+    assert all(s.code == grpc.StatusCode.OK for s in after)
+    assert victim in {w for s in after for w in s.worker_ids}, "the restarted worker got no request"
+    c.wait_idle()
+    identical = sum(s.tokens == r.tokens for s, r in zip(streams, reference, strict=True))
+    print(f"\nFIGURES worker kill: streams {len(streams)}, on the dead worker {len(moved)}, continued "
+          f"{len(moved)}, identical {identical}/{len(streams)}; "
+          f"detect {t_detect:.2f}s (state {down.workers[0].state}/{down.workers[1].state}), "
+          f"back up {t_restart:.1f}s after the kill")  # fmt: skip
+
+
+async def _overload(address: str, n: int, max_tokens: int, deadline_s: float) -> list[tuple]:
+    """``n`` concurrent calls over 4 channels; (code, retry-after-ms, seconds, tokens) each."""
+    channels = [grpc.aio.insecure_channel(address) for _ in range(4)]
+
+    async def one(i: int) -> tuple:
+        stub = serving_pb2_grpc.KVServeStub(channels[i % len(channels)])
+        t0 = time.monotonic()
+        call = stub.Generate(request(prompt(100 + i, 32), max_tokens), timeout=deadline_s)
+        tokens = 0
+        try:
+            async for resp in call:
+                tokens += len(resp.token_ids)
+            return grpc.StatusCode.OK, None, time.monotonic() - t0, tokens
+        except grpc.aio.AioRpcError as e:
+            trailers = dict(e.trailing_metadata() or ())
+            return e.code(), trailers.get("retry-after-ms"), time.monotonic() - t0, tokens
+
+    try:
+        return await asyncio.gather(*(one(i) for i in range(n)))
+    finally:
+        for ch in channels:
+            await ch.close()
+
+
+def test_10x_overload_is_ok_or_resource_exhausted_and_admitted_ones_meet_their_deadline(
+    cluster: ServedCluster,
+) -> None:
+    c = cluster
+    # Capacity: 2 x 64 blocks; a request of 32 + 64 tokens holds 6 blocks, so ~20 run at once.
+    n, max_tokens, deadline_s = 200, 64, 30.0
+    with RssSampler(_router_pid(c)) as rss:
+        results = asyncio.run(_overload(c.address, n, max_tokens, deadline_s))
+    rss_before, rss_after = rss.before, rss.after
+    codes = [r[0] for r in results]
+    ok = [r for r in results if r[0] == grpc.StatusCode.OK]
+    rejected = [r for r in results if r[0] == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, {str(x) for x in codes}
+    assert ok and rejected, f"{len(ok)} ok, {len(rejected)} rejected: not an overload"
+    assert all(r[3] == max_tokens and r[2] < deadline_s for r in ok)
+    assert all(r[1] is not None and int(r[1]) > 0 and r[3] == 0 for r in rejected), "no retry-after-ms"
+    # NOTE: 200 streams' state is a few MB at most; a leak per request would show as tens of MB.
+    assert rss.peak - rss_before < 100 << 20, f"router RSS peaked {(rss.peak - rss_before) >> 20} MB above its start"
+    c.wait_idle()
+    print(f"\nFIGURES overload {n} calls (deadline {deadline_s}s): ok {len(ok)}, rejected {len(rejected)}, "
+          f"deadline 0; slowest ok {max(r[2] for r in ok):.1f}s; retry-after-ms "
+          f"{min(int(r[1]) for r in rejected)}..{max(int(r[1]) for r in rejected)}; router RSS "
+          f"{rss_before >> 20} -> {rss_after >> 20} MB (peak {rss.peak >> 20} MB, {rss.samples} samples)")  # fmt: skip
+
+
+def test_stalled_reader_is_aborted_and_others_keep_streaming(cluster: ServedCluster) -> None:
+    c = cluster
+    router_pid = _router_pid(c)
+    rss_before = rss_bytes(router_pid)
+    # NOTE: a tiny HTTP/2 receive window (no BDP growth), so an unread stream pushes back on the
+    # router after a few responses instead of after 64 KB of them.
+    options = [("grpc.http2.lookahead_bytes", 256), ("grpc.http2.bdp_probe", 0)]
+    stalled_channel = grpc.insecure_channel(c.address, options=options)
+    try:
+        stalled = serving_pb2_grpc.KVServeStub(stalled_channel).Generate(
+            request(prompt(300), 400, request_id="stalled"), timeout=180
+        )
+        first = next(stalled)  # it started; from now on nobody reads it
+        assert first.request_id == "stalled"
+        others = run_all(c.address, [request(prompt(310 + i), 96) for i in range(3)], timeout=120)
+        assert all(s.code == grpc.StatusCode.OK and len(s.tokens) == 96 for s in others)
+        # The stalled call is still open and unread, yet its request is gone and its blocks free.
+        c.wait_idle(timeout=120)
+        rss_after = rss_bytes(router_pid)
+        with pytest.raises(grpc.RpcError) as e:
+            for _ in stalled:
+                pass
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
+        assert "did not read" in (e.value.details() or "")
+    finally:
+        stalled_channel.close()
+    assert rss_after - rss_before < 100 << 20
+    print(f"\nFIGURES stalled reader: aborted; router RSS {rss_before >> 20} -> {rss_after >> 20} MB")
