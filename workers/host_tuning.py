@@ -17,6 +17,7 @@ import ctypes.util
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -60,23 +61,45 @@ class ThreadGovernor:
 
     NOTE: every parallel torch op ends at an OpenMP barrier. When another process holds one of our
     cores, each op waits for the descheduled thread: measured on the tiny workload, a mean step of
-    13 ms becomes 40 ms with one busy competitor, where a single thread takes 20 ms. The signal is our
-    threads' run-queue wait (runnable, not running) from ``/proc/self/task/*/schedstat``, checked
-    over windows of steps. A single thread cannot see a competitor on another core, so every
-    ``PROBE_S`` seconds a short synthetic probe (a few ms of parallel GEMMs) asks again.
+    13 ms becomes 40 ms with one busy competitor, where a single thread takes 20 ms; at load average
+    8-20 on 2 cores, 2 threads without the governor ran a 5 s pass in minutes (``RESULTS.md``). The
+    signal is our threads' run-queue wait (runnable, not running) from ``/proc/self/task/*/schedstat``,
+    checked over windows of steps. A single thread cannot see a competitor on another core, so a short
+    synthetic probe (a few parallel GEMMs) asks again: ``PROBE_S`` after backing off, doubling after
+    every probe that still finds the cores busy, up to ``MAX_PROBE_S`` (on a machine that stays busy,
+    each probe, itself slowed by the barriers it measures, costs more than it can win back).
+
+    Args:
+        max_threads: the thread count to run with while the cores are free.
+        read_wait: cumulative run-queue wait of this process in seconds, or None (``_runqueue_wait_s``).
+        clock: monotonic seconds.
+        set_threads: applies a thread count (``torch.set_num_threads``).
     """
 
     WINDOW_S = 0.1  # decide after this much wall time of steps
     CONTENDED = 0.1  # run-queue wait per thread per second of wall time above which we back off
-    PROBE_S = 2.0
+    PROBE_S = 2.0  # first probe after backing off
+    MAX_PROBE_S = 32.0  # probe interval cap while the cores stay busy
 
-    def __init__(self, max_threads: int) -> None:
+    def __init__(
+        self,
+        max_threads: int,
+        read_wait: Callable[[], float | None] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        set_threads: Callable[[int], None] = torch.set_num_threads,
+    ) -> None:
+        if max_threads < 2:
+            raise ValueError(f"a governor needs at least 2 threads to choose from, got {max_threads}")
         self.max_threads = max_threads
         self.threads = max_threads
-        self._window_start = time.perf_counter()
-        self._wait_start = _runqueue_wait_s() or 0.0
+        self._read_wait = read_wait or _runqueue_wait_s
+        self._clock = clock
+        self._set_threads = set_threads
+        self._window_start = clock()
+        self._wait_start = self._read_wait() or 0.0
         self._next_probe = 0.0
-        self._probe_input = torch.randn(384, 384)
+        self.probe_interval = self.PROBE_S
+        self._probe_input: torch.Tensor | None = None
 
     @classmethod
     def create(cls) -> ThreadGovernor | None:
@@ -87,7 +110,7 @@ class ThreadGovernor:
 
     def step_done(self) -> None:
         """Call after each step: backs off at the end of a contended window, probes when due."""
-        now = time.perf_counter()
+        now = self._clock()
         if self.threads == 1:
             if now >= self._next_probe:
                 self._probe()
@@ -95,30 +118,41 @@ class ThreadGovernor:
         elapsed = now - self._window_start
         if elapsed < self.WINDOW_S:
             return
-        wait = _runqueue_wait_s() or 0.0
+        wait = self._read_wait() or 0.0
         if self._contended(wait - self._wait_start, elapsed):
-            self._set(1)
-            self._next_probe = now + self.PROBE_S
-        self._window_start, self._wait_start = time.perf_counter(), wait
+            self._back_off(now)
+        else:
+            self.probe_interval = self.PROBE_S
+        self._window_start, self._wait_start = self._clock(), wait
 
     def _contended(self, wait_s: float, wall_s: float) -> bool:
         return wait_s > self.CONTENDED * wall_s * self.threads
 
+    def _back_off(self, now: float) -> None:
+        self._set(1)
+        self._next_probe = now + self.probe_interval
+
     def _probe(self) -> None:
         self._set(self.max_threads)
-        t0, w0 = time.perf_counter(), _runqueue_wait_s() or 0.0
+        t0, w0 = self._clock(), self._read_wait() or 0.0
+        self.probe_work()
+        now, wait = self._clock(), self._read_wait() or 0.0
+        if self._contended(wait - w0, now - t0):
+            self.probe_interval = min(2 * self.probe_interval, self.MAX_PROBE_S)
+            self._back_off(now)
+        self._window_start, self._wait_start = now, wait
+
+    def probe_work(self) -> None:
+        """A few ms of parallel GEMMs at ``max_threads`` (overridable: tests give their own)."""
+        if self._probe_input is None:
+            self._probe_input = torch.randn(384, 384)
         for _ in range(16):
             torch.mm(self._probe_input, self._probe_input)
-        now, wait = time.perf_counter(), _runqueue_wait_s() or 0.0
-        if self._contended(wait - w0, now - t0):
-            self._set(1)
-            self._next_probe = now + self.PROBE_S
-        self._window_start, self._wait_start = now, wait
 
     def _set(self, threads: int) -> None:
         if threads != self.threads:
             logger.debug("intra-op threads %d -> %d", self.threads, threads)
-            torch.set_num_threads(threads)
+            self._set_threads(threads)
             self.threads = threads
 
 

@@ -41,6 +41,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import resource
 import statistics
 import sys
@@ -81,6 +82,7 @@ class RunResult:
     kv_waste: float
     model_gflops_per_s: float
     seconds: float
+    cpu_seconds: float  # CPU time of this process (all threads) during the run
     num_steps: int
     peak_running: int  # most requests running in one step (what the KV allocator lets in at once)
     preemptions: int
@@ -166,7 +168,7 @@ def run_workload(
     peak_running = 0
     preempted_before = sum(sched.num_preemptions.values())
     try:
-        t_start = time.perf_counter()
+        t_start, cpu_start = time.perf_counter(), time.process_time()
         for rid, p in zip(ids, prompt_ids, strict=True):
             engine.add_request(rid, p, params)
         while engine.has_unfinished_requests():
@@ -187,7 +189,7 @@ def run_workload(
             flops += _flops_per_step(mc, clock.last_scheduled, len(outs))
             peak_running = max(peak_running, len(sched.running))
             engine.pool.drain_events()  # as a worker does every step; keeps the event list short
-        seconds = time.perf_counter() - t_start
+        seconds, cpu_seconds = time.perf_counter() - t_start, time.process_time() - cpu_start
     finally:
         for name in ("schedule", "update"):
             vars(sched).pop(name, None)
@@ -206,12 +208,18 @@ def run_workload(
         kv_waste=1.0 - holding / reserved if reserved else 0.0,
         model_gflops_per_s=flops / seconds / 1e9,
         seconds=seconds,
+        cpu_seconds=cpu_seconds,
         num_steps=len(step_s),
         peak_running=peak_running,
         preemptions=sum(sched.num_preemptions.values()) - preempted_before,
         token_ids=[tokens[rid] for rid in ids],
         logprobs=[chosen_logprobs[rid] for rid in ids] if logprobs else None,
     )
+
+
+def _per_cpu_s(r: RunResult) -> float:
+    """Output tokens per CPU-second of one run (what the engine did with the CPU it got)."""
+    return sum(len(t) for t in r.token_ids) / r.cpu_seconds if r.cpu_seconds > 0 else 0.0
 
 
 def _warm_up(engine: Any, vocab: int) -> None:
@@ -299,6 +307,8 @@ def run(args: argparse.Namespace) -> int:
 
     summary: dict[str, Any] = {k: statistics.median(getattr(r, k) for r in results) for k in RESULT_KEYS}
     summary["model_gflops_per_s"] = statistics.median(r.model_gflops_per_s for r in results)
+    summary["output_tokens_per_cpu_s"] = statistics.median(_per_cpu_s(r) for r in results)
+    summary["load_average"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     summary["runs"] = args.runs
     summary["workload"] = args.workload
     summary["num_requests"] = len(prompt_ids)
@@ -312,7 +322,8 @@ def run(args: argparse.Namespace) -> int:
     comparison = None
     if peer is not None:
         comparison = peers.compare(
-            args.peer, [r.output_tokens_per_s for r in results], peer_runs, results[-1].token_ids
+            args.peer, [r.output_tokens_per_s for r in results], peer_runs, results[-1].token_ids,
+            [_per_cpu_s(r) for r in results],
         )
         summary["peer"] = comparison.as_dict()
     if args.dump_tokens or args.reference_tokens:
@@ -415,6 +426,7 @@ def _print_table(s: dict[str, Any]) -> None:
         ("step latency p99", f"{s['step_latency_p99_ms']:.2f} ms"),
         ("scheduler + input prep", f"{100 * s['overhead_share']:.1f}% of step time"),
         ("model GFLOP/s", f"{s['model_gflops_per_s']:.1f}"),
+        ("output tok per CPU-second", f"{s['output_tokens_per_cpu_s']:.1f}"),
         ("peak RSS", f"{s['peak_rss_mb']:.0f} MiB"),
         ("KV waste", f"{100 * s['kv_waste']:.2f}%"),
         ("peak running requests", f"{s['peak_running']}"),
@@ -430,6 +442,8 @@ def _print_table(s: dict[str, Any]) -> None:
     console.print(table)
     console.print("engine: " + ", ".join(f"{k}={v}" for k, v in s["engine"].items()))
     console.print(f"per-run output tok/s: {s['per_run_output_tokens_per_s']}")
+    if s.get("load_average"):
+        console.print("load average (1, 5, 15 min) at the end: " + ", ".join(f"{x:.2f}" for x in s["load_average"]))
 
 
 if __name__ == "__main__":

@@ -38,10 +38,44 @@ class PeerRun:
 
     seconds: float
     token_ids: list[list[int]]
+    cpu_seconds: float | None = None  # CPU time of the peer's whole process tree during the pass (Linux)
 
     @property
     def output_tokens_per_s(self) -> float:
         return sum(len(t) for t in self.token_ids) / self.seconds
+
+
+def process_tree_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of ``pid`` and all its live descendants (``/proc``), or None off Linux.
+
+    NOTE: a peer such as vLLM runs its engine core and workers as child processes; their CPU time is the
+    peer's cost. Children that exit mid-pass are not counted (a peer's children live as long as it does).
+    """
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    children: dict[int, list[int]] = {}
+    times: dict[int, int] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+        children.setdefault(int(fields[1]), []).append(int(entry))
+        times[int(entry)] = int(fields[11]) + int(fields[12])  # utime + stime
+    if pid not in times:
+        return None
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        total += times.get(p, 0)
+        todo += children.get(p, [])
+    return total / tick
 
 
 def peer_command(peer_python: str, script: Path, model: str, prompts_file: Path) -> list[str]:
@@ -105,17 +139,20 @@ class PeerProcess:
         """
         assert self._proc.stdin is not None
         try:
+            cpu_before = process_tree_cpu_s(self._proc.pid)
             self._proc.stdin.write(protocol.RUN_COMMAND + "\n")
             self._proc.stdin.flush()
         except BrokenPipeError as e:
             raise self._error("the peer exited before a run") from e
         result = self._expect(protocol.RESULT)
+        cpu_after = process_tree_cpu_s(self._proc.pid)
         token_ids, seconds = result.get("token_ids"), result.get("seconds")
         if not isinstance(token_ids, list) or len(token_ids) != self.num_requests:
             raise self._error(f"expected token ids for {self.num_requests} requests, got {str(token_ids)[:200]}")
         if not isinstance(seconds, int | float) or seconds <= 0:
             raise self._error(f"bad seconds {seconds!r}")
-        return PeerRun(float(seconds), token_ids)
+        cpu = cpu_after - cpu_before if cpu_before is not None and cpu_after is not None else None
+        return PeerRun(float(seconds), token_ids, cpu)
 
     def close(self) -> None:
         """Close the peer's stdin (it exits), wait for it, kill it if it does not go."""
@@ -172,6 +209,10 @@ class Comparison:
     identical_requests: int  # requests whose whole output equals the peer's (last round)
     num_requests: int
     token_agreement: float  # positional share of equal tokens (see offline.token_agreement)
+    # output tokens per CPU-second of each round (None where not measured): what each engine gets done
+    # with the CPU it was given, independent of how much a busy machine gave it
+    ours_tokens_per_cpu_s: tuple[float | None, ...] = ()
+    peer_tokens_per_cpu_s: tuple[float | None, ...] = ()
 
     @property
     def ours_median(self) -> float:
@@ -202,11 +243,17 @@ class Comparison:
             "identical_requests": self.identical_requests,
             "num_requests": self.num_requests,
             "token_agreement": self.token_agreement,
+            "ours_tokens_per_cpu_s": list(self.ours_tokens_per_cpu_s),
+            "peer_tokens_per_cpu_s": list(self.peer_tokens_per_cpu_s),
         }
 
 
-def compare(peer: str, ours: list[float], theirs: list[PeerRun], our_tokens: list[list[int]]) -> Comparison:
-    """Build the comparison from per-round tok/s and the last round's tokens of both engines.
+def compare(
+    peer: str, ours: list[float], theirs: list[PeerRun], our_tokens: list[list[int]],
+    ours_per_cpu_s: list[float] | None = None,
+) -> Comparison:  # fmt: skip
+    """Build the comparison from per-round tok/s and the last round's tokens of both engines
+    (``ours_per_cpu_s``: our output tokens per CPU-second of each round, if measured).
 
     Raises:
         ValueError: no rounds, different round counts, or token lists for different request counts.
@@ -223,6 +270,10 @@ def compare(peer: str, ours: list[float], theirs: list[PeerRun], our_tokens: lis
         identical_requests=sum(a == b for a, b in zip(our_tokens, peer_tokens, strict=True)),
         num_requests=len(our_tokens),
         token_agreement=token_agreement(our_tokens, peer_tokens),
+        ours_tokens_per_cpu_s=tuple(ours_per_cpu_s or ()),
+        peer_tokens_per_cpu_s=tuple(
+            sum(len(t) for t in r.token_ids) / r.cpu_seconds if r.cpu_seconds else None for r in theirs
+        ),
     )
 
 
@@ -237,4 +288,14 @@ def format_table(c: Comparison, workload: str) -> str:
         "|---|---|---|---|---|---|---|",
         f"| {workload} | {c.ours_median:.1f} ({ours}) | {c.peer_median:.1f} ({theirs}) | {c.ratio:.2f}x | {ratios} "
         f"| {c.identical_requests}/{c.num_requests} | {100 * c.token_agreement:.1f} % |",
-    ])  # fmt: skip
+    ]) + _cpu_line(c)  # fmt: skip
+
+
+def _cpu_line(c: Comparison) -> str:
+    """A line under the table: median output tokens per CPU-second of both engines, where measured."""
+    ours = [x for x in c.ours_tokens_per_cpu_s if x is not None]
+    theirs = [x for x in c.peer_tokens_per_cpu_s if x is not None]
+    if not ours or not theirs:
+        return ""
+    a, b = statistics.median(ours), statistics.median(theirs)
+    return f"\n\noutput tokens per CPU-second (medians): kvserve {a:.1f}, {c.peer} {b:.1f} ({a / b:.2f}x)"

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -198,3 +200,29 @@ def test_protocol_module_serves_the_runner(tmp_path: Path) -> None:
         first, second = proc.run(), proc.run()
     assert first.token_ids == second.token_ids == [[5, 5, 5], [7, 7, 7]]
     assert first.seconds > 0 and first.output_tokens_per_s == 6 / first.seconds
+
+
+def test_cpu_seconds_per_round_in_the_comparison() -> None:
+    theirs = [PeerRun(1.0, [[1, 2], [3, 4]], cpu_seconds=2.0), PeerRun(1.0, [[1, 2], [3, 4]], cpu_seconds=None)]
+    c = compare("vllm", [4.0, 4.0], theirs, [[1, 2], [3, 4]], ours_per_cpu_s=[8.0, 6.0])
+    assert c.peer_tokens_per_cpu_s == (2.0, None)
+    assert c.as_dict()["ours_tokens_per_cpu_s"] == [8.0, 6.0]
+    assert "kvserve 7.0, vllm 2.0 (3.50x)" in format_table(c, "tiny")
+    assert "CPU-second" not in format_table(compare("vllm", [4.0], theirs[:1], [[1, 2], [3, 4]]), "tiny")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_process_tree_cpu_counts_a_busy_child() -> None:
+    # The child burns CPU until it has used 0.3 s of it, then waits for us to read its tree.
+    burn = "import time,sys\nwhile time.process_time() < 0.3: pass\nprint('done', flush=True)\nsys.stdin.read()"
+    child = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "done"
+        parent_only = peers.process_tree_cpu_s(child.pid)
+        assert parent_only is not None and parent_only >= 0.25
+        ours = peers.process_tree_cpu_s(os.getpid())
+        assert ours is not None and ours >= parent_only  # our tree includes the child
+    finally:
+        child.kill()
+        child.wait()
+    assert peers.process_tree_cpu_s(child.pid) is None  # gone
