@@ -12,14 +12,18 @@ Block arithmetic, per worker ``w`` (block_size ``bs``):
   already in w's prefix cache. NOTE: at least the last prompt token is always computed (its
   logits pick the first output token), so a fully cached, block-aligned prompt still needs one.
 * ``need = prompt_blocks - cached + decode_reserve_blocks``
-* ``available = free + cached_evictable - blocks_in_flight``
+* ``available = free + cached_evictable - min(idle_hits, cached_evictable) - blocks_in_flight
+  - blocks_migrating_in`` (``room_for``)
 * feasible iff ``need <= available`` and the whole sequence
   ``ceil((num_prompt_tokens + max_tokens) / bs) <= total_blocks`` (a request that can never hold
   all its blocks at once would be preempted forever on that worker).
 
-NOTE: ``available`` counts evictable cached blocks as allocatable even when they are the very
-blocks this request hits, so it may overestimate by up to ``cached`` blocks; the worker's own
-scheduler has the final word (it queues rather than fails), so the router errs towards placing.
+``idle_hits`` are the request's cached blocks that sit in the worker's evictable pool (ref count 0):
+the request reuses them, so they cannot also be evicted to hold its new blocks. ``prefix_hits`` may
+return a ``PrefixMatch`` (router/prefix_index.py: an int that also carries ``idle``, the leading
+hits cached there with no live placement holding them); for a plain int every hit is taken as
+possibly idle (the conservative bound). NOTE: hits held by a running request (ref count > 0) are
+not in the evictable count, which is why the router's index says which hits are idle.
 
 Ties (equal cost and load) go to the worker that ranks highest for the request's first block hash
 under rendezvous hashing (``tie_rank``), not to the lowest id: on an idle cluster every new prefix
@@ -29,6 +33,7 @@ without a full block fall back to the lowest id.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 import zlib
@@ -37,7 +42,10 @@ from dataclasses import dataclass
 
 from workers.block_pool import blocks_for
 
-__all__ = ["Candidate", "Placement", "PlacementPolicy", "PlacementRequest", "WorkerView", "blocks_for"]
+__all__ = [
+    "Candidate", "CostModel", "Placement", "PlacementPolicy", "PlacementRequest", "WorkerView",
+    "blocks_for", "room_for",
+]  # fmt: skip
 
 # (worker_id, prompt block hashes) -> number of leading hashes cached on that worker.
 PrefixHits = Callable[[str, Sequence[int]], int]
@@ -193,24 +201,83 @@ class PlacementPolicy(str, enum.Enum):
     ROUND_ROBIN = "round_robin"
 
 
+@dataclass(frozen=True)
+class CostModel:
+    """Weights of the ``kv_aware`` cost, in *prefill blocks* (the time one block of prompt takes).
+
+    The cost of placing a request on worker ``w`` estimates what the placement spends, in the one
+    unit both cache affinity and load can be measured in:
+
+    ``cost = overlap_weight * uncached + backlog + usage_weight * usage_after * prompt_blocks``
+
+    * ``uncached = prompt_blocks - cached``: blocks this request prefills there. ``overlap_weight``
+      (default 2) counts them twice: once as the request's own wait, once as the compute (and
+      cache space, if the prefix lives elsewhere too) it takes from everyone behind it. NOTE: with 1
+      the second request of a new prefix would already split off to an idle peer (its own TTFT is
+      a few blocks shorter there) and every group would be computed on every worker.
+    * ``backlog = blocks_in_flight + waiting_blocks * waiting + running_blocks * running``: the
+      queueing delay the worker's backlog implies. ``blocks_in_flight`` is the prefill the router
+      placed there that has not started yet (the router promises ``uncached + 1`` blocks per
+      placement until the worker reports it started); a request ``waiting`` inside the worker
+      could not be admitted (its compute or pool is saturated) and delays a newcomer by about one
+      request's turn; a ``running`` request slows every engine step by one decode token. The
+      backlog needs no throughput figure because every worker is charged in the same unit
+      (NOTE: heterogeneous workers would divide it by their prefill rate).
+    * ``usage_after``: the pool fraction committed after the placement: a full pool means
+      preemptions, so fuller workers cost up to ``usage_weight`` of a full prefill more.
+
+    Affinity yields to load by construction: a cached prefix saves ``overlap_weight * cached``
+    blocks, so once the backlog of the worker holding it exceeds a peer's by more than that, the
+    next request of the prefix goes to the peer and computes the prefix there (deliberate
+    replication of a hot prefix; the pending-prefix index then makes both workers attract it and
+    the load terms split it between them).
+
+    Balance guard (after SGLang's cache-aware router): if the best-cost worker has
+    ``balance_abs`` more requests (running + waiting) than the least-loaded feasible worker *and*
+    more than ``balance_rel`` times as many, the request goes to the least-loaded one (reports lag:
+    this bounds the pile-up whatever the weights).
+
+    Raises:
+        ValueError: a negative weight, ``balance_abs < 0`` or ``balance_rel < 1``.
+    """
+
+    overlap_weight: float = 2.0
+    waiting_blocks: float = 8.0
+    running_blocks: float = 1.0
+    usage_weight: float = 0.5
+    balance_abs: int = 16
+    balance_rel: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in ("overlap_weight", "waiting_blocks", "running_blocks", "usage_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.balance_abs < 0 or self.balance_rel < 1.0:
+            raise ValueError(f"need balance_abs >= 0 and balance_rel >= 1, got {self.balance_abs}, {self.balance_rel}")
+
+    def backlog(self, worker: WorkerView) -> float:
+        """Queueing delay on ``worker`` in prefill blocks (see the class doc)."""
+        return worker.blocks_in_flight + self.waiting_blocks * worker.waiting + self.running_blocks * worker.running
+
+    def overloaded(self, load: int, least_load: int) -> bool:
+        """Whether a worker with ``load`` requests is too far above the least-loaded one's ``least_load``."""
+        return load - least_load > self.balance_abs and load > self.balance_rel * least_load
+
+
 class Placement:
     """Chooses a worker for a request.
 
     Policies (all consider only healthy, feasible workers, see the module doc):
 
-    * ``kv_aware`` (default): minimise
-      ``cost = overlap_weight * uncached_fraction + usage_after
-      + running_weight * running + waiting_weight * waiting``
-      where ``uncached_fraction = (prompt_blocks - cached) / prompt_blocks`` (prefill work left)
-      and ``usage_after`` is the pool fraction committed after placing the request there
-      (``(total - available + need) / total``). With the defaults a fully cached prompt is worth
-      as much as a completely empty pool. Ties go to the lower load, then ``tie_rank``, then the id.
+    * ``kv_aware`` (default): minimise ``CostModel``'s cost (prefill saved vs queueing delay), then
+      the balance guard; ties go to the lower load, then ``tie_rank``, then the id.
     * ``least_loaded``: minimise ``(usage_after, running + waiting, -tie_rank, worker_id)``.
     * ``round_robin``: the next feasible worker after the last choice, in id order.
 
     Args:
         policy: a ``PlacementPolicy`` or its string value.
-        overlap_weight, running_weight, waiting_weight: ``kv_aware`` weights (>= 0).
+        cost: the ``kv_aware`` weights; ``overlap_weight`` / ``running_weight`` / ``waiting_weight``
+            override its ``overlap_weight`` / ``running_blocks`` / ``waiting_blocks``.
 
     Raises:
         ValueError: unknown policy or a negative weight.
@@ -220,21 +287,23 @@ class Placement:
         self,
         policy: PlacementPolicy | str = PlacementPolicy.KV_AWARE,
         *,
-        overlap_weight: float = 1.0,
-        running_weight: float = 0.005,
-        waiting_weight: float = 0.02,
+        cost: CostModel | None = None,
+        overlap_weight: float | None = None,
+        running_weight: float | None = None,
+        waiting_weight: float | None = None,
     ) -> None:
         self.policy = PlacementPolicy(policy)
-        for name, value in (
-            ("overlap_weight", overlap_weight),
-            ("running_weight", running_weight),
-            ("waiting_weight", waiting_weight),
-        ):
-            if value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
-        self.overlap_weight = overlap_weight
-        self.running_weight = running_weight
-        self.waiting_weight = waiting_weight
+        model = cost or CostModel()
+        overrides = {
+            name: value
+            for name, value in (
+                ("overlap_weight", overlap_weight),
+                ("running_blocks", running_weight),
+                ("waiting_blocks", waiting_weight),
+            )
+            if value is not None
+        }
+        self.cost = dataclasses.replace(model, **overrides) if overrides else model
         self._last_rr: str | None = None
 
     def candidates(
@@ -243,7 +312,8 @@ class Placement:
         """Every healthy worker the request fits now, scored, best first for the policy.
 
         For ``round_robin`` the order is the rotation order starting after the last choice
-        (this call does not advance the rotation; ``choose`` does).
+        (this call does not advance the rotation; ``choose`` does). For ``kv_aware`` a worker the
+        balance guard rules out comes after the others.
 
         Raises:
             ValueError: two views share a worker_id.
@@ -251,7 +321,8 @@ class Placement:
         _check_unique(workers)
         found = [c for w in workers if (c := self._evaluate(request, w, prefix_hits)) is not None]
         if self.policy is PlacementPolicy.KV_AWARE:
-            found.sort(key=lambda c: (c.cost, *c.load_key))
+            least = min((c.requests for c in found), default=0)
+            found.sort(key=lambda c: (self.cost.overloaded(c.requests, least), c.cost, *c.load_key))
         elif self.policy is PlacementPolicy.LEAST_LOADED:
             found.sort(key=lambda c: c.load_key)
         else:
@@ -267,7 +338,9 @@ class Placement:
         Args:
             request: the request's shape.
             workers: current views (the caller adds each placement to ``blocks_in_flight``).
-            prefix_hits: leading-hash overlap lookup, e.g. ``PrefixIndex.overlap``.
+            prefix_hits: leading-hash overlap lookup, e.g. ``PrefixIndex.affinity`` (a ``PrefixMatch``
+                also says how many of the hits are idle cached blocks; a plain int is taken as
+                all of them possibly idle, see the module doc).
 
         Returns:
             A worker_id, or None ("not now": queue and retry when pressure changes).
@@ -281,43 +354,25 @@ class Placement:
                 return None
             self._last_rr = ranked[0].worker_id
             return ranked[0].worker_id
-        # NOTE: the hot path (once per request per worker): the same order as ``candidates`` without
-        # building a Candidate per worker, and the tie rank only computed among exact ties.
+        # NOTE: the hot path (once per request per worker): the order of ``candidates`` without a
+        # Candidate per worker, the tie rank only computed among exact ties (test_placement_affinity
+        # checks choose == candidates[0]).
         _check_unique(workers)
-        kv_aware = self.policy is PlacementPolicy.KV_AWARE
-        hashes = request.block_hashes
-        n_tokens, reserve = request.num_prompt_tokens, request.decode_reserve_blocks
-        w_overlap, w_running, w_waiting = self.overlap_weight, self.running_weight, self.waiting_weight
-        best_key: tuple[float, ...] | None = None
-        best: list[str] = []
-        for w in workers:
-            # NOTE: ``_score`` inlined (same arithmetic; test_placement_affinity checks choose == candidates[0]).
-            total, bs = w.total_blocks, w.block_size
-            if not w.healthy or total == 0 or -(-(n_tokens + request.max_tokens) // bs) > total:
-                continue
-            prompt_blocks = -(-n_tokens // bs)
-            cached = 0
-            if hashes:
-                cached = max(0, min(prefix_hits(w.worker_id, hashes), len(hashes), (n_tokens - 1) // bs))
-            need = prompt_blocks - cached + reserve
-            available = w.free_blocks + w.cached_evictable_blocks - w.blocks_in_flight
-            if need > available:
-                continue
-            usage_after = min(1.0, (total - available + need) / total)
-            load = w.running + w.waiting
-            if kv_aware:
-                cost = (w_overlap * (prompt_blocks - cached) / prompt_blocks + usage_after
-                        + w_running * w.running + w_waiting * w.waiting)  # fmt: skip
-                key: tuple[float, ...] = (cost, usage_after, load)
-            else:
-                key = (usage_after, load)
-            if best_key is None or key < best_key:
-                best_key, best = key, [w.worker_id]
-            elif key == best_key:
-                best.append(w.worker_id)
-        if len(best) <= 1:
-            return best[0] if best else None
-        return min(best, key=lambda worker_id: (-tie_rank(hashes, worker_id), worker_id))
+        score = self._score
+        scored = [(w.worker_id, w.running + w.waiting, s) for w in workers if (s := score(request, w, prefix_hits))]
+        if not scored:
+            return None
+        if self.policy is PlacementPolicy.KV_AWARE:
+            least = min(load for _, load, _ in scored)
+            overloaded = self.cost.overloaded
+            keys = [((overloaded(load, least), s[3], s[2], load), wid) for wid, load, s in scored]
+        else:
+            keys = [((s[2], load), wid) for wid, load, s in scored]
+        best_key = min(k for k, _ in keys)
+        best = [wid for k, wid in keys if k == best_key]
+        if len(best) == 1:
+            return best[0]
+        return min(best, key=lambda worker_id: (-tie_rank(request.block_hashes, worker_id), worker_id))
 
     @staticmethod
     def fits_anywhere_ever(request: PlacementRequest, workers: Sequence[WorkerView]) -> bool:
@@ -356,22 +411,32 @@ class Placement:
         if request.blocks_needed_ever(bs) > worker.total_blocks:
             return None
         prompt_blocks = blocks_for(request.num_prompt_tokens, bs)
-        cached = 0
+        cached = idle = 0
         if request.block_hashes:
             hits = prefix_hits(worker.worker_id, request.block_hashes)
             cached = max(0, min(hits, len(request.block_hashes), (request.num_prompt_tokens - 1) // bs))
+            idle = min(cached, getattr(hits, "idle", cached))
         need = prompt_blocks - cached + request.decode_reserve_blocks
-        available = worker.available_blocks
+        available = room_for(worker, idle)
         if need > available:
             return None
         usage_after = min(1.0, (worker.total_blocks - available + need) / worker.total_blocks)
+        model = self.cost
         cost = (
-            self.overlap_weight * (prompt_blocks - cached) / prompt_blocks
-            + usage_after
-            + self.running_weight * worker.running
-            + self.waiting_weight * worker.waiting
+            model.overlap_weight * (prompt_blocks - cached)
+            + model.backlog(worker)
+            + model.usage_weight * usage_after * prompt_blocks
         )
         return cached, need, usage_after, cost
+
+
+def room_for(worker: WorkerView, idle_hits: int) -> int:
+    """Blocks ``worker`` can allocate to a request that hits ``idle_hits`` of its idle cached blocks.
+
+    ``available_blocks`` counts every cached-evictable block as allocatable, but the ones the
+    request hits are reused, not evicted: they cannot also hold its new blocks (module doc).
+    """
+    return worker.available_blocks - min(idle_hits, worker.cached_evictable_blocks)
 
 
 def _check_unique(workers: Sequence[WorkerView]) -> None:

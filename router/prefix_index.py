@@ -36,7 +36,30 @@ from dataclasses import dataclass, field
 
 from workers.kv_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
 
-__all__ = ["AllBlocksCleared", "BlockEvent", "BlockRemoved", "BlockStored", "PrefixIndex"]
+__all__ = ["AllBlocksCleared", "BlockEvent", "BlockRemoved", "BlockStored", "PrefixIndex", "PrefixMatch"]
+
+
+class PrefixMatch(int):
+    """A prefix match length (an ``int``: ``affinity``'s answer) that also says how many of the
+    matched leading blocks are *idle*: cached on the worker with no live placement there holding
+    them, i.e. (as far as the router knows) in its evictable pool.
+
+    Placement must not count those as free room for the request's new blocks: the request reuses
+    them (router/placement.py ``room_for``). NOTE: an int subclass so that ``affinity`` keeps the
+    ``PrefixHits`` contract (``(worker_id, hashes) -> int``) every caller relies on.
+
+    Raises:
+        ValueError: unless ``0 <= idle <= value``.
+    """
+
+    idle: int
+
+    def __new__(cls, value: int, idle: int) -> PrefixMatch:
+        if not 0 <= idle <= value:
+            raise ValueError(f"need 0 <= idle <= matched, got idle={idle}, matched={value}")
+        match = super().__new__(cls, value)
+        match.idle = idle
+        return match
 
 
 @dataclass
@@ -160,21 +183,30 @@ class PrefixIndex:
         """Pending requests on ``worker_id`` (all workers if None)."""
         return sum(1 for w, _ in self._pending.values() if worker_id is None or w == worker_id)
 
-    def affinity(self, worker_id: str, hashes: Sequence[int]) -> int:
+    def affinity(self, worker_id: str, hashes: Sequence[int]) -> PrefixMatch:
         """Number of leading ``hashes`` cached on ``worker_id`` or pending there (see the module doc).
 
         Placement's prefix lookup: where a prefix is, or is about to be. 0 for an unknown worker.
+        The answer's ``idle`` counts the matched blocks that are cached with no pending placement on
+        that worker holding them (a request placed there would reuse them out of the evictable pool).
+        NOTE: "idle" is the router's view: a pending request still queued inside the worker holds no
+        ref yet, so its blocks are counted busy (the room estimate errs towards the worker's own
+        queueing, as before this rule).
         """
         index = self._workers.get(worker_id)
         if index is None:
-            return 0
+            return PrefixMatch(0, 0)
         present, pending = index.hashes, index.pending
-        count = 0
+        count = idle = 0
         for h in hashes:
-            if h not in present and h not in pending:
+            cached = h in present
+            held = h in pending
+            if not cached and not held:
                 break
             count += 1
-        return count
+            if cached and not held:
+                idle += 1
+        return PrefixMatch(count, idle)
 
     def overlaps(self, hashes: Sequence[int]) -> dict[str, int]:
         """``overlap`` for every known worker."""
