@@ -65,6 +65,7 @@ class MigrationGate:
     """When a migration pays for its copy (``plan_migration``).
 
     Attributes:
+        need_pressure: False waives the source condition (``source_pressed`` is then always True).
         imbalance: without requests waiting on the source, move only if the source has at least
             this many times the destination's requests (running + waiting, the destination's
             counted + 1): the moved request then decodes in a much smaller batch. 0 disables.
@@ -78,6 +79,7 @@ class MigrationGate:
         ValueError: a negative field, or ``dst_headroom > 1``.
     """
 
+    need_pressure: bool = True
     imbalance: float = 2.0
     dst_headroom: float = 0.25
     max_dst_waiting: int = 0
@@ -92,7 +94,7 @@ class MigrationGate:
     def source_pressed(self, src: WorkerView, dst: WorkerView) -> bool:
         """Whether ``src`` is a bottleneck ``dst`` is not: requests wait in it, or it runs ``imbalance``
         times the destination's requests."""
-        if src.waiting > 0:
+        if not self.need_pressure or src.waiting > 0:
             return True
         return self.imbalance > 0 and src.running + src.waiting >= self.imbalance * (dst.running + dst.waiting + 1)
 
@@ -108,7 +110,9 @@ class MigrationGate:
 
 
 #: The rule without the pay-off gate (the watermark and no-bounce conditions only).
-ALWAYS = MigrationGate(imbalance=0.0, dst_headroom=0.0, max_dst_waiting=1 << 30, min_tokens_per_block=0.0)
+ALWAYS = MigrationGate(
+    need_pressure=False, imbalance=0.0, dst_headroom=0.0, max_dst_waiting=1 << 30, min_tokens_per_block=0.0
+)
 
 
 @dataclass(frozen=True)
