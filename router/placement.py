@@ -354,25 +354,56 @@ class Placement:
                 return None
             self._last_rr = ranked[0].worker_id
             return ranked[0].worker_id
-        # NOTE: the hot path (once per request per worker): the order of ``candidates`` without a
-        # Candidate per worker, the tie rank only computed among exact ties (test_placement_affinity
-        # checks choose == candidates[0]).
+        # NOTE: the hot path (once per request per worker): ``_score`` inlined and the order of
+        # ``candidates`` without a Candidate per worker, the tie rank only computed among exact ties
+        # (test_placement_affinity and test_placement_cost check choose == candidates[0]).
         _check_unique(workers)
-        score = self._score
-        scored = [(w.worker_id, w.running + w.waiting, s) for w in workers if (s := score(request, w, prefix_hits))]
+        kv_aware = self.policy is PlacementPolicy.KV_AWARE
+        hashes = request.block_hashes
+        n_tokens, reserve, n_hashes = request.num_prompt_tokens, request.decode_reserve_blocks, len(hashes)
+        m = self.cost
+        w_overlap, w_wait, w_run, w_usage = m.overlap_weight, m.waiting_blocks, m.running_blocks, m.usage_weight
+        scored: list[tuple[tuple[float, ...], str, int]] = []
+        for w in workers:
+            total, bs = w.total_blocks, w.block_size
+            if not w.healthy or total == 0 or -(-(n_tokens + request.max_tokens) // bs) > total:
+                continue
+            prompt_blocks = -(-n_tokens // bs)
+            cached = idle = 0
+            if hashes:
+                hits = prefix_hits(w.worker_id, hashes)
+                cached = max(0, min(hits, n_hashes, (n_tokens - 1) // bs))
+                idle = min(cached, getattr(hits, "idle", cached))
+            need = prompt_blocks - cached + reserve
+            evictable = w.cached_evictable_blocks
+            available = (
+                w.free_blocks + evictable - min(idle, evictable) - w.blocks_in_flight - w.blocks_migrating_in
+            )  # room_for
+            if need > available:
+                continue
+            usage_after = min(1.0, (total - available + need) / total)
+            load = w.running + w.waiting
+            if kv_aware:
+                cost = (
+                    w_overlap * (prompt_blocks - cached)
+                    + w.blocks_in_flight + w_wait * w.waiting + w_run * w.running
+                    + w_usage * usage_after * prompt_blocks
+                )  # fmt: skip
+                key: tuple[float, ...] = (cost, usage_after, load)
+            else:
+                key = (usage_after, load)
+            scored.append((key, w.worker_id, load))
         if not scored:
             return None
-        if self.policy is PlacementPolicy.KV_AWARE:
-            least = min(load for _, load, _ in scored)
-            overloaded = self.cost.overloaded
-            keys = [((overloaded(load, least), s[3], s[2], load), wid) for wid, load, s in scored]
-        else:
-            keys = [((s[2], load), wid) for wid, load, s in scored]
-        best_key = min(k for k, _ in keys)
-        best = [wid for k, wid in keys if k == best_key]
+        if kv_aware:
+            least = min(load for _, _, load in scored)
+            overloaded = m.overloaded
+            scored = [((overloaded(load, least), *key), wid, load) for key, wid, load in scored]
+        best_key = min(key for key, _, _ in scored)
+        best = [wid for key, wid, _ in scored if key == best_key]
         if len(best) == 1:
             return best[0]
-        return min(best, key=lambda worker_id: (-tie_rank(request.block_hashes, worker_id), worker_id))
+        return min(best, key=lambda worker_id: (-tie_rank(hashes, worker_id), worker_id))
 
     @staticmethod
     def fits_anywhere_ever(request: PlacementRequest, workers: Sequence[WorkerView]) -> bool:
