@@ -9,20 +9,24 @@ Block arithmetic, per worker ``w`` (block_size ``bs``):
 
 * ``prompt_blocks = ceil(num_prompt_tokens / bs)``
 * ``cached = min(prefix_hits(w, hashes), (num_prompt_tokens - 1) // bs)``: leading prompt blocks
-  already in w's prefix cache. NOTE: at least the last prompt token is always computed (its
-  logits pick the first output token), so a fully cached, block-aligned prompt still needs one.
-* ``need = prompt_blocks - cached + decode_reserve_blocks``
+  in w's prefix cache or about to be (pending). NOTE: at least the last prompt token is always
+  computed (its logits pick the first output token), so a fully cached, block-aligned prompt
+  still needs one. The cost counts ``prompt_blocks - cached`` as the prefill left.
+* ``ready``: of those, the leading blocks cached *now* (``PrefixMatch.cached``; a plain int is
+  taken as all cached now). A pending prefix is still being computed: a request placed now
+  computes and holds its own copy, so the room check counts only ``ready`` blocks as hits.
+* ``need = prompt_blocks - ready + decode_reserve_blocks``
 * ``available = free + cached_evictable - min(idle_hits, cached_evictable) - blocks_in_flight
   - blocks_migrating_in`` (``room_for``)
 * feasible iff ``need <= available`` and the whole sequence
   ``ceil((num_prompt_tokens + max_tokens) / bs) <= total_blocks`` (a request that can never hold
   all its blocks at once would be preempted forever on that worker).
 
-``idle_hits`` are the request's cached blocks that sit in the worker's evictable pool (ref count 0):
+``idle_hits`` are the request's ready blocks that sit in the worker's evictable pool (ref count 0):
 the request reuses them, so they cannot also be evicted to hold its new blocks. ``prefix_hits`` may
-return a ``PrefixMatch`` (router/prefix_index.py: an int that also carries ``idle``, the leading
-hits cached there with no live placement holding them); for a plain int every hit is taken as
-possibly idle (the conservative bound). NOTE: hits held by a running request (ref count > 0) are
+return a ``PrefixMatch`` (router/prefix_index.py: an int that also carries ``cached`` and ``idle``,
+the ready hits with no live placement holding them); for a plain int every hit is taken as ready
+and possibly idle (the conservative bound on room). NOTE: hits held by a running request (ref count > 0) are
 not in the evictable count, which is why the router's index says which hits are idle.
 
 Ties (equal cost and load) go to the worker that ranks highest for the request's first block hash
@@ -173,7 +177,7 @@ class Candidate:
 
     Attributes:
         worker_id: the worker.
-        cached_blocks: leading prompt blocks already cached there (capped, see module doc).
+        cached_blocks: leading prompt blocks cached or pending there (capped, see module doc).
         blocks_needed: blocks placing the request there takes (``need`` in the module doc).
         usage_after: fraction of the pool committed after placing it there, 0..1.
         requests: running + waiting requests on the worker.
@@ -369,12 +373,13 @@ class Placement:
             if not w.healthy or total == 0 or -(-(n_tokens + request.max_tokens) // bs) > total:
                 continue
             prompt_blocks = -(-n_tokens // bs)
-            cached = idle = 0
+            cached = ready = idle = 0
             if hashes:
                 hits = prefix_hits(w.worker_id, hashes)
                 cached = max(0, min(hits, n_hashes, (n_tokens - 1) // bs))
-                idle = min(cached, getattr(hits, "idle", cached))
-            need = prompt_blocks - cached + reserve
+                ready = min(cached, getattr(hits, "cached", cached))
+                idle = min(ready, getattr(hits, "idle", ready))
+            need = prompt_blocks - ready + reserve
             evictable = w.cached_evictable_blocks
             available = (
                 w.free_blocks + evictable - min(idle, evictable) - w.blocks_in_flight - w.blocks_migrating_in
@@ -442,12 +447,13 @@ class Placement:
         if request.blocks_needed_ever(bs) > worker.total_blocks:
             return None
         prompt_blocks = blocks_for(request.num_prompt_tokens, bs)
-        cached = idle = 0
+        cached = ready = idle = 0
         if request.block_hashes:
             hits = prefix_hits(worker.worker_id, request.block_hashes)
             cached = max(0, min(hits, len(request.block_hashes), (request.num_prompt_tokens - 1) // bs))
-            idle = min(cached, getattr(hits, "idle", cached))
-        need = prompt_blocks - cached + request.decode_reserve_blocks
+            ready = min(cached, getattr(hits, "cached", cached))
+            idle = min(ready, getattr(hits, "idle", ready))
+        need = prompt_blocks - ready + request.decode_reserve_blocks
         available = room_for(worker, idle)
         if need > available:
             return None

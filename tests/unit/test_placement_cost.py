@@ -93,13 +93,13 @@ def test_idle_hits_are_not_counted_as_free_room():
     r = group_req(5)  # 56 prompt blocks: cached 51 -> need 4 + 1
     w = view("a", free=8, total=64, cached_evictable_blocks=51)
     assert room_for(w, 51) == 8 and room_for(w, 0) == 59
-    assert Placement().choose(r, [w], lambda w_, h: PrefixMatch(51, 51)) == "a"
+    assert Placement().choose(r, [w], lambda w_, h: PrefixMatch(51, 51, 51)) == "a"
     # A request that hits none of them still has the 59.
     other = PlacementRequest(57 * BS, tuple(range(9000, 9057)), 1)  # 57 blocks + reserve = 58 <= 59
-    assert Placement().choose(other, [w], lambda w_, h: PrefixMatch(0, 0)) == "a"
+    assert Placement().choose(other, [w], lambda w_, h: PrefixMatch(0, 0, 0)) == "a"
     # Only 4 free: 4 + 1 new blocks do not fit once the 51 idle hits are not counted as free.
     tight = view("a", free=4, total=64, cached_evictable_blocks=51)
-    assert Placement().choose(r, [tight], lambda w_, h: PrefixMatch(51, 51)) is None
+    assert Placement().choose(r, [tight], lambda w_, h: PrefixMatch(51, 51, 51)) is None
 
 
 def test_hits_held_by_running_requests_leave_the_evictable_pool_alone():
@@ -107,24 +107,45 @@ def test_hits_held_by_running_requests_leave_the_evictable_pool_alone():
     blocks are other content and all of them can be evicted for this request."""
     r = group_req(6)
     w = view("a", free=0, total=128, cached_evictable_blocks=20, used_blocks=108)
-    assert Placement().choose(r, [w], lambda w_, h: PrefixMatch(51, 0)) == "a"
+    assert Placement().choose(r, [w], lambda w_, h: PrefixMatch(51, 51, 0)) == "a"
     # A plain int (no idle count) is taken as all hits possibly idle: the conservative bound.
     assert Placement().choose(r, [w], lambda w_, h: 51) is None
 
 
-def test_affinity_reports_idle_hits():
+def test_a_pending_prefix_attracts_but_is_not_counted_as_room():
+    """The prefix is pending on "a" (a request placed there is computing it): the next request of the
+    group still prefers "a" (cost), but it will compute its own copy, so the room check counts all 56
+    prompt blocks + 1 reserve as needed there, not 5 + 1."""
+    r = group_req(7)
+
+    def pending(worker_id, hashes):
+        return PrefixMatch(51, 0, 0) if worker_id == "a" else PrefixMatch(0, 0, 0)
+
+    assert Placement().choose(r, [view("a", free=100, total=128), view("b")], pending) == "a"
+    assert Placement().choose(r, [view("a", free=56, total=128)], pending) is None
+    assert Placement().choose(r, [view("a", free=57, total=128)], pending) == "a"
+    # Cached now: 5 + 1 are enough.
+    assert Placement().choose(r, [view("a", free=6, total=128)], lambda w_, h: PrefixMatch(51, 51, 0)) == "a"
+
+
+def test_affinity_reports_cached_and_idle_hits():
     index = PrefixIndex()
     index.apply("a", [BlockStored(1, (1, 2, 3))])
     match = index.affinity("a", (1, 2, 3, 4))
-    assert match == 3 and match.idle == 3
-    index.add_pending("a", "r1", (1, 2, 3, 4))  # a live placement holds them now
+    assert (match, match.cached, match.idle) == (3, 3, 3)
+    index.add_pending("a", "r1", (1, 2, 3, 4))  # a live placement holds them now, and computes 4
     match = index.affinity("a", (1, 2, 3, 4))
-    assert match == 4 and match.idle == 0
+    assert (match, match.cached, match.idle) == (4, 3, 0)
     index.drop_pending("r1")
+    index.add_pending("a", "r2", (1, 5, 2, 3))  # pending 5 breaks the cached run of (1, 5, 2)
+    match = index.affinity("a", (1, 5, 2))
+    assert (match, match.cached, match.idle) == (3, 1, 0)
+    index.drop_pending("r2")
     assert index.affinity("a", (1, 2, 9)).idle == 2
-    assert index.affinity("zz", (1,)) == 0 and index.affinity("zz", (1,)).idle == 0
-    with pytest.raises(ValueError):
-        PrefixMatch(2, 3)
+    assert index.affinity("zz", (1,)) == 0 and index.affinity("zz", (1,)).cached == 0
+    for bad in ((2, 3, 0), (3, 1, 2), (2, 1, -1)):
+        with pytest.raises(ValueError):
+            PrefixMatch(*bad)
 
 
 # ---- properties ----------------------------------------------------------------------------------------
@@ -151,7 +172,8 @@ def worlds(draw):
             )
         )
         matched = draw(st.integers(0, 20))
-        table[f"w{i}"] = PrefixMatch(matched, draw(st.integers(0, matched)))
+        ready = draw(st.integers(0, matched))
+        table[f"w{i}"] = PrefixMatch(matched, ready, draw(st.integers(0, ready)))
     prompt = draw(st.integers(1, 80))
     request = PlacementRequest(prompt, tuple(range(prompt // BS)), draw(st.integers(1, 40)), draw(st.integers(0, 2)))
     return views, table, request
@@ -169,10 +191,11 @@ def test_no_decision_targets_an_unhealthy_worker_or_one_without_room(world, poli
         assert got == (ranked[0].worker_id if ranked else None)
     for c in ranked:
         w, hit = by_id[c.worker_id], table[c.worker_id]
-        cached = min(hit, len(request.block_hashes), (request.num_prompt_tokens - 1) // BS)
+        ready = min(hit.cached, len(request.block_hashes), (request.num_prompt_tokens - 1) // BS)
         assert w.healthy
         assert request.blocks_needed_ever(BS) <= w.total_blocks
-        assert c.blocks_needed <= room_for(w, min(cached, hit.idle))
+        assert c.blocks_needed == -(-request.num_prompt_tokens // BS) - ready + request.decode_reserve_blocks
+        assert c.blocks_needed <= room_for(w, min(ready, hit.idle))
     if got is None:
         # Nothing fit: every healthy worker lacks room for the request now.
         assert not ranked
