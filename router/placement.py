@@ -26,8 +26,8 @@ Block arithmetic, per worker ``w`` (block_size ``bs``):
 the request reuses them, so they cannot also be evicted to hold its new blocks. ``prefix_hits`` may
 return a ``PrefixMatch`` (router/prefix_index.py: an int that also carries ``cached`` and ``idle``,
 the ready hits with no live placement holding them); for a plain int every hit is taken as ready
-and possibly idle (the conservative bound on room). NOTE: hits held by a running request (ref count > 0) are
-not in the evictable count, which is why the router's index says which hits are idle.
+and possibly idle (the conservative bound on room). NOTE: hits held by a running request (ref
+count > 0) are not in the evictable count, which is why the router's index says which are idle.
 
 Ties (equal cost and load) go to the worker that ranks highest for the request's first block hash
 under rendezvous hashing (``tie_rank``), not to the lowest id: on an idle cluster every new prefix
@@ -51,7 +51,8 @@ __all__ = [
     "blocks_for", "room_for",
 ]  # fmt: skip
 
-# (worker_id, prompt block hashes) -> number of leading hashes cached on that worker.
+# (worker_id, prompt block hashes) -> number of leading hashes cached (or pending) on that worker; an int,
+# or a router.prefix_index.PrefixMatch that also says how many are cached now and idle.
 PrefixHits = Callable[[str, Sequence[int]], int]
 
 
