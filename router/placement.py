@@ -9,17 +9,25 @@ Block arithmetic, per worker ``w`` (block_size ``bs``):
 
 * ``prompt_blocks = ceil(num_prompt_tokens / bs)``
 * ``cached = min(prefix_hits(w, hashes), (num_prompt_tokens - 1) // bs)``: leading prompt blocks
-  already in w's prefix cache. NOTE: at least the last prompt token is always computed (its
-  logits pick the first output token), so a fully cached, block-aligned prompt still needs one.
-* ``need = prompt_blocks - cached + decode_reserve_blocks``
-* ``available = free + cached_evictable - blocks_in_flight``
+  in w's prefix cache or about to be (pending). NOTE: at least the last prompt token is always
+  computed (its logits pick the first output token), so a fully cached, block-aligned prompt
+  still needs one. The cost counts ``prompt_blocks - cached`` as the prefill left.
+* ``ready``: of those, the leading blocks cached *now* (``PrefixMatch.cached``; a plain int is
+  taken as all cached now). A pending prefix is still being computed: a request placed now
+  computes and holds its own copy, so the room check counts only ``ready`` blocks as hits.
+* ``need = prompt_blocks - ready + decode_reserve_blocks``
+* ``available = free + cached_evictable - min(idle_hits, cached_evictable) - blocks_in_flight
+  - blocks_migrating_in`` (``room_for``)
 * feasible iff ``need <= available`` and the whole sequence
   ``ceil((num_prompt_tokens + max_tokens) / bs) <= total_blocks`` (a request that can never hold
   all its blocks at once would be preempted forever on that worker).
 
-NOTE: ``available`` counts evictable cached blocks as allocatable even when they are the very
-blocks this request hits, so it may overestimate by up to ``cached`` blocks; the worker's own
-scheduler has the final word (it queues rather than fails), so the router errs towards placing.
+``idle_hits`` are the request's ready blocks that sit in the worker's evictable pool (ref count 0):
+the request reuses them, so they cannot also be evicted to hold its new blocks. ``prefix_hits`` may
+return a ``PrefixMatch`` (router/prefix_index.py: an int that also carries ``cached`` and ``idle``,
+the ready hits with no live placement holding them); for a plain int every hit is taken as ready
+and possibly idle (the conservative bound on room). NOTE: hits held by a running request (ref
+count > 0) are not in the evictable count, which is why the router's index says which are idle.
 
 Ties (equal cost and load) go to the worker that ranks highest for the request's first block hash
 under rendezvous hashing (``tie_rank``), not to the lowest id: on an idle cluster every new prefix
@@ -29,6 +37,7 @@ without a full block fall back to the lowest id.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 import zlib
@@ -37,9 +46,13 @@ from dataclasses import dataclass
 
 from workers.block_pool import blocks_for
 
-__all__ = ["Candidate", "Placement", "PlacementPolicy", "PlacementRequest", "WorkerView", "blocks_for"]
+__all__ = [
+    "Candidate", "CostModel", "Placement", "PlacementPolicy", "PlacementRequest", "WorkerView",
+    "blocks_for", "room_for",
+]  # fmt: skip
 
-# (worker_id, prompt block hashes) -> number of leading hashes cached on that worker.
+# (worker_id, prompt block hashes) -> number of leading hashes cached (or pending) on that worker; an int,
+# or a router.prefix_index.PrefixMatch that also says how many are cached now and idle.
 PrefixHits = Callable[[str, Sequence[int]], int]
 
 
@@ -165,7 +178,7 @@ class Candidate:
 
     Attributes:
         worker_id: the worker.
-        cached_blocks: leading prompt blocks already cached there (capped, see module doc).
+        cached_blocks: leading prompt blocks cached or pending there (capped, see module doc).
         blocks_needed: blocks placing the request there takes (``need`` in the module doc).
         usage_after: fraction of the pool committed after placing it there, 0..1.
         requests: running + waiting requests on the worker.
@@ -193,24 +206,83 @@ class PlacementPolicy(str, enum.Enum):
     ROUND_ROBIN = "round_robin"
 
 
+@dataclass(frozen=True)
+class CostModel:
+    """Weights of the ``kv_aware`` cost, in *prefill blocks* (the time one block of prompt takes).
+
+    The cost of placing a request on worker ``w`` estimates what the placement spends, in the one
+    unit both cache affinity and load can be measured in:
+
+    ``cost = overlap_weight * uncached + backlog + usage_weight * usage_after * prompt_blocks``
+
+    * ``uncached = prompt_blocks - cached``: blocks this request prefills there. ``overlap_weight``
+      (default 2) counts them twice: once as the request's own wait, once as the compute (and
+      cache space, if the prefix lives elsewhere too) it takes from everyone behind it. NOTE: with 1
+      the second request of a new prefix would already split off to an idle peer (its own TTFT is
+      a few blocks shorter there) and every group would be computed on every worker.
+    * ``backlog = blocks_in_flight + waiting_blocks * waiting + running_blocks * running``: the
+      queueing delay the worker's backlog implies. ``blocks_in_flight`` is the prefill the router
+      placed there that has not started yet (the router promises ``uncached + 1`` blocks per
+      placement until the worker reports it started); a request ``waiting`` inside the worker
+      could not be admitted (its compute or pool is saturated) and delays a newcomer by about one
+      request's turn; a ``running`` request slows every engine step by one decode token. The
+      backlog needs no throughput figure because every worker is charged in the same unit
+      (NOTE: heterogeneous workers would divide it by their prefill rate).
+    * ``usage_after``: the pool fraction committed after the placement: a full pool means
+      preemptions, so fuller workers cost up to ``usage_weight`` of a full prefill more.
+
+    Affinity yields to load by construction: a cached prefix saves ``overlap_weight * cached``
+    blocks, so once the backlog of the worker holding it exceeds a peer's by more than that, the
+    next request of the prefix goes to the peer and computes the prefix there (deliberate
+    replication of a hot prefix; the pending-prefix index then makes both workers attract it and
+    the load terms split it between them).
+
+    Balance guard (after SGLang's cache-aware router): if the best-cost worker has
+    ``balance_abs`` more requests (running + waiting) than the least-loaded feasible worker *and*
+    more than ``balance_rel`` times as many, the request goes to the least-loaded one (reports lag:
+    this bounds the pile-up whatever the weights).
+
+    Raises:
+        ValueError: a negative weight, ``balance_abs < 0`` or ``balance_rel < 1``.
+    """
+
+    overlap_weight: float = 2.0
+    waiting_blocks: float = 8.0
+    running_blocks: float = 1.0
+    usage_weight: float = 0.5
+    balance_abs: int = 16
+    balance_rel: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in ("overlap_weight", "waiting_blocks", "running_blocks", "usage_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.balance_abs < 0 or self.balance_rel < 1.0:
+            raise ValueError(f"need balance_abs >= 0 and balance_rel >= 1, got {self.balance_abs}, {self.balance_rel}")
+
+    def backlog(self, worker: WorkerView) -> float:
+        """Queueing delay on ``worker`` in prefill blocks (see the class doc)."""
+        return worker.blocks_in_flight + self.waiting_blocks * worker.waiting + self.running_blocks * worker.running
+
+    def overloaded(self, load: int, least_load: int) -> bool:
+        """Whether a worker with ``load`` requests is too far above the least-loaded one's ``least_load``."""
+        return load - least_load > self.balance_abs and load > self.balance_rel * least_load
+
+
 class Placement:
     """Chooses a worker for a request.
 
     Policies (all consider only healthy, feasible workers, see the module doc):
 
-    * ``kv_aware`` (default): minimise
-      ``cost = overlap_weight * uncached_fraction + usage_after
-      + running_weight * running + waiting_weight * waiting``
-      where ``uncached_fraction = (prompt_blocks - cached) / prompt_blocks`` (prefill work left)
-      and ``usage_after`` is the pool fraction committed after placing the request there
-      (``(total - available + need) / total``). With the defaults a fully cached prompt is worth
-      as much as a completely empty pool. Ties go to the lower load, then ``tie_rank``, then the id.
+    * ``kv_aware`` (default): minimise ``CostModel``'s cost (prefill saved vs queueing delay), then
+      the balance guard; ties go to the lower load, then ``tie_rank``, then the id.
     * ``least_loaded``: minimise ``(usage_after, running + waiting, -tie_rank, worker_id)``.
     * ``round_robin``: the next feasible worker after the last choice, in id order.
 
     Args:
         policy: a ``PlacementPolicy`` or its string value.
-        overlap_weight, running_weight, waiting_weight: ``kv_aware`` weights (>= 0).
+        cost: the ``kv_aware`` weights; ``overlap_weight`` / ``running_weight`` / ``waiting_weight``
+            override its ``overlap_weight`` / ``running_blocks`` / ``waiting_blocks``.
 
     Raises:
         ValueError: unknown policy or a negative weight.
@@ -220,21 +292,23 @@ class Placement:
         self,
         policy: PlacementPolicy | str = PlacementPolicy.KV_AWARE,
         *,
-        overlap_weight: float = 1.0,
-        running_weight: float = 0.005,
-        waiting_weight: float = 0.02,
+        cost: CostModel | None = None,
+        overlap_weight: float | None = None,
+        running_weight: float | None = None,
+        waiting_weight: float | None = None,
     ) -> None:
         self.policy = PlacementPolicy(policy)
-        for name, value in (
-            ("overlap_weight", overlap_weight),
-            ("running_weight", running_weight),
-            ("waiting_weight", waiting_weight),
-        ):
-            if value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
-        self.overlap_weight = overlap_weight
-        self.running_weight = running_weight
-        self.waiting_weight = waiting_weight
+        model = cost or CostModel()
+        overrides = {
+            name: value
+            for name, value in (
+                ("overlap_weight", overlap_weight),
+                ("running_blocks", running_weight),
+                ("waiting_blocks", waiting_weight),
+            )
+            if value is not None
+        }
+        self.cost = dataclasses.replace(model, **overrides) if overrides else model
         self._last_rr: str | None = None
 
     def candidates(
@@ -243,7 +317,8 @@ class Placement:
         """Every healthy worker the request fits now, scored, best first for the policy.
 
         For ``round_robin`` the order is the rotation order starting after the last choice
-        (this call does not advance the rotation; ``choose`` does).
+        (this call does not advance the rotation; ``choose`` does). For ``kv_aware`` a worker the
+        balance guard rules out comes after the others.
 
         Raises:
             ValueError: two views share a worker_id.
@@ -251,7 +326,8 @@ class Placement:
         _check_unique(workers)
         found = [c for w in workers if (c := self._evaluate(request, w, prefix_hits)) is not None]
         if self.policy is PlacementPolicy.KV_AWARE:
-            found.sort(key=lambda c: (c.cost, *c.load_key))
+            least = min((c.requests for c in found), default=0)
+            found.sort(key=lambda c: (self.cost.overloaded(c.requests, least), c.cost, *c.load_key))
         elif self.policy is PlacementPolicy.LEAST_LOADED:
             found.sort(key=lambda c: c.load_key)
         else:
@@ -267,7 +343,9 @@ class Placement:
         Args:
             request: the request's shape.
             workers: current views (the caller adds each placement to ``blocks_in_flight``).
-            prefix_hits: leading-hash overlap lookup, e.g. ``PrefixIndex.overlap``.
+            prefix_hits: leading-hash overlap lookup, e.g. ``PrefixIndex.affinity`` (a ``PrefixMatch``
+                also says how many of the hits are idle cached blocks; a plain int is taken as
+                all of them possibly idle, see the module doc).
 
         Returns:
             A worker_id, or None ("not now": queue and retry when pressure changes).
@@ -281,42 +359,56 @@ class Placement:
                 return None
             self._last_rr = ranked[0].worker_id
             return ranked[0].worker_id
-        # NOTE: the hot path (once per request per worker): the same order as ``candidates`` without
-        # building a Candidate per worker, and the tie rank only computed among exact ties.
+        # NOTE: the hot path (once per request per worker): ``_score`` inlined and the order of
+        # ``candidates`` without a Candidate per worker, the tie rank only computed among exact ties
+        # (test_placement_affinity and test_placement_cost check choose == candidates[0]).
         _check_unique(workers)
         kv_aware = self.policy is PlacementPolicy.KV_AWARE
         hashes = request.block_hashes
-        n_tokens, reserve = request.num_prompt_tokens, request.decode_reserve_blocks
-        w_overlap, w_running, w_waiting = self.overlap_weight, self.running_weight, self.waiting_weight
-        best_key: tuple[float, ...] | None = None
-        best: list[str] = []
+        n_tokens, reserve, n_hashes = request.num_prompt_tokens, request.decode_reserve_blocks, len(hashes)
+        m = self.cost
+        w_overlap, w_wait, w_run, w_usage = m.overlap_weight, m.waiting_blocks, m.running_blocks, m.usage_weight
+        scored: list[tuple[tuple[float, ...], str, int]] = []
         for w in workers:
-            # NOTE: ``_score`` inlined (same arithmetic; test_placement_affinity checks choose == candidates[0]).
             total, bs = w.total_blocks, w.block_size
             if not w.healthy or total == 0 or -(-(n_tokens + request.max_tokens) // bs) > total:
                 continue
             prompt_blocks = -(-n_tokens // bs)
-            cached = 0
+            cached = ready = idle = 0
             if hashes:
-                cached = max(0, min(prefix_hits(w.worker_id, hashes), len(hashes), (n_tokens - 1) // bs))
-            need = prompt_blocks - cached + reserve
-            available = w.free_blocks + w.cached_evictable_blocks - w.blocks_in_flight
+                hits = prefix_hits(w.worker_id, hashes)
+                cached = max(0, min(hits, n_hashes, (n_tokens - 1) // bs))
+                ready = min(cached, getattr(hits, "cached", cached))
+                idle = min(ready, getattr(hits, "idle", ready))
+            need = prompt_blocks - ready + reserve
+            evictable = w.cached_evictable_blocks
+            available = (
+                w.free_blocks + evictable - min(idle, evictable) - w.blocks_in_flight - w.blocks_migrating_in
+            )  # room_for
             if need > available:
                 continue
             usage_after = min(1.0, (total - available + need) / total)
             load = w.running + w.waiting
             if kv_aware:
-                cost = (w_overlap * (prompt_blocks - cached) / prompt_blocks + usage_after
-                        + w_running * w.running + w_waiting * w.waiting)  # fmt: skip
+                cost = (
+                    w_overlap * (prompt_blocks - cached)
+                    + w.blocks_in_flight + w_wait * w.waiting + w_run * w.running
+                    + w_usage * usage_after * prompt_blocks
+                )  # fmt: skip
                 key: tuple[float, ...] = (cost, usage_after, load)
             else:
                 key = (usage_after, load)
-            if best_key is None or key < best_key:
-                best_key, best = key, [w.worker_id]
-            elif key == best_key:
-                best.append(w.worker_id)
-        if len(best) <= 1:
-            return best[0] if best else None
+            scored.append((key, w.worker_id, load))
+        if not scored:
+            return None
+        if kv_aware:
+            least = min(load for _, _, load in scored)
+            overloaded = m.overloaded
+            scored = [((overloaded(load, least), *key), wid, load) for key, wid, load in scored]
+        best_key = min(key for key, _, _ in scored)
+        best = [wid for key, wid, _ in scored if key == best_key]
+        if len(best) == 1:
+            return best[0]
         return min(best, key=lambda worker_id: (-tie_rank(hashes, worker_id), worker_id))
 
     @staticmethod
@@ -356,22 +448,33 @@ class Placement:
         if request.blocks_needed_ever(bs) > worker.total_blocks:
             return None
         prompt_blocks = blocks_for(request.num_prompt_tokens, bs)
-        cached = 0
+        cached = ready = idle = 0
         if request.block_hashes:
             hits = prefix_hits(worker.worker_id, request.block_hashes)
             cached = max(0, min(hits, len(request.block_hashes), (request.num_prompt_tokens - 1) // bs))
-        need = prompt_blocks - cached + request.decode_reserve_blocks
-        available = worker.available_blocks
+            ready = min(cached, getattr(hits, "cached", cached))
+            idle = min(ready, getattr(hits, "idle", ready))
+        need = prompt_blocks - ready + request.decode_reserve_blocks
+        available = room_for(worker, idle)
         if need > available:
             return None
         usage_after = min(1.0, (worker.total_blocks - available + need) / worker.total_blocks)
+        model = self.cost
         cost = (
-            self.overlap_weight * (prompt_blocks - cached) / prompt_blocks
-            + usage_after
-            + self.running_weight * worker.running
-            + self.waiting_weight * worker.waiting
+            model.overlap_weight * (prompt_blocks - cached)
+            + model.backlog(worker)
+            + model.usage_weight * usage_after * prompt_blocks
         )
         return cached, need, usage_after, cost
+
+
+def room_for(worker: WorkerView, idle_hits: int) -> int:
+    """Blocks ``worker`` can allocate to a request that hits ``idle_hits`` of its idle cached blocks.
+
+    ``available_blocks`` counts every cached-evictable block as allocatable, but the ones the
+    request hits are reused, not evicted: they cannot also hold its new blocks (module doc).
+    """
+    return worker.available_blocks - min(idle_hits, worker.cached_evictable_blocks)
 
 
 def _check_unique(workers: Sequence[WorkerView]) -> None:

@@ -36,7 +36,38 @@ from dataclasses import dataclass, field
 
 from workers.kv_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
 
-__all__ = ["AllBlocksCleared", "BlockEvent", "BlockRemoved", "BlockStored", "PrefixIndex"]
+__all__ = ["AllBlocksCleared", "BlockEvent", "BlockRemoved", "BlockStored", "PrefixIndex", "PrefixMatch"]
+
+
+class PrefixMatch(int):
+    """A prefix match length (an ``int``: ``affinity``'s answer, leading blocks cached *or* pending)
+    that also says how many of the leading blocks the worker can hit *now*:
+
+    * ``cached``: leading blocks cached on the worker now (``overlap``); the rest of the match is
+      pending, i.e. still being computed by a request placed there. NOTE: a worker only hits
+      blocks already computed, so a request that arrives while the prefix is in prefill computes
+      (and holds) its own copy: placement's room check must count those blocks as needed.
+    * ``idle``: of ``cached``, those with no live placement on the worker holding them, i.e. (as
+      far as the router knows) in its evictable pool: a request reuses them, so they are not also
+      free room for its new blocks (router/placement.py ``room_for``).
+
+    NOTE: an int subclass so that ``affinity`` keeps the ``PrefixHits`` contract
+    (``(worker_id, hashes) -> int``) every caller relies on.
+
+    Raises:
+        ValueError: unless ``0 <= idle <= cached <= value``.
+    """
+
+    cached: int
+    idle: int
+
+    def __new__(cls, value: int, cached: int, idle: int) -> PrefixMatch:
+        if not 0 <= idle <= cached <= value:
+            raise ValueError(f"need 0 <= idle <= cached <= matched, got {idle}, {cached}, {value}")
+        match = super().__new__(cls, value)
+        match.cached = cached
+        match.idle = idle
+        return match
 
 
 @dataclass
@@ -160,21 +191,32 @@ class PrefixIndex:
         """Pending requests on ``worker_id`` (all workers if None)."""
         return sum(1 for w, _ in self._pending.values() if worker_id is None or w == worker_id)
 
-    def affinity(self, worker_id: str, hashes: Sequence[int]) -> int:
+    def affinity(self, worker_id: str, hashes: Sequence[int]) -> PrefixMatch:
         """Number of leading ``hashes`` cached on ``worker_id`` or pending there (see the module doc).
 
         Placement's prefix lookup: where a prefix is, or is about to be. 0 for an unknown worker.
+        The answer's ``cached`` counts the leading blocks cached now, its ``idle`` those of them with no
+        pending placement on that worker holding them (a request placed there would reuse them out of
+        the evictable pool).
+        NOTE: "idle" is the router's view: a pending request still queued inside the worker holds no
+        ref yet, so its blocks are counted busy (the room estimate errs towards the worker's own
+        queueing, as before this rule).
         """
         index = self._workers.get(worker_id)
         if index is None:
-            return 0
+            return PrefixMatch(0, 0, 0)
         present, pending = index.hashes, index.pending
-        count = 0
+        count = cached = idle = 0
         for h in hashes:
-            if h not in present and h not in pending:
+            is_cached = h in present
+            held = h in pending
+            if not is_cached and not held:
                 break
+            if is_cached and cached == count:  # still in the leading run of cached blocks
+                cached += 1
+                idle += not held
             count += 1
-        return count
+        return PrefixMatch(count, cached, idle)
 
     def overlaps(self, hashes: Sequence[int]) -> dict[str, int]:
         """``overlap`` for every known worker."""

@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 
 from router.placement import WorkerView
 from router.rebalance import (
+    ALWAYS,
     Migration,
+    MigrationGate,
     MigrationLedger,
     Preemption,
     RunningRequest,
@@ -47,34 +49,34 @@ def test_moves_the_least_important_started_request_to_the_least_used_peer():
         running("vip", "a", 30, priority=5, arrival=3.0),
         running("other", "b", 20),
     ]
-    assert plan_migration("a", views, reqs, WM) == Migration("new", "a", "c", 20)
+    assert plan_migration("a", views, reqs, WM, gate=ALWAYS) == Migration("new", "a", "c", 20)
 
 
 def test_no_move_below_high_or_without_a_peer_below_low():
     reqs = [running("x", "a", 10), running("y", "a", 39)]
-    assert plan_migration("a", [view("a", 49), view("b", 0)], reqs, WM) is None  # 0.49 < high
-    assert plan_migration("a", [view("a", 60), view("b", 31)], reqs, WM) is None  # peer above low
-    assert plan_migration("a", [view("a", 60), view("b", 30)], reqs, WM) == Migration("x", "a", "b", 10)
+    assert plan_migration("a", [view("a", 49), view("b", 0)], reqs, WM, gate=ALWAYS) is None  # 0.49 < high
+    assert plan_migration("a", [view("a", 60), view("b", 31)], reqs, WM, gate=ALWAYS) is None  # peer above low
+    assert plan_migration("a", [view("a", 60), view("b", 30)], reqs, WM, gate=ALWAYS) == Migration("x", "a", "b", 10)
 
 
 def test_a_lone_request_is_never_moved():
-    assert plan_migration("a", [view("a", 90), view("b", 0)], [running("x", "a", 90)], WM) is None
+    assert plan_migration("a", [view("a", 90), view("b", 0)], [running("x", "a", 90)], WM, gate=ALWAYS) is None
 
 
 def test_a_request_that_has_not_streamed_a_token_is_not_moved():
     reqs = [running("x", "a", 40), running("fresh", "a", 40, tokens=0, arrival=9.0)]
-    assert plan_migration("a", [view("a", 80), view("b", 0)], reqs, WM) == Migration("x", "a", "b", 40)
+    assert plan_migration("a", [view("a", 80), view("b", 0)], reqs, WM, gate=ALWAYS) == Migration("x", "a", "b", 40)
 
 
 def test_unhealthy_unreported_busy_and_full_peers_are_not_destinations():
     reqs = [running("x", "a", 40), running("y", "a", 40, arrival=1.0)]
     src = view("a", 80)
-    assert plan_migration("a", [src, view("b", 0, healthy=False)], reqs, WM) is None
-    assert plan_migration("a", [src, view("b", 0, reported=False)], reqs, WM) is None
-    assert plan_migration("a", [src, view("b", 0)], reqs, WM, busy=frozenset({"b"})) is None
-    assert plan_migration("a", [src, view("b", 0)], reqs, WM, busy=frozenset({"a"})) is None
+    assert plan_migration("a", [src, view("b", 0, healthy=False)], reqs, WM, gate=ALWAYS) is None
+    assert plan_migration("a", [src, view("b", 0, reported=False)], reqs, WM, gate=ALWAYS) is None
+    assert plan_migration("a", [src, view("b", 0)], reqs, WM, busy=frozenset({"b"}), gate=ALWAYS) is None
+    assert plan_migration("a", [src, view("b", 0)], reqs, WM, busy=frozenset({"a"}), gate=ALWAYS) is None
     # Low usage but its free blocks are promised to placements in flight: no room for 40 blocks.
-    assert plan_migration("a", [src, view("b", 0, blocks_in_flight=70)], reqs, WM) is None
+    assert plan_migration("a", [src, view("b", 0, blocks_in_flight=70)], reqs, WM, gate=ALWAYS) is None
 
 
 def test_an_unknown_source_or_duplicate_views_raise():
@@ -98,7 +100,7 @@ def test_stale_reports_do_not_bounce_with_the_ledger():
     ledger = MigrationLedger()
     stale = [view("w0", 14), view("w1", 0)]  # "a" (8 blocks) and "b" (6 blocks) on w0
     reqs = [running("a", "w0", 8, arrival=1.0), running("b", "w0", 6, arrival=2.0)]
-    move = plan_migration("w0", stale, reqs, wm)
+    move = plan_migration("w0", stale, reqs, wm, gate=ALWAYS)
     assert move == Migration("b", "w0", "w1", 6)
     ledger.moved(move)
     after = [dataclasses.replace(r, worker_id="w1") if r.request_id == "b" else r for r in reqs]
@@ -114,15 +116,15 @@ def test_stale_reports_do_not_bounce_with_the_ledger():
         ]
 
     # The same (stale) reports arrive again: naively, "a" (8) + 0 < 14 moves too.
-    assert plan_migration("w0", stale, after, wm) == Migration("a", "w0", "w1", 8)
-    assert plan_migration("w0", with_ledger(stale), after, wm) is None
-    assert plan_migration("w1", with_ledger(stale), after, wm) is None
+    assert plan_migration("w0", stale, after, wm, gate=ALWAYS) == Migration("a", "w0", "w1", 8)
+    assert plan_migration("w0", with_ledger(stale), after, wm, gate=ALWAYS) is None
+    assert plan_migration("w1", with_ledger(stale), after, wm, gate=ALWAYS) is None
     # w1's report after the import (its counter says 1 import) settles its side only.
     ledger.reported("w1", imports_total=1, exports_total=0)
     fresh_w1 = [view("w0", 14), view("w1", 6)]
     assert (ledger.blocks_in("w1"), ledger.blocks_out("w0")) == (0, 6)
-    assert plan_migration("w0", with_ledger(fresh_w1), after, wm) is None
-    assert plan_migration("w1", with_ledger(fresh_w1), after, wm) is None
+    assert plan_migration("w0", with_ledger(fresh_w1), after, wm, gate=ALWAYS) is None
+    assert plan_migration("w1", with_ledger(fresh_w1), after, wm, gate=ALWAYS) is None
     ledger.reported("w0", imports_total=0, exports_total=1)
     assert ledger.blocks_out("w0") == 0
 
@@ -139,6 +141,49 @@ def test_ledger_ignores_a_move_its_report_already_showed():
 
 
 # ---- priority preemption --------------------------------------------------------------------------------
+# ---- the pay-off gate (MigrationGate) ----------------------------------------------------------------
+def test_gate_needs_a_source_queue_or_a_compute_imbalance():
+    reqs = [running("x", "a", 10), running("y", "a", 20, arrival=1.0)]
+    dst = view("b", 0)
+    # Above high, peer below low, but nothing waits on "a" and "a" runs 2 vs "b"'s 2 (+1): no move.
+    assert plan_migration("a", [view("a", 60, running=2), view("b", 0, running=2)], reqs, WM) is None
+    # The same with one request waiting inside "a": the freed blocks admit it.
+    got = plan_migration("a", [view("a", 60, running=2, waiting=1), view("b", 0, running=2)], reqs, WM)
+    assert got == Migration("y", "a", "b", 20)
+    # Or "a" runs twice the destination's requests (+1): the victim decodes in a much smaller batch.
+    assert plan_migration("a", [view("a", 60, running=2), dst], reqs, WM) == Migration("y", "a", "b", 20)
+    assert plan_migration("a", [view("a", 60, running=2), dst], reqs, WM, gate=MigrationGate(imbalance=0)) is None
+
+
+def test_gate_needs_real_headroom_and_an_empty_queue_on_the_destination():
+    reqs = [running("x", "a", 10), running("y", "a", 20, arrival=1.0)]
+    src = view("a", 60, waiting=1)
+    # 70 available - 20 moved = 50 >= 25 % of 100: fine; with 40 promised in flight: 30 - 20 = 10 < 25.
+    assert plan_migration("a", [src, view("b", 0, blocks_in_flight=30)], reqs, WM) == Migration("y", "a", "b", 20)
+    assert plan_migration("a", [src, view("b", 0, blocks_in_flight=70)], reqs, WM) is None
+    # A destination with a request waiting inside it is not a place to send more.
+    assert plan_migration("a", [src, view("b", 0, waiting=1)], reqs, WM) is None
+    assert plan_migration("a", [src, view("b", 0, waiting=1)], reqs, WM, gate=MigrationGate(max_dst_waiting=1))
+
+
+def test_gate_skips_victims_too_close_to_their_end():
+    src, dst = view("a", 60, waiting=1), view("b", 0)
+    # "y" (20 blocks) has 5 tokens left: the copy never pays; "x" (10 blocks, 30 left) goes instead.
+    reqs = [running("x", "a", 10, remaining_tokens=30), running("y", "a", 20, arrival=1.0, remaining_tokens=5)]
+    assert plan_migration("a", [src, dst], reqs, WM) == Migration("x", "a", "b", 10)
+    short = [running("x", "a", 10, remaining_tokens=9), running("y", "a", 20, arrival=1.0, remaining_tokens=5)]
+    assert plan_migration("a", [src, dst], short, WM) is None
+    assert plan_migration("a", [src, dst], short, WM, gate=ALWAYS) == Migration("y", "a", "b", 20)
+
+
+def test_gate_and_remaining_tokens_validate():
+    for bad in ({"imbalance": -1}, {"dst_headroom": 1.5}, {"max_dst_waiting": -1}, {"min_tokens_per_block": -0.5}):
+        with pytest.raises(ValueError):
+            MigrationGate(**bad)
+    with pytest.raises(ValueError, match="remaining_tokens"):
+        running("x", "a", 1, remaining_tokens=-1)
+
+
 def test_preempts_the_least_important_running_request_that_makes_room():
     views = [view("a", 95), view("b", 95, swap_blocks=64)]
     reqs = [
@@ -192,6 +237,8 @@ def tables(draw):
                 blocks_migrating_in=draw(st.integers(0, 8)),
                 blocks_migrating_out=draw(st.integers(0, 8)),
                 swap_blocks=draw(st.sampled_from([0, 16])),
+                running=draw(st.integers(0, 6)),
+                waiting=draw(st.integers(0, 3)),
             )
         )
     reqs = [
@@ -203,6 +250,7 @@ def tables(draw):
             (tokens := draw(st.integers(1, 40 * BS))),
             draw(st.integers(0, tokens - 1)),
             preemptible=draw(st.booleans()),
+            remaining_tokens=draw(st.none() | st.integers(0, 64)),
         )
         for j in range(draw(st.integers(0, 8)))
     ]
@@ -223,14 +271,22 @@ def test_decisions_only_target_healthy_workers_with_room(table, x, y, priority, 
     by_id = {v.worker_id: v for v in views}
     by_rid = {r.request_id: r for r in reqs}
     wm = Watermarks(high=max(x, y), low=min(x, y))
+    gate = MigrationGate()
     for v in views:
-        move = plan_migration(v.worker_id, views, reqs, wm, frozenset(busy))
-        if move is not None:
-            dst = by_id[move.dst]
+        for g in (gate, ALWAYS):
+            move = plan_migration(v.worker_id, views, reqs, wm, frozenset(busy), gate=g)
+            if move is None:
+                continue
+            dst, src, victim = by_id[move.dst], by_id[move.src], by_rid[move.request_id]
             assert dst.healthy and dst.reported and move.dst != move.src and move.dst not in busy
             assert move.blocks <= dst.available_blocks
-            assert by_rid[move.request_id].worker_id == move.src
-            assert dst.committed_blocks + move.blocks < by_id[move.src].committed_blocks
+            assert victim.worker_id == move.src
+            assert dst.committed_blocks + move.blocks < src.committed_blocks
+            if g is gate:  # the pay-off gate holds for every move it lets through
+                assert src.waiting > 0 or src.running + src.waiting >= gate.imbalance * (dst.running + dst.waiting + 1)
+                assert dst.waiting <= gate.max_dst_waiting
+                assert dst.available_blocks - move.blocks >= gate.dst_headroom * dst.total_blocks
+                assert victim.remaining_tokens is None or victim.remaining_tokens >= move.blocks
     got = plan_preemption(WaitingRequest("new", priority, need), views, reqs)
     if got is not None:
         victim, worker = by_rid[got.victim_id], by_id[got.worker_id]
@@ -245,6 +301,7 @@ class _Report:
     worker_id: str
     seq: int
     used: int
+    count: int
     imports_total: int
     exports_total: int
 
@@ -266,6 +323,7 @@ def test_stale_and_reordered_reports_never_bounce_a_request(data):
     # NOTE: low thresholds, as in the integration test (5%): moves are frequent, so are chances to bounce.
     high = data.draw(st.sampled_from([0.0, 0.05, 0.1, 0.25]), "high")
     wm = Watermarks(high=high, low=high * data.draw(st.sampled_from([0.0, 0.5, 1.0]), "low / high"))
+    gate = data.draw(st.sampled_from([ALWAYS, MigrationGate(), MigrationGate(dst_headroom=0.0)]), "gate")
     imports = dict.fromkeys(workers, 0)
     exports = dict.fromkeys(workers, 0)
     seqs = dict.fromkeys(workers, 0)
@@ -279,7 +337,7 @@ def test_stale_and_reordered_reports_never_bounce_a_request(data):
 
     def snapshot(w: str) -> _Report:
         seqs[w] += 1
-        return _Report(w, seqs[w], used(w), imports[w], exports[w])
+        return _Report(w, seqs[w], used(w), sum(1 for x in world.values() if x == w), imports[w], exports[w])
 
     def views() -> list[WorkerView]:
         out = []
@@ -294,6 +352,7 @@ def test_stale_and_reordered_reports_never_bounce_a_request(data):
                     total_blocks=total,
                     free_blocks=total - reported_used,
                     used_blocks=reported_used,
+                    running=rep.count if rep else 0,
                     reported=rep is not None,
                     blocks_migrating_in=ledger.blocks_in(w),
                     blocks_migrating_out=ledger.blocks_out(w),
@@ -313,7 +372,7 @@ def test_stale_and_reordered_reports_never_bounce_a_request(data):
         ledger.reported(rep.worker_id, rep.imports_total, rep.exports_total)
         shapes = [RunningRequest(r, w, 0, float(j), blocks[r] * BS, 1) for j, (r, w) in enumerate(world.items())]
         current = {v.worker_id: v for v in views()}
-        move = plan_migration(rep.worker_id, list(current.values()), shapes, wm)
+        move = plan_migration(rep.worker_id, list(current.values()), shapes, wm, gate=gate)
         if move is None:
             continue
         for w in (move.src, move.dst):
