@@ -612,6 +612,8 @@ class Router(WorkerLinkHandler):
 
     # ---- cluster-level pressure ------------------------------------------------------------------
     def _running(self) -> list[RunningRequest]:
+        # NOTE: generation also stops at max_model_len, so that bounds the tokens still to come.
+        max_len = self.limits.max_model_len if self.limits is not None else 0
         return [
             RunningRequest(
                 r.request_id,
@@ -621,6 +623,7 @@ class Router(WorkerLinkHandler):
                 len(r.prompt_ids) + r.tokens_received,
                 r.tokens_received,
                 preemptible=not r.router_preempted,
+                remaining_tokens=max(min(r.params.max_tokens, max_len - len(r.prompt_ids)) - r.tokens_received, 0),
             )  # fmt: skip
             for r in self.requests.values()
             if r.worker_id is not None
