@@ -109,7 +109,9 @@ def init_random(
     _write_json(out / "config.json", model_config(arch, shape, dtype))
     _write_weights(out, tensors, max_shard_bytes)
     write_tokenizer(out)
-    _write_json(out / "generation_config.json", {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID})
+    # NOTE: its chat template ends a turn with <|im_end|>, so that ends generation too (as in a chat
+    # model's generation_config, and as a GGUF of it says: llama.cpp counts <|im_end|> as end of generation).
+    _write_json(out / "generation_config.json", {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, IM_END_ID]})
     return sum(t.numel() for t in tensors.values())
 
 

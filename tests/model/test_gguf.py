@@ -141,7 +141,7 @@ def test_gguf_tokenizer_equals_hf_dir(tiny_llama_dir: Path, llama_gguf: Path) ->
     for text in ("Hello world", " leading space, digits 12345!", "naïve café 🙂\n\ttabs", "</s> special"):
         assert from_gguf.encode(text) == from_dir.encode(text), text
         assert from_gguf.decode(from_gguf.encode(text)) == from_dir.decode(from_dir.encode(text))
-    assert from_gguf.eos_token_ids == from_dir.eos_token_ids == (2,)
+    assert from_gguf.eos_token_ids == from_dir.eos_token_ids == (2, 31999)  # </s>, <|im_end|>
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "F16"])
