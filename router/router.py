@@ -275,11 +275,15 @@ class Router(WorkerLinkHandler):
         if not self._place(r) and not self.queue.offer(r, first=True):
             self._fail(r, grpc.StatusCode.UNAVAILABLE, f"worker {dead_worker_id} died and no worker can take over")
 
+    def serving(self, entry: WorkerEntry) -> bool:
+        """Whether ``entry`` takes requests now: up, healthy and its WorkerLink connected."""
+        return entry.state == WORKER_UP and entry.healthy and self.link.connected(entry.worker_id)
+
     def _view(self, entry: WorkerEntry) -> WorkerView:
         r, ident = entry.report, entry.identity
         return WorkerView(
             worker_id=ident.worker_id,
-            healthy=entry.state == WORKER_UP and entry.healthy and self.link.connected(ident.worker_id),
+            healthy=self.serving(entry),
             block_size=ident.block_size,
             total_blocks=ident.total_blocks,
             free_blocks=int(r.free_blocks) if r else ident.total_blocks,

@@ -7,7 +7,6 @@ import time
 from typing import TYPE_CHECKING
 
 from protos.kvserve.v1 import serving_pb2 as spb
-from router.request import WORKER_UP
 
 if TYPE_CHECKING:
     from router.router import Router
@@ -21,7 +20,7 @@ def build_cluster_status(router: Router) -> spb.ClusterStatus:
         r, ident = entry.report, entry.identity
         w = status.workers.add(
             worker_id=entry.worker_id,
-            healthy=entry.state == WORKER_UP and entry.healthy and router.link.connected(entry.worker_id),
+            healthy=router.serving(entry),
             state=entry.state,
             restarts_total=entry.restarts_total,
             total_blocks=ident.total_blocks,
