@@ -8,13 +8,21 @@ TORCH  ?= torch==2.13.0
 
 .PHONY: setup test lint demo proto clean prometheus curl model-cache
 
-setup: $(STAMP)
+EXT_STAMP := $(VENV)/.cpu-ext
+
+setup: $(STAMP) $(EXT_STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+# kvserve's C++ CPU kernels (kernels/csrc/), compiled once for this machine and torch; without a
+# compiler it warns and the engine runs the plain-torch kernels.
+$(EXT_STAMP): $(STAMP) kernels/csrc/cpu_ops.cpp kernels/cpu_ext.py
+	$(BIN)/python -m kernels.cpu_ext
 	touch $@
 
 # Prometheus + promtool for the metrics tests (Debian package; skipped if it cannot be installed).

@@ -1,8 +1,9 @@
-"""Backend selection: Triton kernels on CUDA, the torch reference on CPU.
+"""Backend selection: Triton kernels on CUDA, the C++ CPU kernels (with the torch reference where
+they do not apply or are not built) on CPU.
 
-``KVSERVE_ATTENTION_BACKEND=triton|torch`` overrides the choice; Triton on a CPU tensor needs
-``TRITON_INTERPRET=1`` (slow; for tests). Workers run kernels through ``get_backend()`` (the model's
-attention and the KV cache's stores and copies); ``workers/kv_cache.py`` also calls ``reference``
+``KVSERVE_ATTENTION_BACKEND=triton|cpu|torch`` overrides the choice (``torch``: the plain-torch
+reference only); Triton on a CPU tensor needs ``TRITON_INTERPRET=1`` (slow; for tests). Workers run
+kernels through ``get_backend()`` (the model's attention and the KV cache's stores and copies); ``workers/kv_cache.py`` also calls ``reference``
 directly for host swap copies and raw-byte views, which need no kernel.
 """
 
@@ -13,7 +14,7 @@ from types import ModuleType
 
 import torch
 
-BACKENDS = ("triton", "torch")
+BACKENDS = ("triton", "cpu", "torch")
 
 
 def triton_interpreting() -> bool:
@@ -22,22 +23,27 @@ def triton_interpreting() -> bool:
 
 
 def backend_name(device: torch.device | str | None = None) -> str:
-    """The backend the engine uses on ``device``: the env override, else triton on CUDA, torch elsewhere."""
+    """The backend the engine uses on ``device``: the env override, else triton on CUDA, cpu elsewhere."""
     forced = os.environ.get("KVSERVE_ATTENTION_BACKEND", "").strip().lower()
     if forced:
         if forced not in BACKENDS:
             raise ValueError(f"KVSERVE_ATTENTION_BACKEND={forced!r}: expected one of {BACKENDS}")
         return forced
     dev = torch.device(device) if device is not None else None
-    return "triton" if dev is not None and dev.type == "cuda" else "torch"
+    return "triton" if dev is not None and dev.type == "cuda" else "cpu"
 
 
 def get_backend(device: torch.device | str | None = None) -> ModuleType:
-    """A module exposing store_kv, decode_attention, prefill_attention, copy_blocks, swap_blocks."""
-    if backend_name(device) == "triton":
+    """A module exposing store_kv, rope_store_kv, decode_attention, prefill_attention, copy_blocks, swap_blocks."""
+    name = backend_name(device)
+    if name == "triton":
         from kernels import triton_backend
 
         return triton_backend
+    if name == "cpu":
+        from kernels import cpu_backend
+
+        return cpu_backend
     from kernels import reference
 
     return reference

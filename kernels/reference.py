@@ -110,6 +110,37 @@ def store_kv(
     flat[1].index_copy_(0, slot_mapping, raw_bytes(_to_cache_dtype(value, kv_cache.dtype)))
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` (HF's neox formula, same roundings) for ``[tokens, heads, head_dim]``;
+    ``signed_sin`` is sin with its first half negated, so ``rotate_half(x) * sin == roll(x, half) * signed_sin``."""
+    rotated = x.roll(x.shape[-1] // 2, dims=-1).mul_(signed_sin)
+    return (x * cos).add_(rotated)
+
+
+def rope_store_kv(
+    qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]: q | k | v
+    cos: torch.Tensor,  # [num_tokens, 1, head_dim], gathered for the tokens' positions
+    signed_sin: torch.Tensor,  # [num_tokens, 1, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, negative = skip
+    num_heads: int,
+    num_kv_heads: int,
+    kv_scales: torch.Tensor | None = None,
+    store=None,  # the backend's store_kv (default: this module's)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [T, H, D], k and v [T, KVH, D]
+    """Rotate q and k (one pass over both), store k and v in the cache, return q, k and v.
+
+    Backends may rotate ``qkv`` in place (the CPU kernels do); callers must not read ``qkv`` afterwards.
+    """
+    num_tokens, head_dim = qkv.shape[0], kv_cache.shape[-1]
+    q_and_k = (num_heads + num_kv_heads) * head_dim
+    qk = apply_rope(qkv[:, :q_and_k].view(num_tokens, -1, head_dim), cos, signed_sin)
+    q, k = qk.split([num_heads, num_kv_heads], dim=1)
+    v = qkv[:, q_and_k:].view(num_tokens, num_kv_heads, head_dim)
+    (store or store_kv)(k, v, kv_cache, slot_mapping, kv_scales=kv_scales)
+    return q, k, v
+
+
 class _SkipFreeSlots:
     """Whether a slot mapping has no skipped (negative) slot, remembered for the last tensor checked.
 

@@ -6,7 +6,15 @@ Importing this module imports triton; on CPU set ``TRITON_INTERPRET=1`` before t
 
 from __future__ import annotations
 
+import torch
+
+from kernels import reference
 from kernels.attention import decode_attention, prefill_attention
 from kernels.cache_ops import copy_blocks, store_kv, swap_blocks
 
-__all__ = ["store_kv", "decode_attention", "prefill_attention", "copy_blocks", "swap_blocks"]
+__all__ = ["store_kv", "rope_store_kv", "decode_attention", "prefill_attention", "copy_blocks", "swap_blocks"]
+
+
+def rope_store_kv(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``reference.rope_store_kv`` with the Triton store (rope stays torch ops on the GPU)."""
+    return reference.rope_store_kv(*args, store=store_kv, **kwargs)

@@ -30,8 +30,16 @@ class Linear(nn.Linear):
     which other rows share the GEMM.
     """
 
+    # NOTE: from this many rows on (prefill chunks) MKL on the plain weight beats oneDNN's packed GEMM:
+    # on an AVX2-only Zen 3, 2 threads, SmolLM2/small shapes at M >= 1024: MKL 163-184 GFLOP/s against
+    # packed 137-160, while at M = 64 packed wins (140-151 against 96-117). The plain weight is unpacked
+    # per call (``to_dense``: one pass over the weight, ~1 % of such a GEMM), so memory does not grow.
+    DENSE_FROM_ROWS = 1024
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.is_mkldnn:
+            if x.shape[0] >= self.DENSE_FROM_ROWS:
+                return nn.functional.linear(x, self.weight.to_dense(), self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return nn.functional.linear(x, self.weight, self.bias)
 
@@ -102,11 +110,7 @@ class RotaryEmbedding(nn.Module):
         """cos and signed sin of each position, ``[num_tokens, 1, head_dim]`` (once per forward)."""
         return self.cos[positions].to(dtype).unsqueeze(1), self.signed_sin[positions].to(dtype).unsqueeze(1)
 
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-        """``x * cos + rotate_half(x) * sin`` (HF's formula, same roundings) for ``[num_tokens, heads, head_dim]``."""
-        rotated = x.roll(x.shape[-1] // 2, dims=-1).mul_(signed_sin)
-        return (x * cos).add_(rotated)
+    apply = staticmethod(kernels.reference.apply_rope)
 
 
 class Attention(nn.Module):
@@ -135,21 +139,28 @@ class Attention(nn.Module):
         c = self.config
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
-        # q and k rotate together: one pass over [num_tokens, num_heads + num_kv_heads, head_dim].
-        qk = qkv[:, : c.q_size + c.kv_size].view(num_tokens, -1, c.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
-            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        qk = RotaryEmbedding.apply(qk, *rope)
-        q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
-        v = qkv[:, c.q_size + c.kv_size :].view(num_tokens, c.num_kv_heads, c.head_dim)
         backend = kernels.get_backend(x.device)
         scale, v_scale = self.scale, 1.0
-        if kv_cache.dtype == torch.float8_e4m3fn and (self.k_scale != 1.0 or self.v_scale != 1.0):
-            # q . (k_scale * k8) = k_scale * (q . k8); sum p (v_scale * v8) = v_scale * sum p v8.
-            k, v = k / self.k_scale, v / self.v_scale
-            scale, v_scale = scale * self.k_scale, self.v_scale
-        backend.store_kv(k, v, kv_cache, attn.slot_mapping, kv_scales=kv_scales)
+        fp8_scaled = kv_cache.dtype == torch.float8_e4m3fn and (self.k_scale != 1.0 or self.v_scale != 1.0)
+        if self.q_norm is None and not fp8_scaled:
+            # The common case: rope and the KV store in one backend call (one C++ pass on CPU).
+            q, _, _ = backend.rope_store_kv(
+                qkv, *rope, kv_cache, attn.slot_mapping, c.num_heads, c.num_kv_heads, kv_scales=kv_scales
+            )
+        else:
+            # q and k rotate together: one pass over [num_tokens, num_heads + num_kv_heads, head_dim].
+            qk = qkv[:, : c.q_size + c.kv_size].view(num_tokens, -1, c.head_dim)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
+                qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+            qk = RotaryEmbedding.apply(qk, *rope)
+            q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
+            v = qkv[:, c.q_size + c.kv_size :].view(num_tokens, c.num_kv_heads, c.head_dim)
+            if fp8_scaled:
+                # q . (k_scale * k8) = k_scale * (q . k8); sum p (v_scale * v8) = v_scale * sum p v8.
+                k, v = k / self.k_scale, v / self.v_scale
+                scale, v_scale = scale * self.k_scale, self.v_scale
+            backend.store_kv(k, v, kv_cache, attn.slot_mapping, kv_scales=kv_scales)
         num_decode = attn.num_decode_tokens
         window = c.sliding_window
         parts = []
@@ -220,6 +231,7 @@ class CausalLM(nn.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self._onednn = False  # set by pack_for_cpu
         self._screen: ScreenedArgmax | None = None
+        self._lm_head_packed: torch.Tensor | None = None  # oneDNN-packed LM head where no screen runs
 
     def forward(
         self,
@@ -253,7 +265,8 @@ class CausalLM(nn.Module):
 
     def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._onednn:
-            return torch.ops.mkldnn._linear_pointwise(hidden, self._lm_head_weight(), None, "none", [], "")
+            weight = self._lm_head_packed if self._lm_head_packed is not None else self._lm_head_weight()
+            return torch.ops.mkldnn._linear_pointwise(hidden, weight, None, "none", [], "")
         return nn.functional.linear(hidden, self._lm_head_weight())
 
     def pack_for_cpu(self) -> bool:
@@ -265,10 +278,17 @@ class CausalLM(nn.Module):
         for module in self.layers.modules():
             if isinstance(module, Linear):
                 module.pack_for_cpu()
-        # NOTE: the LM head stays a plain tensor (the screen reads fp32 rows of it); oneDNN also runs
-        # plain weights, at ~2/3 of the packed speed and twice MKL's on AMD.
         self._onednn = True
         self._screen = ScreenedArgmax.build(self._lm_head_weight())
+        if self._screen is None:
+            # NOTE: without the screen nothing reads fp32 rows of the LM head, so it is packed too: on
+            # an AVX2-only Zen 3, 64 x 256 x 32000 runs at 142 GFLOP/s packed against 113 plain (oneDNN)
+            # and 88 (MKL). A tied head keeps its plain weight for the embedding lookups, so its packed
+            # copy costs vocab x hidden more memory; an untied one is repacked in place.
+            weight = self._lm_head_weight().detach()
+            self._lm_head_packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+            if self.lm_head is not None:
+                self.lm_head.weight = nn.Parameter(self._lm_head_packed, requires_grad=False)
         return True
 
 
