@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import kernels
+from kernels.reference import apply_rope
 from workers import cpu_features
 from workers.attention_metadata import AttentionMetadata
 from workers.host_tuning import env_switch
@@ -110,7 +111,7 @@ class RotaryEmbedding(nn.Module):
         """cos and signed sin of each position, ``[num_tokens, 1, head_dim]`` (once per forward)."""
         return self.cos[positions].to(dtype).unsqueeze(1), self.signed_sin[positions].to(dtype).unsqueeze(1)
 
-    apply = staticmethod(kernels.reference.apply_rope)
+    apply = staticmethod(apply_rope)
 
 
 class Attention(nn.Module):

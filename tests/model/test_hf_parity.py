@@ -88,6 +88,16 @@ def test_recompute_preemption_matches_hf(model_dir: Path, hf_greedy) -> None:
     assert counts["recompute"] > 0 and counts["swap"] == 0
 
 
+def test_plain_torch_kernels_match_hf(model_dir: Path, hf_greedy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fallback where the C++ CPU kernels are not built: the plain-torch reference, with preemption."""
+    monkeypatch.setenv("KVSERVE_ATTENTION_BACKEND", "torch")
+    ref = hf_greedy(model_dir, MIXED, N)
+    llm = _llm(model_dir, block_size=4, num_gpu_blocks=16)
+    outs = _generate(llm, MIXED)
+    _assert_tokens(outs, MIXED, ref)
+    assert llm.engine.scheduler.num_preemptions["recompute"] > 0
+
+
 def test_swap_preemption_matches_hf(model_dir: Path, hf_greedy) -> None:
     ref = hf_greedy(model_dir, MIXED, N)
     llm = _llm(model_dir, block_size=4, num_gpu_blocks=16, preemption_mode="swap", swap_space=0.01)
