@@ -1,8 +1,9 @@
 """The CPU backend: kvserve's C++ kernels (``kernels/csrc/cpu_ops.cpp``) where they apply, the
 plain-torch reference everywhere else; same signatures as ``kernels.reference``.
 
-The C++ ops cover the fp32 decode step's hot path: paged decode attention over an fp32 cache, and
-rotary embedding fused with the KV store. Quantized or half caches, prefill attention and block
+The C++ ops cover the fp32 decode step's hot path: paged decode attention over an fp32 cache,
+rotary embedding fused with the KV store, and the LM head (its argmax without writing the logits, or
+the logits) from a weight packed once (``pack_lm_head``). Quantized or half caches, prefill attention and block
 copies run the reference. Without a build (``kernels.cpu_ext.available()``) everything does.
 """
 
@@ -77,3 +78,37 @@ def rope_store_kv(
     return reference.rope_store_kv(
         qkv, cos, signed_sin, kv_cache, slot_mapping, num_heads, num_kv_heads, kv_scales=kv_scales
     )
+
+
+LM_HEAD_PANEL = 16  # vocabulary rows per packed panel (cpu_ops.cpp kPanel)
+
+
+def lm_head_available(weight: torch.Tensor) -> bool:
+    """Whether ``pack_lm_head`` and the LM-head ops apply to this ``[vocab, hidden]`` weight (and the
+    ``cpu`` backend is the one chosen: ``KVSERVE_ATTENTION_BACKEND=torch`` keeps the plain-torch path)."""
+    import kernels  # NOTE: the package imports this module lazily; no cycle at import time
+
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and kernels.backend_name(weight.device) == "cpu"
+        and cpu_ext.available()
+    )
+
+
+def pack_lm_head(weight: torch.Tensor) -> torch.Tensor:  # [panels, hidden, 16]
+    """The LM-head weight ``[vocab, hidden]`` in the C++ kernel's layout: 16 vocabulary rows interleaved per
+    hidden unit, zero-padded to whole panels (same memory as the weight, plus the padding)."""
+    vocab, hidden = weight.shape
+    padded = torch.cat((weight, weight.new_zeros(-vocab % LM_HEAD_PANEL, hidden)))
+    return padded.view(-1, LM_HEAD_PANEL, hidden).transpose(1, 2).contiguous()
+
+
+def lm_head_argmax(hidden: torch.Tensor, packed: torch.Tensor, vocab: int) -> torch.Tensor:  # [n] int64
+    """``argmax(hidden @ weight.T)`` per row (lowest id on ties) without writing the logits."""
+    return torch.ops.kvserve_cpu.lm_head_argmax(hidden.contiguous(), packed, vocab)
+
+
+def lm_head_logits(hidden: torch.Tensor, packed: torch.Tensor, vocab: int) -> torch.Tensor:  # [n, vocab]
+    """``hidden @ weight.T`` (fp32)."""
+    return torch.ops.kvserve_cpu.lm_head_logits(hidden.contiguous(), packed, vocab)

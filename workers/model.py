@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import kernels
+from kernels import cpu_backend
 from kernels.reference import apply_rope
 from workers import cpu_features
 from workers.attention_metadata import AttentionMetadata
@@ -233,6 +234,7 @@ class CausalLM(nn.Module):
         self._onednn = False  # set by pack_for_cpu
         self._screen: ScreenedArgmax | None = None
         self._lm_head_packed: torch.Tensor | None = None  # oneDNN-packed LM head where no screen runs
+        self._lm_head_cpu: torch.Tensor | None = None  # the C++ kernels' packed LM head (cpu_backend.pack_lm_head)
 
     def forward(
         self,
@@ -259,12 +261,16 @@ class CausalLM(nn.Module):
             tokens = self._screen(hidden)
             if tokens is not None:
                 return tokens.tolist()
+        if self._lm_head_cpu is not None:
+            return cpu_backend.lm_head_argmax(hidden, self._lm_head_cpu, self.config.vocab_size).tolist()
         return argmax_rows(self._lm_head(hidden)).tolist()
 
     def _lm_head_weight(self) -> torch.Tensor:  # [vocab, hidden]
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._lm_head_cpu is not None:
+            return cpu_backend.lm_head_logits(hidden, self._lm_head_cpu, self.config.vocab_size)
         if self._onednn:
             weight = self._lm_head_packed if self._lm_head_packed is not None else self._lm_head_weight()
             return torch.ops.mkldnn._linear_pointwise(hidden, weight, None, "none", [], "")
@@ -281,12 +287,18 @@ class CausalLM(nn.Module):
                 module.pack_for_cpu()
         self._onednn = True
         self._screen = ScreenedArgmax.build(self._lm_head_weight())
-        if self._screen is None:
+        weight = self._lm_head_weight().detach()
+        if self._screen is None and cpu_backend.lm_head_available(weight):
+            # NOTE: the C++ LM head (kernels/csrc/cpu_ops.cpp) beats oneDNN's packed GEMM on its shapes,
+            # and its argmax never writes the logits: AVX2-only Zen 3, 2 threads, greedy 64 x 256 x 32000
+            # at 173 GFLOP/s against 129 for oneDNN + argmax (64 x 576 x 49152: 172 against 134). The
+            # plain weight stays (the embedding, a tied head, reads it): vocab x hidden more memory.
+            self._lm_head_cpu = cpu_backend.pack_lm_head(weight)
+        elif self._screen is None:
             # NOTE: without the screen nothing reads fp32 rows of the LM head, so it is packed too: on
             # an AVX2-only Zen 3, 64 x 256 x 32000 runs at 142 GFLOP/s packed against 113 plain (oneDNN)
             # and 88 (MKL). A tied head keeps its plain weight for the embedding lookups, so its packed
             # copy costs vocab x hidden more memory; an untied one is repacked in place.
-            weight = self._lm_head_weight().detach()
             self._lm_head_packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
             if self.lm_head is not None:
                 self.lm_head.weight = nn.Parameter(self._lm_head_packed, requires_grad=False)

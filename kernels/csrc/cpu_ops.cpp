@@ -119,17 +119,32 @@ inline void dot8(const float* q, const float* const rows[8], int64_t head_dim, f
 
 // out = sum_i p[i] * rows[i] over head_dim = 8 * CHUNKS, accumulated in registers. NOTE: CHUNKS is
 // a template argument so the accumulators stay in registers (a runtime count spilled them).
+// Two tokens per iteration into two accumulator sets where registers allow (CHUNKS <= 6): with
+// fewer than 8 independent FMA chains a single set waits on the FMA latency.
 template <int CHUNKS>
 inline void weighted_sum(const float* p, const float* const* rows, int64_t n, float* out) {
-  __m256 acc[CHUNKS];
-  for (int c = 0; c < CHUNKS; ++c) acc[c] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; ++i) {
-    if (i + kPrefetchAhead < n) prefetch_row(rows[i + kPrefetchAhead], 8 * CHUNKS);
-    const __m256 pi = _mm256_set1_ps(p[i]);
-    const float* v = rows[i];
-    for (int c = 0; c < CHUNKS; ++c) acc[c] = _mm256_fmadd_ps(pi, _mm256_loadu_ps(v + 8 * c), acc[c]);
+  constexpr int SETS = CHUNKS <= 6 ? 2 : 1;
+  __m256 acc[SETS][CHUNKS];
+  for (int s = 0; s < SETS; ++s)
+    for (int c = 0; c < CHUNKS; ++c) acc[s][c] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + SETS <= n; i += SETS) {
+    for (int s = 0; s < SETS; ++s) {
+      if (i + s + kPrefetchAhead < n) prefetch_row(rows[i + s + kPrefetchAhead], 8 * CHUNKS);
+      const __m256 pi = _mm256_set1_ps(p[i + s]);
+      const float* v = rows[i + s];
+      for (int c = 0; c < CHUNKS; ++c) acc[s][c] = _mm256_fmadd_ps(pi, _mm256_loadu_ps(v + 8 * c), acc[s][c]);
+    }
   }
-  for (int c = 0; c < CHUNKS; ++c) _mm256_storeu_ps(out + 8 * c, acc[c]);
+  for (; i < n; ++i) {
+    const __m256 pi = _mm256_set1_ps(p[i]);
+    for (int c = 0; c < CHUNKS; ++c) acc[0][c] = _mm256_fmadd_ps(pi, _mm256_loadu_ps(rows[i] + 8 * c), acc[0][c]);
+  }
+  for (int c = 0; c < CHUNKS; ++c) {
+    __m256 sum = acc[0][c];
+    for (int s = 1; s < SETS; ++s) sum = _mm256_add_ps(sum, acc[s][c]);
+    _mm256_storeu_ps(out + 8 * c, sum);
+  }
 }
 
 // weighted_sum for head_dim in {32, 64, 96, 128}; false for any other size.
@@ -165,11 +180,18 @@ void attend_one(const float* q, int64_t q_head_stride, const float* k_cache, con
   w.scores.resize(group * n);
   w.k_rows.resize(n);
   w.v_rows.resize(n);
-  for (int64_t t = first; t < ctx; ++t) {
+  // NOTE: block and offset advance incrementally: a division per token (block_size is not a
+  // compile-time constant) showed up in the profile.
+  int64_t block = first / block_size, offset_in_block = first % block_size;
+  for (int64_t t = 0; t < n; ++t) {
     const int64_t offset =
-        (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row_stride + kv_head * head_dim;
-    w.k_rows[t - first] = k_cache + offset;
-    w.v_rows[t - first] = v_cache + offset;
+        (static_cast<int64_t>(table[block]) * block_size + offset_in_block) * row_stride + kv_head * head_dim;
+    w.k_rows[t] = k_cache + offset;
+    w.v_rows[t] = v_cache + offset;
+    if (++offset_in_block == block_size) {
+      offset_in_block = 0;
+      ++block;
+    }
   }
   const bool vectorized = kVectorized && (head_dim == 32 || head_dim == 64 || head_dim == 96 || head_dim == 128);
   float* scores = w.scores.data();
@@ -333,6 +355,154 @@ void rope_store_kv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sig
   });
 }
 
+// ---- LM head: logits, or their argmax without writing them ----------------------------------
+//
+// The weight is packed once ([panels, K, 16]: 16 vocabulary rows interleaved per k, zero-padded to a
+// whole panel) so a 6 x 16 register tile streams it with two aligned-free loads per k. Each panel is
+// read from memory once and reused by every row block of the hidden states, which stay in L2.
+constexpr int64_t kPanel = 16;
+constexpr int kTileRows = 6;
+
+#if defined(__AVX2__) && defined(__FMA__)
+template <int ROWS>
+inline void lm_tile(const float* a, int64_t lda, const float* b, int64_t k_size, float* out) {
+  __m256 c0[ROWS], c1[ROWS];
+  for (int r = 0; r < ROWS; ++r) c0[r] = c1[r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < k_size; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(b + k * kPanel), b1 = _mm256_loadu_ps(b + k * kPanel + 8);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 ar = _mm256_broadcast_ss(a + r * lda + k);
+      c0[r] = _mm256_fmadd_ps(ar, b0, c0[r]);
+      c1[r] = _mm256_fmadd_ps(ar, b1, c1[r]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    _mm256_storeu_ps(out + r * kPanel, c0[r]);
+    _mm256_storeu_ps(out + r * kPanel + 8, c1[r]);
+  }
+}
+#endif
+
+template <int ROWS>
+inline void lm_tile_any(const float* a, int64_t lda, const float* b, int64_t k_size, float* out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  lm_tile<ROWS>(a, lda, b, k_size, out);
+#else
+  for (int r = 0; r < ROWS; ++r)
+    for (int64_t c = 0; c < kPanel; ++c) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < k_size; ++k) acc += a[r * lda + k] * b[k * kPanel + c];
+      out[r * kPanel + c] = acc;
+    }
+#endif
+}
+
+// out [rows, 16] = a[rows, K] . panel^T for rows <= 6.
+inline void lm_rows(int64_t rows, const float* a, int64_t lda, const float* b, int64_t k_size, float* out) {
+  switch (rows) {
+    case 6: lm_tile_any<6>(a, lda, b, k_size, out); break;
+    case 5: lm_tile_any<5>(a, lda, b, k_size, out); break;
+    case 4: lm_tile_any<4>(a, lda, b, k_size, out); break;
+    case 3: lm_tile_any<3>(a, lda, b, k_size, out); break;
+    case 2: lm_tile_any<2>(a, lda, b, k_size, out); break;
+    default: lm_tile_any<1>(a, lda, b, k_size, out); break;
+  }
+}
+
+// Largest of 16 floats (NaN-free rows; a NaN makes the caller scan the row, which skips it).
+inline float tile_max(const float* v) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 m = _mm256_max_ps(_mm256_loadu_ps(v), _mm256_loadu_ps(v + 8));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+  return _mm_cvtss_f32(h);
+#else
+  float m = v[0];
+  for (int64_t c = 1; c < kPanel; ++c) m = std::max(m, v[c]);
+  return m;
+#endif
+}
+
+void check_lm_head(const at::Tensor& hidden, const at::Tensor& packed, int64_t vocab) {
+  TORCH_CHECK(hidden.device().is_cpu() && hidden.scalar_type() == at::kFloat && hidden.dim() == 2 && hidden.is_contiguous(),
+              "hidden must be a contiguous float32 CPU [n, hidden_size]");
+  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == kPanel,
+              "packed must be a contiguous float32 [panels, hidden_size, 16] (kernels.cpu_backend.pack_lm_head)");
+  TORCH_CHECK(packed.size(1) == hidden.size(1), "hidden size ", hidden.size(1), " != the head's ", packed.size(1));
+  TORCH_CHECK(vocab > 0 && vocab <= packed.size(0) * kPanel, "vocab ", vocab, " does not fit the packed head");
+}
+
+// Token ids of each row's largest logit (lowest id on ties; NaN logits are never chosen).
+at::Tensor lm_head_argmax(const at::Tensor& hidden, const at::Tensor& packed, int64_t vocab) {
+  check_lm_head(hidden, packed, vocab);
+  const int64_t n = hidden.size(0), k_size = hidden.size(1), panels = (vocab + kPanel - 1) / kPanel;
+  const float* a = hidden.data_ptr<float>();
+  const float* w = packed.data_ptr<float>();
+  const int64_t threads = at::get_num_threads();
+  std::vector<float> best(threads * n, -std::numeric_limits<float>::infinity());
+  std::vector<int64_t> best_id(threads * n, vocab);
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    const int64_t tid = std::min<int64_t>(at::get_thread_num(), threads - 1);
+    float* my_best = best.data() + tid * n;
+    int64_t* my_id = best_id.data() + tid * n;
+    float tile[kTileRows * kPanel];
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t columns = std::min(kPanel, vocab - p * kPanel);
+      for (int64_t r0 = 0; r0 < n; r0 += kTileRows) {
+        const int64_t rows = std::min<int64_t>(kTileRows, n - r0);
+        lm_rows(rows, a + r0 * k_size, k_size, w + p * k_size * kPanel, k_size, tile);
+        for (int64_t r = 0; r < rows; ++r) {
+          if (columns == kPanel && tile_max(tile + r * kPanel) <= my_best[r0 + r]) continue;
+          // Strictly greater: panels ascend within a thread, so the first (lowest) id of a tie stays.
+          for (int64_t c = 0; c < columns; ++c) {
+            if (tile[r * kPanel + c] > my_best[r0 + r]) {
+              my_best[r0 + r] = tile[r * kPanel + c];
+              my_id[r0 + r] = p * kPanel + c;
+            }
+          }
+        }
+      }
+    }
+  });
+  auto out = at::empty({n}, hidden.options().dtype(at::kLong));
+  int64_t* ids = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r) {
+    float v = best[r];
+    int64_t id = best_id[r];
+    for (int64_t t = 1; t < threads; ++t) {
+      const float u = best[t * n + r];
+      const int64_t j = best_id[t * n + r];
+      if (u > v || (u == v && j < id)) v = u, id = j;
+    }
+    ids[r] = id < vocab ? id : 0;  // all-NaN row: id 0, as no logit can be chosen
+  }
+  return out;
+}
+
+// Every logit [n, vocab] (rows to sample from).
+at::Tensor lm_head_logits(const at::Tensor& hidden, const at::Tensor& packed, int64_t vocab) {
+  check_lm_head(hidden, packed, vocab);
+  const int64_t n = hidden.size(0), k_size = hidden.size(1), panels = (vocab + kPanel - 1) / kPanel;
+  const float* a = hidden.data_ptr<float>();
+  const float* w = packed.data_ptr<float>();
+  auto out = at::empty({n, vocab}, hidden.options());
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    float tile[kTileRows * kPanel];
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t columns = std::min(kPanel, vocab - p * kPanel);
+      for (int64_t r0 = 0; r0 < n; r0 += kTileRows) {
+        const int64_t rows = std::min<int64_t>(kTileRows, n - r0);
+        lm_rows(rows, a + r0 * k_size, k_size, w + p * k_size * kPanel, k_size, tile);
+        for (int64_t r = 0; r < rows; ++r)
+          std::memcpy(o + (r0 + r) * vocab + p * kPanel, tile + r * kPanel, columns * sizeof(float));
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvserve_cpu, m) {
@@ -340,9 +510,13 @@ TORCH_LIBRARY(kvserve_cpu, m) {
         "float scale, int sliding_window) -> Tensor");
   m.def("rope_store_kv(Tensor(a!) qkv, Tensor cos, Tensor signed_sin, Tensor(b!) kv_cache, Tensor slot_mapping, "
         "int num_heads, int num_kv_heads) -> ()");
+  m.def("lm_head_argmax(Tensor hidden, Tensor packed, int vocab) -> Tensor");
+  m.def("lm_head_logits(Tensor hidden, Tensor packed, int vocab) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("rope_store_kv", &rope_store_kv);
+  m.impl("lm_head_argmax", &lm_head_argmax);
+  m.impl("lm_head_logits", &lm_head_logits);
 }

@@ -153,3 +153,36 @@ def test_disabled_by_environment() -> None:
     env = {**os.environ, "KVSERVE_CPU_EXT": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False disabled by KVSERVE_CPU_EXT=0"
+
+
+@needs_ext
+@pytest.mark.parametrize("rows,hidden,vocab", [(64, 256, 32000), (7, 64, 1001), (1, 48, 16), (13, 96, 50)])
+def test_lm_head_matches_torch(rows: int, hidden: int, vocab: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(vocab, hidden, generator=g) * 0.05
+    h = torch.randn(rows, hidden, generator=g)
+    packed = cpu_backend.pack_lm_head(weight)
+    want = torch.nn.functional.linear(h, weight)
+    logits = cpu_backend.lm_head_logits(h, packed, vocab)
+    torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+    # The argmax is that of the kernel's own logits, lowest id on ties.
+    assert torch.equal(cpu_backend.lm_head_argmax(h, packed, vocab), logits.argmax(dim=-1))
+
+
+@needs_ext
+def test_lm_head_argmax_ties_take_the_lowest_id() -> None:
+    weight = torch.zeros(40, 8)
+    weight[[3, 17, 33]] = 1.0  # three identical rows: equal logits, across panels
+    h = torch.ones(2, 8)
+    packed = cpu_backend.pack_lm_head(weight)
+    assert cpu_backend.lm_head_argmax(h, packed, 40).tolist() == [3, 3]
+    assert cpu_backend.lm_head_argmax(-h, packed, 40).tolist() == [0, 0]  # the zero rows win, first one
+
+
+@needs_ext
+def test_lm_head_rejects_mismatched_shapes() -> None:
+    packed = cpu_backend.pack_lm_head(torch.randn(20, 8))
+    with pytest.raises(RuntimeError, match="hidden size"):
+        cpu_backend.lm_head_argmax(torch.randn(2, 9), packed, 20)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        cpu_backend.lm_head_logits(torch.randn(2, 8), packed, 33)
