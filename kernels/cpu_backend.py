@@ -2,9 +2,10 @@
 plain-torch reference everywhere else; same signatures as ``kernels.reference``.
 
 The C++ ops cover the fp32 decode step's hot path: paged decode attention over an fp32 cache,
-rotary embedding fused with the KV store, and the LM head (its argmax without writing the logits, or
-the logits) from a weight packed once (``pack_lm_head``). Quantized or half caches, prefill attention and block
-copies run the reference. Without a build (``kernels.cpu_ext.available()``) everything does.
+rotary embedding fused with the KV store, and an fp32 GEMM over weights packed once (``pack_weight``)
+for decode-sized projections and the LM head, whose greedy argmax never writes the logits. Quantized
+or half caches, prefill attention and block copies run the reference. Without a build
+(``kernels.cpu_ext.available()``) everything does.
 """
 
 from __future__ import annotations
@@ -80,12 +81,12 @@ def rope_store_kv(
     )
 
 
-LM_HEAD_PANEL = 16  # vocabulary rows per packed panel (cpu_ops.cpp kPanel)
+PANEL = 16  # output rows per packed panel (cpu_ops.cpp kPanel)
 
 
-def lm_head_available(weight: torch.Tensor) -> bool:
-    """Whether ``pack_lm_head`` and the LM-head ops apply to this ``[vocab, hidden]`` weight (and the
-    ``cpu`` backend is the one chosen: ``KVSERVE_ATTENTION_BACKEND=torch`` keeps the plain-torch path)."""
+def packed_gemm_available(weight: torch.Tensor) -> bool:
+    """Whether ``pack_weight`` and the packed GEMM ops apply to this ``[out, in]`` weight (and the ``cpu``
+    backend is the one chosen: ``KVSERVE_ATTENTION_BACKEND=torch`` keeps the plain-torch path)."""
     import kernels  # NOTE: the package imports this module lazily; no cycle at import time
 
     return (
@@ -96,12 +97,17 @@ def lm_head_available(weight: torch.Tensor) -> bool:
     )
 
 
-def pack_lm_head(weight: torch.Tensor) -> torch.Tensor:  # [panels, hidden, 16]
-    """The LM-head weight ``[vocab, hidden]`` in the C++ kernel's layout: 16 vocabulary rows interleaved per
-    hidden unit, zero-padded to whole panels (same memory as the weight, plus the padding)."""
-    vocab, hidden = weight.shape
-    padded = torch.cat((weight, weight.new_zeros(-vocab % LM_HEAD_PANEL, hidden)))
-    return padded.view(-1, LM_HEAD_PANEL, hidden).transpose(1, 2).contiguous()
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:  # [panels, in, 16]
+    """A weight ``[out, in]`` in the C++ GEMM's layout: 16 output rows interleaved per input unit,
+    zero-padded to whole panels (same memory as the weight, plus the padding)."""
+    out_features, in_features = weight.shape
+    padded = torch.cat((weight, weight.new_zeros(-out_features % PANEL, in_features)))
+    return padded.view(-1, PANEL, in_features).transpose(1, 2).contiguous()
+
+
+def unpack_weight(packed: torch.Tensor, out_features: int) -> torch.Tensor:  # [out, in]
+    """The plain weight back from ``pack_weight`` (bit-exact; one copy)."""
+    return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:out_features]
 
 
 def lm_head_argmax(hidden: torch.Tensor, packed: torch.Tensor, vocab: int) -> torch.Tensor:  # [n] int64
@@ -109,6 +115,6 @@ def lm_head_argmax(hidden: torch.Tensor, packed: torch.Tensor, vocab: int) -> to
     return torch.ops.kvserve_cpu.lm_head_argmax(hidden.contiguous(), packed, vocab)
 
 
-def lm_head_logits(hidden: torch.Tensor, packed: torch.Tensor, vocab: int) -> torch.Tensor:  # [n, vocab]
-    """``hidden @ weight.T`` (fp32)."""
-    return torch.ops.kvserve_cpu.lm_head_logits(hidden.contiguous(), packed, vocab)
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:  # [n, out]
+    """``x @ weight.T`` (fp32) from a ``pack_weight`` weight."""
+    return torch.ops.kvserve_cpu.packed_linear(x.contiguous(), packed, out_features)

@@ -23,33 +23,60 @@ from workers.model_config import ModelConfig
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose weight can be repacked once for oneDNN's CPU GEMM (``pack_for_cpu``).
+    """``nn.Linear`` whose weight can be repacked once for a faster CPU GEMM (``pack_for_cpu``).
 
-    NOTE: on CPU, torch's default fp32 GEMM (MKL) takes its AVX2 path on AMD processors: measured
-    ~110 GFLOP/s per core on this Zen 5, where oneDNN with a pre-packed (blocked) weight reaches
-    ~250. The packed weight replaces the plain one (``weight.to_dense()`` gives it back exactly), so
-    memory does not grow. oneDNN rows are also batch-invariant: a row's result does not depend on
-    which other rows share the GEMM.
+    Two packings, by what this process can run:
+
+    - ``kvserve`` (the C++ kernels are built): rows of decode-sized batches (<= ``PACKED_MAX_ROWS``)
+      run kvserve's AVX2 GEMM (``kernels/csrc/cpu_ops.cpp``); on an AVX2-only Zen 3, 2 threads, M = 32-64
+      on SmolLM2/small shapes it ran at 127-195 GFLOP/s against oneDNN's 112-155.
+    - ``onednn``: oneDNN's blocked layout. NOTE: on CPU, torch's default fp32 GEMM (MKL) takes its AVX2
+      path on AMD processors: measured ~110 GFLOP/s per core on a Zen 5, where oneDNN with a pre-packed
+      weight reaches ~250. oneDNN rows are batch-invariant too.
+
+    Larger batches (prefill chunks) run MKL on the plain weight, unpacked per call (one pass over the
+    weight): from ~1k rows it beats both (Zen 3: 163-184 GFLOP/s against oneDNN's 137-160). The packed
+    weight replaces the plain one, so memory does not grow.
     """
 
-    # NOTE: from this many rows on (prefill chunks) MKL on the plain weight beats oneDNN's packed GEMM:
-    # on an AVX2-only Zen 3, 2 threads, SmolLM2/small shapes at M >= 1024: MKL 163-184 GFLOP/s against
-    # packed 137-160, while at M = 64 packed wins (140-151 against 96-117). The plain weight is unpacked
-    # per call (``to_dense``: one pass over the weight, ~1 % of such a GEMM), so memory does not grow.
-    DENSE_FROM_ROWS = 1024
+    PACKED_MAX_ROWS = 128
+    DENSE_FROM_ROWS = 1024  # oneDNN packing: from this many rows on, MKL on the plain weight
+
+    packing: str | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.is_mkldnn:
+        if self.packing == "kvserve":
+            if x.shape[0] <= self.PACKED_MAX_ROWS:
+                out = cpu_backend.packed_linear(x, self.weight, self.out_features)
+                return out if self.bias is None else out.add_(self.bias)
+            return nn.functional.linear(x, cpu_backend.unpack_weight(self.weight, self.out_features), self.bias)
+        if self.packing == "onednn":
             if x.shape[0] >= self.DENSE_FROM_ROWS:
                 return nn.functional.linear(x, self.weight.to_dense(), self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return nn.functional.linear(x, self.weight, self.bias)
 
+    def plain_weight(self) -> torch.Tensor:  # [out_features, in_features]
+        """The weight in its plain layout, whatever the packing (bit-exact)."""
+        if self.packing == "kvserve":
+            return cpu_backend.unpack_weight(self.weight.detach(), self.out_features).contiguous()
+        return self.weight.detach().to_dense() if self.packing == "onednn" else self.weight.detach()
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        # A state dict holds plain weights: it can be saved, compared or loaded anywhere.
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = self.plain_weight()
+
     def pack_for_cpu(self, batch_hint: int = 64) -> None:
-        """Reorder the weight into oneDNN's blocked layout (idempotent)."""
-        if not self.weight.is_mkldnn:
-            packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_hint)
-            self.weight = nn.Parameter(packed, requires_grad=False)
+        """Repack the weight for the fastest CPU GEMM available (idempotent)."""
+        if self.packing is not None:
+            return
+        weight = self.weight.detach()
+        if cpu_backend.packed_gemm_available(weight):
+            self.weight, self.packing = nn.Parameter(cpu_backend.pack_weight(weight), requires_grad=False), "kvserve"
+        else:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+            self.weight, self.packing = nn.Parameter(packed, requires_grad=False), "onednn"
 
 
 def onednn_linear_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -234,7 +261,7 @@ class CausalLM(nn.Module):
         self._onednn = False  # set by pack_for_cpu
         self._screen: ScreenedArgmax | None = None
         self._lm_head_packed: torch.Tensor | None = None  # oneDNN-packed LM head where no screen runs
-        self._lm_head_cpu: torch.Tensor | None = None  # the C++ kernels' packed LM head (cpu_backend.pack_lm_head)
+        self._lm_head_cpu: torch.Tensor | None = None  # the C++ kernels' packed LM head (cpu_backend.pack_weight)
 
     def forward(
         self,
@@ -270,7 +297,7 @@ class CausalLM(nn.Module):
 
     def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._lm_head_cpu is not None:
-            return cpu_backend.lm_head_logits(hidden, self._lm_head_cpu, self.config.vocab_size)
+            return cpu_backend.packed_linear(hidden, self._lm_head_cpu, self.config.vocab_size)
         if self._onednn:
             weight = self._lm_head_packed if self._lm_head_packed is not None else self._lm_head_weight()
             return torch.ops.mkldnn._linear_pointwise(hidden, weight, None, "none", [], "")
@@ -288,12 +315,12 @@ class CausalLM(nn.Module):
         self._onednn = True
         self._screen = ScreenedArgmax.build(self._lm_head_weight())
         weight = self._lm_head_weight().detach()
-        if self._screen is None and cpu_backend.lm_head_available(weight):
+        if self._screen is None and cpu_backend.packed_gemm_available(weight):
             # NOTE: the C++ LM head (kernels/csrc/cpu_ops.cpp) beats oneDNN's packed GEMM on its shapes,
             # and its argmax never writes the logits: AVX2-only Zen 3, 2 threads, greedy 64 x 256 x 32000
             # at 173 GFLOP/s against 129 for oneDNN + argmax (64 x 576 x 49152: 172 against 134). The
             # plain weight stays (the embedding, a tied head, reads it): vocab x hidden more memory.
-            self._lm_head_cpu = cpu_backend.pack_lm_head(weight)
+            self._lm_head_cpu = cpu_backend.pack_weight(weight)
         elif self._screen is None:
             # NOTE: without the screen nothing reads fp32 rows of the LM head, so it is packed too: on
             # an AVX2-only Zen 3, 64 x 256 x 32000 runs at 142 GFLOP/s packed against 113 plain (oneDNN)

@@ -355,10 +355,10 @@ void rope_store_kv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sig
   });
 }
 
-// ---- LM head: logits, or their argmax without writing them ----------------------------------
+// ---- Packed fp32 GEMM (decode-sized projections, the LM head) and the LM head's argmax ---------
 //
-// The weight is packed once ([panels, K, 16]: 16 vocabulary rows interleaved per k, zero-padded to a
-// whole panel) so a 6 x 16 register tile streams it with two aligned-free loads per k. Each panel is
+// The weight [N, K] is packed once ([panels, K, 16]: 16 output rows interleaved per k, zero-padded to
+// a whole panel) so a 6 x 16 register tile streams it with two aligned-free loads per k. Each panel is
 // read from memory once and reused by every row block of the hidden states, which stay in L2.
 constexpr int64_t kPanel = 16;
 constexpr int kTileRows = 6;
@@ -428,7 +428,7 @@ void check_lm_head(const at::Tensor& hidden, const at::Tensor& packed, int64_t v
   TORCH_CHECK(hidden.device().is_cpu() && hidden.scalar_type() == at::kFloat && hidden.dim() == 2 && hidden.is_contiguous(),
               "hidden must be a contiguous float32 CPU [n, hidden_size]");
   TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == kPanel,
-              "packed must be a contiguous float32 [panels, hidden_size, 16] (kernels.cpu_backend.pack_lm_head)");
+              "packed must be a contiguous float32 [panels, hidden_size, 16] (kernels.cpu_backend.pack_weight)");
   TORCH_CHECK(packed.size(1) == hidden.size(1), "hidden size ", hidden.size(1), " != the head's ", packed.size(1));
   TORCH_CHECK(vocab > 0 && vocab <= packed.size(0) * kPanel, "vocab ", vocab, " does not fit the packed head");
 }
@@ -480,8 +480,10 @@ at::Tensor lm_head_argmax(const at::Tensor& hidden, const at::Tensor& packed, in
   return out;
 }
 
-// Every logit [n, vocab] (rows to sample from).
-at::Tensor lm_head_logits(const at::Tensor& hidden, const at::Tensor& packed, int64_t vocab) {
+// out [n, vocab] = hidden [n, K] . weight^T: the logits of rows to sample from, or any projection of
+// a few rows (NOTE: each output is one sequential FMA chain over k: a row's result does not depend on
+// the other rows of the batch).
+at::Tensor packed_linear(const at::Tensor& hidden, const at::Tensor& packed, int64_t vocab) {
   check_lm_head(hidden, packed, vocab);
   const int64_t n = hidden.size(0), k_size = hidden.size(1), panels = (vocab + kPanel - 1) / kPanel;
   const float* a = hidden.data_ptr<float>();
@@ -511,12 +513,12 @@ TORCH_LIBRARY(kvserve_cpu, m) {
   m.def("rope_store_kv(Tensor(a!) qkv, Tensor cos, Tensor signed_sin, Tensor(b!) kv_cache, Tensor slot_mapping, "
         "int num_heads, int num_kv_heads) -> ()");
   m.def("lm_head_argmax(Tensor hidden, Tensor packed, int vocab) -> Tensor");
-  m.def("lm_head_logits(Tensor hidden, Tensor packed, int vocab) -> Tensor");
+  m.def("packed_linear(Tensor hidden, Tensor packed, int vocab) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("rope_store_kv", &rope_store_kv);
   m.impl("lm_head_argmax", &lm_head_argmax);
-  m.impl("lm_head_logits", &lm_head_logits);
+  m.impl("packed_linear", &packed_linear);
 }

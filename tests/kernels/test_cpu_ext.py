@@ -161,9 +161,9 @@ def test_lm_head_matches_torch(rows: int, hidden: int, vocab: int) -> None:
     g = torch.Generator().manual_seed(rows)
     weight = torch.randn(vocab, hidden, generator=g) * 0.05
     h = torch.randn(rows, hidden, generator=g)
-    packed = cpu_backend.pack_lm_head(weight)
+    packed = cpu_backend.pack_weight(weight)
     want = torch.nn.functional.linear(h, weight)
-    logits = cpu_backend.lm_head_logits(h, packed, vocab)
+    logits = cpu_backend.packed_linear(h, packed, vocab)
     torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
     # The argmax is that of the kernel's own logits, lowest id on ties.
     assert torch.equal(cpu_backend.lm_head_argmax(h, packed, vocab), logits.argmax(dim=-1))
@@ -174,15 +174,15 @@ def test_lm_head_argmax_ties_take_the_lowest_id() -> None:
     weight = torch.zeros(40, 8)
     weight[[3, 17, 33]] = 1.0  # three identical rows: equal logits, across panels
     h = torch.ones(2, 8)
-    packed = cpu_backend.pack_lm_head(weight)
+    packed = cpu_backend.pack_weight(weight)
     assert cpu_backend.lm_head_argmax(h, packed, 40).tolist() == [3, 3]
     assert cpu_backend.lm_head_argmax(-h, packed, 40).tolist() == [0, 0]  # the zero rows win, first one
 
 
 @needs_ext
 def test_lm_head_rejects_mismatched_shapes() -> None:
-    packed = cpu_backend.pack_lm_head(torch.randn(20, 8))
+    packed = cpu_backend.pack_weight(torch.randn(20, 8))
     with pytest.raises(RuntimeError, match="hidden size"):
         cpu_backend.lm_head_argmax(torch.randn(2, 9), packed, 20)
     with pytest.raises(RuntimeError, match="does not fit"):
-        cpu_backend.lm_head_logits(torch.randn(2, 8), packed, 33)
+        cpu_backend.packed_linear(torch.randn(2, 8), packed, 33)
