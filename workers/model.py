@@ -303,6 +303,24 @@ class CausalLM(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(hidden, weight, None, "none", [], "")
         return nn.functional.linear(hidden, self._lm_head_weight())
 
+    def cpu_gemm_summary(self) -> str:
+        """Which GEMM the projections and the LM head run (for the log), e.g. ``projections: kvserve
+        packed up to 128 rows, MKL above; LM head: kvserve packed``."""
+        packing = {m.packing for m in self.layers.modules() if isinstance(m, Linear)}
+        if packing == {"kvserve"}:
+            layers = f"kvserve packed up to {Linear.PACKED_MAX_ROWS} rows, MKL above"
+        elif packing == {"onednn"}:
+            layers = f"oneDNN packed below {Linear.DENSE_FROM_ROWS} rows, MKL from there"
+        else:
+            layers = "torch default"
+        if self._screen is not None:
+            head = f"{self._screen.__class__.__name__} (bf16 screen)"
+        elif self._lm_head_cpu is not None:
+            head = "kvserve packed"
+        else:
+            head = "oneDNN packed" if self._lm_head_packed is not None else "torch default"
+        return f"projections: {layers}; LM head: {head}"
+
     def pack_for_cpu(self) -> bool:
         """Repack the layers' projections for oneDNN (see ``Linear``) and set up the greedy screen
         (see ``ScreenedArgmax``). False where oneDNN does not apply."""

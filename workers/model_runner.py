@@ -32,7 +32,7 @@ class ModelRunner:
             if not keep_freed_heap_memory():
                 logger.info("mallopt unavailable: big CPU buffers are re-faulted every step")
             if model.pack_for_cpu():
-                logger.info("projections repacked for oneDNN")
+                logger.info("CPU GEMMs: %s", model.cpu_gemm_summary())
         self.governor = ThreadGovernor.create() if self.device.type == "cpu" else None
 
     @torch.inference_mode()

@@ -2,10 +2,11 @@
 
 ``bench offline`` reports model GFLOP/s; this measures what to compare them with, with the library the
 projections use: torch's default ``mm`` (MKL on x86), and oneDNN with a pre-packed weight
-(``torch.ops.mkldnn``, what ``workers.model.Linear`` runs), fp32 and bf16, on a square 2048 GEMM and on
-the standard models' shapes (decode rows and a prefill chunk). Best of ``--repeats`` timings per case.
-The ISA caps (``ONEDNN_MAX_CPU_ISA``, ``ATEN_CPU_CAPABILITY``) apply as for the engine; the JSON records
-them (``workers.cpu_features``).
+(``torch.ops.mkldnn``), fp32 and bf16, and kvserve's own packed AVX2 GEMM (``kernels/csrc``, what
+``workers.model.Linear`` runs for decode-sized batches where it is built), on a square 2048 GEMM and on
+the standard models' shapes (decode rows and a prefill chunk; SmolLM2-135M's decode rows). Best of
+``--repeats`` timings per case. The ISA caps (``ONEDNN_MAX_CPU_ISA``, ``ATEN_CPU_CAPABILITY``) apply
+as for the engine; the JSON records them (``workers.cpu_features``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from kernels import cpu_backend
 from workers.cpu_features import current
 from workers.random_model import SIZES, VOCAB_SIZE
 
@@ -53,12 +55,24 @@ def model_cases(size: str, rows: int, label: str) -> list[GemmCase]:
     ]
 
 
+def smollm2_decode_cases(rows: int = 64) -> list[GemmCase]:
+    """SmolLM2-135M (hidden 576, 9 heads / 3 KV heads of 64, intermediate 1536, vocab 49152)."""
+    return [
+        GemmCase("smollm2 decode qkv", rows, 576, 960),
+        GemmCase("smollm2 decode o", rows, 576, 576),
+        GemmCase("smollm2 decode gate_up", rows, 576, 3072),
+        GemmCase("smollm2 decode down", rows, 1536, 576),
+        GemmCase("smollm2 decode lm_head", rows, 576, 49152),
+    ]
+
+
 def default_cases() -> list[GemmCase]:
     return [
         GemmCase("square", SQUARE, SQUARE, SQUARE),
         *model_cases("tiny", 64, "decode"),
         *model_cases("small", 32, "decode"),
         *model_cases("small", 512, "prefill"),
+        *smollm2_decode_cases(),
     ]
 
 
@@ -101,6 +115,11 @@ def measure(case: GemmCase, repeats: int) -> dict[str, float | None]:
             out[key] = None
             continue
         out[key] = case.flops / best_seconds(run, repeats) / 1e9
+    out["kvserve_fp32"] = None
+    if cpu_backend.packed_gemm_available(w):
+        packed = cpu_backend.pack_weight(w)
+        run = lambda: cpu_backend.packed_linear(x, packed, case.n)  # noqa: E731
+        out["kvserve_fp32"] = case.flops / best_seconds(run, repeats) / 1e9
     return out
 
 
@@ -116,9 +135,11 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result))
         return 0
     print(f"{result['cpu']}; {result['threads']} threads; torch {result['torch']}; GFLOP/s (best of {args.repeats})")
-    print("| case | m x k x n | torch mm fp32 | oneDNN packed fp32 | oneDNN packed bf16 |\n|---|---|---|---|---|")
+    print("| case | m x k x n | torch mm fp32 | oneDNN packed fp32 | oneDNN packed bf16 | kvserve packed fp32 |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        cells = [f"{r[k]:.0f}" if r[k] is not None else "-" for k in ("mm_fp32", "onednn_fp32", "onednn_bf16")]
+        keys = ("mm_fp32", "onednn_fp32", "onednn_bf16", "kvserve_fp32")
+        cells = [f"{r[k]:.0f}" if r[k] is not None else "-" for k in keys]
         print(f"| {r['name']} | {r['m']} x {r['k']} x {r['n']} | " + " | ".join(cells) + " |")
     return 0
 

@@ -24,5 +24,7 @@ def test_square_run_reports_every_path(capsys: pytest.CaptureFixture[str]) -> No
     result = json.loads(capsys.readouterr().out)
     (row,) = result["rows"]
     assert (row["m"], row["k"], row["n"]) == (128, 128, 128) and result["threads"] == 1
-    assert row["mm_fp32"] > 0 and all(row[k] is None or row[k] > 0 for k in ("onednn_fp32", "onednn_bf16"))
+    assert row["mm_fp32"] > 0 and all(
+        row[k] is None or row[k] > 0 for k in ("onednn_fp32", "onednn_bf16", "kvserve_fp32")
+    )
     assert result["cpu"]
