@@ -433,34 +433,45 @@ void check_lm_head(const at::Tensor& hidden, const at::Tensor& packed, int64_t v
   TORCH_CHECK(vocab > 0 && vocab <= packed.size(0) * kPanel, "vocab ", vocab, " does not fit the packed head");
 }
 
-// Token ids of each row's largest logit (lowest id on ties; NaN logits are never chosen).
-at::Tensor lm_head_argmax(const at::Tensor& hidden, const at::Tensor& packed, int64_t vocab) {
-  check_lm_head(hidden, packed, vocab);
+// Runs the packed GEMM hidden [n, K] . weight^T tile by tile (threads split the panels) and hands
+// each finished 6 x 16 tile to `epilogue(thread, panel, first_row, rows, columns, tile)`.
+template <typename Epilogue>
+void for_each_tile(const at::Tensor& hidden, const at::Tensor& packed, int64_t vocab, const Epilogue& epilogue) {
   const int64_t n = hidden.size(0), k_size = hidden.size(1), panels = (vocab + kPanel - 1) / kPanel;
   const float* a = hidden.data_ptr<float>();
   const float* w = packed.data_ptr<float>();
-  const int64_t threads = at::get_num_threads();
-  std::vector<float> best(threads * n, -std::numeric_limits<float>::infinity());
-  std::vector<int64_t> best_id(threads * n, vocab);
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    const int64_t tid = std::min<int64_t>(at::get_thread_num(), threads - 1);
-    float* my_best = best.data() + tid * n;
-    int64_t* my_id = best_id.data() + tid * n;
+    const int64_t thread = at::get_thread_num();
     float tile[kTileRows * kPanel];
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t columns = std::min(kPanel, vocab - p * kPanel);
       for (int64_t r0 = 0; r0 < n; r0 += kTileRows) {
         const int64_t rows = std::min<int64_t>(kTileRows, n - r0);
         lm_rows(rows, a + r0 * k_size, k_size, w + p * k_size * kPanel, k_size, tile);
-        for (int64_t r = 0; r < rows; ++r) {
-          if (columns == kPanel && tile_max(tile + r * kPanel) <= my_best[r0 + r]) continue;
-          // Strictly greater: panels ascend within a thread, so the first (lowest) id of a tie stays.
-          for (int64_t c = 0; c < columns; ++c) {
-            if (tile[r * kPanel + c] > my_best[r0 + r]) {
-              my_best[r0 + r] = tile[r * kPanel + c];
-              my_id[r0 + r] = p * kPanel + c;
-            }
-          }
+        epilogue(thread, p, r0, rows, columns, tile);
+      }
+    }
+  });
+}
+
+// Token ids of each row's largest logit (lowest id on ties; NaN logits are never chosen).
+at::Tensor lm_head_argmax(const at::Tensor& hidden, const at::Tensor& packed, int64_t vocab) {
+  check_lm_head(hidden, packed, vocab);
+  const int64_t n = hidden.size(0);
+  const int64_t threads = at::get_num_threads();
+  std::vector<float> best(threads * n, -std::numeric_limits<float>::infinity());
+  std::vector<int64_t> best_id(threads * n, vocab);
+  for_each_tile(hidden, packed, vocab, [&](int64_t thread, int64_t p, int64_t r0, int64_t rows, int64_t columns,
+                                           const float* tile) {
+    float* my_best = best.data() + std::min(thread, threads - 1) * n;
+    int64_t* my_id = best_id.data() + std::min(thread, threads - 1) * n;
+    for (int64_t r = 0; r < rows; ++r) {
+      if (columns == kPanel && tile_max(tile + r * kPanel) <= my_best[r0 + r]) continue;
+      // Strictly greater: panels ascend within a thread, so the first (lowest) id of a tie stays.
+      for (int64_t c = 0; c < columns; ++c) {
+        if (tile[r * kPanel + c] > my_best[r0 + r]) {
+          my_best[r0 + r] = tile[r * kPanel + c];
+          my_id[r0 + r] = p * kPanel + c;
         }
       }
     }
@@ -485,22 +496,12 @@ at::Tensor lm_head_argmax(const at::Tensor& hidden, const at::Tensor& packed, in
 // the other rows of the batch).
 at::Tensor packed_linear(const at::Tensor& hidden, const at::Tensor& packed, int64_t vocab) {
   check_lm_head(hidden, packed, vocab);
-  const int64_t n = hidden.size(0), k_size = hidden.size(1), panels = (vocab + kPanel - 1) / kPanel;
-  const float* a = hidden.data_ptr<float>();
-  const float* w = packed.data_ptr<float>();
-  auto out = at::empty({n, vocab}, hidden.options());
+  auto out = at::empty({hidden.size(0), vocab}, hidden.options());
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    float tile[kTileRows * kPanel];
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t columns = std::min(kPanel, vocab - p * kPanel);
-      for (int64_t r0 = 0; r0 < n; r0 += kTileRows) {
-        const int64_t rows = std::min<int64_t>(kTileRows, n - r0);
-        lm_rows(rows, a + r0 * k_size, k_size, w + p * k_size * kPanel, k_size, tile);
-        for (int64_t r = 0; r < rows; ++r)
-          std::memcpy(o + (r0 + r) * vocab + p * kPanel, tile + r * kPanel, columns * sizeof(float));
-      }
-    }
+  for_each_tile(hidden, packed, vocab, [&](int64_t, int64_t p, int64_t r0, int64_t rows, int64_t columns,
+                                           const float* tile) {
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(o + (r0 + r) * vocab + p * kPanel, tile + r * kPanel, columns * sizeof(float));
   });
   return out;
 }
