@@ -31,6 +31,7 @@ from pathlib import Path
 
 import grpc
 
+from cluster.client import retry_after_s
 from protos.kvserve.v1 import serving_pb2 as spb
 
 logger = logging.getLogger(__name__)
@@ -209,36 +210,52 @@ def _grpc_request(req: DemoRequest) -> spb.GenerateRequest:
     )
 
 
+DEMO_MAX_ATTEMPTS = 8  # Generate calls per request while the router answers RESOURCE_EXHAUSTED
+
+
 def _send(stub, req: DemoRequest, on_tokens, delay_s: float = 0.0, on_text=None) -> RequestResult:  # noqa: ANN001
     """Stream one request; ``on_tokens(n)`` per message, ``on_text(index, delta)`` per text delta."""
     if delay_s > 0:
         time.sleep(delay_s)
     t0 = time.monotonic()
     result = RequestResult(req, started=t0)
-    try:
-        for resp in stub.Generate(_grpc_request(req), timeout=300):
-            if resp.token_ids:
-                result.tokens += len(resp.token_ids)
-                on_tokens(len(resp.token_ids))
-            if resp.text_delta and on_text is not None:
-                on_text(req.index, resp.text_delta)
-            result.worker_id = resp.worker_id or result.worker_id
-            if resp.finish_reason:
-                result.finish_reason = resp.finish_reason
-                if req.messages:  # a real answer ends at the end-of-turn token ("stop") or at max_tokens
-                    result.ok = resp.finish_reason in ("stop", "length") and 0 < result.tokens <= req.max_tokens
-                else:  # ignore_eos: every request must stream exactly max_tokens tokens, whatever happened to it
-                    result.ok = resp.finish_reason == "length" and result.tokens == req.max_tokens
-                result.error = "" if result.ok else f"finish_reason={resp.finish_reason}, {result.tokens} tokens"
-                result.prompt_tokens = resp.usage.prompt_tokens
-                result.cached_tokens = resp.usage.cached_tokens
-                result.preemptions = resp.num_preemptions
-                result.swaps = resp.num_swaps
-                result.migrations = resp.num_migrations
-    except grpc.RpcError as e:
-        result.error = f"{e.code().name}: {e.details()}"
+    for attempt in range(DEMO_MAX_ATTEMPTS):
+        try:
+            _stream(stub, req, result, on_tokens, on_text)
+            break
+        except grpc.RpcError as e:
+            result.error = f"{e.code().name}: {e.details()}"
+            # NOTE: as a well-behaved client does (cluster/client.py): an overloaded router says when to come
+            # back; retry only before any token arrived, so nothing is duplicated.
+            hint = retry_after_s(e)
+            if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or result.tokens or attempt + 1 == DEMO_MAX_ATTEMPTS:
+                break
+            time.sleep(hint if hint is not None else 0.1 * 2**attempt)
     result.seconds = time.monotonic() - t0
     return result
+
+
+def _stream(stub, req: DemoRequest, result: RequestResult, on_tokens, on_text) -> None:  # noqa: ANN001
+    """One Generate call into ``result``; raises grpc.RpcError."""
+    for resp in stub.Generate(_grpc_request(req), timeout=300):
+        if resp.token_ids:
+            result.tokens += len(resp.token_ids)
+            on_tokens(len(resp.token_ids))
+        if resp.text_delta and on_text is not None:
+            on_text(req.index, resp.text_delta)
+        result.worker_id = resp.worker_id or result.worker_id
+        if resp.finish_reason:
+            result.finish_reason = resp.finish_reason
+            if req.messages:  # a real answer ends at the end-of-turn token ("stop") or at max_tokens
+                result.ok = resp.finish_reason in ("stop", "length") and 0 < result.tokens <= req.max_tokens
+            else:  # ignore_eos: every request must stream exactly max_tokens tokens, whatever happened to it
+                result.ok = resp.finish_reason == "length" and result.tokens == req.max_tokens
+            result.error = "" if result.ok else f"finish_reason={resp.finish_reason}, {result.tokens} tokens"
+            result.prompt_tokens = resp.usage.prompt_tokens
+            result.cached_tokens = resp.usage.cached_tokens
+            result.preemptions = resp.num_preemptions
+            result.swaps = resp.num_swaps
+            result.migrations = resp.num_migrations
 
 
 def _pressure_line(status: spb.ClusterStatus) -> str:

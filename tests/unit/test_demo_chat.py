@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grpc
 from rich.console import Console
 
 from cluster.demo import PressureTracker, RequestResult, _grpc_request, build_chat_workload, build_workload, summarize
@@ -59,3 +60,43 @@ def test_summary_of_a_chat_run() -> None:
     assert "2 ok, 0 failed: 2 users' questions sharing a system prompt (1 answers ended by the model)" in summary
     assert "prefix cache   hit rate 40.0% of prompt tokens" in summary
     assert "1 workers x 32 KV blocks" in summary
+
+
+class _Busy(grpc.RpcError):
+    """What the router answers an overloaded Generate: RESOURCE_EXHAUSTED with a retry-after trailer."""
+
+    def __init__(self, code: grpc.StatusCode = grpc.StatusCode.RESOURCE_EXHAUSTED) -> None:
+        self._code = code
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return "router busy"
+
+    def trailing_metadata(self) -> tuple:
+        return (("retry-after-ms", "1"),)
+
+
+class _Stub:
+    def __init__(self, failures: list[grpc.RpcError]) -> None:
+        self.failures, self.calls = failures, 0
+
+    def Generate(self, request, timeout):  # noqa: ANN001, N802 - the gRPC stub's name
+        self.calls += 1
+        if self.failures:
+            raise self.failures.pop(0)
+        yield spb.GenerateResponse(token_ids=[1, 2], finish_reason="length")
+
+
+def test_demo_retries_an_overloaded_router_before_any_token() -> None:
+    from cluster.demo import DemoRequest, _send
+
+    req = DemoRequest(index=1, kind="short", token_ids=(5, 6), max_tokens=2)
+    stub = _Stub([_Busy(), _Busy()])
+    result = _send(stub, req, on_tokens=lambda n: None)
+    assert stub.calls == 3 and result.ok and result.tokens == 2 and result.error == ""
+    # Any other status is the answer: no retry.
+    stub = _Stub([_Busy(grpc.StatusCode.INVALID_ARGUMENT)])
+    result = _send(stub, req, on_tokens=lambda n: None)
+    assert stub.calls == 1 and not result.ok and result.error.startswith("INVALID_ARGUMENT")
