@@ -166,8 +166,8 @@ def retry_after_s(error: grpc.RpcError) -> float | None:
     return None
 
 
-class _Retry:
-    """Retry bookkeeping of one Generate: attempts, backoff, deadline."""
+class GenerateRetry:
+    """Retry bookkeeping of one Generate: attempts, backoff, deadline (the policy of the module doc)."""
 
     def __init__(self, max_attempts: int, max_wait_s: float, timeout: float | None) -> None:
         self.max_attempts = max(1, max_attempts)
@@ -210,7 +210,7 @@ class GenerateStream(Iterator[spb.GenerateResponse]):
     def __init__(self, client: KVServeClient, request: spb.GenerateRequest, timeout: float | None) -> None:
         self._client = client
         self._request = request
-        self._retry = _Retry(client.max_attempts, client.max_retry_wait_s, timeout)
+        self._retry = GenerateRetry(client.max_attempts, client.max_retry_wait_s, timeout)
         self._call: Any = None
         self._received = False
         self._cancelled = False
@@ -348,7 +348,7 @@ class AsyncGenerateStream(AsyncIterator[spb.GenerateResponse]):
     def __init__(self, client: AsyncKVServeClient, request: spb.GenerateRequest, timeout: float | None) -> None:
         self._client = client
         self._request = request
-        self._retry = _Retry(client.max_attempts, client.max_retry_wait_s, timeout)
+        self._retry = GenerateRetry(client.max_attempts, client.max_retry_wait_s, timeout)
         self._call: Any = None
         self._received = False
         self._cancelled = False

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import grpc
 
-from cluster.client import retry_after_s
+from cluster.client import DEFAULT_MAX_RETRY_WAIT_S, GenerateRetry
 from protos.kvserve.v1 import serving_pb2 as spb
 
 logger = logging.getLogger(__name__)
@@ -211,6 +211,7 @@ def _grpc_request(req: DemoRequest) -> spb.GenerateRequest:
 
 
 DEMO_MAX_ATTEMPTS = 8  # Generate calls per request while the router answers RESOURCE_EXHAUSTED
+DEMO_TIMEOUT_S = 300.0  # per request, retries included
 
 
 def _send(stub, req: DemoRequest, on_tokens, delay_s: float = 0.0, on_text=None) -> RequestResult:  # noqa: ANN001
@@ -219,25 +220,27 @@ def _send(stub, req: DemoRequest, on_tokens, delay_s: float = 0.0, on_text=None)
         time.sleep(delay_s)
     t0 = time.monotonic()
     result = RequestResult(req, started=t0)
-    for attempt in range(DEMO_MAX_ATTEMPTS):
+    # NOTE: the client's retry policy (cluster/client.py): an overloaded router says when to come back;
+    # only RESOURCE_EXHAUSTED, and only before any token arrived, so nothing is duplicated.
+    retry = GenerateRetry(DEMO_MAX_ATTEMPTS, DEFAULT_MAX_RETRY_WAIT_S, DEMO_TIMEOUT_S)
+    while True:
+        retry.attempts += 1
         try:
-            _stream(stub, req, result, on_tokens, on_text)
+            _stream(stub, req, result, on_tokens, on_text, retry.remaining())
             break
         except grpc.RpcError as e:
             result.error = f"{e.code().name}: {e.details()}"
-            # NOTE: as a well-behaved client does (cluster/client.py): an overloaded router says when to come
-            # back; retry only before any token arrived, so nothing is duplicated.
-            hint = retry_after_s(e)
-            if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or result.tokens or attempt + 1 == DEMO_MAX_ATTEMPTS:
+            wait = retry.wait_for(e, received=result.tokens > 0, cancelled=False)
+            if wait is None:
                 break
-            time.sleep(hint if hint is not None else 0.1 * 2**attempt)
+            time.sleep(wait)
     result.seconds = time.monotonic() - t0
     return result
 
 
-def _stream(stub, req: DemoRequest, result: RequestResult, on_tokens, on_text) -> None:  # noqa: ANN001
+def _stream(stub, req: DemoRequest, result: RequestResult, on_tokens, on_text, timeout: float | None) -> None:  # noqa: ANN001
     """One Generate call into ``result``; raises grpc.RpcError."""
-    for resp in stub.Generate(_grpc_request(req), timeout=300):
+    for resp in stub.Generate(_grpc_request(req), timeout=timeout):
         if resp.token_ids:
             result.tokens += len(resp.token_ids)
             on_tokens(len(resp.token_ids))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+import kernels
 from kernels import cpu_ext, reference
 from kernels.reference import copy_blocks, prefill_attention, store_kv, swap_blocks
 
@@ -87,8 +88,6 @@ PANEL = 16  # output rows per packed panel (cpu_ops.cpp kPanel)
 def packed_gemm_available(weight: torch.Tensor) -> bool:
     """Whether ``pack_weight`` and the packed GEMM ops apply to this ``[out, in]`` weight (and the ``cpu``
     backend is the one chosen: ``KVSERVE_ATTENTION_BACKEND=torch`` keeps the plain-torch path)."""
-    import kernels  # NOTE: the package imports this module lazily; no cycle at import time
-
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.float32

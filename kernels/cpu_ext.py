@@ -93,8 +93,9 @@ def unusable_reason() -> str | None:
         return "disabled by KVSERVE_CPU_EXT=0"
     if _X86 and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return f"the CPU (or ATEN_CPU_CAPABILITY) offers {torch.backends.cpu.get_cpu_capability()}, not AVX2 + FMA"
-    if not library_path().exists():
-        return f"no build for this source and torch at {library_path()} (run `make setup`)"
+    path = library_path()
+    if not path.exists():
+        return f"no build for this source and torch at {path} (run `make setup`)"
     return None
 
 
