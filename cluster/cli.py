@@ -15,17 +15,17 @@ from cluster.lazy_subcommands import LazySubParsers, module_loader
 
 
 def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """A flag per EngineConfig field (``--block-size``...), generated from the dataclass (workers/knobs.py)."""
-    from workers.config import EngineConfig
-    from workers.knobs import add_arguments
+    """A flag per EngineConfig field (``--block-size``...), generated from the dataclass (workers/core/knobs.py)."""
+    from workers.core.knobs import add_arguments
+    from workers.engine.config import EngineConfig
 
     add_arguments(p.add_argument_group("engine"), EngineConfig)
 
 
 def engine_config_from_args(args: argparse.Namespace):
     """The EngineConfig of ``--model`` and the engine flags (ValueError on a bad value)."""
-    from workers.config import EngineConfig
-    from workers.knobs import knobs
+    from workers.core.knobs import knobs
+    from workers.engine.config import EngineConfig
 
     values = {f.name: getattr(args, f.name) for f in knobs(EngineConfig) if f.metadata["cli"]}
     return EngineConfig(model=args.model, **values)
@@ -44,7 +44,7 @@ def _add_sampling_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_params_from_args(args: argparse.Namespace):
-    from workers.sampling_params import SamplingParams
+    from workers.core.sampling_params import SamplingParams
 
     return SamplingParams(
         max_tokens=args.max_tokens,
@@ -87,8 +87,8 @@ def _render_chats(prompts: list, model_dir: str) -> list:
     """Offline: chat prompts -> token ids through the model's chat template (as the router does)."""
     if not any(_is_chat(p) for p in prompts):
         return prompts
-    from workers.chat_template import ChatMessage, ChatTemplate
-    from workers.tokenizer import load_tokenizer
+    from workers.text.chat_template import ChatMessage, ChatTemplate
+    from workers.text.tokenizer import load_tokenizer
 
     template, tokenizer = ChatTemplate.from_dir(model_dir), load_tokenizer(model_dir)
     if template is None or tokenizer is None:
@@ -109,7 +109,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         results = generate_remote(args, prompts, params)
     else:
-        from workers.engine import LLM
+        from workers.engine.engine import LLM
 
         try:
             llm = LLM.from_config(engine_config_from_args(args))
@@ -137,7 +137,7 @@ def _register_model(sub: argparse._SubParsersAction) -> None:
     # NOTE: intermixed parsing, so `fetch NAME --dtype X OUT` works as well as `fetch --dtype X NAME OUT`
     # (plain argparse binds every positional at the first one and rejects OUT after an option).
     model_sub = model.add_subparsers(dest="model_command", required=True, parser_class=IntermixedArgumentParser)
-    from workers.random_model import add_init_random_arguments, run_init_random
+    from workers.models.random_model import add_init_random_arguments, run_init_random
 
     init = model_sub.add_parser("init-random", help="write a random-weight HF-format checkpoint + tokenizer.json")
     add_init_random_arguments(init)

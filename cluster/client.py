@@ -35,7 +35,7 @@ import grpc
 
 from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import serving_pb2_grpc
-from workers.worker_link import channel_credentials
+from workers.transport.worker_link import channel_credentials
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ def build_request(
 
 
 def sampling_kwargs(params: Any) -> dict[str, Any]:
-    """``generate`` keyword arguments from a ``workers.sampling_params.SamplingParams``."""
+    """``generate`` keyword arguments from a ``workers.core.sampling_params.SamplingParams``."""
     return {
         "max_tokens": params.max_tokens,
         "temperature": params.temperature,

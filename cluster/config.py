@@ -24,7 +24,7 @@ section cannot set them. Unknown keys and bad values raise ``ValueError`` naming
 (``ClusterConfig.load(path, overrides)``), the file overrides the defaults.
 
 Each key's default, help and check are declared once, on its dataclass field (``knob(...)``,
-``workers/knobs.py``); this module only composes the sections, checks YAML types and names the
+``workers/core/knobs.py``); this module only composes the sections, checks YAML types and names the
 key in errors. ``kvserve serve`` generates one flag per key from the same fields
 (``cluster/serve_cli.py``).
 """
@@ -42,9 +42,9 @@ from typing import Any
 import yaml
 
 from router.config import RouterConfig
-from workers.config import EngineConfig
-from workers.knobs import knob
-from workers.options import WorkerOptions
+from workers.core.knobs import knob
+from workers.engine.config import EngineConfig
+from workers.transport.options import WorkerOptions
 
 # Ray names (docs/architecture.md: the router is a detached, named actor so `kvserve status` can find it).
 RAY_NAMESPACE = "kvserve"

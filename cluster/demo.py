@@ -80,7 +80,7 @@ def ensure_tiny_model(path: Path) -> Path:
     """The tiny random Llama at ``path``, written once (atomically: a half-written one never counts)."""
     if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
         return path
-    from workers.random_model import init_random
+    from workers.models.random_model import init_random
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-llama-", dir=path.parent))
@@ -430,7 +430,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from cluster.serve_cli import signals_as_keyboard_interrupt, stop_all
     from cluster.top import open_stub
     from router.config import RouterConfig
-    from workers.config import EngineConfig
+    from workers.engine.config import EngineConfig
 
     if (args.requests is not None and args.requests <= 0) or args.workers <= 0:
         print("error: --requests and --workers must be positive", file=sys.stderr)

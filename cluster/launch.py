@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.config import RouterConfig
-from workers.config import EngineConfig
-from workers.options import WorkerOptions
+from workers.engine.config import EngineConfig
+from workers.transport.options import WorkerOptions
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ def start_cluster(
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from workers.worker import worker_actor_class
+    from workers.transport.worker import worker_actor_class
 
     if num_workers <= 0:
         raise ValueError(f"num_workers must be positive, got {num_workers}")

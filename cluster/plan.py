@@ -13,8 +13,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from workers.block_pool import blocks_for
-from workers.sizes import SCALE_BYTES, parse_bytes
+from workers.core.sizes import SCALE_BYTES, blocks_for, parse_bytes
 
 KV_DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
 
@@ -43,7 +42,7 @@ class Shape:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> Shape:
-        from workers.model_config import ModelConfig
+        from workers.models.model_config import ModelConfig
 
         c = ModelConfig.from_dir(model_dir)
         elem = {4: 4, 2: 2}.get(c.dtype.itemsize, 2)

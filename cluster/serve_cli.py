@@ -37,7 +37,7 @@ class _Unset:
 UNSET: Any = _Unset()
 
 # Flag groups of ``serve``: (group title, cluster.yaml section or None for the top level, flag prefix).
-# Every flag is generated from its config dataclass (workers/knobs.py); the dest is "section.key".
+# Every flag is generated from its config dataclass (workers/core/knobs.py); the dest is "section.key".
 _FLAG_GROUPS = (
     ("cluster", None, ""),
     ("router", "router", ""),
@@ -49,8 +49,8 @@ _FLAG_GROUPS = (
 def _section_classes() -> dict[str | None, type]:
     from cluster.config import ClusterConfig
     from router.config import RouterConfig
-    from workers.config import EngineConfig
-    from workers.options import WorkerOptions
+    from workers.engine.config import EngineConfig
+    from workers.transport.options import WorkerOptions
 
     return {None: ClusterConfig, "router": RouterConfig, "engine": EngineConfig, "worker": WorkerOptions}
 
@@ -62,7 +62,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     engine's fields under their own names (``--placement-policy``, ``--block-size``), the worker's
     with a ``--worker-`` prefix (``--worker-stall-timeout-s``).
     """
-    from workers.knobs import add_arguments
+    from workers.core.knobs import add_arguments
 
     p.add_argument("--config", default=None, help="cluster.yaml (see cluster/config.py); flags override it")
     classes = _section_classes()
@@ -225,7 +225,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from workers.gguf_checkpoint import find_gguf
+    from workers.models.gguf_checkpoint import find_gguf
 
     try:
         gguf = find_gguf(cfg.model)

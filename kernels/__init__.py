@@ -4,7 +4,7 @@ they do not apply or are not built) on CPU.
 ``KVSERVE_ATTENTION_BACKEND=triton|cpu|torch`` overrides the choice (``torch``: the plain-torch
 reference only); Triton on a CPU tensor needs ``TRITON_INTERPRET=1`` (slow; for tests). Workers run
 kernels through ``get_backend()`` (the model's attention and the KV cache's stores and copies);
-``workers/kv_cache.py`` also calls ``reference`` directly for host swap copies and raw-byte views,
+``workers/engine/kv_cache.py`` also calls ``reference`` directly for host swap copies and raw-byte views,
 which need no kernel.
 """
 

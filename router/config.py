@@ -1,7 +1,7 @@
 """RouterConfig: the router's knobs, declared, documented and validated here only.
 
 The ``router:`` section of ``cluster.yaml`` and the router flags of ``kvserve serve`` are
-generated from these fields (``workers/knobs.py``).
+generated from these fields (``workers/core/knobs.py``).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from router.placement import PlacementPolicy
-from workers.knobs import FRACTION, NON_NEGATIVE, PORT, POSITIVE, knob, validate
+from workers.core.knobs import FRACTION, NON_NEGATIVE, PORT, POSITIVE, knob, validate
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from workers.block_pool import blocks_for
+from workers.core.sizes import blocks_for
 
 __all__ = [
     "Candidate", "CostModel", "Placement", "PlacementPolicy", "PlacementRequest", "WorkerView",
@@ -145,7 +145,7 @@ class PlacementRequest:
 
     Attributes:
         num_prompt_tokens: prompt length (>= 1).
-        block_hashes: hash chain of the prompt's full blocks (workers/block_hash.py).
+        block_hashes: hash chain of the prompt's full blocks (workers/core/block_hash.py).
         max_tokens: output tokens the request may generate (>= 1).
         decode_reserve_blocks: blocks kept free beyond the prompt so decoding can start (>= 0).
 

@@ -1,7 +1,7 @@
 """The router's view of which block hashes each worker holds, fed by the workers' block events.
 
 Pure Python: the router translates WorkerLink ``BlockEvent`` / ``BlockSnapshot`` protos into the
-dataclasses of ``workers.kv_events`` (the
+dataclasses of ``workers.core.kv_events`` (the
 same ones the worker's BlockPool emits).
 
 Per worker, events carry a sequence number that starts at 1 (0 = "no event yet", an empty pool)
@@ -34,7 +34,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from workers.kv_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
+from workers.core.kv_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
 
 __all__ = ["AllBlocksCleared", "BlockEvent", "BlockRemoved", "BlockStored", "PrefixIndex", "PrefixMatch"]
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from protos.kvserve.v1 import serving_pb2 as spb
 from router.validation import MAX_TEXT_CHARS, ModelLimits, ValidationError, chat_messages, validate_prompt_ids
-from workers.chat_template import ChatTemplate, ChatTemplateError
+from workers.text.chat_template import ChatTemplate, ChatTemplateError
 
 
 def prompt_ids(

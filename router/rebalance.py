@@ -41,7 +41,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from router.placement import WorkerView
-from workers.block_pool import blocks_for
+from workers.core.sizes import blocks_for
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from protos.kvserve.v1 import worker_pb2 as pb
-from workers.sampling_params import SamplingParams
+from workers.core.sampling_params import SamplingParams
 
 # A worker's state at the router (ClusterStatus.workers[].state).
 WORKER_UP, WORKER_DOWN, WORKER_RETIRED = "up", "down", "retired"

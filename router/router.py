@@ -62,10 +62,10 @@ from router.request import WORKER_DOWN, WORKER_RETIRED, WORKER_UP, RouterError, 
 from router.status import build_cluster_status
 from router.validation import ModelLimits, ValidationError, sampling_params, validate_ids
 from router.worker_link import WorkerLinkHandler, WorkerLinkService
-from workers.block_hash import cache_extra, hash_blocks
-from workers.block_pool import blocks_for
-from workers.chat_template import ChatTemplate
-from workers.identity import WorkerIdentity
+from workers.core.block_hash import cache_extra, hash_blocks
+from workers.core.identity import WorkerIdentity
+from workers.core.sizes import blocks_for
+from workers.text.chat_template import ChatTemplate
 
 __all__ = ["Router", "RouterError", "RouterRequest", "WorkerEntry"]
 
@@ -86,7 +86,7 @@ class WorkerEntry:
     WorkerLinkService only; ``healthy`` is the health checks' verdict."""
 
     identity: WorkerIdentity
-    handle: Any  # Ray actor handle of workers.worker.Worker
+    handle: Any  # Ray actor handle of workers.transport.worker.Worker
     report: pb.PressureReport | None = None
     report_time: float = 0.0
     healthy: bool = True

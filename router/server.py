@@ -41,8 +41,8 @@ from router.auth import BearerAuthInterceptor
 from router.config import RouterConfig
 from router.http_api import HttpApiServer
 from router.router import Router, RouterError
-from workers.identity import WorkerIdentity
-from workers.worker_link import read_pem
+from workers.core.identity import WorkerIdentity
+from workers.core.tls import read_pem
 
 logger = logging.getLogger(__name__)
 
@@ -275,8 +275,8 @@ class RouterService:
             metrics_port: Prometheus ``/metrics`` (None = off).
             http_port: the OpenAI-compatible HTTP API (None = off, 0 = a free port: see ``http_port()``).
         """
-        from workers.chat_template import ChatTemplate
-        from workers.tokenizer import load_tokenizer
+        from workers.text.chat_template import ChatTemplate
+        from workers.text.tokenizer import load_tokenizer
 
         self.config = config
         self.ready_timeout_s = ready_timeout_s

@@ -10,8 +10,8 @@ import re
 from dataclasses import dataclass
 
 from protos.kvserve.v1 import serving_pb2 as spb
-from workers.chat_template import CHAT_ROLES, ChatMessage
-from workers.sampling_params import SamplingParams
+from workers.core.sampling_params import SamplingParams
+from workers.text.chat_template import CHAT_ROLES, ChatMessage
 
 MAX_REQUEST_ID_LEN = 128
 MAX_TENANT_LEN = 256

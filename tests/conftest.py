@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.random_model import init_random
+from workers.models.random_model import init_random
 
 # One thread: the tiny model is overhead-bound, and on a 2-core box spinning OpenMP threads would
 # fight the Ray workers that integration tests run beside the test process.

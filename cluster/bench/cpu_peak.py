@@ -3,10 +3,10 @@
 ``bench offline`` reports model GFLOP/s; this measures what to compare them with, with the library the
 projections use: torch's default ``mm`` (MKL on x86), and oneDNN with a pre-packed weight
 (``torch.ops.mkldnn``), fp32 and bf16, and kvserve's own packed AVX2 GEMM (``kernels/csrc``, what
-``workers.model.Linear`` runs for decode-sized batches where it is built), on a square 2048 GEMM and on
+``workers.models.model.Linear`` runs for decode-sized batches where it is built), on a square 2048 GEMM and on
 the standard models' shapes (decode rows and a prefill chunk; SmolLM2-135M's decode rows). Best of
 ``--repeats`` timings per case. The ISA caps (``ONEDNN_MAX_CPU_ISA``, ``ATEN_CPU_CAPABILITY``) apply
-as for the engine; the JSON records them (``workers.cpu_features``).
+as for the engine; the JSON records them (``workers.host.cpu_features``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kernels import cpu_backend
-from workers.cpu_features import current
-from workers.random_model import SIZES, VOCAB_SIZE
+from workers.host.cpu_features import current
+from workers.models.random_model import SIZES, VOCAB_SIZE
 
 SQUARE = 2048
 
@@ -93,7 +93,7 @@ def best_seconds(fn: Callable[[], object], repeats: int, min_seconds: float = 0.
 
 
 def _onednn_linear(x: torch.Tensor, w: torch.Tensor, batch_hint: int) -> Callable[[], torch.Tensor]:
-    """``x @ w.T`` through oneDNN with ``w`` packed once, as ``workers.model.Linear`` runs it."""
+    """``x @ w.T`` through oneDNN with ``w`` packed once, as ``workers.models.model.Linear`` runs it."""
     packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
     return lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 

@@ -76,7 +76,7 @@ class CheckConfig:
 
 def random_checkpoint(cfg: CheckConfig, arch: str, size: str) -> Path:
     """A random-weight checkpoint (seed 0) under the work folder, written once."""
-    from workers.random_model import init_random
+    from workers.models.random_model import init_random
 
     d = cfg.work / f"{arch}-{size}"
     if not (d / "config.json").is_file():
@@ -119,14 +119,14 @@ def hf_greedy(model_dir: Path, device: str, prompts: list[list[int]], max_new_to
 
 
 def _greedy(max_tokens: int) -> Any:
-    from workers.sampling_params import SamplingParams
+    from workers.core.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
 def check_parity(cfg: CheckConfig) -> dict[str, Any]:
     """Engine vs HF greedy fp32 tokens on every checkpoint (see the module docstring)."""
-    from workers.engine import LLM
+    from workers.engine.engine import LLM
 
     models = {f"{arch}-tiny": random_checkpoint(cfg, arch, "tiny") for arch in ("llama", "qwen2")}
     if not cfg.dry_run:
@@ -188,7 +188,7 @@ def check_parity(cfg: CheckConfig) -> dict[str, Any]:
 def check_kv_smoke(cfg: CheckConfig) -> dict[str, Any]:
     """bf16, fp8-KV and int8-KV runs: complete in-vocabulary outputs; agreement with fp32 reported."""
     from cluster.bench.offline import token_agreement
-    from workers.engine import LLM
+    from workers.engine.engine import LLM
 
     path = random_checkpoint(cfg, "llama", "tiny")
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
@@ -221,8 +221,8 @@ def check_kv_smoke(cfg: CheckConfig) -> dict[str, Any]:
 
 def check_swap_migration(cfg: CheckConfig) -> dict[str, Any]:
     """Swap preemption and a live export/import on the device keep greedy tokens identical."""
-    from workers.config import EngineConfig
-    from workers.engine import LLM, LLMEngine
+    from workers.engine.config import EngineConfig
+    from workers.engine.engine import LLM, LLMEngine
 
     path = str(random_checkpoint(cfg, "llama", "tiny"))
     prompts = [list(range(10, 30)), list(range(40, 47)), list(range(50, 66))]

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     from cluster.launch import start_cluster
     from cluster.serve_cli import init_ray
     from router.config import RouterConfig
-    from workers.config import EngineConfig
+    from workers.engine.config import EngineConfig
 
     init_ray(None, num_cpus=4)  # a fresh local Ray, never one another process started
     cluster = start_cluster(

@@ -52,7 +52,7 @@ from typing import Any
 
 from cluster.bench import peers
 from cluster.bench.workloads import WORKLOADS, prompts
-from workers.progress import RequestProgress
+from workers.engine.progress import RequestProgress
 
 RESULT_KEYS = (
     "output_tokens_per_s",
@@ -149,7 +149,7 @@ def run_workload(
     With ``logprobs`` each chosen token's log-probability is recorded too (full logits every step:
     slower, so the timed runs go without and a separate pass measures quality).
     """
-    from workers.sampling_params import SamplingParams
+    from workers.core.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0 if logprobs else None)
     sched = engine.scheduler
@@ -224,7 +224,7 @@ def _per_cpu_s(r: RunResult) -> float:
 
 def _warm_up(engine: Any, vocab: int) -> None:
     """One short request through the engine (first-call allocations, lazy inits), then a clean cache."""
-    from workers.sampling_params import SamplingParams
+    from workers.core.sampling_params import SamplingParams
 
     engine.add_request("bench-warmup", [(7 * i + 3) % vocab for i in range(48)], SamplingParams(
         max_tokens=4, temperature=0.0, ignore_eos=True))  # fmt: skip
@@ -275,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from cluster.cli import engine_config_from_args
-    from workers.engine import LLMEngine
+    from workers.engine.engine import LLMEngine
 
     if args.runs <= 0:
         print("error: --runs must be positive", file=sys.stderr)

@@ -76,8 +76,8 @@ def _offline_child(args: argparse.Namespace) -> int:
     import torch
 
     from cluster.bench.offline import _warm_up, run_workload
-    from workers.config import EngineConfig
-    from workers.engine import LLMEngine
+    from workers.engine.config import EngineConfig
+    from workers.engine.engine import LLMEngine
 
     torch.set_num_threads(args.cpus_per_worker)
     prompt_ids, max_tokens = prompts(args.workload)
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         return _offline_child(args)
 
     from cluster.launch import start_cluster
-    from workers.config import EngineConfig
+    from workers.engine.config import EngineConfig
 
     prompt_ids, max_tokens = prompts(args.workload)
     config = EngineConfig(model=args.model, dtype="float32", block_size=args.block_size)

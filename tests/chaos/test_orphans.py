@@ -7,10 +7,10 @@ import socket
 import time
 from pathlib import Path
 
-from workers.config import EngineConfig
-from workers.options import WorkerOptions
-from workers.sampling_params import SamplingParams
-from workers.worker import WorkerCore
+from workers.core.sampling_params import SamplingParams
+from workers.engine.config import EngineConfig
+from workers.transport.options import WorkerOptions
+from workers.transport.worker import WorkerCore
 
 ORPHAN_TIMEOUT_S = 0.5
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from router.config import RouterConfig
-from workers.config import EngineConfig
+from workers.engine.config import EngineConfig
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "cli-test-token"

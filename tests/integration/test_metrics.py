@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import serving_pb2_grpc
 from router.config import RouterConfig
-from workers.config import EngineConfig
+from workers.engine.config import EngineConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 NUM_BLOCKS = 32

@@ -22,9 +22,9 @@ import pytest
 from cluster.client import KVServeClient
 from router.config import RouterConfig
 from tests.integration.test_router import MAIN_BLOCKS, RPC_TIMEOUT, greedy, rand_prompt, wait_idle, wait_until
-from workers.chat_template import ChatMessage, ChatTemplate
-from workers.config import EngineConfig
-from workers.tokenizer import Tokenizer
+from workers.engine.config import EngineConfig
+from workers.text.chat_template import ChatMessage, ChatTemplate
+from workers.text.tokenizer import Tokenizer
 
 openai = pytest.importorskip("openai")
 
@@ -65,7 +65,7 @@ def grpc_client(cluster):
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    from workers.engine import LLM
+    from workers.engine.engine import LLM
 
     return LLM(str(tiny_llama_dir), num_gpu_blocks=512)
 

@@ -29,11 +29,11 @@ from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import serving_pb2_grpc
 from router.config import RouterConfig
 from router.validation import MAX_STOP_STRINGS, MAX_TEXT_CHARS
-from workers.config import EngineConfig
-from workers.sampling_params import SamplingParams
-from workers.worker import WorkerOptions
+from workers.core.sampling_params import SamplingParams
+from workers.engine.config import EngineConfig
+from workers.transport.worker import WorkerOptions
 
-VOCAB = 32000  # workers/random_model.py
+VOCAB = 32000  # workers/models/random_model.py
 MAX_MODEL_LEN = 4096
 BLOCK = 16
 MAIN_BLOCKS = 128  # per worker: 2048 tokens
@@ -140,7 +140,7 @@ def client(cluster) -> Iterator[KVServeClient]:
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    from workers.engine import LLM
+    from workers.engine.engine import LLM
 
     return LLM(str(tiny_llama_dir), num_gpu_blocks=512)
 
@@ -198,7 +198,7 @@ def test_async_client_streams_equal_offline_greedy(cluster, llm):
 
 @pytest.mark.usefixtures("idle_after")
 def test_logprobs_stream_with_their_tokens(client, llm):
-    from workers.sampling_params import SamplingParams
+    from workers.core.sampling_params import SamplingParams
 
     prompt = rand_prompt(150, 20)
     (expected,) = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2))

@@ -189,8 +189,8 @@ def test_http_api_serves_chat(served: tuple[Proc, str, str]) -> None:
 
 
 def test_a_request_streams_tokens(served: tuple[Proc, str, str], tiny_llama_dir: Path) -> None:
-    from workers.engine import LLM
-    from workers.sampling_params import SamplingParams
+    from workers.core.sampling_params import SamplingParams
+    from workers.engine.engine import LLM
 
     _, address, _ = served
     prompt = [5 + i for i in range(40)]

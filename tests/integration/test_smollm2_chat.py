@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.chat_template import ChatMessage, ChatTemplate
-from workers.tokenizer import Tokenizer
+from workers.text.chat_template import ChatMessage, ChatTemplate
+from workers.text.tokenizer import Tokenizer
 
 openai = pytest.importorskip("openai")
 transformers = pytest.importorskip("transformers")
@@ -52,7 +52,7 @@ def test_smollm2_template_matches_transformers(smollm2, system):
 def test_smollm2_answers_paris_over_http(smollm2, ray_session):
     from cluster.launch import start_cluster
     from router.config import RouterConfig
-    from workers.config import EngineConfig
+    from workers.engine.config import EngineConfig
 
     cl = start_cluster(
         EngineConfig(str(smollm2), num_gpu_blocks=64), 1, RouterConfig(port=0, model=str(smollm2)),

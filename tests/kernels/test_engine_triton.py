@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.engine import LLM
-from workers.sampling_params import SamplingParams
+from workers.core.sampling_params import SamplingParams
+from workers.engine.engine import LLM
 
 PROMPTS = [[5, 17, 99, 1000, 2047, 3], list(range(100, 121))]  # a short and a 21-token prompt
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.engine import LLM, LLMEngine
-from workers.outputs import CompletionOutput
-from workers.sampling_params import SamplingParams
+from workers.core.sampling_params import SamplingParams
+from workers.engine.engine import LLM, LLMEngine
+from workers.engine.outputs import CompletionOutput
 
 N = 24  # new tokens per request (the conftest oracle's maximum, so all tests share its cache)
 GREEDY = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)

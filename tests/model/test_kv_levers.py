@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.engine import LLM
-from workers.sampling_params import SamplingParams
+from workers.core.sampling_params import SamplingParams
+from workers.engine.engine import LLM
 
 WINDOW = 8
 N_NEW = 24

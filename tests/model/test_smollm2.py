@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.engine import LLM
-from workers.gguf_checkpoint import find_gguf
-from workers.loader import load_model
-from workers.sampling_params import SamplingParams
-from workers.tokenizer import load_tokenizer
+from workers.core.sampling_params import SamplingParams
+from workers.engine.engine import LLM
+from workers.models.gguf_checkpoint import find_gguf
+from workers.models.loader import load_model
+from workers.text.tokenizer import load_tokenizer
 
 NEW_TOKENS = 64
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"

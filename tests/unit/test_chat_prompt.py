@@ -9,9 +9,9 @@ from protos.kvserve.v1 import serving_pb2 as spb
 from router.config import RouterConfig
 from router.router import Router
 from router.validation import MAX_CHAT_MESSAGES, ModelLimits, ValidationError
-from workers.chat_template import ChatMessage, ChatTemplate
-from workers.random_model import IM_START_ID, write_tokenizer
-from workers.tokenizer import Tokenizer
+from workers.models.random_model import IM_START_ID, write_tokenizer
+from workers.text.chat_template import ChatMessage, ChatTemplate
+from workers.text.tokenizer import Tokenizer
 
 LIMITS = ModelLimits(vocab_size=32000, max_model_len=4096)
 

@@ -1,4 +1,4 @@
-"""workers/chat_template.py renders as HF transformers' apply_chat_template does (same template, same ids)."""
+"""workers/text/chat_template.py renders as HF transformers' apply_chat_template does (same template, same ids)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from workers.chat_template import ChatMessage, ChatTemplate, ChatTemplateError
-from workers.random_model import IM_END_ID, IM_START_ID, write_tokenizer
-from workers.tokenizer import Tokenizer
+from workers.models.random_model import IM_END_ID, IM_START_ID, write_tokenizer
+from workers.text.chat_template import ChatMessage, ChatTemplate, ChatTemplateError
+from workers.text.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

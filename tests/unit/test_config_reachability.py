@@ -10,8 +10,8 @@ import pytest
 from cluster.cli import build_parser, command_parser, engine_config_from_args
 from cluster.config import _RESERVED, _SECTIONS, ClusterConfig
 from cluster.serve_cli import config_from_args
-from workers.config import EngineConfig
-from workers.knobs import Check, knob, knobs, validate
+from workers.core.knobs import Check, knob, knobs, validate
+from workers.engine.config import EngineConfig
 
 # Fields a command or the launcher fills in rather than the user (the YAML loader refuses them too).
 SET_ELSEWHERE = {section: set(keys) for section, keys in _RESERVED.items()}
@@ -115,7 +115,7 @@ def test_a_new_knob_is_one_declaration() -> None:
         def __post_init__(self) -> None:
             validate(self)
 
-    from workers.knobs import add_arguments, values_from_args
+    from workers.core.knobs import add_arguments, values_from_args
 
     parser = argparse.ArgumentParser()
     dests = add_arguments(parser, Toy)

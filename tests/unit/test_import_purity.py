@@ -14,10 +14,10 @@ import pytest
 
 HEAVY = ("torch", "grpc", "ray")
 CONTROL_MODULES = [
-    "workers.block_pool",
-    "workers.scheduler",
-    "workers.config",
-    "workers.options",
+    "workers.engine.block_pool",
+    "workers.engine.scheduler",
+    "workers.engine.config",
+    "workers.transport.options",
     "router.placement",
     "router.admission",
     "router.config",
@@ -46,4 +46,4 @@ def test_control_module_imports_no_heavy_module(module: str) -> None:
 
 def test_the_check_can_fail() -> None:
     """The probe sees a heavy import when there is one (the engine needs torch)."""
-    assert "torch" in _heavy_modules_after_import("workers.engine")
+    assert "torch" in _heavy_modules_after_import("workers.engine.engine")

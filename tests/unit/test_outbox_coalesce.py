@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from protos.kvserve.v1 import worker_pb2 as pb
-from workers.outbox import Outbox
+from workers.transport.outbox import Outbox
 
 
 def _outputs(step: int, *outs: tuple[str, list[int], int, str]) -> pb.StepOutputs:

@@ -22,7 +22,7 @@ from cluster.bench import peers
 from cluster.bench.peers import PeerRun, compare, format_table, peer_command, resolve_peer
 from cluster.bench.workloads import prompts
 from cluster.cli import main
-from workers.random_model import init_random
+from workers.models.random_model import init_random
 
 # A raw fake: emits the protocol lines by hand. Env: FAKE_SECONDS (seconds it reports per pass),
 # FAKE_TOKENS (a --dump-tokens file: it answers those tokens, with request 0's first token changed),

@@ -51,8 +51,8 @@ def test_rejects_bad_input() -> None:
 @pytest.mark.parametrize("plan_dtype,engine_dtype", [("fp32", "auto"), ("fp8", "fp8"), ("int8", "int8")])
 def test_plan_matches_engine_admission(tiny_llama_dir: Path, plan_dtype: str, engine_dtype: str) -> None:
     """Plan's max users at a context == what a contiguous-reservation engine admits in the same memory."""
-    from workers.engine import LLM
-    from workers.sampling_params import SamplingParams
+    from workers.core.sampling_params import SamplingParams
+    from workers.engine.engine import LLM
 
     shape = Shape.from_model_dir(tiny_llama_dir)
     context, kv_memory = 256, 3 * 2**20

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.pressure import PressurePolicy
+from workers.transport.pressure import PressurePolicy
 
 
 def test_rate_limit_idle_liveness_and_watermarks() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from protos.kvserve.v1 import worker_pb2 as pb
 from router.config import RouterConfig
 from router.router import Router, RouterRequest
-from workers.identity import WorkerIdentity
-from workers.sampling_params import SamplingParams
+from workers.core.identity import WorkerIdentity
+from workers.core.sampling_params import SamplingParams
 
 
 def _identity(worker_id: str) -> WorkerIdentity:

@@ -17,7 +17,7 @@ from router.config import RouterConfig
 from router.request import RouterError
 from router.router import WORKER_DOWN, WORKER_RETIRED, WORKER_UP, Router
 from router.worker_link import _Session
-from workers.identity import WorkerIdentity
+from workers.core.identity import WorkerIdentity
 
 
 class _Method:

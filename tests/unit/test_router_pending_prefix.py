@@ -15,7 +15,7 @@ from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import worker_pb2 as pb
 from router.config import RouterConfig
 from router.router import Router, RouterRequest
-from workers.identity import WorkerIdentity
+from workers.core.identity import WorkerIdentity
 
 BS = 16
 TOTAL_BLOCKS = 64

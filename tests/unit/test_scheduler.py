@@ -12,10 +12,10 @@ import itertools
 
 import pytest
 
-from workers.block_pool import BlockPool
-from workers.request import Request, RequestStatus
-from workers.sampling_params import SamplingParams
-from workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from workers.core.sampling_params import SamplingParams
+from workers.engine.block_pool import BlockPool
+from workers.engine.request import Request, RequestStatus
+from workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 _clock = itertools.count()
 

@@ -11,7 +11,7 @@ from protos.kvserve.v1 import serving_pb2 as spb
 from router.config import RouterConfig
 from router.request import RouterError
 from router.router import Router, RouterRequest
-from workers.sampling_params import SamplingParams
+from workers.core.sampling_params import SamplingParams
 
 
 def _request() -> RouterRequest:

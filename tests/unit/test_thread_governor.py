@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.host_tuning import ThreadGovernor
+from workers.host.host_tuning import ThreadGovernor
 
 
 class FakeHost:

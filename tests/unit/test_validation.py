@@ -18,7 +18,7 @@ from router.validation import (
     validate_ids,
     validate_prompt_ids,
 )
-from workers.sampling_params import SamplingParams
+from workers.core.sampling_params import SamplingParams
 
 LIMITS = ModelLimits(vocab_size=1000, max_model_len=512, default_max_tokens=64)
 

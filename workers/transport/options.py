@@ -1,9 +1,9 @@
 """WorkerOptions: a worker's knobs beside its engine's, declared and validated here only.
 
 The ``worker:`` section of ``cluster.yaml`` and the ``--worker-*`` flags of ``kvserve serve`` are
-generated from these fields (``workers/knobs.py``).
+generated from these fields (``workers/core/knobs.py``).
 
-NOTE: a leaf module apart from ``workers/worker.py`` so the launcher and the config loader can
+NOTE: a leaf module apart from ``workers/transport/worker.py`` so the launcher and the config loader can
 name the options without importing the worker (torch, grpc).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workers.knobs import NON_NEGATIVE, POSITIVE, knob, validate
+from workers.core.knobs import NON_NEGATIVE, POSITIVE, knob, validate
 
 
 @dataclass(frozen=True)

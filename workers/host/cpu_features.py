@@ -7,7 +7,7 @@ oneDNN emulates bf16 and the screen costs more than it saves). Hardware support 
 use, so a process run with ``ONEDNN_MAX_CPU_ISA=AVX2`` on an AMX machine behaves like an AVX2 machine
 and must be tuned like one. ``current()`` combines the two.
 
-Wiring (``workers/model.py``): where a lever now asks ``torch.cpu._is_avx512_bf16_supported()`` (the
+Wiring (``workers/models/model.py``): where a lever now asks ``torch.cpu._is_avx512_bf16_supported()`` (the
 hardware only), ask ``cpu_features.current().native_bf16_gemm`` instead (``ScreenedArgmax.build`` and the
 bf16 branch of ``onednn_linear_supported``); log ``current().describe()`` once at engine start so that a
 benchmark row says what it ran on.

@@ -9,8 +9,8 @@ import torch
 import kernels
 from kernels import reference
 from kernels.reference import raw_bytes
-from workers.model_config import ModelConfig
-from workers.sizes import KV_CACHE_DTYPES, SCALE_BYTES
+from workers.core.sizes import KV_CACHE_DTYPES, SCALE_BYTES
+from workers.models.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

@@ -5,9 +5,9 @@ environment switches (each on unless set to ``0``; documented in the README):
 
 - ``KVSERVE_THREAD_GOVERNOR``: ``ThreadGovernor`` drops torch to one intra-op thread while another
   process competes for the cores.
-- ``KVSERVE_ONEDNN``: CPU projections repacked for oneDNN (``workers/model.py``, ``Linear``).
+- ``KVSERVE_ONEDNN``: CPU projections repacked for oneDNN (``workers/models/model.py``, ``Linear``).
 - ``KVSERVE_GREEDY_SCREEN``: greedy rows pick their token from a bf16 screen of the LM head
-  (``workers/model.py``, ``ScreenedArgmax``), falling back to fp32 logits where the screen is unsure.
+  (``workers/models/model.py``, ``ScreenedArgmax``), falling back to fp32 logits where the screen is unsure.
 """
 
 from __future__ import annotations

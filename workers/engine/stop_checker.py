@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import Protocol
 
-from workers.sampling_params import SamplingParams
+from workers.core.sampling_params import SamplingParams
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"

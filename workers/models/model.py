@@ -16,10 +16,10 @@ from torch import nn
 import kernels
 from kernels import cpu_backend
 from kernels.reference import apply_rope
-from workers import cpu_features
-from workers.attention_metadata import AttentionMetadata
-from workers.host_tuning import env_switch
-from workers.model_config import ModelConfig
+from workers.engine.attention_metadata import AttentionMetadata
+from workers.host import cpu_features
+from workers.host.host_tuning import env_switch
+from workers.models.model_config import ModelConfig
 
 
 class Linear(nn.Linear):

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from workers.model import CausalLM
-from workers.model_config import ModelConfig
+from workers.models.model import CausalLM
+from workers.models.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def load_model(
         FileNotFoundError: missing config or weights.
         ValueError: unknown architecture, corrupt file, wrong shape, or a parameter never loaded.
     """
-    from workers.gguf_checkpoint import find_gguf, open_gguf
+    from workers.models.gguf_checkpoint import find_gguf, open_gguf
 
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)

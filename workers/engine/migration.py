@@ -9,7 +9,7 @@ prompt and the output tokens it already streamed. ``rebuild_output_text`` recomp
 alone, the text state the original worker had, and the engine recomputes the KV.
 
 Both paths rely on the same fact: a request's seeded RNG is a function of (seed, output index)
-(``workers.sampler.TokenRNG``), so no generator state travels, and a request rebuilt from its
+(``workers.engine.sampler.TokenRNG``), so no generator state travels, and a request rebuilt from its
 seed and its output tokens draws exactly what the original would have drawn next.
 """
 
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.sampling_params import SamplingParams
-from workers.stop_checker import advance_output
-from workers.tokenizer import DetokenizerState, IncrementalDetokenizer, Tokenizer
+from workers.core.sampling_params import SamplingParams
+from workers.engine.stop_checker import advance_output
+from workers.text.tokenizer import DetokenizerState, IncrementalDetokenizer, Tokenizer
 
 
 @dataclass

@@ -85,7 +85,7 @@ class ModelConfig:
             FileNotFoundError: neither found.
             ValueError: invalid or unsupported configuration.
         """
-        from workers.gguf_checkpoint import find_gguf, open_gguf
+        from workers.models.gguf_checkpoint import find_gguf, open_gguf
 
         gguf_path = find_gguf(model_dir)
         if gguf_path is not None:

@@ -23,17 +23,17 @@ from typing import Any, TypeVar
 
 from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import worker_pb2 as pb
-from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.identity import WorkerIdentity
-from workers.kv_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
-from workers.migration import MigrationState
-from workers.options import WorkerOptions
-from workers.outbox import Outbox
-from workers.outputs import RequestOutput
-from workers.pressure import PressurePolicy
-from workers.sampling_params import SamplingParams
-from workers.worker_link import WorkerLinkClient, channel_credentials
+from workers.core.identity import WorkerIdentity
+from workers.core.kv_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
+from workers.core.sampling_params import SamplingParams
+from workers.engine.config import EngineConfig
+from workers.engine.engine import LLMEngine
+from workers.engine.migration import MigrationState
+from workers.engine.outputs import RequestOutput
+from workers.transport.options import WorkerOptions
+from workers.transport.outbox import Outbox
+from workers.transport.pressure import PressurePolicy
+from workers.transport.worker_link import WorkerLinkClient, channel_credentials
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

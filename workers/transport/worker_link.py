@@ -11,20 +11,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import grpc
 
 from protos.kvserve.v1 import worker_pb2 as pb
 from protos.kvserve.v1 import worker_pb2_grpc
-from workers.outbox import Outbox
+from workers.core.tls import read_pem
+from workers.transport.outbox import Outbox
 
 logger = logging.getLogger(__name__)
-
-
-def read_pem(path: str | None) -> bytes | None:
-    """The bytes of a PEM file, or None for no path (the one PEM reader: router and worker TLS)."""
-    return Path(path).read_bytes() if path else None
 
 
 def channel_credentials(

@@ -21,11 +21,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from workers.block_hash import cache_extra
-from workers.block_pool import BlockPool, blocks_for
-from workers.config import EngineConfig
-from workers.knobs import POSITIVE, knob, same_as, validate
-from workers.request import Request, RequestStatus
+from workers.core.block_hash import cache_extra
+from workers.core.knobs import POSITIVE, knob, same_as, validate
+from workers.core.sizes import blocks_for
+from workers.engine.block_pool import BlockPool
+from workers.engine.config import EngineConfig
+from workers.engine.request import Request, RequestStatus
 
 # The scheduler's knobs that the engine's config declares (default, help, choices, check): EngineConfig's.
 ENGINE_KNOBS = (

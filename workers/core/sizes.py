@@ -1,7 +1,7 @@
 """Sizes and names the control side shares with the engine, without importing torch.
 
-NOTE: a leaf module. ``workers/config.py`` (read by the router and the CLI) and ``kvserve plan``
-need these constants and ``parse_bytes``; ``workers/kv_cache.py`` (torch) re-exports them.
+NOTE: a leaf module. ``workers/engine/config.py`` (read by the router and the CLI) and ``kvserve plan``
+need these constants and ``parse_bytes``; ``workers/engine/kv_cache.py`` (torch) re-exports them.
 """
 
 from __future__ import annotations
@@ -29,3 +29,8 @@ def parse_bytes(value: str | int | float) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot parse size {value!r}; use e.g. '2GiB', '512MiB' or a byte count")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks needed to hold ``num_tokens`` tokens (ceil division); the one definition of it."""
+    return -(-num_tokens // block_size)

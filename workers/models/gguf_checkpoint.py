@@ -1,7 +1,7 @@
 """Read a GGUF checkpoint (llama.cpp's format) as what an HF directory would hold.
 
 One reader serves two users: ``kvserve model fetch`` writes the result out as an HF directory
-(``cluster/model_fetch.py``) and the loader serves a ``.gguf`` directly (``workers/loader.py``).
+(``cluster/model_fetch.py``) and the loader serves a ``.gguf`` directly (``workers/models/loader.py``).
 Both see the same three things:
 
 * ``hf_config()``: a ``config.json`` dict built from the GGUF metadata (architecture, shapes, rope);

@@ -17,22 +17,23 @@ from pathlib import Path
 
 import torch
 
-from workers import cpu_features
-from workers.block_pool import BlockPool, blocks_for
-from workers.config import EngineConfig
-from workers.kv_cache import KVCache, bytes_per_block, kv_storage_dtype
-from workers.loader import load_model
-from workers.migration import MigrationState, rebuild_output_text
-from workers.model_config import ModelConfig, parse_dtype
-from workers.model_runner import ModelRunner
-from workers.outputs import CompletionOutput, RequestOutput
-from workers.progress import RequestProgress
-from workers.request import Request
-from workers.sampler import Sampler, make_token_rng
-from workers.sampling_params import SamplingParams
-from workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from workers.stop_checker import advance_output
-from workers.tokenizer import IncrementalDetokenizer, load_tokenizer
+from workers.core.sampling_params import SamplingParams
+from workers.core.sizes import blocks_for
+from workers.engine.block_pool import BlockPool
+from workers.engine.config import EngineConfig
+from workers.engine.kv_cache import KVCache, bytes_per_block, kv_storage_dtype
+from workers.engine.migration import MigrationState, rebuild_output_text
+from workers.engine.model_runner import ModelRunner
+from workers.engine.outputs import CompletionOutput, RequestOutput
+from workers.engine.progress import RequestProgress
+from workers.engine.request import Request
+from workers.engine.sampler import Sampler, make_token_rng
+from workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from workers.engine.stop_checker import advance_output
+from workers.host import cpu_features
+from workers.models.loader import load_model
+from workers.models.model_config import ModelConfig, parse_dtype
+from workers.text.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 

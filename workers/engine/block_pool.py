@@ -22,12 +22,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from workers.kv_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    """Blocks needed to hold ``num_tokens`` tokens (ceil division); the one definition of it."""
-    return -(-num_tokens // block_size)
+from workers.core.kv_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,7 @@ class ChatTemplate:
         Raises:
             ChatTemplateError: a template is there but does not compile.
         """
-        from workers.gguf_checkpoint import find_gguf, open_gguf
+        from workers.models.gguf_checkpoint import find_gguf, open_gguf
 
         gguf = find_gguf(model_dir)
         if gguf is not None:  # a GGUF checkpoint carries its template in its metadata

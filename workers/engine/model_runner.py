@@ -7,13 +7,13 @@ import logging
 import numpy as np
 import torch
 
-from workers.attention_metadata import AttentionMetadata
-from workers.host_tuning import ThreadGovernor, keep_freed_heap_memory
-from workers.kv_cache import KVCache
-from workers.model import CausalLM
-from workers.request import Request
-from workers.sampler import Sampler
-from workers.scheduler import SchedulerOutput
+from workers.engine.attention_metadata import AttentionMetadata
+from workers.engine.kv_cache import KVCache
+from workers.engine.request import Request
+from workers.engine.sampler import Sampler
+from workers.engine.scheduler import SchedulerOutput
+from workers.host.host_tuning import ThreadGovernor, keep_freed_heap_memory
+from workers.models.model import CausalLM
 
 logger = logging.getLogger(__name__)
 

@@ -155,7 +155,7 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
     ``model_dir`` is an HF directory (``tokenizer.json``) or a GGUF checkpoint (a ``.gguf`` file or a
     directory holding one), whose tokenizer is rebuilt from its metadata.
     """
-    from workers.gguf_checkpoint import find_gguf, open_gguf
+    from workers.models.gguf_checkpoint import find_gguf, open_gguf
 
     gguf_path = find_gguf(model_dir)
     if gguf_path is not None:

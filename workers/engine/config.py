@@ -1,7 +1,7 @@
 """EngineConfig: every knob of one engine, declared, documented and validated here only.
 
 The CLI flags (``kvserve generate``/``serve``/``bench``) and the ``engine:`` section of
-``cluster.yaml`` are generated from these fields (``workers/knobs.py``); ``SchedulerConfig``
+``cluster.yaml`` are generated from these fields (``workers/core/knobs.py``); ``SchedulerConfig``
 takes its shared knobs from here.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workers.knobs import NON_NEGATIVE, POSITIVE, POWER_OF_TWO, Check, knob, validate
-from workers.sizes import KV_CACHE_DTYPES, parse_bytes
+from workers.core.knobs import NON_NEGATIVE, POSITIVE, POWER_OF_TWO, Check, knob, validate
+from workers.core.sizes import KV_CACHE_DTYPES, parse_bytes
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 ALLOCATORS = ("paged", "contiguous")

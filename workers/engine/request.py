@@ -7,14 +7,14 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from workers.block_hash import ROOT_HASH, hash_block
-from workers.sampling_params import SamplingParams
+from workers.core.block_hash import ROOT_HASH, hash_block
+from workers.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # NOTE: annotations only; the scheduler imports this module and must not pull in torch
     import torch
 
-    from workers.sampler import TokenRNG
-    from workers.tokenizer import IncrementalDetokenizer
+    from workers.engine.sampler import TokenRNG
+    from workers.text.tokenizer import IncrementalDetokenizer
 
 
 class RequestStatus(enum.Enum):
@@ -57,7 +57,7 @@ class Request:
     swap_table: list[int] = field(default_factory=list)  # host block ids while SWAPPED
     finish_reason: str | None = None
     # Seeded requests only: token i's noise is a function of (seed, i), so the state to carry
-    # anywhere (migration, replay) is the seed and the output tokens (see workers/sampler.py).
+    # anywhere (migration, replay) is the seed and the output tokens (see workers/engine/sampler.py).
     rng: TokenRNG | None = None
     # {token id: logprob} of the token the last step sampled (sampling_params.logprobs set); set by
     # the runner, taken by the engine's output of that token.
