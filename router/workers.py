@@ -14,13 +14,13 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from typing import Any
 
 from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import worker_pb2 as pb
 from router.config import RouterConfig
-from router.metrics import RouterMetrics
+from router.metrics import CounterDeltas, RouterMetrics
 from router.placement import WorkerView
 from router.prefix_index import PrefixIndex
 from router.rebalance import MigrationLedger
@@ -36,6 +36,11 @@ _ACTOR_DEAD_ERRORS = ("RayActorError", "ActorDiedError", "ActorUnavailableError"
 def actor_dead(e: BaseException) -> bool:
     """The Ray error says the actor process is gone (dead or being restarted)."""
     return any(c.__name__ in _ACTOR_DEAD_ERRORS for c in type(e).__mro__)
+
+
+def _totals(r: pb.PressureReport) -> CounterDeltas:
+    return CounterDeltas(r.num_preemptions_total, r.num_swaps_total, r.prefix_cache_query_tokens_total,
+                         r.prefix_cache_hit_tokens_total, r.prefill_tokens_total)  # fmt: skip
 
 
 @dataclass
@@ -59,6 +64,7 @@ class WorkerState:
     state: str = WORKER_UP
     restart_times: deque[float] = field(default_factory=deque)  # monotonic, within the restart window
     restarts_total: int = 0
+    totals: CounterDeltas = field(default_factory=CounterDeltas)  # the last report's running totals
 
     @property
     def worker_id(self) -> str:
@@ -67,6 +73,16 @@ class WorkerState:
     @property
     def promised_blocks(self) -> int:
         return sum(self.in_flight.values())
+
+    def deltas(self, report: pb.PressureReport) -> CounterDeltas:
+        """The counts ``report`` adds to the previous one's (a total that went down means a new
+        incarnation whose totals began again: all of it is new)."""
+        now = _totals(report)
+        prev = self.totals
+        if any(n < p for n, p in zip(astuple(now), astuple(prev), strict=True)):
+            prev = CounterDeltas()
+        self.totals = now
+        return CounterDeltas(*(n - p for n, p in zip(astuple(now), astuple(prev), strict=True)))
 
     def view(self, serving: bool, ledger: MigrationLedger) -> WorkerView:
         """What placement and rebalancing see of this worker."""
@@ -274,7 +290,7 @@ class WorkerTable:
             entry.in_flight.pop(rid, None)
         entry.started.clear()
         self.ledger.reported(worker_id, report.num_imports_total, report.num_exports_total)
-        self.metrics.observe_pressure(report)
+        self.metrics.observe_pressure(report, entry.deltas(report))
         return entry
 
     # ---- health ----------------------------------------------------------------------------------

@@ -4,6 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protos.kvserve.v1 import worker_pb2 as pb
+
+
+def pool_usage(report: pb.PressureReport) -> float:
+    """Fraction of the pool held by requests (the one definition the watermarks compare against)."""
+    return report.used_blocks / report.total_blocks if report.total_blocks else 0.0
+
+
+def _counts(r: pb.PressureReport) -> tuple[int, ...]:
+    """What a report carries that placement reads: a change of these is worth a report."""
+    return (r.free_blocks, r.used_blocks, r.cached_evictable_blocks, r.swap_blocks_free, r.num_running,
+            r.num_waiting, r.num_swapped)  # fmt: skip
+
 
 @dataclass
 class PressurePolicy:
@@ -34,12 +47,12 @@ class PressurePolicy:
             before <= self.low_watermark
         ) != (now <= self.low_watermark)
 
-    def due(self, now: float, usage: float, counts: tuple[int, ...]) -> bool:
-        """Should a report go out now? ``counts`` = the block/queue counts the report carries."""
+    def due(self, now: float, report: pb.PressureReport) -> bool:
+        """Should ``report`` go out now?"""
         elapsed = now - self._last_time
-        if self.crossed(usage):
+        if self.crossed(pool_usage(report)):
             return True
-        if counts != self._last_counts and elapsed >= self.interval_s:
+        if _counts(report) != self._last_counts and elapsed >= self.interval_s:
             return True
         return elapsed >= self.idle_interval_s
 
@@ -47,5 +60,5 @@ class PressurePolicy:
         """Forget the last report: the next ``due`` is true (a new router connection knows nothing yet)."""
         self._last_time = float("-inf")
 
-    def sent(self, now: float, usage: float, counts: tuple[int, ...]) -> None:
-        self._last_time, self._last_usage, self._last_counts = now, usage, counts
+    def sent(self, now: float, report: pb.PressureReport) -> None:
+        self._last_time, self._last_usage, self._last_counts = now, pool_usage(report), _counts(report)
