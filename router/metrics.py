@@ -23,6 +23,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import Counter, Gauge, Histogram, make_wsgi_app
 
 from protos.kvserve.v1 import worker_pb2 as pb
+from workers.core.sizes import pool_usage
 
 _W = ["worker"]
 
@@ -86,7 +87,7 @@ class RouterMetrics:
     def observe_pressure(self, r: pb.PressureReport, counted: CounterDeltas) -> None:
         """A worker's report: gauges as it says, counters by what it ``counted`` since its last one."""
         w = r.worker_id
-        KV_USAGE.labels(w).set(r.used_blocks / r.total_blocks if r.total_blocks else 0.0)
+        KV_USAGE.labels(w).set(pool_usage(r.used_blocks, r.total_blocks))
         KV_BLOCKS_TOTAL.labels(w).set(r.total_blocks)
         KV_BLOCKS_FREE.labels(w).set(r.free_blocks)
         KV_BLOCKS_EVICTABLE.labels(w).set(r.cached_evictable_blocks)

@@ -27,6 +27,7 @@ from router.rebalance import MigrationLedger
 from router.request import WORKER_DOWN, WORKER_RETIRED, WORKER_UP
 from router.worker_link import WorkerLinkService
 from workers.core.identity import WorkerIdentity
+from workers.core.sizes import pool_usage
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ class WorkerState:
             return w
         w.free_blocks, w.used_blocks = r.free_blocks, r.used_blocks
         w.cached_evictable_blocks = r.cached_evictable_blocks
-        w.usage = r.used_blocks / r.total_blocks if r.total_blocks else 0.0
+        w.usage = pool_usage(r.used_blocks, r.total_blocks)
         w.num_running, w.num_waiting, w.num_swapped = r.num_running, r.num_waiting, r.num_swapped
         w.swap_blocks_total, w.swap_blocks_free = r.swap_blocks_total, r.swap_blocks_free
         w.num_preemptions_total = r.num_preemptions_total

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protos.kvserve.v1 import worker_pb2 as pb
+from workers.core.sizes import pool_usage
 
 
-def pool_usage(report: pb.PressureReport) -> float:
-    """Fraction of the pool held by requests (the one definition the watermarks compare against)."""
-    return report.used_blocks / report.total_blocks if report.total_blocks else 0.0
+def report_usage(report: pb.PressureReport) -> float:
+    return pool_usage(report.used_blocks, report.total_blocks)
 
 
 def _counts(r: pb.PressureReport) -> tuple[int, ...]:
@@ -50,7 +50,7 @@ class PressurePolicy:
     def due(self, now: float, report: pb.PressureReport) -> bool:
         """Should ``report`` go out now?"""
         elapsed = now - self._last_time
-        if self.crossed(pool_usage(report)):
+        if self.crossed(report_usage(report)):
             return True
         if _counts(report) != self._last_counts and elapsed >= self.interval_s:
             return True
@@ -61,4 +61,4 @@ class PressurePolicy:
         self._last_time = float("-inf")
 
     def sent(self, now: float, report: pb.PressureReport) -> None:
-        self._last_time, self._last_usage, self._last_counts = now, pool_usage(report), _counts(report)
+        self._last_time, self._last_usage, self._last_counts = now, report_usage(report), _counts(report)
