@@ -211,7 +211,7 @@ def test_pressure_reports_block_events_and_liveness(cluster: Cluster) -> None:
     for field in ("total_blocks", "free_blocks", "used_blocks", "cached_evictable_blocks", "swap_blocks_total",
                   "swap_blocks_free", "num_running", "num_waiting", "num_swapped", "decode_steps"):  # fmt: skip
         assert getattr(last, field) == getattr(stats, field), (field, last, stats)
-    assert last.num_preemptions_total == stats.num_preemptions and last.worker_id == "wA"
+    assert last.num_preemptions_total == stats.num_preemptions_total and last.worker_id == "wA"
 
     for wid in ("wA", "wB"):
         reports = router.pressure(wid)
