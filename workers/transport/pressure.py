@@ -66,6 +66,15 @@ class PressurePolicy:
             return True
         return elapsed >= self.idle_interval_s
 
+    def wait_s(self, now: float, report: pb.PressureReport) -> float:
+        """Seconds until ``due`` turns true for ``report`` if nothing else changes (0: due now)."""
+        if self.due(now, report):
+            return 0.0
+        elapsed = now - self._last_time
+        if _counts(report) != self._last_counts:
+            return max(0.0, self.interval_s - elapsed)
+        return max(0.0, self.idle_interval_s - elapsed)
+
     def reset(self) -> None:
         """Forget the last report: the next ``due`` is true (a new router connection knows nothing yet)."""
         self._last_time = float("-inf")

@@ -214,7 +214,12 @@ class WorkerCore:
                 else:
                     self._busy = not self._inbox.empty()
                     self._publish([])
-                    self._wake.wait(timeout=self.options.idle_report_s / 2)
+                    # NOTE: a change the rate limit held back (the last request just finished) is reported
+                    # as soon as the limit allows, not an idle interval later: placement and migration
+                    # read it (a worker that looks busy for half a second is passed over).
+                    timeout = self.options.idle_report_s / 2
+                    pending = self._pressure.wait_s(time.monotonic(), self._report)
+                    self._wake.wait(timeout=min(timeout, pending) if pending > 0 else timeout)
                     # NOTE: idle is not a stall: without this, the first command after a long idle
                     # spell (or any add_request racing check_health) looks stalled at once.
                     self._last_progress = time.monotonic()
