@@ -37,12 +37,14 @@ from grpc_reflection.v1alpha import reflection
 from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import serving_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router import metrics
-from router.auth import BearerAuthInterceptor
+from router.auth import CallerAuthInterceptor
 from router.config import RouterConfig
 from router.http_api import HttpApiServer
 from router.router import Router, RouterError
+from router.worker_auth import WorkerLinkGate
 from workers.core.identity import WorkerIdentity
 from workers.core.tls import read_pem
+from workers.core.worker_credential import new_worker_key
 
 logger = logging.getLogger(__name__)
 
@@ -217,10 +219,12 @@ async def _abort(context: grpc.aio.ServicerContext, e: RouterError) -> None:
 
 
 def build_server(
-    router: Router, config: RouterConfig, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S
+    router: Router, config: RouterConfig, gate: WorkerLinkGate, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S
 ) -> tuple[grpc.aio.Server, int]:
     """The gRPC server with every service registered and its port bound (not started).
 
+    Client calls are authenticated by ``CallerAuthInterceptor`` (router/auth.py), WorkerLink streams
+    by ``gate`` (router/worker_auth.py), which hands accepted ones to ``router.link``.
     The health service starts NOT_SERVING; ``RouterService.start`` flips it once a worker is ready.
     """
     options = [
@@ -228,10 +232,9 @@ def build_server(
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
-    interceptors = [BearerAuthInterceptor(config.auth_token)] if config.auth_token else []
-    server = grpc.aio.server(interceptors=interceptors, options=options)
+    server = grpc.aio.server(interceptors=[CallerAuthInterceptor(config.auth_token)], options=options)
     add_kvserve_servicer(KVServeServicer(router, ready_timeout_s), server)
-    worker_pb2_grpc.add_WorkerLinkServicer_to_server(router.link, server)
+    worker_pb2_grpc.add_WorkerLinkServicer_to_server(gate, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (
@@ -269,11 +272,15 @@ class RouterService:
         metrics_port: int | None = None,
         http_port: int | None = None,
         ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+        worker_key: str | None = None,
     ) -> None:
         """
         Args:
             metrics_port: Prometheus ``/metrics`` (None = off).
             http_port: the OpenAI-compatible HTTP API (None = off, 0 = a free port: see ``http_port()``).
+            worker_key: the cluster's worker key (``workers/core/worker_credential.py``), from the
+                launcher, which issues each worker's credential from it. None: a fresh one no
+                worker holds, so no WorkerLink is accepted (a router without workers, in tests).
         """
         from workers.text.chat_template import ChatTemplate
         from workers.text.tokenizer import load_tokenizer
@@ -283,6 +290,7 @@ class RouterService:
         tokenizer = load_tokenizer(config.model) if config.model else None
         template = ChatTemplate.from_dir(config.model) if config.model else None
         self.router = Router(config, tokenizer=tokenizer, chat_template=template)
+        self.gate = WorkerLinkGate(self.router.link, worker_key or new_worker_key())
         self.metrics_port = metrics_port
         self.port = 0
         self._http_port = http_port
@@ -294,7 +302,7 @@ class RouterService:
     async def start(self) -> str:
         """Start serving; returns the bound ``host:port``. Health answers NOT_SERVING until a
         worker has said Hello."""
-        server, self.port = build_server(self.router, self.config, self.ready_timeout_s)
+        server, self.port = build_server(self.router, self.config, self.gate, self.ready_timeout_s)
         health_servicer = server._kvserve_health  # type: ignore[attr-defined]
         for name in _HEALTH_SERVICES:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -329,7 +337,13 @@ class RouterService:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         logger.info("router ready: a worker has said Hello")
 
+    async def expect_workers(self, worker_ids: list[str]) -> None:
+        """Let these workers' WorkerLinks in (their credentials must still be valid); the launcher
+        calls this before it starts them, as their Hello may come before ``add_worker``."""
+        self.gate.expect(worker_ids)
+
     async def add_worker(self, worker_id: str, handle: Any, identity: WorkerIdentity) -> None:
+        self.gate.expect([worker_id])
         self.router.add_worker(worker_id, handle, identity)
         entry = self.router.workers[worker_id]
         metrics.REPORT_AGE.labels(worker_id).set_function(
