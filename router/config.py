@@ -59,6 +59,22 @@ class RouterConfig:
         3, help="restarts of one worker within worker_restart_window_s before it stays down", check=NON_NEGATIVE
     )
     worker_restart_window_s: float = knob(300.0, help="window of worker_restart_limit, s", check=POSITIVE)
+    # Input bounds (router/limits.py, README "Security"): one client cannot stall the router's loop.
+    max_http_body_bytes: int = knob(8 << 20, help="largest HTTP request body (413 beyond)", check=POSITIVE)
+    max_choices_per_request: int = knob(
+        64, help="prompts x n of one HTTP completion call (400 beyond)", check=POSITIVE
+    )
+    max_stop_token_ids: int = knob(256, help="stop_token_ids of one request", check=POSITIVE)
+    max_logprob_tokens: int = knob(
+        1 << 16, help="(logprobs + 1) x max_tokens of one request: log-probabilities it may return", check=POSITIVE
+    )
+    max_streams_per_client: int = knob(
+        256, help="requests one client (peer host) may have running or queued at once", check=POSITIVE
+    )
+    max_pressure_watchers: int = knob(64, help="WatchBlockPressure streams open at once", check=POSITIVE)
+    prompt_threads: int = knob(2, help="threads that tokenize and render prompts, off the event loop", check=POSITIVE)
+    max_pending_prompts: int = knob(256, help="prompts waiting for those threads (beyond: RESOURCE_EXHAUSTED)",
+                                    check=POSITIVE)  # fmt: skip
 
     def __post_init__(self) -> None:
         validate(self)

@@ -21,6 +21,7 @@ same Router.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -40,6 +41,7 @@ from router import metrics
 from router.auth import CallerAuthInterceptor
 from router.config import RouterConfig
 from router.http_api import HttpApiServer
+from router.limits import Bounds, LimitExceeded, client_of_peer
 from router.router import Router, RouterError
 from router.worker_auth import WorkerLinkGate
 from workers.core.identity import WorkerIdentity
@@ -157,11 +159,14 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
             (also bounded by the call's own deadline) before UNAVAILABLE.
     """
 
-    def __init__(self, router: Router, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S) -> None:
+    def __init__(
+        self, router: Router, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S, bounds: Bounds | None = None
+    ) -> None:
         if not ready_timeout_s >= 0:
             raise ValueError(f"ready_timeout_s must be >= 0, got {ready_timeout_s}")
         self.router = router
         self.ready_timeout_s = ready_timeout_s
+        self.bounds = bounds or Bounds(router)
 
     async def _wait_until_ready(self, context: grpc.aio.ServicerContext) -> None:
         """Wait for the first worker's Hello, at most ``ready_timeout_s`` and the call's deadline;
@@ -181,7 +186,7 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
     ) -> AsyncIterator[spb.GenerateResponse]:
         await self._wait_until_ready(context)
         try:
-            r = self.router.submit(request, context.time_remaining())
+            (r,) = await self.bounds.submit_all(client_of_peer(context.peer()), [request], context.time_remaining)
         except RouterError as e:
             await _abort(context, e)
             return
@@ -207,9 +212,14 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
         self, request: spb.WatchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[spb.ClusterStatus]:
         interval = max(request.interval_ms or DEFAULT_WATCH_INTERVAL_MS, 50) / 1000
-        while True:
-            yield self.router.cluster_status()
-            await asyncio.sleep(interval)
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(self.bounds.watchers.hold())
+            except LimitExceeded as e:
+                await context.abort(e.code, str(e))
+            while True:
+                yield self.router.cluster_status()
+                await asyncio.sleep(interval)
 
 
 async def _abort(context: grpc.aio.ServicerContext, e: RouterError) -> None:
@@ -219,7 +229,11 @@ async def _abort(context: grpc.aio.ServicerContext, e: RouterError) -> None:
 
 
 def build_server(
-    router: Router, config: RouterConfig, gate: WorkerLinkGate, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S
+    router: Router,
+    config: RouterConfig,
+    gate: WorkerLinkGate,
+    bounds: Bounds,
+    ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
 ) -> tuple[grpc.aio.Server, int]:
     """The gRPC server with every service registered and its port bound (not started).
 
@@ -233,7 +247,7 @@ def build_server(
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.aio.server(interceptors=[CallerAuthInterceptor(config.auth_token)], options=options)
-    add_kvserve_servicer(KVServeServicer(router, ready_timeout_s), server)
+    add_kvserve_servicer(KVServeServicer(router, ready_timeout_s, bounds), server)
     worker_pb2_grpc.add_WorkerLinkServicer_to_server(gate, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -291,6 +305,7 @@ class RouterService:
         template = ChatTemplate.from_dir(config.model) if config.model else None
         self.router = Router(config, tokenizer=tokenizer, chat_template=template)
         self.gate = WorkerLinkGate(self.router.link, worker_key or new_worker_key())
+        self.bounds = Bounds(self.router)
         self.metrics_port = metrics_port
         self.port = 0
         self._http_port = http_port
@@ -302,7 +317,7 @@ class RouterService:
     async def start(self) -> str:
         """Start serving; returns the bound ``host:port``. Health answers NOT_SERVING until a
         worker has said Hello."""
-        server, self.port = build_server(self.router, self.config, self.gate, self.ready_timeout_s)
+        server, self.port = build_server(self.router, self.config, self.gate, self.bounds, self.ready_timeout_s)
         health_servicer = server._kvserve_health  # type: ignore[attr-defined]
         for name in _HEALTH_SERVICES:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -318,7 +333,9 @@ class RouterService:
             metrics.start_metrics_server(self.metrics_port, self.config.host)
         if self._http_port is not None:
             # NOTE: on this loop, beside grpc.aio: one Router, one request table, no extra hop.
-            self._http = HttpApiServer(self.router, self.config.host, self._http_port, self.config.auth_token)
+            self._http = HttpApiServer(
+                self.router, self.config.host, self._http_port, self.config.auth_token, self.bounds
+            )
             try:
                 self._http_port = await self._http.start()
             except BaseException:
@@ -390,6 +407,7 @@ class RouterService:
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
+        self.bounds.close()
 
 
 def router_actor_class():
