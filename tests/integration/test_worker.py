@@ -27,6 +27,7 @@ from protos.kvserve.v1 import worker_pb2 as pb  # noqa: E402
 from tests.integration.worker_harness import RecordingRouter  # noqa: E402
 from workers.core.block_hash import cache_extra, hash_blocks  # noqa: E402
 from workers.core.identity import WorkerIdentity  # noqa: E402
+from workers.core.request import WorkerRequest  # noqa: E402
 from workers.core.sampling_params import SamplingParams  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.engine import LLM, LLMEngine  # noqa: E402
@@ -134,7 +135,8 @@ def reference(tiny_llama_dir: Path):
 
 
 def _add(cluster: Cluster, worker_id: str, requests: dict[str, list[int]], params: SamplingParams) -> None:
-    _get([cluster.actor(worker_id).add_request.remote(rid, p, params) for rid, p in requests.items()])
+    actor = cluster.actor(worker_id)
+    _get([actor.add_request.remote(WorkerRequest(rid, tuple(p), params)) for rid, p in requests.items()])
 
 
 def _assert_seq_consecutive(router: RecordingRouter, worker_id: str) -> None:
@@ -507,7 +509,7 @@ def test_stalled_engine_fails_health_then_recovers(cluster: Cluster, reference) 
     t0 = time.monotonic()
     _get(a.check_health.remote())  # the stall began just now: not yet stalled for stall_timeout_s
     prompt = _prompts(1, 7, 7, seed=8)[0]
-    pending = a.add_request.remote("t6-0", prompt, GREEDY12)  # queued behind the stall
+    pending = a.add_request.remote(WorkerRequest("t6-0", tuple(prompt), GREEDY12))  # queued behind the stall
     deadline = t0 + 2.8
     while True:
         try:

@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -25,7 +25,7 @@ from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import worker_pb2 as pb
 from workers.core.identity import WorkerIdentity
 from workers.core.kv_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
-from workers.core.sampling_params import SamplingParams
+from workers.core.request import WorkerRequest
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
 from workers.engine.migration import MigrationState
@@ -127,15 +127,7 @@ class WorkerCore:
         self._thread.join(timeout=10)
 
     # ---- API for any thread (Ray methods) ------------------------------------------------------
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | Sequence[int],
-        params: SamplingParams,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        resume_output_ids: Sequence[int] = (),
-    ) -> None:
+    def add_request(self, request: WorkerRequest) -> None:
         """Queue a request, or resume one whose worker died (``resume_output_ids``: the output
         tokens its client already has; see ``LLMEngine.add_request``). Raises ValueError (bad
         input) or WorkerError (draining/dead)."""
@@ -143,9 +135,9 @@ class WorkerCore:
             raise WorkerError(f"worker {self.worker_id} is draining")
 
         def add() -> None:
-            self.engine.add_request(
-                request_id, prompt, params, priority, cache_salt, resume_output_ids=resume_output_ids
-            )
+            r = request
+            self.engine.add_request(r.request_id, r.prompt if isinstance(r.prompt, str) else list(r.prompt), r.params,
+                                    r.priority, r.cache_salt, resume_output_ids=r.resume_output_ids)  # fmt: skip
 
         self._call(add)
 
@@ -501,18 +493,10 @@ class Worker:
         """Identity and sizes (what the WorkerLink Hello says), once the engine is up."""
         return self.core.identity()
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        resume_output_ids: list[int] | None = None,
-    ) -> None:
+    def add_request(self, request: WorkerRequest) -> None:
         """Queue a request; with ``resume_output_ids`` continue one after those output tokens
         (failover replay: the router passes what it already streamed)."""
-        self.core.add_request(request_id, prompt, params, priority, cache_salt, resume_output_ids or ())
+        self.core.add_request(request)
 
     def abort(self, request_id: str) -> bool:
         return self.core.abort(request_id)
