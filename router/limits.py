@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from protos.kvserve.v1 import serving_pb2 as spb
-from router import metrics
 from router.prompts import prompt_ids
 from router.request import RouterError, RouterRequest
 from router.validation import ValidationError
@@ -258,10 +257,10 @@ class Bounds:
                 self.streams.track(client, admitted)
                 return admitted
         except LimitExceeded as e:
-            metrics.REJECTIONS.labels(e.limit).inc()
+            self.router.metrics.rejected(e.limit)
             raise RouterError(e.code, str(e)) from e
         except ValidationError as e:
-            metrics.REJECTIONS.labels("invalid").inc()
+            self.router.metrics.rejected("invalid")
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
 
     async def _prepare_all(self, requests: Sequence[spb.GenerateRequest]) -> list[spb.GenerateRequest]:
