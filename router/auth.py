@@ -5,9 +5,9 @@
 - ``kvserve.v1.WorkerLink``: only a worker, with its own worker credential
   (``workers/core/worker_credential.py``); ``router/worker_auth.py`` checks it and binds it to the
   ``Hello``. A client token does not open it.
-- ``kvserve.v1.KVServe`` (the client API): the bearer token when one is configured
-  (UNAUTHENTICATED otherwise); never a worker credential (PERMISSION_DENIED), so a worker's
-  credential leaks no client access.
+- ``kvserve.v1.KVServe`` (the client API): the bearer token or an API key when either is
+  configured (UNAUTHENTICATED otherwise); never a worker credential (PERMISSION_DENIED), so a
+  worker's credential leaks no client access.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import hmac
 
 import grpc
 
+from router.tenancy import KeyRing
 from workers.core.worker_credential import WORKER_CREDENTIAL_HEADER
 
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -46,13 +47,17 @@ class CallerAuthInterceptor(grpc.aio.ServerInterceptor):
     """Client-API authentication (see the module docstring); installed whether or not a token is set.
 
     Args:
-        token: the client bearer token (None: the client API is open to whoever reaches the port).
+        token: the client bearer token (None: the client API is open to whoever reaches the port,
+            unless ``keys`` are given).
+        keys: API keys (``--auth-keys``): each also opens the client API, as its tenant
+            (router/tenancy.py).
     """
 
-    def __init__(self, token: str | None) -> None:
+    def __init__(self, token: str | None, keys: KeyRing | None = None) -> None:
         if token is not None and not token:
             raise ValueError("auth token must be non-empty")
         self._expected = f"Bearer {token}".encode() if token else None
+        self._keys = keys
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):  # noqa: ANN001
         handler = await continuation(details)
@@ -62,13 +67,15 @@ class CallerAuthInterceptor(grpc.aio.ServerInterceptor):
         metadata = dict(details.invocation_metadata or ())
         if WORKER_CREDENTIAL_HEADER in metadata:
             return denied(handler, grpc.StatusCode.PERMISSION_DENIED, "a worker credential cannot call the client API")
-        if self._expected is None:
+        if self._expected is None and self._keys is None:
             return handler
         got = metadata.get("authorization", "")
         if isinstance(got, str):
             got = got.encode()
         # NOTE: constant-time compare, so the token cannot be guessed byte by byte from timings.
-        if hmac.compare_digest(got, self._expected):
+        if self._expected is not None and hmac.compare_digest(got, self._expected):
+            return handler
+        if self._keys is not None and self._keys.lookup(got) is not None:
             return handler
         return denied(
             handler,

@@ -25,6 +25,10 @@ class RouterConfig:
     port: int = knob(50051, help="client API and WorkerLink port (0 = pick a free port)", check=PORT, cli=False)
     model: str = knob("", help="model directory, for the tokenizer (text prompts)", cli=False)
     auth_token: str | None = knob(None, help="require 'authorization: Bearer TOKEN'", env="KVSERVE_AUTH_TOKEN")
+    auth_keys: str | None = knob(
+        None, help="YAML/JSON file of sha256-hashed API keys -> tenant, max_priority, rate limits (router/tenancy.py)",
+        env="KVSERVE_AUTH_KEYS",
+    )
     tls_cert: str | None = knob(None, help="PEM server certificate (TLS)")
     tls_key: str | None = knob(None, help="PEM server key")
     tls_client_ca: str | None = knob(None, help="PEM CA: require client certificates (mTLS)")

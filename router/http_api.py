@@ -348,11 +348,13 @@ class OpenAIApi:
         return self.router.model_id or "kvserve"
 
     def _check_auth(self, request: Request) -> None:
-        if self._expected is None:
+        if self._expected is None and self.bounds.tenancy is None:
             return
         got = request.headers.get("authorization", "").encode()
+        if self.bounds.principal(got) is not None:
+            return  # an API key (router/tenancy.py)
         # NOTE: constant-time compare, as the gRPC interceptor (router/auth.py).
-        if not hmac.compare_digest(got, self._expected):
+        if self._expected is None or not hmac.compare_digest(got, self._expected):
             raise ApiError(401, "missing or wrong bearer token (send 'Authorization: Bearer <token>')",
                            "authentication_error")  # fmt: skip
 
@@ -366,8 +368,9 @@ class OpenAIApi:
         """Admit every choice's request, or none (the ones already admitted are cancelled);
         prompts are tokenized off the loop, and the bounds of router/limits.py apply."""
         client = request.client.host if request.client else ""
+        who = self.bounds.principal(request.headers.get("authorization"))
         try:
-            return await self.bounds.submit_all(client, requests)
+            return await self.bounds.submit_all(client, requests, who=who)
         except RouterError as e:
             raise api_error(e, chat) from e
 

@@ -30,6 +30,7 @@ import grpc
 from protos.kvserve.v1 import serving_pb2 as spb
 from router.prompts import prompt_ids
 from router.request import RouterError, RouterRequest
+from router.tenancy import Principal, Tenancy
 from router.validation import ValidationError
 
 if TYPE_CHECKING:
@@ -218,34 +219,54 @@ class Bounds:
     """Every bound of this module over one router, shared by the gRPC and the HTTP API (a client's
     streams count across both)."""
 
-    def __init__(self, router: Router, limits: InputLimits | None = None) -> None:
+    def __init__(self, router: Router, limits: InputLimits | None = None, tenancy: Tenancy | None = None) -> None:
+        """
+        Args:
+            tenancy: API keys (``--auth-keys``): callers with a key get their tenant's scope,
+                priority bound and rate limits (router/tenancy.py); None = simple mode.
+        """
         self.router = router
+        self.tenancy = tenancy
         self.limits = limits or InputLimits.from_config(router.config)
         self.streams = ClientStreams(self.limits.max_streams_per_client)
         self.watchers = WatcherSlots(self.limits.max_pressure_watchers)
         self.prompts = PromptPreparer(router, self.limits.prompt_threads, self.limits.max_pending_prompts)
+
+    def principal(self, authorization: str | bytes | None) -> Principal | None:
+        """The caller's API key, when keys are configured and it presented one."""
+        return None if self.tenancy is None else self.tenancy.principal(authorization)
 
     async def submit_all(
         self,
         client: str,
         requests: Sequence[spb.GenerateRequest],
         time_remaining_s: Callable[[], float | None] = lambda: None,
+        who: Principal | None = None,
     ) -> list[RouterRequest]:
         """Check, tokenize (off the loop) and submit every request, or none.
 
         Args:
-            client: the caller's key for ``max_streams_per_client`` (``client_of_peer``).
+            client: the caller's key for ``max_streams_per_client`` (``client_of_peer``); a
+                caller with an API key is counted by its key instead.
             time_remaining_s: seconds left of the caller's deadline, asked at submit time.
+            who: the caller's API key: its tenant, id scope, priority bound and rate apply.
 
         Raises:
             RouterError: a limit (its code, naming the knob), a bad prompt (INVALID_ARGUMENT), or
                 whatever ``Router.submit`` refused; the requests already admitted are cancelled.
         """
+        default_max_tokens = self.router.config.default_max_tokens
         try:
+            if who is not None:
+                assert self.tenancy is not None
+                requests = [self.tenancy.scope(who, r) for r in requests]
+                client = f"key:{who.key_id}"
             for r in requests:
-                check_request(r, self.limits, self.router.config.default_max_tokens)
+                check_request(r, self.limits, default_max_tokens)
             with self.streams.reserve(client, len(requests)):
                 prepared = await self._prepare_all(requests)
+                if who is not None:
+                    self.tenancy.charge(who, prepared, default_max_tokens)  # type: ignore[union-attr]
                 admitted: list[RouterRequest] = []
                 try:
                     for r in prepared:

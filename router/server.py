@@ -43,6 +43,7 @@ from router.config import RouterConfig
 from router.http_api import HttpApiServer
 from router.limits import Bounds, LimitExceeded, client_of_peer
 from router.router import Router, RouterError
+from router.tenancy import KeyRing, Principal, Tenancy
 from router.worker_auth import WorkerLinkGate
 from workers.core.identity import WorkerIdentity
 from workers.core.tls import read_pem
@@ -185,13 +186,18 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
         self, request: spb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[spb.GenerateResponse]:
         await self._wait_until_ready(context)
+        who = self._principal(context)
         try:
-            (r,) = await self.bounds.submit_all(client_of_peer(context.peer()), [request], context.time_remaining)
+            (r,) = await self.bounds.submit_all(
+                client_of_peer(context.peer()), [request], context.time_remaining, who
+            )
         except RouterError as e:
             await _abort(context, e)
             return
         try:
             async for response in self.router.stream(r):
+                if who is not None:  # the id as the tenant knows it
+                    response.request_id = self.bounds.tenancy.unscoped_id(who, response.request_id)  # type: ignore[union-attr]
                 yield response
         except RouterError as e:
             await _abort(context, e)
@@ -201,7 +207,14 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
                 self.router.cancel(r)
 
     async def Abort(self, request: spb.AbortRequest, context: grpc.aio.ServicerContext) -> spb.AbortResponse:  # noqa: N802
-        return spb.AbortResponse(found=self.router.abort(request.request_id))
+        who = self._principal(context)
+        rid = request.request_id
+        if who is not None:  # NOTE: only the caller's tenant's requests are in its reach
+            rid = self.bounds.tenancy.scoped_id(who, rid)  # type: ignore[union-attr]
+        return spb.AbortResponse(found=self.router.abort(rid))
+
+    def _principal(self, context: grpc.aio.ServicerContext) -> Principal | None:
+        return self.bounds.principal(dict(context.invocation_metadata() or ()).get("authorization"))
 
     async def GetClusterStatus(  # noqa: N802
         self, request: spb.ClusterStatusRequest, context: grpc.aio.ServicerContext
@@ -246,7 +259,8 @@ def build_server(
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.aio.server(interceptors=[CallerAuthInterceptor(config.auth_token)], options=options)
+    keys = bounds.tenancy.keys if bounds.tenancy is not None else None
+    server = grpc.aio.server(interceptors=[CallerAuthInterceptor(config.auth_token, keys)], options=options)
     add_kvserve_servicer(KVServeServicer(router, ready_timeout_s, bounds), server)
     worker_pb2_grpc.add_WorkerLinkServicer_to_server(gate, server)
     health_servicer = health.aio.HealthServicer()
@@ -305,7 +319,8 @@ class RouterService:
         template = ChatTemplate.from_dir(config.model) if config.model else None
         self.router = Router(config, tokenizer=tokenizer, chat_template=template)
         self.gate = WorkerLinkGate(self.router.link, worker_key or new_worker_key())
-        self.bounds = Bounds(self.router)
+        tenancy = Tenancy(KeyRing.load(config.auth_keys)) if config.auth_keys else None
+        self.bounds = Bounds(self.router, tenancy=tenancy)
         self.metrics_port = metrics_port
         self.port = 0
         self._http_port = http_port
