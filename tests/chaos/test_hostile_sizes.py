@@ -35,7 +35,7 @@ HTTP_TIMEOUT = 60.0
 def cluster(tiny_llama_dir: Path) -> Iterator[tuple[ServedCluster, str]]:
     served = serve_cluster(tiny_llama_dir, "--http-port", "0")
     try:
-        url = served.proc.wait_for_line(HTTP_LINE, timeout=30).group(1)
+        url = served.proc.wait_for_line(HTTP_LINE, timeout=30).group(1)  # http://host:port/v1
         yield served, url
     finally:
         stop_cluster(served)
@@ -56,7 +56,7 @@ def _victim_itl(address: str) -> float:
 
 # ---- the attacks: each returns what it got ---------------------------------------------------------------
 def _http(url: str, body: bytes) -> tuple[int, str]:
-    r = httpx.post(f"{url}/v1/completions", content=body, headers={"content-type": "application/json"},
+    r = httpx.post(f"{url}/completions", content=body, headers={"content-type": "application/json"},
                    timeout=HTTP_TIMEOUT)  # fmt: skip
     return r.status_code, r.text
 
