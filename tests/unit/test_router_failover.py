@@ -248,3 +248,18 @@ def test_outputs_count_only_from_the_worker_the_dispatch_is_on(caplog) -> None:
         assert {resp.worker_id for resp in got} == {on}
 
     _run(test)
+
+
+def test_a_report_names_the_sending_worker_whatever_it_claims() -> None:
+    """Metric labels come from the authenticated link, not from the worker's own words."""
+
+    async def test() -> None:
+        router, _ = _router()
+        claimed = "b" * 200
+        router.on_message("a", pb.WorkerMessage(seq=1, pressure=pb.PressureReport(
+            worker_id=claimed, seq=1, total_blocks=32, free_blocks=7, used_blocks=25)))  # fmt: skip
+        assert router.workers["a"].report.worker_id == "a"
+        assert REGISTRY.get_sample_value("kvserve:kv_blocks_free", {"worker": "a"}) == 7
+        assert REGISTRY.get_sample_value("kvserve:kv_blocks_free", {"worker": claimed}) is None
+
+    _run(test)
