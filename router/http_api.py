@@ -36,6 +36,7 @@ import logging
 import math
 import re
 import socket
+import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -662,15 +663,24 @@ class HttpApiServer:
     """uvicorn serving ``OpenAIApi`` as a task on the current event loop (beside grpc.aio)."""
 
     def __init__(
-        self, router: Router, host: str, port: int, auth_token: str | None = None, bounds: Bounds | None = None
+        self,
+        router: Router,
+        host: str,
+        port: int,
+        auth_token: str | None = None,
+        bounds: Bounds | None = None,
+        tls: tuple[str, str, str | None] | None = None,
     ) -> None:
         """
         Args:
             host, port: where to listen (port 0 = a free one; ``start`` returns it).
             auth_token: require ``Authorization: Bearer <token>`` (all but ``/health``).
             bounds: the input bounds, shared with the gRPC API (router/limits.py).
+            tls: ``(cert, key, client CA or None)`` PEM files: HTTPS, and with a client CA client
+                certificates required (the gRPC port's ``tls_cert``/``tls_key``/``tls_client_ca``).
         """
         self.api = OpenAIApi(router, auth_token, bounds)
+        self.tls = tls
         self.host, self.port = host, port
         self._server: _Server | None = None
         self._task: asyncio.Task | None = None
@@ -690,7 +700,7 @@ class HttpApiServer:
         config = uvicorn.Config(
             MetricsMiddleware(BodyLimitMiddleware(self.api.app, self.api.bounds.limits.max_http_body_bytes)),
             log_config=None, log_level="warning", access_log=False,
-            lifespan="off", timeout_graceful_shutdown=1,
+            lifespan="off", timeout_graceful_shutdown=1, **self._ssl_options(),
         )  # fmt: skip
         self._server = _Server(config)
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
@@ -699,8 +709,17 @@ class HttpApiServer:
                 self._task.result()  # raises what failed
                 raise OSError("the HTTP API server stopped at startup")
             await asyncio.sleep(0.01)
-        logger.info("OpenAI-compatible HTTP API on http://%s:%d", self.host, self.port)
+        logger.info("OpenAI-compatible HTTP API on %s://%s:%d", "https" if self.tls else "http", self.host, self.port)
         return self.port
+
+    def _ssl_options(self) -> dict[str, Any]:
+        if self.tls is None:
+            return {}
+        cert, key, client_ca = self.tls
+        return {
+            "ssl_certfile": cert, "ssl_keyfile": key, "ssl_ca_certs": client_ca,
+            "ssl_cert_reqs": ssl.CERT_REQUIRED if client_ca else ssl.CERT_NONE,
+        }  # fmt: skip
 
     async def stop(self) -> None:
         if self._server is None or self._task is None:

@@ -348,9 +348,9 @@ class RouterService:
             metrics.start_metrics_server(self.metrics_port, self.config.host)
         if self._http_port is not None:
             # NOTE: on this loop, beside grpc.aio: one Router, one request table, no extra hop.
-            self._http = HttpApiServer(
-                self.router, self.config.host, self._http_port, self.config.auth_token, self.bounds
-            )
+            c = self.config
+            tls = (c.tls_cert, c.tls_key, c.tls_client_ca) if c.tls_cert and c.tls_key else None
+            self._http = HttpApiServer(self.router, c.host, self._http_port, c.auth_token, self.bounds, tls)
             try:
                 self._http_port = await self._http.start()
             except BaseException:
