@@ -29,6 +29,9 @@ class RouterConfig:
         None, help="YAML/JSON file of sha256-hashed API keys -> tenant, max_priority, rate limits (router/tenancy.py)",
         env="KVSERVE_AUTH_KEYS",
     )
+    metrics_auth: bool = knob(
+        False, help="require the client API's bearer token (or an API key) on /metrics too", flag="--metrics-auth"
+    )
     tls_cert: str | None = knob(None, help="PEM server certificate (TLS)")
     tls_key: str | None = knob(None, help="PEM server key")
     tls_client_ca: str | None = knob(None, help="PEM CA: require client certificates (mTLS)")
@@ -86,5 +89,7 @@ class RouterConfig:
             raise ValueError("need 0 <= low_watermark <= high_watermark <= 1")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key go together")
+        if self.metrics_auth and not (self.auth_token or self.auth_keys):
+            raise ValueError("metrics_auth needs auth_token or auth_keys")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key")

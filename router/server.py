@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hmac
 import logging
 import time
 import uuid
@@ -345,7 +346,7 @@ class RouterService:
         metrics.ROUTER_QUEUE_BLOCKS.set_function(lambda: self.router.queue.num_blocks)
         metrics.ROUTER_PROJECTED_WAIT.set_function(self._projected_wait_s)
         if self.metrics_port is not None:
-            metrics.start_metrics_server(self.metrics_port, self.config.host)
+            metrics.start_metrics_server(self.metrics_port, self.config.host, self._metrics_authorized())
         if self._http_port is not None:
             # NOTE: on this loop, beside grpc.aio: one Router, one request table, no extra hop.
             c = self.config
@@ -358,6 +359,21 @@ class RouterService:
                 raise
         logger.info("router serving on %s:%d", self.config.host, self.port)
         return f"{self.config.host}:{self.port}"
+
+    def _metrics_authorized(self) -> Callable[[str], bool] | None:
+        """The scrape check of ``router.metrics_auth`` (None: /metrics open)."""
+        token, tenancy = self.config.auth_token, self.bounds.tenancy
+        if not self.config.metrics_auth:
+            return None
+        expected = f"Bearer {token}".encode() if token else None
+
+        def authorized(header: str) -> bool:
+            got = header.encode("latin-1", "replace")
+            if expected is not None and hmac.compare_digest(got, expected):
+                return True
+            return tenancy is not None and tenancy.principal(got) is not None
+
+        return authorized
 
     def _projected_wait_s(self) -> float:
         wait = self.router.queue.projected_wait_s()
