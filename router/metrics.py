@@ -3,8 +3,9 @@ and ``RouterMetrics``, the one object through which a router writes them.
 
 Per-worker gauges are set from each PressureReport (so a gauge equals the pool/scheduler state it
 names as of the worker's last report), counters that workers keep as running totals are advanced
-by the delta between reports (the last totals seen are the ``RouterMetrics`` object's own state, so
-two routers in one process do not share them), and latency histograms are observed as tokens arrive.
+by what each report adds to the worker's previous one (``WorkerState.deltas``: the last totals are
+the router's per-worker state, not this module's), and latency histograms are observed as tokens
+arrive.
 Each counter has one writer: preemptions are counted by the worker that preempts (the router's own
 Preempt commands are counted apart, in ``router_preemption_commands``).
 NOTE: the families stay module-level: prometheus_client registers a family once per registry, and
@@ -17,11 +18,13 @@ import socket
 import threading
 from collections.abc import Callable
 from socketserver import ThreadingMixIn
+from typing import NamedTuple
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import Counter, Gauge, Histogram, make_wsgi_app
 
 from protos.kvserve.v1 import worker_pb2 as pb
+from workers.core.sizes import pool_usage
 
 _W = ["worker"]
 
@@ -56,6 +59,9 @@ WORKER_RESTARTS = Counter("kvserve:worker_restarts", "Worker processes that came
 REJECTIONS = Counter("kvserve:admission_rejections", "Requests refused at admission, by reason", ["reason"])
 PREFIX_QUERIES = Counter("kvserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", _W)
 PREFIX_HITS = Counter("kvserve:prefix_cache_hits", "Prompt tokens found in the prefix cache", _W)
+PREFILL_TOKENS = Counter(
+    "kvserve:prefill_tokens", "Tokens computed in prefill (prompt, recompute after preemption, replay)", _W
+)
 PROMPT_TOKENS = Counter("kvserve:prompt_tokens", "Prompt tokens of admitted requests")
 GENERATION_TOKENS = Counter("kvserve:generation_tokens", "Tokens generated and streamed")
 
@@ -65,16 +71,23 @@ ITL = Histogram("kvserve:inter_token_latency_seconds", "Time between streamed to
 E2E = Histogram("kvserve:e2e_request_latency_seconds", "Arrival to final token", buckets=_LATENCY_BUCKETS)
 QUEUE_TIME = Histogram("kvserve:request_queue_time_seconds", "Arrival to dispatch", buckets=_LATENCY_BUCKETS)
 
+class CounterDeltas(NamedTuple):
+    """What a worker counted since its previous report (PressureReport carries running totals)."""
+
+    preemptions: int = 0
+    swaps: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefill_tokens: int = 0
+
+
 class RouterMetrics:
     """The router's one writer of metrics: each method is one thing that happened."""
 
-    def __init__(self) -> None:
-        # Last cumulative totals seen per worker, to turn report totals into counter increments.
-        self._last_totals: dict[str, tuple[int, int, int, int]] = {}
-
-    def observe_pressure(self, r: pb.PressureReport) -> None:
+    def observe_pressure(self, r: pb.PressureReport, counted: CounterDeltas) -> None:
+        """A worker's report: gauges as it says, counters by what it ``counted`` since its last one."""
         w = r.worker_id
-        KV_USAGE.labels(w).set(r.used_blocks / r.total_blocks if r.total_blocks else 0.0)
+        KV_USAGE.labels(w).set(pool_usage(r.used_blocks, r.total_blocks))
         KV_BLOCKS_TOTAL.labels(w).set(r.total_blocks)
         KV_BLOCKS_FREE.labels(w).set(r.free_blocks)
         KV_BLOCKS_EVICTABLE.labels(w).set(r.cached_evictable_blocks)
@@ -83,17 +96,11 @@ class RouterMetrics:
         WAITING.labels(w).set(r.num_waiting)
         SWAPPED.labels(w).set(r.num_swapped)
         REPORT_TIME.labels(w).set_to_current_time()
-        totals = (r.num_preemptions_total, r.num_swaps_total, r.prefix_cache_query_tokens_total,
-                  r.prefix_cache_hit_tokens_total)  # fmt: skip
-        prev = self._last_totals.get(w, (0, 0, 0, 0))
-        if any(t < p for t, p in zip(totals, prev, strict=True)):
-            prev = (0, 0, 0, 0)  # the worker restarted: its totals began again
-        self._last_totals[w] = totals
-        swaps = totals[1] - prev[1]
-        PREEMPTIONS.labels("recompute").inc(totals[0] - prev[0] - swaps)
-        PREEMPTIONS.labels("swap").inc(swaps)
-        PREFIX_QUERIES.labels(w).inc(totals[2] - prev[2])
-        PREFIX_HITS.labels(w).inc(totals[3] - prev[3])
+        PREEMPTIONS.labels("recompute").inc(counted.preemptions - counted.swaps)
+        PREEMPTIONS.labels("swap").inc(counted.swaps)
+        PREFIX_QUERIES.labels(w).inc(counted.prefix_query_tokens)
+        PREFIX_HITS.labels(w).inc(counted.prefix_hit_tokens)
+        PREFILL_TOKENS.labels(w).inc(counted.prefill_tokens)
 
     def worker_up(self, worker_id: str, up: bool) -> None:
         WORKER_UP.labels(worker_id).set(1 if up else 0)

@@ -341,7 +341,8 @@ class Router(WorkerLinkHandler):
 
     def cluster_status(self) -> spb.ClusterStatus:
         in_flight = sum(1 for r in self.requests.values() if r.worker_id is not None)
-        return build_cluster_status(self.table.status_rows(), self.queue, in_flight, self.replays_total)
+        rows = self.table.status_rows()
+        return build_cluster_status(rows, self.queue, in_flight, self.replays_total, self.watermarks)
 
     def spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)

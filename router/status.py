@@ -9,10 +9,15 @@ from typing import Any
 
 from protos.kvserve.v1 import serving_pb2 as spb
 from router.admission import AdmissionQueue
+from router.rebalance import Watermarks
 
 
 def build_cluster_status(
-    workers: Iterable[spb.WorkerStatus], q: AdmissionQueue[Any], requests_in_flight: int, replays: int
+    workers: Iterable[spb.WorkerStatus],
+    q: AdmissionQueue[Any],
+    requests_in_flight: int,
+    replays: int,
+    watermarks: Watermarks,
 ) -> spb.ClusterStatus:
     """A snapshot of every worker (its row as last reported, ``WorkerState.status_row``) and of the
     router's queue and counters."""
@@ -29,4 +34,5 @@ def build_cluster_status(
     wait = q.projected_wait_s()
     status.router.projected_wait_s = -1.0 if wait is None else wait
     status.router.replays_total = replays
+    status.router.high_watermark, status.router.low_watermark = watermarks.high, watermarks.low
     return status

@@ -121,8 +121,6 @@ class WorkerLinkService(worker_pb2_grpc.WorkerLinkServicer):
                 kind = msg.WhichOneof("body")
                 if kind == "ack":
                     s.unapplied.pop(msg.ack.command_seq, None)
-                elif kind == "export_result":
-                    s.unapplied.pop(msg.export_result.command_seq, None)
                 try:
                     self.handler.on_message(worker_id, msg)
                 except Exception:  # noqa: BLE001 - one bad message must not cut the link

@@ -20,13 +20,14 @@ from typing import Any
 from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import worker_pb2 as pb
 from router.config import RouterConfig
-from router.metrics import RouterMetrics
+from router.metrics import CounterDeltas, RouterMetrics
 from router.placement import WorkerView
 from router.prefix_index import PrefixIndex
 from router.rebalance import MigrationLedger
 from router.request import WORKER_DOWN, WORKER_RETIRED, WORKER_UP
 from router.worker_link import WorkerLinkService
 from workers.core.identity import WorkerIdentity
+from workers.core.sizes import pool_usage
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,11 @@ _ACTOR_DEAD_ERRORS = ("RayActorError", "ActorDiedError", "ActorUnavailableError"
 def actor_dead(e: BaseException) -> bool:
     """The Ray error says the actor process is gone (dead or being restarted)."""
     return any(c.__name__ in _ACTOR_DEAD_ERRORS for c in type(e).__mro__)
+
+
+def _totals(r: pb.PressureReport) -> CounterDeltas:
+    return CounterDeltas(r.num_preemptions_total, r.num_swaps_total, r.prefix_cache_query_tokens_total,
+                         r.prefix_cache_hit_tokens_total, r.prefill_tokens_total)  # fmt: skip
 
 
 @dataclass
@@ -59,6 +65,7 @@ class WorkerState:
     state: str = WORKER_UP
     restart_times: deque[float] = field(default_factory=deque)  # monotonic, within the restart window
     restarts_total: int = 0
+    totals: CounterDeltas = field(default_factory=CounterDeltas)  # the last report's running totals
 
     @property
     def worker_id(self) -> str:
@@ -67,6 +74,16 @@ class WorkerState:
     @property
     def promised_blocks(self) -> int:
         return sum(self.in_flight.values())
+
+    def deltas(self, report: pb.PressureReport) -> CounterDeltas:
+        """The counts ``report`` adds to the previous one's (a total that went down means a new
+        incarnation whose totals began again: all of it is new)."""
+        now = _totals(report)
+        prev = self.totals
+        if any(n < p for n, p in zip(now, prev, strict=True)):
+            prev = CounterDeltas()
+        self.totals = now
+        return CounterDeltas(*(n - p for n, p in zip(now, prev, strict=True)))
 
     def view(self, serving: bool, ledger: MigrationLedger) -> WorkerView:
         """What placement and rebalancing see of this worker."""
@@ -108,7 +125,7 @@ class WorkerState:
             return w
         w.free_blocks, w.used_blocks = r.free_blocks, r.used_blocks
         w.cached_evictable_blocks = r.cached_evictable_blocks
-        w.usage = r.used_blocks / r.total_blocks if r.total_blocks else 0.0
+        w.usage = pool_usage(r.used_blocks, r.total_blocks)
         w.num_running, w.num_waiting, w.num_swapped = r.num_running, r.num_waiting, r.num_swapped
         w.swap_blocks_total, w.swap_blocks_free = r.swap_blocks_total, r.swap_blocks_free
         w.num_preemptions_total = r.num_preemptions_total
@@ -277,7 +294,7 @@ class WorkerTable:
             entry.in_flight.pop(rid, None)
         entry.started.clear()
         self.ledger.reported(worker_id, report.num_imports_total, report.num_exports_total)
-        self.metrics.observe_pressure(report)
+        self.metrics.observe_pressure(report, entry.deltas(report))
         return entry
 
     # ---- health ----------------------------------------------------------------------------------

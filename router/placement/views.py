@@ -7,7 +7,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from workers.core.sizes import blocks_for
+from workers.core.sizes import blocks_for, pool_usage
 
 
 class PrefixMatch(int):
@@ -126,7 +126,7 @@ class WorkerView:
     @property
     def usage(self) -> float:
         """``committed_blocks / total_blocks`` (0 for an empty pool)."""
-        return self.committed_blocks / self.total_blocks if self.total_blocks else 0.0
+        return pool_usage(self.committed_blocks, self.total_blocks)
 
 
 @dataclass(frozen=True)
