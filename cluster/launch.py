@@ -188,10 +188,7 @@ def start_cluster(
     worker_ids = [f"worker-{i}" for i in range(num_workers)]
     ray.get(router.expect_workers.remote(worker_ids))
     for i, worker_id in enumerate(worker_ids):
-        # Each worker gets only its own credential (docs/architecture.md "Worker identity").
-        options = dataclasses.replace(
-            base, router_address=link_address, credential=issue_worker_credential(worker_key, worker_id)
-        )
+        options = worker_options_for(base, worker_id, worker_key, link_address)
         # NOTE: Ray restarts a dead worker forever; the router retires one that crash-loops.
         opts: dict[str, Any] = dict(resources, max_restarts=-1)
         if pg is not None:
@@ -212,6 +209,14 @@ def start_cluster(
         router, workers, router_address, metrics_port, owns_ray, pg, http_port, bound_config, name,
         worker_key=worker_key,
     )  # fmt: skip
+
+
+def worker_options_for(base: WorkerOptions, worker_id: str, worker_key: str, router_address: str) -> WorkerOptions:
+    """``base`` for one worker: the router's WorkerLink address and that worker's own credential
+    (only its own: docs/architecture.md section 4)."""
+    return dataclasses.replace(
+        base, router_address=router_address, credential=issue_worker_credential(worker_key, worker_id)
+    )
 
 
 def _start_router(
