@@ -617,6 +617,9 @@ class MetricsMiddleware:
             http_metrics.HTTP_DURATION.labels(route).observe(time.monotonic() - start)
 
 
+_MAX_DRAIN_BYTES = 64 << 20  # what a refused body may still send before the connection is dropped
+
+
 class BodyLimitMiddleware:
     """Refuses a request body over ``max_bytes`` with 413 before anything parses it (by its
     Content-Length when it gives one, else as the bytes arrive); passes the body it read on."""
@@ -630,7 +633,7 @@ class BodyLimitMiddleware:
             return
         length = dict(scope.get("headers") or ()).get(b"content-length", b"0")
         if not length.isdigit() or int(length) > self.max_bytes:
-            await self._refuse(send)
+            await self._refuse(send, receive)
             return
         chunks, size, more = [], 0, True
         while more:
@@ -640,7 +643,7 @@ class BodyLimitMiddleware:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
-                await self._refuse(send)
+                await self._refuse(send, receive)
                 return
             more = message.get("more_body", False)
         body = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
@@ -650,7 +653,7 @@ class BodyLimitMiddleware:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send: Callable) -> None:
+    async def _refuse(self, send: Callable, receive: Callable) -> None:
         error = ApiError(413, f"request body over {self.max_bytes} bytes (limit max_http_body_bytes)",
                          "invalid_request_error")  # fmt: skip
         payload = json.dumps(error.body()).encode()
@@ -658,6 +661,13 @@ class BodyLimitMiddleware:
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
                                 (b"connection", b"close")]})  # fmt: skip
         await send({"type": "http.response.body", "body": payload})
+        # NOTE: read (and drop) what the client is still sending, up to a bound: closing with unread
+        # input makes the kernel reset the connection, and the client may never see the 413.
+        drained, more = 0, True
+        while more and drained <= _MAX_DRAIN_BYTES:
+            message = await receive()
+            drained += len(message.get("body", b""))
+            more = message["type"] == "http.request" and message.get("more_body", False)
 
 
 # ---- the server -----------------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ from workers.core.worker_credential import new_worker_key
 logger = logging.getLogger(__name__)
 
 DEFAULT_WATCH_INTERVAL_MS = 500
+WATCH_SNAPSHOT_S = 0.025  # NOTE: half the shortest watch interval (50 ms): a watcher sees no staler data
 DEFAULT_READY_TIMEOUT_S = 60.0
 _HEALTH_SERVICES = ("", spb.DESCRIPTOR.services_by_name["KVServe"].full_name)
 
@@ -169,6 +170,7 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
         self.router = router
         self.ready_timeout_s = ready_timeout_s
         self.bounds = bounds or Bounds(router)
+        self._snapshot: tuple[float, spb.ClusterStatus] | None = None
 
     async def _wait_until_ready(self, context: grpc.aio.ServicerContext) -> None:
         """Wait for the first worker's Hello, at most ``ready_timeout_s`` and the call's deadline;
@@ -232,8 +234,16 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
             except LimitExceeded as e:
                 await context.abort(e.code, str(e))
             while True:
-                yield self.router.cluster_status()
+                yield self._shared_status()
                 await asyncio.sleep(interval)
+
+    def _shared_status(self) -> spb.ClusterStatus:
+        """One snapshot per ``WATCH_SNAPSHOT_S`` for every watcher: N watchers cost one build, not N
+        (each build walks the request table), so they cannot crowd the loop."""
+        now = time.monotonic()
+        if self._snapshot is None or now - self._snapshot[0] >= WATCH_SNAPSHOT_S:
+            self._snapshot = (now, self.router.cluster_status())
+        return self._snapshot[1]
 
 
 async def _abort(context: grpc.aio.ServicerContext, e: RouterError) -> None:
