@@ -265,8 +265,9 @@ class Bounds:
                 check_request(r, self.limits, default_max_tokens)
             with self.streams.reserve(client, len(requests)):
                 prepared = await self._prepare_all(requests)
+                refund = None
                 if who is not None:
-                    self.tenancy.charge(who, prepared, default_max_tokens)  # type: ignore[union-attr]
+                    refund = self.tenancy.charge(who, prepared, default_max_tokens)  # type: ignore[union-attr]
                 admitted: list[RouterRequest] = []
                 try:
                     for r in prepared:
@@ -274,6 +275,8 @@ class Bounds:
                 except RouterError:
                     for a in admitted:
                         self.router.cancel(a)
+                    if refund is not None:  # NOTE: the budgets count admitted requests only
+                        refund()
                     raise
                 self.streams.track(client, admitted)
                 return admitted

@@ -190,8 +190,11 @@ class Tenancy:
         """The id as its tenant knows it (router-assigned ids carry no scope)."""
         return request_id.removeprefix(f"{who.tenant}{SCOPE_SEPARATOR}")
 
-    def charge(self, who: Principal, requests: Sequence[spb.GenerateRequest], default_max_tokens: int) -> None:
-        """Take the requests (and their prompt + max_tokens) from the key's per-minute budgets.
+    def charge(
+        self, who: Principal, requests: Sequence[spb.GenerateRequest], default_max_tokens: int
+    ) -> Callable[[], None]:
+        """Take the requests (and their prompt + max_tokens) from the key's per-minute budgets;
+        returns what gives them back (for requests the router then refused).
 
         Raises:
             RouterError: RESOURCE_EXHAUSTED with ``retry-after-ms`` when a budget is short (then
@@ -224,3 +227,9 @@ class Tenancy:
                     f"rate limit: this key's {name} ({bucket.capacity:g}) is spent; retry in {retry_ms} ms",
                     (("retry-after-ms", str(retry_ms)),),
                 )
+
+        def refund() -> None:
+            for _, bucket, amount in waits:
+                bucket.level = min(bucket.capacity, bucket.level + amount)
+
+        return refund
