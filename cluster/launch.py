@@ -21,6 +21,7 @@ import logging
 import socket
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from router.config import RouterConfig
@@ -160,6 +161,8 @@ def start_cluster(
     if num_workers <= 0:
         raise ValueError(f"num_workers must be positive, got {num_workers}")
     router_config = router_config or RouterConfig(model=engine_config.model)
+    if router_config.auth_keys:  # NOTE: the router actor reads it; its working directory may differ
+        router_config = dataclasses.replace(router_config, auth_keys=str(Path(router_config.auth_keys).resolve()))
     owns_ray = init_ray(address)
     if use_gpus is None:
         use_gpus = ray.cluster_resources().get("GPU", 0) >= 1
