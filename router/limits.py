@@ -35,6 +35,7 @@ from router.validation import ValidationError
 
 if TYPE_CHECKING:
     from router.config import RouterConfig
+    from router.mux import StreamMux
     from router.router import Router
 
 
@@ -242,6 +243,7 @@ class Bounds:
         requests: Sequence[spb.GenerateRequest],
         time_remaining_s: Callable[[], float | None] = lambda: None,
         who: Principal | None = None,
+        mux: StreamMux | None = None,
     ) -> list[RouterRequest]:
         """Check, tokenize (off the loop) and submit every request, or none.
 
@@ -250,6 +252,7 @@ class Bounds:
                 caller with an API key is counted by its key instead.
             time_remaining_s: seconds left of the caller's deadline, asked at submit time.
             who: the caller's API key: its tenant, id scope, priority bound and rate apply.
+            mux: the GenerateStream the requests' responses go to (``Router.submit``'s ``mux``).
 
         Raises:
             RouterError: a limit (its code, naming the knob), a bad prompt (INVALID_ARGUMENT), or
@@ -271,7 +274,8 @@ class Bounds:
                 admitted: list[RouterRequest] = []
                 try:
                     for r in prepared:
-                        admitted.append(self.router.submit(r, time_remaining_s()))
+                        # NOTE: mux only for GenerateStream (Router.submit's optional third argument)
+                        admitted.append(self.router.submit(r, time_remaining_s(), *((mux,) if mux is not None else ())))
                 except RouterError:
                     for a in admitted:
                         self.router.cancel(a)
