@@ -241,3 +241,40 @@ def test_bad_key_files_name_the_entry(tmp_path: Path, entry: dict, message: str)
     path.write_text(json.dumps({"keys": [entry]}))
     with pytest.raises(ValueError, match=message):
         KeyRing.load(path)
+
+
+def test_generate_stream_applies_the_same_tenancy(tmp_path: Path) -> None:
+    """GenerateStream (many requests on one stream) is no way around the key: tenant salt, priority
+    bound, and ids reported as the tenant sent them."""
+
+    async def test(service: RouterService, channel: grpc.aio.Channel, worker: FakeWorker) -> None:
+        stub = serving_pb2_grpc.KVServeStub(channel)
+        outgoing: asyncio.Queue = asyncio.Queue()
+
+        async def requests():  # noqa: ANN202 - an async generator of messages
+            while (m := await outgoing.get()) is not None:
+                yield m
+
+        call = stub.GenerateStream(requests(), metadata=_md(KEY_A), timeout=CALL_TIMEOUT)
+        outgoing.put_nowait(spb.GenerateStreamRequest(generate=_req("too-high", priority=2)))
+        outgoing.put_nowait(spb.GenerateStreamRequest(generate=_req("mine", tenant="team-b")))
+        batches = aiter(call)
+        errors = []
+        while not errors:
+            errors = list((await anext(batches)).errors)
+        assert [(e.request_id, e.code) for e in errors] == [("too-high", grpc.StatusCode.INVALID_ARGUMENT.value[0])]
+        for _ in range(500):
+            if worker.added:
+                break
+            await asyncio.sleep(0.01)
+        (dispatch,) = worker.added
+        assert dispatch.cache_salt == "team-a"
+        out = pb.RequestOutput(request_id=dispatch.request_id, new_token_ids=[5, 6, 7, 8], num_output_tokens=4,
+                               finish_reason="length")  # fmt: skip
+        service.router._on_output("w", out)
+        batch = await anext(batches)
+        assert [(r.request_id, list(r.token_ids)) for r in batch.responses] == [("mine", [5, 6, 7, 8])]
+        outgoing.put_nowait(None)
+        assert [b async for b in batches] == []
+
+    run(tmp_path, test)
