@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -142,8 +142,13 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
-def start_metrics_server(port: int, addr: str = "127.0.0.1") -> WSGIServer:
+def start_metrics_server(
+    port: int, addr: str = "127.0.0.1", authorized: Callable[[str], bool] | None = None
+) -> WSGIServer:
     """Serve ``/metrics`` on ``addr:port`` (a daemon thread), always in the Prometheus text format.
+
+    ``authorized``: when given, a scrape whose ``Authorization`` header it refuses gets 401
+    (``router.metrics_auth``: the client API's token or API keys).
 
     NOTE: prometheus_client >= 0.22 writes OpenMetrics sample names with ':' turned into '_' while
     their ``# TYPE`` lines keep it (prometheus/client_python#1177). Prometheus asks for OpenMetrics
@@ -153,6 +158,9 @@ def start_metrics_server(port: int, addr: str = "127.0.0.1") -> WSGIServer:
     app = make_wsgi_app()
 
     def text_format(environ: dict, start_response):  # noqa: ANN202 - WSGI
+        if authorized is not None and not authorized(environ.get("HTTP_AUTHORIZATION", "")):
+            start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")])
+            return [b"missing or wrong bearer token\n"]
         environ.pop("HTTP_ACCEPT", None)
         return app(environ, start_response)
 

@@ -79,9 +79,13 @@ class Mover:
             state = await src.handle.export_request.remote(r.worker_rid)
             if state is None:
                 return False
+            # NOTE: from the import on, the destination's outputs for this dispatch count (they may
+            # arrive before this call returns); the source's keep counting (its last ones may too).
+            r.dispatch_workers.add(dst.worker_id)
             ok = await dst.handle.import_request.remote(state)
             await src.handle.finish_export.remote(r.worker_rid, bool(ok))
             if not ok:
+                r.dispatch_workers.discard(dst.worker_id)
                 return False
             r.worker_id = dst.worker_id
             router.pend(r, dst.worker_id)

@@ -53,6 +53,9 @@ class RouterRequest:
     tokens_received: int = 0
     output_ids: list[int] = field(default_factory=list)  # tokens delivered to the client (for a replay)
     worker_rid: str = ""
+    # Workers whose outputs count for the current dispatch: the one it was sent to, and a
+    # migration's destination (from its import on); any other worker's are dropped.
+    dispatch_workers: set[str] = field(default_factory=set)
     replays: int = 0  # failover replays (counted in ``migrations`` too)
     finished: bool = False
     cancelled: bool = False

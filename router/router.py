@@ -282,6 +282,9 @@ class Router(WorkerLinkHandler):
         if r is None:
             self.dispatcher.stop_stray(worker_id, out)
             return
+        if worker_id not in r.dispatch_workers:
+            self.dispatcher.foreign(worker_id, out, r)
+            return
         entry = self.table.get(worker_id)
         if entry is not None and r.worker_rid in entry.in_flight:
             entry.started.add(r.worker_rid)

@@ -288,6 +288,9 @@ class WorkerTable:
         entry = self.entries.get(worker_id)
         if entry is None or (entry.report is not None and report.seq <= entry.report.seq):
             return None
+        # NOTE: the series are named by the link's authenticated id, never by what the report says
+        # (a worker cannot write another's metrics, nor mint label values).
+        report.worker_id = worker_id
         entry.report, entry.report_time, entry.healthy = report, time.monotonic(), True
         for rid in entry.started:
             entry.in_flight.pop(rid, None)

@@ -167,19 +167,22 @@ def measure(workers: int, streams: int, tokens_per_step: int, step_ms: float, ma
     import ray
 
     from cluster.bench.sim_worker import SimSpec, sim_worker_actor_class
-    from cluster.launch import _register_workers, _start_router
+    from cluster.launch import _register_workers, _start_router, worker_options_for
     from router.config import RouterConfig
+    from workers.core.worker_credential import new_worker_key
     from workers.transport.options import WorkerOptions
 
     config = RouterConfig(port=0, max_queue_requests=max(1024, streams), max_buffered_responses=1 << 16)
-    router, http_port = _start_router(config, None, None, 0 if protocol == "http" else None)
+    key = new_worker_key()
+    router, http_port = _start_router(config, None, None, 0 if protocol == "http" else None, key)
     handles: dict[str, Any] = {}
     try:
         address = ray.get(router.address.remote())
-        options = WorkerOptions(router_address=address)
         spec = SimSpec(step_ms=step_ms, tokens_per_step=tokens_per_step)
         actor = sim_worker_actor_class()
-        handles = {f"worker-{i}": actor.remote(f"worker-{i}", options, spec) for i in range(workers)}
+        ids = [f"worker-{i}" for i in range(workers)]
+        ray.get(router.expect_workers.remote(ids))
+        handles = {w: actor.remote(w, worker_options_for(WorkerOptions(), w, key, address), spec) for w in ids}
         _register_workers(router, handles, 60.0)
         pid = ray.get(router.pid.remote())
         http_url = f"http://127.0.0.1:{http_port}/v1/completions" if protocol == "http" else None

@@ -67,7 +67,7 @@ class SimWorker:
             hello=lambda: self.identity().to_hello(self.incarnation),
             on_connect=lambda: None,
             on_command=self._on_command,
-            auth_token=options.auth_token,
+            credential=options.credential,
             credentials=channel_credentials(options.tls_ca, options.tls_cert, options.tls_key),
         )
         self.link.start()

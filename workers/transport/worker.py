@@ -76,7 +76,7 @@ class WorkerCore:
                 hello=self._hello,
                 on_connect=lambda: self._submit(self._on_connect),
                 on_command=self._on_command,
-                auth_token=o.auth_token,
+                credential=o.credential,
                 credentials=channel_credentials(o.tls_ca, o.tls_cert, o.tls_key),
             )
 
