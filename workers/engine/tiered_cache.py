@@ -104,7 +104,8 @@ class TieredCache:
         self.stores = [s for s in (host, disk) if s is not None]
         self.payload_bytes = payload
         self.stats = TierStats()
-        self.max_pending_bytes = max(8 * payload, min(self.stores[0].capacity_bytes, 256 * 2**20))
+        # Host memory the writer may fall behind by (copies not yet in a file) before spills are dropped.
+        self.max_pending_bytes = max(16 * payload, 256 * 2**20)
         self._pending_bytes = 0
         self._pending_lock = threading.Lock()
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
@@ -128,12 +129,14 @@ class TieredCache:
         evicted = self.pool.drain_evicted()
         if not evicted:
             return
-        size = len(evicted) * self.payload_bytes
         with self._pending_lock:
-            if self._pending_bytes + size > self.max_pending_bytes:
-                self.stats.spills_dropped += len(evicted)
-                return
-            self._pending_bytes += size
+            room = (self.max_pending_bytes - self._pending_bytes) // self.payload_bytes
+            if room < len(evicted):
+                self.stats.spills_dropped += len(evicted) - max(room, 0)
+                evicted = evicted[: max(room, 0)]
+            self._pending_bytes += len(evicted) * self.payload_bytes
+        if not evicted:
+            return
         idx = torch.tensor([b for b, _ in evicted], dtype=torch.int64, device=self.kv_cache.device)
         # NOTE: one gather per layer, copied to host memory now; packing, checksums and files happen
         # on the writer thread. On CUDA this copy is synchronous (TODO in the issue: pinned + async).
