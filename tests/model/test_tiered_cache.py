@@ -76,7 +76,8 @@ def test_evict_then_reload_from_host_is_identical(tiny_llama_dir: Path, tmp_path
     assert engine.tiers.stats.blocks_loaded["host"] == len(PROMPT) // BS
     # The loaded blocks are registered in the pool again, and their events name their tiers.
     assert all(engine.pool.cached_block(h) is not None for h in _prompt_hashes(engine))
-    engine.tiers.close()
+    engine.close()
+    assert engine.tiers is None
 
 
 def test_another_engine_on_the_node_loads_the_prefix(tiny_llama_dir: Path, tmp_path: Path, oracles) -> None:  # type: ignore[no-untyped-def]

@@ -1,8 +1,9 @@
 """Block events a worker's pool emits for the router's prefix index (docs/architecture.md: fixed interface).
 
 Each event names its tier (``TIERS``; a host or disk tier is shared by the workers of a node, so
-its events from any of them describe the node's tier) and carries the pool's own sequence number, consecutive from 1, so a consumer detects a
-gap (a lost event) and asks for a full snapshot instead of trusting a stale index.
+its events from any of them describe the node's tier) and carries the pool's own sequence number,
+consecutive from 1, so a consumer detects a gap (a lost event) and asks for a full snapshot instead
+of trusting a stale index.
 """
 
 from __future__ import annotations

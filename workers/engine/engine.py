@@ -440,6 +440,14 @@ class LLMEngine:
         self.requests[req.request_id] = req
         return True
 
+    def close(self) -> None:
+        """Finish pending tier writes and stop their thread (the engine stays usable without spills)."""
+        if self.tiers is not None:
+            self.tiers.close()
+            self.pool.record_evictions = False
+            self.scheduler.tier = None
+            self.tiers = None
+
     def check_integrity(self) -> None:
         """Pool invariants plus ref counts == block-table references (tests call this every step)."""
         self.pool.check_integrity(self.scheduler.block_tables(list(self.exporting.values())))

@@ -57,6 +57,25 @@ class TierStats:
     load_seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class TierReport:
+    """The tiers' part of a pressure report (zeros: no tiers). Ratios: 0.0 = not measured / no tier."""
+
+    host_bytes_used: int = 0
+    host_bytes_total: int = 0
+    disk_bytes_used: int = 0
+    disk_bytes_total: int = 0
+    host_load_ratio: float = 0.0
+    disk_load_ratio: float = 0.0
+    recompute_ms_per_block: float = 0.0
+    host_hit_tokens: int = 0
+    disk_hit_tokens: int = 0
+    bytes_written: int = 0
+    bytes_loaded: int = 0
+    load_seconds: float = 0.0
+    spills_dropped: int = 0
+
+
 def layout_string(model_id: str, kv_cache: KVCache) -> str:
     """What a block file must match to be loaded here: model, layers, block shape, element types."""
     layer = kv_cache.layers[0]
@@ -278,6 +297,26 @@ class TieredCache:
     def used_bytes(self) -> dict[str, int]:
         """This writer's estimate of each tier's bytes (refreshed by every sweep)."""
         return dict(self._estimated_used)
+
+    def report(self, hit_tokens: dict[str, int]) -> TierReport:
+        """Usage, measured ratios and running totals; ``hit_tokens`` are the scheduler's per-tier hits."""
+        used, total = self.used_bytes(), {s.name: s.capacity_bytes for s in self.stores}
+        c = self.cost
+        return TierReport(
+            host_bytes_used=used.get("host", 0),
+            host_bytes_total=total.get("host", 0),
+            disk_bytes_used=used.get("disk", 0),
+            disk_bytes_total=total.get("disk", 0),
+            host_load_ratio=(c.ratio("host") or 0.0) if "host" in total else 0.0,
+            disk_load_ratio=(c.ratio("disk") or 0.0) if "disk" in total else 0.0,
+            recompute_ms_per_block=1e3 * (c.recompute_s_per_block() or 0.0),
+            host_hit_tokens=hit_tokens.get("host", 0),
+            disk_hit_tokens=hit_tokens.get("disk", 0),
+            bytes_written=self.stats.bytes_written,
+            bytes_loaded=self.stats.bytes_loaded,
+            load_seconds=self.stats.load_seconds,
+            spills_dropped=self.stats.spills_dropped,
+        )
 
     def flush(self) -> None:
         """Wait until every spill so far is written (tests, shutdown)."""

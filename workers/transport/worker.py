@@ -30,6 +30,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
 from workers.engine.migration import MigrationState
 from workers.engine.outputs import RequestOutput
+from workers.engine.tiered_cache import TierReport
 from workers.transport.options import WorkerOptions
 from workers.transport.outbox import Outbox
 from workers.transport.pressure import PressurePolicy
@@ -64,6 +65,7 @@ class WorkerStats:
     prefix_hit_tokens: int
     num_imports: int  # requests migrated in (this incarnation)
     num_exports: int  # exports finished as migrated (their blocks freed here)
+    tiers: TierReport = TierReport()  # host / disk tiers (zeros: none)
 
     @property
     def usage(self) -> float:
@@ -125,6 +127,8 @@ class WorkerCore:
         if self.link is not None:
             self.link.stop()
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.engine.close()  # the engine thread is done with it: pending tier writes finish
 
     # ---- API for any thread (Ray methods) ------------------------------------------------------
     def add_request(
@@ -332,6 +336,7 @@ class WorkerCore:
             prefix_hit_tokens=sched.prefix_hits,
             num_imports=self._num_imports,
             num_exports=self._num_exports,
+            tiers=e.tiers.report(sched.tier_hits) if e.tiers is not None else TierReport(),
         )
 
     def _abort(self, request_id: str) -> bool:
@@ -354,7 +359,9 @@ class WorkerCore:
         pool = self.engine.pool
         # Pending events are older than the snapshot; ship them first so seqs stay ordered.
         self._publish([])
-        snapshot = pb.BlockSnapshot(seq=pool.event_seq, hashes=pool.cached_hashes())
+        tiers = self.engine.tiers.tier_hashes() if self.engine.tiers is not None else {}
+        snapshot = pb.BlockSnapshot(seq=pool.event_seq, hashes=pool.cached_hashes(),
+                                    host_hashes=tiers.get("host", []), disk_hashes=tiers.get("disk", []))  # fmt: skip
         self.outbox.put(pb.WorkerMessage(block_snapshot=snapshot))
 
     # ---- router commands (WorkerLink thread -> inbox) ---------------------------------------------
@@ -441,11 +448,14 @@ def _step_outputs(step: int, outputs: list[RequestOutput]) -> pb.StepOutputs:
     )
 
 
+_TIER_PROTO = {"device": pb.TIER_DEVICE, "host": pb.TIER_HOST, "disk": pb.TIER_DISK}
+
+
 def _event_proto(e: BlockEvent) -> pb.BlockEvent:
     if isinstance(e, BlockStored):
-        return pb.BlockEvent(seq=e.seq, stored=pb.BlockStored(hashes=e.hashes))
+        return pb.BlockEvent(seq=e.seq, stored=pb.BlockStored(hashes=e.hashes, tier=_TIER_PROTO[e.tier]))
     if isinstance(e, BlockRemoved):
-        return pb.BlockEvent(seq=e.seq, removed=pb.BlockRemoved(hashes=e.hashes))
+        return pb.BlockEvent(seq=e.seq, removed=pb.BlockRemoved(hashes=e.hashes, tier=_TIER_PROTO[e.tier]))
     assert isinstance(e, AllBlocksCleared)
     return pb.BlockEvent(seq=e.seq, cleared=pb.AllBlocksCleared())
 
@@ -472,6 +482,19 @@ def _pressure_proto(s: WorkerStats, seq: int) -> pb.PressureReport:
         num_swaps_total=s.num_swaps,
         num_imports_total=s.num_imports,
         num_exports_total=s.num_exports,
+        host_cache_bytes_used=s.tiers.host_bytes_used,
+        host_cache_bytes_total=s.tiers.host_bytes_total,
+        disk_cache_bytes_used=s.tiers.disk_bytes_used,
+        disk_cache_bytes_total=s.tiers.disk_bytes_total,
+        host_load_ratio=s.tiers.host_load_ratio,
+        disk_load_ratio=s.tiers.disk_load_ratio,
+        recompute_ms_per_block=s.tiers.recompute_ms_per_block,
+        prefix_cache_host_hit_tokens_total=s.tiers.host_hit_tokens,
+        prefix_cache_disk_hit_tokens_total=s.tiers.disk_hit_tokens,
+        tier_bytes_written_total=s.tiers.bytes_written,
+        tier_bytes_loaded_total=s.tiers.bytes_loaded,
+        tier_load_seconds_total=s.tiers.load_seconds,
+        tier_spills_dropped_total=s.tiers.spills_dropped,
     )
 
 
