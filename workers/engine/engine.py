@@ -281,7 +281,7 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if self.tiers is not None:  # blocks this schedule evicted: out to the tiers before anything rewrites them
             self.tiers.spill_evicted()
-            self.tiers.publish_events()
+        self.publish_tier_events()
         # Swaps before the forward (a block swapped out now may be rewritten by it), and even in a
         # step that runs nothing: a preemption can swap out every running request, and a copy not
         # made now is lost, leaving garbage to swap back in (and to cache under a hash).
@@ -439,6 +439,11 @@ class LLMEngine:
             self.scheduler.add(req)
         self.requests[req.request_id] = req
         return True
+
+    def publish_tier_events(self) -> None:
+        """Move the tier writer's events (host/disk stored, removed) into the pool's event stream."""
+        if self.tiers is not None:
+            self.tiers.publish_events()
 
     def close(self) -> None:
         """Finish pending tier writes and stop their thread (the engine stays usable without spills)."""

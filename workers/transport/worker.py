@@ -297,6 +297,7 @@ class WorkerCore:
         The step's messages go to the outbox together (``Outbox.put_step``), which folds them into the
         previous step's while the link has not sent those yet."""
         step_outputs = _step_outputs(self.engine.num_steps, outputs) if outputs else None
+        self.engine.publish_tier_events()  # spills finished while idle reach the router too
         events = self.engine.pool.drain_events()
         block_events = pb.BlockEvents(events=[_event_proto(e) for e in events]) if events else None
         self._stats = stats = self._snapshot()
