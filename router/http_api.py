@@ -512,7 +512,7 @@ class OpenAIApi:
             {"id": self.model_name(), "object": "model", "created": 0, "owned_by": "kvserve"}]}  # fmt: skip
 
     async def health(self) -> JSONResponse:
-        healthy = any(self.router.serving(w) for w in self.router.workers.values())
+        healthy = self.router.table.any_serving()
         return JSONResponse({"status": "ok" if healthy else "no healthy worker"}, status_code=200 if healthy else 503)
 
     def _routes(self) -> None:

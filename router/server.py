@@ -331,7 +331,7 @@ class RouterService:
 
     async def add_worker(self, worker_id: str, handle: Any, identity: WorkerIdentity) -> None:
         self.router.add_worker(worker_id, handle, identity)
-        entry = self.router.workers[worker_id]
+        entry = self.router.table[worker_id]
         metrics.REPORT_AGE.labels(worker_id).set_function(
             lambda: time.monotonic() - entry.report_time if entry.report is not None else float("nan")
         )
@@ -344,11 +344,11 @@ class RouterService:
 
     async def worker_pid(self, worker_id: str) -> int:
         """The OS pid of a registered worker's actor process; KeyError if unknown."""
-        return int(await self.router.workers[worker_id].handle.pid.remote())
+        return int(await self.router.table[worker_id].handle.pid.remote())
 
     async def check_worker_integrity(self, worker_id: str) -> None:
         """Run a worker's block-pool integrity check (raises on a broken invariant; tests)."""
-        await self.router.workers[worker_id].handle.check_integrity.remote()
+        await self.router.table[worker_id].handle.check_integrity.remote()
 
     async def wait_for_workers(self, worker_ids: list[str], timeout: float = 120.0) -> None:
         await self.router.wait_for_workers(worker_ids, timeout)

@@ -13,6 +13,7 @@ ray = pytest.importorskip("ray")
 
 from tests.integration.worker_harness import RecordingRouter  # noqa: E402
 from workers.core.block_hash import cache_extra, hash_blocks  # noqa: E402
+from workers.core.request import WorkerRequest  # noqa: E402
 from workers.core.sampling_params import SamplingParams  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.engine import LLM  # noqa: E402
@@ -71,22 +72,24 @@ def test_prefix_evicted_on_a_is_loaded_by_b(workers, tiny_llama_dir: Path) -> No
     model_id = _get(actors["wA"].ready.remote()).model_id
     hashes = set(hash_blocks(PROMPT, BS, cache_extra(model_id, None)))
 
-    _get(actors["wA"].add_request.remote("a0", PROMPT, GREEDY))
+    _get(actors["wA"].add_request.remote(WorkerRequest("a0", tuple(PROMPT), GREEDY)))
     assert router.wait_finished(["a0"])["a0"] == expected
-    _get([actors["wA"].add_request.remote(f"f{k}", p, FILL) for k, p in enumerate(FILLERS)])
+    _get([actors["wA"].add_request.remote(WorkerRequest(f"f{k}", tuple(p), FILL)) for k, p in enumerate(FILLERS)])
     router.wait_finished([f"f{k}" for k in range(len(FILLERS))])
     # A's events: the prefix left its pool and reached the node's host tier.
     router.wait_for(lambda: hashes <= _tier_hashes(router, "wA", pb.TIER_HOST), what="A's host-tier events")
     assert not hashes & _tier_hashes(router, "wA", pb.TIER_DEVICE)
 
-    _get(actors["wB"].add_request.remote("b0", PROMPT, GREEDY))
+    _get(actors["wB"].add_request.remote(WorkerRequest("b0", tuple(PROMPT), GREEDY)))
     assert router.wait_finished(["b0"])["b0"] == expected
     (last,) = [o for o in router.outputs("b0") if o.finish_reason]
     assert last.num_cached_tokens == len(PROMPT)  # B computed only the last prompt token
     assert hashes <= _tier_hashes(router, "wB", pb.TIER_DEVICE)  # loaded blocks are B's device hits now
-    stats = _get(actors["wB"].stats.remote())
-    assert stats.tiers.host_hit_tokens == len(PROMPT) and stats.prefix_hit_tokens == 0
-    assert stats.tiers.bytes_loaded > 0 and stats.tiers.host_bytes_total == 2**20
-    router.wait_for(lambda: any(r.prefix_cache_host_hit_tokens_total == len(PROMPT) for r in router.pressure("wB")),
-                    what="B's pressure report with its host hits")  # fmt: skip
+    stats = router.wait_for(
+        lambda: next((r for r in router.pressure("wB") if r.prefix_cache_host_hit_tokens_total), None),
+        what="B's pressure report with its host hits",
+    )
+    assert stats.prefix_cache_host_hit_tokens_total == len(PROMPT) and stats.prefix_cache_hit_tokens_total == 0
+    assert stats.tier_bytes_loaded_total > 0 and stats.host_cache_bytes_total == 2**20
+    assert 0 < stats.host_load_ratio and stats.recompute_ms_per_block > 0  # measured at start-up
     _get(actors["wB"].check_integrity.remote())
