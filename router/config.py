@@ -24,6 +24,9 @@ class RouterConfig:
     host: str = knob("127.0.0.1", help="bind address of the API and WorkerLink", cli=False)
     port: int = knob(50051, help="client API and WorkerLink port (0 = pick a free port)", check=PORT, cli=False)
     model: str = knob("", help="model directory, for the tokenizer (text prompts)", cli=False)
+    served_model_name: str = knob(
+        "", help="the model's name in the HTTP API (/v1/models, the 'model' field); default: the --model argument"
+    )
     auth_token: str | None = knob(None, help="require 'authorization: Bearer TOKEN'", env="KVSERVE_AUTH_TOKEN")
     tls_cert: str | None = knob(None, help="PEM server certificate (TLS)")
     tls_key: str | None = knob(None, help="PEM server key")

@@ -340,7 +340,17 @@ class OpenAIApi:
 
     # -- plumbing --
     def model_name(self) -> str:
-        return self.router.model_id or "kvserve"
+        """The served name, fixed from the start (as ``vllm serve --served-model-name``, default the model
+        argument): a client that reads ``/v1/models`` before the workers are up gets the name it will use."""
+        c = self.router.config
+        return c.served_model_name or c.model or self.router.model_id or "kvserve"
+
+    def _model_names(self) -> set[str]:
+        """Names a request may give: the served name, the model argument and the workers' model id, each
+        also as its last path component (the short name)."""
+        c = self.router.config
+        names = {n for n in (c.served_model_name, c.model, self.router.model_id) if n} or {"kvserve"}
+        return names | {Path(n).name for n in names}
 
     def _check_auth(self, request: Request) -> None:
         if self._expected is None:
@@ -352,9 +362,8 @@ class OpenAIApi:
                            "authentication_error")  # fmt: skip
 
     def _check_model(self, model: str | None) -> None:
-        name = self.model_name()
-        if model is not None and model not in (name, Path(name).name):
-            raise ApiError(404, f"model {model!r} does not exist; this server serves {name!r}",
+        if model is not None and model not in self._model_names():
+            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.model_name()!r}",
                            "not_found_error", "model")  # fmt: skip
 
     def _submit(self, requests: list[spb.GenerateRequest], chat: bool) -> list[RouterRequest]:

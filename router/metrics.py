@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import socket
 import threading
-from dataclasses import dataclass
 from socketserver import ThreadingMixIn
+from typing import NamedTuple
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import Counter, Gauge, Histogram, make_wsgi_app
@@ -70,8 +70,7 @@ ITL = Histogram("kvserve:inter_token_latency_seconds", "Time between streamed to
 E2E = Histogram("kvserve:e2e_request_latency_seconds", "Arrival to final token", buckets=_LATENCY_BUCKETS)
 QUEUE_TIME = Histogram("kvserve:request_queue_time_seconds", "Arrival to dispatch", buckets=_LATENCY_BUCKETS)
 
-@dataclass(frozen=True)
-class CounterDeltas:
+class CounterDeltas(NamedTuple):
     """What a worker counted since its previous report (PressureReport carries running totals)."""
 
     preemptions: int = 0

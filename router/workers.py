@@ -14,7 +14,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import astuple, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from protos.kvserve.v1 import serving_pb2 as spb
@@ -80,10 +80,10 @@ class WorkerState:
         incarnation whose totals began again: all of it is new)."""
         now = _totals(report)
         prev = self.totals
-        if any(n < p for n, p in zip(astuple(now), astuple(prev), strict=True)):
+        if any(n < p for n, p in zip(now, prev, strict=True)):
             prev = CounterDeltas()
         self.totals = now
-        return CounterDeltas(*(n - p for n, p in zip(astuple(now), astuple(prev), strict=True)))
+        return CounterDeltas(*(n - p for n, p in zip(now, prev, strict=True)))
 
     def view(self, serving: bool, ledger: MigrationLedger) -> WorkerView:
         """What placement and rebalancing see of this worker."""

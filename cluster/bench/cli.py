@@ -16,6 +16,7 @@ _HELP = {
     "serve": "open-loop load against a router (or clusters it launches), policies side by side",
     "router": "placement, admission and prefix index at 8-512 synthetic workers (no model)",
     "kernels": "Triton attention kernels vs the torch reference, timed on a GPU",
+    "data-plane": "streamed tokens/s and router CPU per token through the real router, simulated workers",
 }
 
 
@@ -23,7 +24,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``bench`` with its subcommands ``offline``, ``serve``, ``router`` and ``kernels``."""
     bench = subparsers.add_parser("bench", help="benchmarks: offline engine, served cluster, router, kernels")
     sub = bench.add_subparsers(dest="bench_command", required=True, action=LazySubParsers)
-    for name, loader in (("offline", _offline), ("serve", _serve), ("router", _router), ("kernels", _kernels)):
+    loaders = (("offline", _offline), ("serve", _serve), ("router", _router), ("kernels", _kernels),
+               ("data-plane", _data_plane))  # fmt: skip
+    for name, loader in loaders:
         sub.add_lazy({name: _HELP[name]}, loader)
 
 
@@ -68,3 +71,11 @@ def _kernels(sub: LazySubParsers) -> None:
 def _fail(message: str) -> int:
     print(message, file=sys.stderr)
     return 2
+
+
+def _data_plane(sub: LazySubParsers) -> None:
+    from cluster.bench import data_plane
+
+    p = sub.add_parser("data-plane", help=_HELP["data-plane"])
+    data_plane.add_arguments(p)
+    p.set_defaults(func=data_plane.run)

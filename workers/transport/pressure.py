@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import copyreg
 from dataclasses import dataclass
 
 from protos.kvserve.v1 import worker_pb2 as pb
 from workers.core.sizes import pool_usage
+
+
+def report_from_bytes(data: bytes) -> pb.PressureReport:
+    return pb.PressureReport.FromString(data)
+
+
+# NOTE: generated messages name their module by the proto package (kvserve.v1.worker_pb2), which is not
+# importable as such, so pickle (Ray's return values: ``Worker.stats``) cannot find the class by name.
+copyreg.pickle(pb.PressureReport, lambda m: (report_from_bytes, (m.SerializeToString(),)))
 
 
 def report_usage(report: pb.PressureReport) -> float:

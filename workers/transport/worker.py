@@ -138,7 +138,7 @@ class WorkerCore:
 
         return self._call(import_)
 
-    def pressure(self) -> pb.PressureReport:
+    def stats(self) -> pb.PressureReport:
         """The worker's pressure as of its last step (what its last report said, or would say)."""
         return self._report
 
@@ -450,8 +450,8 @@ class Worker:
     def import_request(self, state: MigrationState) -> bool | None:
         return self.core.import_request(state)
 
-    def pressure(self) -> pb.PressureReport:
-        return self.core.pressure()
+    def stats(self) -> pb.PressureReport:
+        return self.core.stats()
 
     def check_health(self) -> None:
         self.core.check_health()
