@@ -61,6 +61,18 @@ PREFIX_HITS = Counter("kvserve:prefix_cache_hits", "Prompt tokens found in the p
 PREFILL_TOKENS = Counter(
     "kvserve:prefill_tokens", "Tokens computed in prefill (prompt, recompute after preemption, replay)", _W
 )
+TIER_HITS = Counter("kvserve:prefix_cache_tier_hits", "Prompt tokens loaded from a host or disk tier", [*_W, "tier"])
+TIER_BYTES = Counter(
+    "kvserve:tier_bytes", "KV bytes a worker spilled to (written) or loaded from (loaded) the tiers", [*_W, "direction"]
+)
+TIER_LOAD_SECONDS = Counter("kvserve:tier_load_seconds", "Time spent loading blocks from the tiers", _W)
+TIER_SPILLS_DROPPED = Counter("kvserve:tier_spills_dropped", "Evicted blocks not spilled (writer behind)", _W)
+TIER_BYTES_USED = Gauge("kvserve:tier_cache_bytes_used", "Bytes in the worker's node's tier", [*_W, "tier"])
+TIER_BYTES_TOTAL = Gauge("kvserve:tier_cache_bytes_total", "Budget of the worker's node's tier", [*_W, "tier"])
+TIER_LOAD_RATIO = Gauge(
+    "kvserve:tier_load_recompute_ratio", "Measured load / recompute time of one block (0 = unmeasured)", [*_W, "tier"]
+)
+RECOMPUTE_MS = Gauge("kvserve:recompute_ms_per_block", "Measured prefill time of one KV block", _W)
 PROMPT_TOKENS = Counter("kvserve:prompt_tokens", "Prompt tokens of admitted requests")
 GENERATION_TOKENS = Counter("kvserve:generation_tokens", "Tokens generated and streamed")
 
@@ -78,6 +90,12 @@ class CounterDeltas(NamedTuple):
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
     prefill_tokens: int = 0
+    host_hit_tokens: int = 0
+    disk_hit_tokens: int = 0
+    tier_bytes_written: int = 0
+    tier_bytes_loaded: int = 0
+    tier_load_seconds: float = 0.0
+    tier_spills_dropped: int = 0
 
 
 class RouterMetrics:
@@ -100,6 +118,26 @@ class RouterMetrics:
         PREFIX_QUERIES.labels(w).inc(counted.prefix_query_tokens)
         PREFIX_HITS.labels(w).inc(counted.prefix_hit_tokens)
         PREFILL_TOKENS.labels(w).inc(counted.prefill_tokens)
+        if r.host_cache_bytes_total or r.disk_cache_bytes_total:  # a worker with tiers (docs/architecture.md §3a)
+            self._observe_tiers(r, counted)
+
+    @staticmethod
+    def _observe_tiers(r: pb.PressureReport, counted: CounterDeltas) -> None:
+        w = r.worker_id
+        TIER_HITS.labels(w, "host").inc(counted.host_hit_tokens)
+        TIER_HITS.labels(w, "disk").inc(counted.disk_hit_tokens)
+        TIER_BYTES.labels(w, "written").inc(counted.tier_bytes_written)
+        TIER_BYTES.labels(w, "loaded").inc(counted.tier_bytes_loaded)
+        TIER_LOAD_SECONDS.labels(w).inc(counted.tier_load_seconds)
+        TIER_SPILLS_DROPPED.labels(w).inc(counted.tier_spills_dropped)
+        tiers = (("host", r.host_cache_bytes_used, r.host_cache_bytes_total, r.host_load_ratio),
+                 ("disk", r.disk_cache_bytes_used, r.disk_cache_bytes_total, r.disk_load_ratio))  # fmt: skip
+        for tier, used, total, ratio in tiers:
+            if total:
+                TIER_BYTES_USED.labels(w, tier).set(used)
+                TIER_BYTES_TOTAL.labels(w, tier).set(total)
+                TIER_LOAD_RATIO.labels(w, tier).set(ratio)
+        RECOMPUTE_MS.labels(w).set(r.recompute_ms_per_block)
 
     def worker_up(self, worker_id: str, up: bool) -> None:
         WORKER_UP.labels(worker_id).set(1 if up else 0)

@@ -41,7 +41,10 @@ def actor_dead(e: BaseException) -> bool:
 
 def _totals(r: pb.PressureReport) -> CounterDeltas:
     return CounterDeltas(r.num_preemptions_total, r.num_swaps_total, r.prefix_cache_query_tokens_total,
-                         r.prefix_cache_hit_tokens_total, r.prefill_tokens_total)  # fmt: skip
+                         r.prefix_cache_hit_tokens_total, r.prefill_tokens_total,
+                         r.prefix_cache_host_hit_tokens_total, r.prefix_cache_disk_hit_tokens_total,
+                         r.tier_bytes_written_total, r.tier_bytes_loaded_total, r.tier_load_seconds_total,
+                         r.tier_spills_dropped_total)  # fmt: skip
 
 
 def _credit(load_ratio: float) -> float:
@@ -140,6 +143,10 @@ class WorkerState:
         w.decode_steps, w.step_latency_ms = r.decode_steps, r.step_latency_ms
         q = r.prefix_cache_query_tokens_total
         w.prefix_cache_hit_rate = r.prefix_cache_hit_tokens_total / q if q else 0.0
+        w.host_cache_bytes_used, w.host_cache_bytes_total = r.host_cache_bytes_used, r.host_cache_bytes_total
+        w.prefix_cache_host_hit_rate = r.prefix_cache_host_hit_tokens_total / q if q else 0.0
+        w.prefix_cache_disk_hit_rate = r.prefix_cache_disk_hit_tokens_total / q if q else 0.0
+        w.host_load_ratio = r.host_load_ratio
         return w
 
 
