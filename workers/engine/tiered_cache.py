@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import logging
+import os
 import queue
 import tempfile
 import threading
@@ -42,7 +43,12 @@ from workers.engine.tier_cost import TierCostModel
 
 logger = logging.getLogger(__name__)
 
-_PROBE_HASH = 0xFFFF_FFFF_FFFF_FFFF  # never a real chain hash in practice; removed after the probe
+
+
+def _probe_hash() -> int:
+    """The start-up probe's block name: one per process (workers of a node probe the shared tier at
+    once), in a range a 64-bit chain hash lands in with probability 2**-32; removed after the probe."""
+    return 0xFFFF_FFFF_0000_0000 | os.getpid()
 
 
 @dataclass
@@ -268,21 +274,22 @@ class TieredCache:
         """Measure one block's load from each tier (write a probe file of ``block_id``'s content, time
         reading and writing it back, remove it). Call while ``block_id`` is free (at start-up)."""
         idx = torch.tensor([block_id], dtype=torch.int64, device=self.kv_cache.device)
-        job = _Job([_PROBE_HASH], [t.view(torch.uint8)[:, idx].cpu() for t in self.kv_cache.layers],
+        probe = _probe_hash()
+        job = _Job([probe], [t.view(torch.uint8)[:, idx].cpu() for t in self.kv_cache.layers],
                    [s.view(torch.uint8)[:, idx].cpu() for s in self.kv_cache.scales or []])  # fmt: skip
         payload = self._pack(job, 0)
         for store in self.stores:
-            store.put(_PROBE_HASH, payload)
+            store.put(probe, payload)
             try:
                 for _ in range(2):  # the first read warms caches; the second is the measurement
                     t0 = time.perf_counter()
-                    got = store.get(_PROBE_HASH)
+                    got = store.get(probe)
                     assert got is not None, f"{store.name} tier: probe block unreadable at {store.directory}"
                     self._write_into([block_id], [got])
                     seconds = time.perf_counter() - t0
                 self.cost.record_load(store.name, 1, seconds)
             finally:
-                store.path(_PROBE_HASH).unlink(missing_ok=True)
+                store.path(probe).unlink(missing_ok=True)
 
     def publish_events(self) -> None:
         """Emit the writer's tier events into the pool's event stream (engine thread)."""
@@ -292,7 +299,7 @@ class TieredCache:
 
     def tier_hashes(self) -> dict[str, list[int]]:
         """Every hash each tier holds now (for a snapshot)."""
-        return {s.name: [h for h in s.hashes() if h != _PROBE_HASH] for s in self.stores}
+        return {s.name: [h for h in s.hashes() if h >> 32 != 0xFFFF_FFFF] for s in self.stores}
 
     def used_bytes(self) -> dict[str, int]:
         """This writer's estimate of each tier's bytes (refreshed by every sweep)."""
