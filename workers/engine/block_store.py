@@ -118,7 +118,7 @@ class BlockStore:
 
     def put(self, block_hash: int, payload: bytes | memoryview) -> bool:
         """Store one block atomically. False if it was already there (its recency is refreshed)."""
-        if self._touch(block_hash):
+        if self.touch(block_hash):
             return False
         self._write_file(block_hash, self.encode(block_hash, payload))
         return True
@@ -134,7 +134,8 @@ class BlockStore:
                 tmp.unlink()
             raise
 
-    def _touch(self, block_hash: int) -> bool:
+    def touch(self, block_hash: int) -> bool:
+        """Make the block most recently used. False if it is not here."""
         try:
             os.utime(self.path(block_hash))
             return True
@@ -239,7 +240,7 @@ class BlockStore:
             return False
         if self._verified_payload(block_hash, data, path, remove_bad=False) is None:
             return False  # the sweep removes it
-        if self.demote_to._touch(block_hash):
+        if self.demote_to.touch(block_hash):
             return True
         self.demote_to._write_file(block_hash, data)
         return True

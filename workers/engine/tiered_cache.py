@@ -152,6 +152,9 @@ class TieredCache:
         Must run before anything writes into those blocks (the forward, a swap-in, a load, an import).
         """
         evicted = self.pool.drain_evicted()
+        # A block the first tier already holds (e.g. loaded from it earlier) is not copied again: its
+        # file only becomes most recent (one utime, no gather).
+        evicted = [(b, h) for b, h in evicted if not self.stores[0].touch(h)]
         if not evicted:
             return
         with self._pending_lock:
