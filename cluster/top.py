@@ -131,9 +131,10 @@ def _layout(width: int | None, bar_width: int) -> tuple[dict[str, str], int]:
 def _host_tier(w: spb.WorkerStatus) -> str:
     """``<fill>%/<hit>%``: how full the node's host tier is and the share of this worker's prompt
     tokens loaded from it (docs/architecture.md §3a); "-" without one."""
-    if not w.host_cache_bytes_total:
+    if not w.host_cache_bytes_capacity:
         return "-"
-    return f"{100 * w.host_cache_bytes_used / w.host_cache_bytes_total:.0f}%/{100 * w.prefix_cache_host_hit_rate:.0f}%"
+    fill = w.host_cache_bytes_used / w.host_cache_bytes_capacity
+    return f"{100 * fill:.0f}%/{100 * w.prefix_cache_host_hit_rate:.0f}%"
 
 
 def render_frame(

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Mapping
 from socketserver import ThreadingMixIn
-from typing import NamedTuple
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import Counter, Gauge, Histogram, make_wsgi_app
@@ -68,7 +68,7 @@ TIER_BYTES = Counter(
 TIER_LOAD_SECONDS = Counter("kvserve:tier_load_seconds", "Time spent loading blocks from the tiers", _W)
 TIER_SPILLS_DROPPED = Counter("kvserve:tier_spills_dropped", "Evicted blocks not spilled (writer behind)", _W)
 TIER_BYTES_USED = Gauge("kvserve:tier_cache_bytes_used", "Bytes in the worker's node's tier", [*_W, "tier"])
-TIER_BYTES_TOTAL = Gauge("kvserve:tier_cache_bytes_total", "Budget of the worker's node's tier", [*_W, "tier"])
+TIER_BYTES_CAPACITY = Gauge("kvserve:tier_cache_bytes_capacity", "Budget of the worker's node's tier", [*_W, "tier"])
 TIER_LOAD_RATIO = Gauge(
     "kvserve:tier_load_recompute_ratio", "Measured load / recompute time of one block (0 = unmeasured)", [*_W, "tier"]
 )
@@ -82,20 +82,9 @@ ITL = Histogram("kvserve:inter_token_latency_seconds", "Time between streamed to
 E2E = Histogram("kvserve:e2e_request_latency_seconds", "Arrival to final token", buckets=_LATENCY_BUCKETS)
 QUEUE_TIME = Histogram("kvserve:request_queue_time_seconds", "Arrival to dispatch", buckets=_LATENCY_BUCKETS)
 
-class CounterDeltas(NamedTuple):
-    """What a worker counted since its previous report (PressureReport carries running totals)."""
-
-    preemptions: int = 0
-    swaps: int = 0
-    prefix_query_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    prefill_tokens: int = 0
-    host_hit_tokens: int = 0
-    disk_hit_tokens: int = 0
-    tier_bytes_written: int = 0
-    tier_bytes_loaded: int = 0
-    tier_load_seconds: float = 0.0
-    tier_spills_dropped: int = 0
+# What a worker counted since its previous report: each ``*_total`` field of PressureReport by name
+# (``WorkerState.deltas``), so a new counter needs no code here beyond the line that exports it.
+CounterDeltas = Mapping[str, int]
 
 
 class RouterMetrics:
@@ -113,29 +102,30 @@ class RouterMetrics:
         WAITING.labels(w).set(r.num_waiting)
         SWAPPED.labels(w).set(r.num_swapped)
         REPORT_TIME.labels(w).set_to_current_time()
-        PREEMPTIONS.labels("recompute").inc(counted.preemptions - counted.swaps)
-        PREEMPTIONS.labels("swap").inc(counted.swaps)
-        PREFIX_QUERIES.labels(w).inc(counted.prefix_query_tokens)
-        PREFIX_HITS.labels(w).inc(counted.prefix_hit_tokens)
-        PREFILL_TOKENS.labels(w).inc(counted.prefill_tokens)
-        if r.host_cache_bytes_total or r.disk_cache_bytes_total:  # a worker with tiers (docs/architecture.md §3a)
+        swaps = counted["num_swaps_total"]
+        PREEMPTIONS.labels("recompute").inc(counted["num_preemptions_total"] - swaps)
+        PREEMPTIONS.labels("swap").inc(swaps)
+        PREFIX_QUERIES.labels(w).inc(counted["prefix_cache_query_tokens_total"])
+        PREFIX_HITS.labels(w).inc(counted["prefix_cache_hit_tokens_total"])
+        PREFILL_TOKENS.labels(w).inc(counted["prefill_tokens_total"])
+        if r.host_cache_bytes_capacity or r.disk_cache_bytes_capacity:  # a worker with tiers (docs/architecture.md §3a)
             self._observe_tiers(r, counted)
 
     @staticmethod
     def _observe_tiers(r: pb.PressureReport, counted: CounterDeltas) -> None:
         w = r.worker_id
-        TIER_HITS.labels(w, "host").inc(counted.host_hit_tokens)
-        TIER_HITS.labels(w, "disk").inc(counted.disk_hit_tokens)
-        TIER_BYTES.labels(w, "written").inc(counted.tier_bytes_written)
-        TIER_BYTES.labels(w, "loaded").inc(counted.tier_bytes_loaded)
-        TIER_LOAD_SECONDS.labels(w).inc(counted.tier_load_seconds)
-        TIER_SPILLS_DROPPED.labels(w).inc(counted.tier_spills_dropped)
-        tiers = (("host", r.host_cache_bytes_used, r.host_cache_bytes_total, r.host_load_ratio),
-                 ("disk", r.disk_cache_bytes_used, r.disk_cache_bytes_total, r.disk_load_ratio))  # fmt: skip
-        for tier, used, total, ratio in tiers:
-            if total:
+        TIER_HITS.labels(w, "host").inc(counted["prefix_cache_host_hit_tokens_total"])
+        TIER_HITS.labels(w, "disk").inc(counted["prefix_cache_disk_hit_tokens_total"])
+        TIER_BYTES.labels(w, "written").inc(counted["tier_bytes_written_total"])
+        TIER_BYTES.labels(w, "loaded").inc(counted["tier_bytes_loaded_total"])
+        TIER_LOAD_SECONDS.labels(w).inc(counted["tier_load_seconds_total"])
+        TIER_SPILLS_DROPPED.labels(w).inc(counted["tier_spills_dropped_total"])
+        tiers = (("host", r.host_cache_bytes_used, r.host_cache_bytes_capacity, r.host_load_ratio),
+                 ("disk", r.disk_cache_bytes_used, r.disk_cache_bytes_capacity, r.disk_load_ratio))  # fmt: skip
+        for tier, used, capacity, ratio in tiers:
+            if capacity:
                 TIER_BYTES_USED.labels(w, tier).set(used)
-                TIER_BYTES_TOTAL.labels(w, tier).set(total)
+                TIER_BYTES_CAPACITY.labels(w, tier).set(capacity)
                 TIER_LOAD_RATIO.labels(w, tier).set(ratio)
         RECOMPUTE_MS.labels(w).set(r.recompute_ms_per_block)
 

@@ -39,12 +39,11 @@ def actor_dead(e: BaseException) -> bool:
     return any(c.__name__ in _ACTOR_DEAD_ERRORS for c in type(e).__mro__)
 
 
-def _totals(r: pb.PressureReport) -> CounterDeltas:
-    return CounterDeltas(r.num_preemptions_total, r.num_swaps_total, r.prefix_cache_query_tokens_total,
-                         r.prefix_cache_hit_tokens_total, r.prefill_tokens_total,
-                         r.prefix_cache_host_hit_tokens_total, r.prefix_cache_disk_hit_tokens_total,
-                         r.tier_bytes_written_total, r.tier_bytes_loaded_total, r.tier_load_seconds_total,
-                         r.tier_spills_dropped_total)  # fmt: skip
+# Every running total a report carries: PressureReport's ``*_total`` fields that count events or tokens
+# (``*_blocks_total`` are pool sizes, not counters).
+_TOTALS = tuple(
+    f.name for f in pb.PressureReport.DESCRIPTOR.fields if f.name.endswith("_total") and "_blocks_" not in f.name
+)
 
 
 def _credit(load_ratio: float) -> float:
@@ -74,7 +73,7 @@ class WorkerState:
     state: str = WORKER_UP
     restart_times: deque[float] = field(default_factory=deque)  # monotonic, within the restart window
     restarts_total: int = 0
-    totals: CounterDeltas = field(default_factory=CounterDeltas)  # the last report's running totals
+    totals: dict[str, int] = field(default_factory=dict)  # the last report's running totals
 
     @property
     def worker_id(self) -> str:
@@ -87,12 +86,12 @@ class WorkerState:
     def deltas(self, report: pb.PressureReport) -> CounterDeltas:
         """The counts ``report`` adds to the previous one's (a total that went down means a new
         incarnation whose totals began again: all of it is new)."""
-        now = _totals(report)
+        now = {name: getattr(report, name) for name in _TOTALS}
         prev = self.totals
-        if any(n < p for n, p in zip(now, prev, strict=True)):
-            prev = CounterDeltas()
+        if any(now[name] < prev.get(name, 0) for name in _TOTALS):
+            prev = {}
         self.totals = now
-        return CounterDeltas(*(n - p for n, p in zip(now, prev, strict=True)))
+        return {name: now[name] - prev.get(name, 0) for name in _TOTALS}
 
     def view(self, serving: bool, ledger: MigrationLedger) -> WorkerView:
         """What placement and rebalancing see of this worker."""
@@ -143,7 +142,7 @@ class WorkerState:
         w.decode_steps, w.step_latency_ms = r.decode_steps, r.step_latency_ms
         q = r.prefix_cache_query_tokens_total
         w.prefix_cache_hit_rate = r.prefix_cache_hit_tokens_total / q if q else 0.0
-        w.host_cache_bytes_used, w.host_cache_bytes_total = r.host_cache_bytes_used, r.host_cache_bytes_total
+        w.host_cache_bytes_used, w.host_cache_bytes_capacity = r.host_cache_bytes_used, r.host_cache_bytes_capacity
         w.prefix_cache_host_hit_rate = r.prefix_cache_host_hit_tokens_total / q if q else 0.0
         w.prefix_cache_disk_hit_rate = r.prefix_cache_disk_hit_tokens_total / q if q else 0.0
         w.host_load_ratio = r.host_load_ratio

@@ -182,7 +182,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import logging
+
     from cluster.launch import init_ray
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # NOTE: one INFO line per stream otherwise
 
     owns_ray = init_ray(None)
     points = []

@@ -90,6 +90,6 @@ def test_prefix_evicted_on_a_is_loaded_by_b(workers, tiny_llama_dir: Path) -> No
         what="B's pressure report with its host hits",
     )
     assert stats.prefix_cache_host_hit_tokens_total == len(PROMPT) and stats.prefix_cache_hit_tokens_total == 0
-    assert stats.tier_bytes_loaded_total > 0 and stats.host_cache_bytes_total == 2**20
+    assert stats.tier_bytes_loaded_total > 0 and stats.host_cache_bytes_capacity == 2**20
     assert 0 < stats.host_load_ratio and stats.recompute_ms_per_block > 0  # measured at start-up
     _get(actors["wB"].check_integrity.remote())

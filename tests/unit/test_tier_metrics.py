@@ -6,7 +6,7 @@ from prometheus_client import REGISTRY
 
 from protos.kvserve.v1 import worker_pb2 as pb
 from router.metrics import RouterMetrics
-from router.workers import _totals
+from router.workers import _TOTALS
 
 
 def _sample(name: str, **labels: str) -> float:
@@ -17,17 +17,17 @@ def _sample(name: str, **labels: str) -> float:
 def test_tier_counters_follow_deltas_and_gauges_follow_the_report() -> None:
     w = "tier-metrics-w"
     metrics = RouterMetrics()
-    first = pb.PressureReport(worker_id=w, total_blocks=10, host_cache_bytes_total=1000, host_cache_bytes_used=300,
+    first = pb.PressureReport(worker_id=w, total_blocks=10, host_cache_bytes_capacity=1000, host_cache_bytes_used=300,
                               host_load_ratio=0.05, recompute_ms_per_block=37.0,
                               prefix_cache_host_hit_tokens_total=64, tier_bytes_loaded_total=4096)  # fmt: skip
     second = pb.PressureReport()
     second.CopyFrom(first)
     second.prefix_cache_host_hit_tokens_total, second.tier_bytes_loaded_total = 96, 6144
     before = _sample("kvserve:prefix_cache_tier_hits_total", worker=w, tier="host")
-    prev = _totals(pb.PressureReport())
+    prev = dict.fromkeys(_TOTALS, 0)
     for report in (first, second):
-        now = _totals(report)
-        metrics.observe_pressure(report, type(now)(*(n - p for n, p in zip(now, prev, strict=True))))
+        now = {name: getattr(report, name) for name in _TOTALS}
+        metrics.observe_pressure(report, {name: now[name] - prev[name] for name in _TOTALS})
         prev = now
     assert _sample("kvserve:prefix_cache_tier_hits_total", worker=w, tier="host") - before == 96
     assert _sample("kvserve:tier_bytes_total", worker=w, direction="loaded") == 6144
@@ -38,5 +38,5 @@ def test_tier_counters_follow_deltas_and_gauges_follow_the_report() -> None:
 
 def test_a_worker_without_tiers_exports_no_tier_series() -> None:
     report = pb.PressureReport(worker_id="no-tiers-w", total_blocks=10)
-    RouterMetrics().observe_pressure(report, _totals(pb.PressureReport()))
+    RouterMetrics().observe_pressure(report, dict.fromkeys(_TOTALS, 0))
     assert REGISTRY.get_sample_value("kvserve:recompute_ms_per_block", {"worker": "no-tiers-w"}) is None

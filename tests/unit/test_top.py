@@ -68,7 +68,7 @@ def test_every_worker_and_its_state_is_shown() -> None:
         worker_0={"used_blocks": 30, "cached_evictable_blocks": 6, "free_blocks": 12, "num_running": 3,
                   "num_waiting": 2, "num_swapped": 1, "swap_blocks_total": 64, "swap_blocks_free": 60,
                   "node_id": "a" * 56, "prefix_cache_hit_rate": 0.25, "step_latency_ms": 12.5,
-                  "last_report_age_s": 0.3, "host_cache_bytes_total": 1000, "host_cache_bytes_used": 400,
+                  "last_report_age_s": 0.3, "host_cache_bytes_capacity": 1000, "host_cache_bytes_used": 400,
                   "prefix_cache_host_hit_rate": 0.5},
         worker_1={"used_blocks": 0, "free_blocks": 48, "healthy": False, "last_report_age_s": -1.0,
                   "node_id": "b" * 56},

@@ -68,9 +68,9 @@ class TierReport:
     """The tiers' part of a pressure report (zeros: no tiers). Ratios: 0.0 = not measured / no tier."""
 
     host_bytes_used: int = 0
-    host_bytes_total: int = 0
+    host_bytes_capacity: int = 0
     disk_bytes_used: int = 0
-    disk_bytes_total: int = 0
+    disk_bytes_capacity: int = 0
     host_load_ratio: float = 0.0
     disk_load_ratio: float = 0.0
     recompute_ms_per_block: float = 0.0
@@ -314,9 +314,9 @@ class TieredCache:
         c = self.cost
         return TierReport(
             host_bytes_used=used.get("host", 0),
-            host_bytes_total=total.get("host", 0),
+            host_bytes_capacity=total.get("host", 0),
             disk_bytes_used=used.get("disk", 0),
-            disk_bytes_total=total.get("disk", 0),
+            disk_bytes_capacity=total.get("disk", 0),
             host_load_ratio=(c.ratio("host") or 0.0) if "host" in total else 0.0,
             disk_load_ratio=(c.ratio("disk") or 0.0) if "disk" in total else 0.0,
             recompute_ms_per_block=1e3 * (c.recompute_s_per_block() or 0.0),

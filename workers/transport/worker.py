@@ -380,9 +380,9 @@ def _tier_fields(t: TierReport) -> dict[str, float]:
     """The PressureReport fields of the tiered prefix cache."""
     return {
         "host_cache_bytes_used": t.host_bytes_used,
-        "host_cache_bytes_total": t.host_bytes_total,
+        "host_cache_bytes_capacity": t.host_bytes_capacity,
         "disk_cache_bytes_used": t.disk_bytes_used,
-        "disk_cache_bytes_total": t.disk_bytes_total,
+        "disk_cache_bytes_capacity": t.disk_bytes_capacity,
         "host_load_ratio": t.host_load_ratio,
         "disk_load_ratio": t.disk_load_ratio,
         "recompute_ms_per_block": t.recompute_ms_per_block,
