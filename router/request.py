@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -46,7 +47,7 @@ class RouterRequest:
     block_hashes: tuple[int, ...]
     num_blocks: int  # prompt blocks, for queue accounting
     arrival: float = field(default_factory=time.monotonic)
-    responses: asyncio.Queue = field(default_factory=asyncio.Queue)
+    responses: asyncio.Queue | Any = field(default_factory=asyncio.Queue)  # or a MuxSlot (router/mux.py)
     worker_id: str | None = None
     target: str | None = None  # placement decided, dispatch pending
     tokens_received: int = 0

@@ -40,6 +40,8 @@ from router import metrics
 from router.auth import BearerAuthInterceptor
 from router.config import RouterConfig
 from router.http_api import HttpApiServer
+from router.mux import StreamMux
+from router.request import RouterRequest
 from router.router import Router, RouterError
 from workers.core.identity import WorkerIdentity
 from workers.core.tls import read_pem
@@ -129,7 +131,13 @@ def add_kvserve_servicer(servicer: serving_pb2_grpc.KVServeServicer, server: grp
         request_class = getattr(spb, m.input_type.name)
         response_class = getattr(spb, m.output_type.name)
         method = getattr(servicer, m.name)
-        if m.server_streaming:
+        if m.client_streaming:
+            handler = grpc.stream_stream_rpc_method_handler(
+                _guard_stream(method, m.name),
+                request_deserializer=_lenient_deserializer(request_class),
+                response_serializer=response_class.SerializeToString,
+            )
+        elif m.server_streaming:
             handler = grpc.unary_stream_rpc_method_handler(
                 _guard_stream(method, m.name),
                 request_deserializer=_lenient_deserializer(request_class),
@@ -192,6 +200,74 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
             # Cancelled by the client, past its deadline, or aborted: free its blocks now.
             if not r.finished:
                 self.router.cancel(r)
+
+    async def GenerateStream(  # noqa: N802 - gRPC method name
+        self, requests: AsyncIterator[spb.GenerateStreamRequest | Undecodable], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[spb.GenerateBatch]:
+        """Many requests over one stream, answered by one ``GenerateBatch`` per wake-up (router/mux.py).
+
+        Ends when the client closed its side and every request it sent has ended; a request refused or
+        ended abnormally gets a ``RequestError``, not the stream's status. A message that cannot be
+        answered by id (undecodable, no request_id, an id in use on the stream) ends the stream
+        INVALID_ARGUMENT. Closing, cancelling or ending the stream cancels every request still running
+        on it (their blocks are freed)."""
+        await self._wait_until_ready(context)
+        mux = StreamMux()
+        live: dict[str, RouterRequest] = {}
+        reader = asyncio.get_running_loop().create_task(self._read_stream(requests, mux, live))
+        try:
+            while True:
+                batch = await mux.next_batch()
+                for resp in batch.responses:
+                    if resp.finish_reason:
+                        live.pop(resp.request_id, None)
+                for err in batch.errors:
+                    live.pop(err.request_id, None)
+                if batch.responses or batch.errors:
+                    yield batch
+                if reader.done():
+                    reader.result()  # NOTE: re-raises what stopped the reader (a bad message: the stream's status)
+                    if not live:
+                        return
+        except RouterError as e:
+            await _abort(context, e)
+        finally:
+            reader.cancel()
+            for r in live.values():
+                if not r.finished:
+                    self.router.cancel(r)
+
+    async def _read_stream(
+        self, requests: AsyncIterator[Any], mux: StreamMux, live: dict[str, RouterRequest]
+    ) -> None:
+        try:
+            await self._read_requests(requests, mux, live)
+        finally:
+            mux.wake()  # NOTE: the writer then sees the reader done (the client closed its side, or failed)
+
+    async def _read_requests(
+        self, requests: AsyncIterator[Any], mux: StreamMux, live: dict[str, RouterRequest]
+    ) -> None:
+        async for msg in requests:
+            if isinstance(msg, Undecodable):
+                raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable {msg.message_type}: {msg.error}")
+            if msg.WhichOneof("kind") == "cancel_request_id":
+                r = live.get(msg.cancel_request_id)
+                if r is not None and not r.finished:
+                    self.router.cancel(r)
+                    mux.put(r.request_id, RouterError(grpc.StatusCode.CANCELLED, "cancelled by the client"))
+                continue
+            rid = msg.generate.request_id
+            if not rid or rid in live:
+                # NOTE: the stream's status, not a RequestError: an answer to this request could not be
+                # told from one to the request that holds the id.
+                why = "missing" if not rid else f"{rid!r} already in use on this stream"
+                raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"request_id {why}: GenerateStream requests need ids of their own")  # fmt: skip
+            try:
+                live[rid] = self.router.submit(msg.generate, None, mux)
+            except RouterError as e:
+                mux.put(rid, e)
 
     async def Abort(self, request: spb.AbortRequest, context: grpc.aio.ServicerContext) -> spb.AbortResponse:  # noqa: N802
         return spb.AbortResponse(found=self.router.abort(request.request_id))

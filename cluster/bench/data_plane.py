@@ -15,6 +15,9 @@ SSE ``/v1/completions``), each for ``--max-tokens`` tokens, and reports:
   serving path adds to each token;
 * ``router_rss_mb``: the router's resident memory at the end.
 
+``--protocol grpc-mux`` sends every stream over one ``GenerateStream`` (router/mux.py): the router then
+sends one message per worker step for all of them and the client unbatches by request id.
+
 A sweep is a list of values for ``--streams`` / ``--workers`` / ``--tokens-per-step`` (every
 combination); the clients run in this process, so on a small machine they compete with the router for
 cores: the per-token CPU figure is the router's own either way.
@@ -80,6 +83,29 @@ async def _grpc_stream(stub: Any, max_tokens: int, lat: list[float]) -> int:
     return tokens
 
 
+async def _grpc_mux(stub: Any, streams: int, max_tokens: int, lat: list[float]) -> list[int | BaseException]:
+    """Every request on one ``GenerateStream``, unbatched here by request id."""
+    from protos.kvserve.v1 import serving_pb2 as spb
+
+    sampling = spb.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    tokens = dict.fromkeys((f"r{i}" for i in range(streams)), 0)
+
+    async def requests():  # noqa: ANN202 - an async generator of messages
+        for rid in tokens:
+            yield spb.GenerateStreamRequest(generate=spb.GenerateRequest(
+                request_id=rid, token_ids=spb.TokenIds(ids=_PROMPT), sampling=sampling))  # fmt: skip
+
+    failed: dict[str, BaseException] = {}
+    async for batch in stub.GenerateStream(requests(), timeout=600):
+        now = time.monotonic_ns()
+        for resp in batch.responses:
+            lat.extend(stamps_latency_ms(resp.text_delta, now))
+            tokens[resp.request_id] += len(resp.token_ids)
+        for err in batch.errors:
+            failed[err.request_id] = RuntimeError(f"{err.request_id}: code {err.code}: {err.message}")
+    return [failed.get(rid, n) for rid, n in tokens.items()]
+
+
 async def _http_stream(http: Any, url: str, max_tokens: int, lat: list[float]) -> int:
     body = {"model": "sim", "prompt": _PROMPT, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
             "return_token_ids": True}  # fmt: skip
@@ -96,7 +122,9 @@ async def _http_stream(http: Any, url: str, max_tokens: int, lat: list[float]) -
     return tokens
 
 
-async def _drive(address: str, http_url: str | None, streams: int, max_tokens: int) -> tuple[int, float, list, int]:
+async def _drive(
+    address: str, http_url: str | None, streams: int, max_tokens: int, mux: bool = False
+) -> tuple[int, float, list, int]:
     """Run ``streams`` concurrent streams; (tokens, window seconds, added latencies, failed streams)."""
     import grpc
     import httpx
@@ -108,8 +136,11 @@ async def _drive(address: str, http_url: str | None, streams: int, max_tokens: i
     if http_url is None:
         async with grpc.aio.insecure_channel(address) as channel:
             stub = serving_pb2_grpc.KVServeStub(channel)
-            results = await asyncio.gather(*(_grpc_stream(stub, max_tokens, lat) for _ in range(streams)),
-                                           return_exceptions=True)  # fmt: skip
+            if mux:
+                results = await _grpc_mux(stub, streams, max_tokens, lat)
+            else:
+                results = await asyncio.gather(*(_grpc_stream(stub, max_tokens, lat) for _ in range(streams)),
+                                               return_exceptions=True)  # fmt: skip
     else:
         limits = httpx.Limits(max_connections=streams, max_keepalive_connections=streams)
         async with httpx.AsyncClient(timeout=600, limits=limits) as http:
@@ -153,7 +184,8 @@ def measure(workers: int, streams: int, tokens_per_step: int, step_ms: float, ma
         pid = ray.get(router.pid.remote())
         http_url = f"http://127.0.0.1:{http_port}/v1/completions" if protocol == "http" else None
         cpu0 = _proc_cpu_s(pid)
-        tokens, window, lat, failed = asyncio.run(_drive(address, http_url, streams, max_tokens))
+        mux = protocol == "grpc-mux"
+        tokens, window, lat, failed = asyncio.run(_drive(address, http_url, streams, max_tokens, mux))
         cpu = _proc_cpu_s(pid) - cpu0
         rss = psutil.Process(pid).memory_info().rss / 2**20
     finally:
@@ -177,7 +209,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens-per-step", type=_ints, default=[1], help="tokens each stream gets per worker step")
     p.add_argument("--step-ms", type=float, default=20.0, help="the simulated workers' step time")
     p.add_argument("--max-tokens", type=int, default=200, help="tokens per stream")
-    p.add_argument("--protocol", choices=("grpc", "http"), default="grpc", help="the client API to stream through")
+    p.add_argument("--protocol", choices=("grpc", "grpc-mux", "http"), default="grpc",
+                   help="the client API: a gRPC Generate per stream, every stream on one GenerateStream (one "
+                        "message per worker step, unbatched by the client), or HTTP/SSE")  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object per point instead of the table")
 
 
