@@ -61,6 +61,18 @@ PREFIX_HITS = Counter("kvserve:prefix_cache_hits", "Prompt tokens found in the p
 PREFILL_TOKENS = Counter(
     "kvserve:prefill_tokens", "Tokens computed in prefill (prompt, recompute after preemption, replay)", _W
 )
+TIER_HITS = Counter("kvserve:prefix_cache_tier_hits", "Prompt tokens loaded from a host or disk tier", [*_W, "tier"])
+TIER_BYTES = Counter(
+    "kvserve:tier_bytes", "KV bytes a worker spilled to (written) or loaded from (loaded) the tiers", [*_W, "direction"]
+)
+TIER_LOAD_SECONDS = Counter("kvserve:tier_load_seconds", "Time spent loading blocks from the tiers", _W)
+TIER_SPILLS_DROPPED = Counter("kvserve:tier_spills_dropped", "Evicted blocks not spilled (writer behind)", _W)
+TIER_BYTES_USED = Gauge("kvserve:tier_cache_bytes_used", "Bytes in the worker's node's tier", [*_W, "tier"])
+TIER_BYTES_CAPACITY = Gauge("kvserve:tier_cache_bytes_capacity", "Budget of the worker's node's tier", [*_W, "tier"])
+TIER_LOAD_RATIO = Gauge(
+    "kvserve:tier_load_recompute_ratio", "Measured load / recompute time of one block (0 = unmeasured)", [*_W, "tier"]
+)
+RECOMPUTE_MS = Gauge("kvserve:recompute_ms_per_block", "Measured prefill time of one KV block", _W)
 PROMPT_TOKENS = Counter("kvserve:prompt_tokens", "Prompt tokens of admitted requests")
 GENERATION_TOKENS = Counter("kvserve:generation_tokens", "Tokens generated and streamed")
 
@@ -96,6 +108,26 @@ class RouterMetrics:
         PREFIX_QUERIES.labels(w).inc(counted["prefix_cache_query_tokens_total"])
         PREFIX_HITS.labels(w).inc(counted["prefix_cache_hit_tokens_total"])
         PREFILL_TOKENS.labels(w).inc(counted["prefill_tokens_total"])
+        if r.host_cache_bytes_capacity or r.disk_cache_bytes_capacity:  # a worker with tiers (docs/architecture.md §3a)
+            self._observe_tiers(r, counted)
+
+    @staticmethod
+    def _observe_tiers(r: pb.PressureReport, counted: CounterDeltas) -> None:
+        w = r.worker_id
+        TIER_HITS.labels(w, "host").inc(counted["prefix_cache_host_hit_tokens_total"])
+        TIER_HITS.labels(w, "disk").inc(counted["prefix_cache_disk_hit_tokens_total"])
+        TIER_BYTES.labels(w, "written").inc(counted["tier_bytes_written_total"])
+        TIER_BYTES.labels(w, "loaded").inc(counted["tier_bytes_loaded_total"])
+        TIER_LOAD_SECONDS.labels(w).inc(counted["tier_load_seconds_total"])
+        TIER_SPILLS_DROPPED.labels(w).inc(counted["tier_spills_dropped_total"])
+        tiers = (("host", r.host_cache_bytes_used, r.host_cache_bytes_capacity, r.host_load_ratio),
+                 ("disk", r.disk_cache_bytes_used, r.disk_cache_bytes_capacity, r.disk_load_ratio))  # fmt: skip
+        for tier, used, capacity, ratio in tiers:
+            if capacity:
+                TIER_BYTES_USED.labels(w, tier).set(used)
+                TIER_BYTES_CAPACITY.labels(w, tier).set(capacity)
+                TIER_LOAD_RATIO.labels(w, tier).set(ratio)
+        RECOMPUTE_MS.labels(w).set(r.recompute_ms_per_block)
 
     def worker_up(self, worker_id: str, up: bool) -> None:
         WORKER_UP.labels(worker_id).set(1 if up else 0)

@@ -131,7 +131,9 @@ class Router(WorkerLinkHandler):
             if self.prefix_index.apply(worker_id, [block_event(e) for e in msg.block_events.events]):
                 self.link.send(worker_id, pb.RouterCommand(request_snapshot=pb.RequestSnapshot()))
         elif kind == "block_snapshot":
-            self.prefix_index.load_snapshot(worker_id, msg.block_snapshot.seq, msg.block_snapshot.hashes)
+            snap = msg.block_snapshot
+            tiers = {t: h for t, h in (("host", snap.host_hashes), ("disk", snap.disk_hashes)) if h}
+            self.prefix_index.load_snapshot(worker_id, snap.seq, snap.hashes, tiers)
 
     # ---- requests ----------------------------------------------------------------------------------
     def submit(

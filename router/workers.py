@@ -46,6 +46,12 @@ _TOTALS = tuple(
 )
 
 
+def _credit(load_ratio: float) -> float:
+    """What a tier hit saves, as a fraction of a recompute: ``1 - load/recompute`` as the worker
+    measured it (docs/architecture.md §3a); 0 when unmeasured (0.0 in the report) or loading loses."""
+    return max(0.0, 1.0 - load_ratio) if load_ratio > 0 else 0.0
+
+
 @dataclass
 class WorkerState:
     """The router's row for one worker: its last report, the blocks promised since, supervision.
@@ -105,6 +111,8 @@ class WorkerState:
             blocks_migrating_in=ledger.blocks_in(ident.worker_id),
             blocks_migrating_out=ledger.blocks_out(ident.worker_id),
             swap_blocks=ident.swap_blocks,
+            host_credit=_credit(r.host_load_ratio) if r else 0.0,
+            disk_credit=_credit(r.disk_load_ratio) if r else 0.0,
         )
 
     def status_row(self, serving: bool, now: float) -> spb.WorkerStatus:
@@ -134,6 +142,10 @@ class WorkerState:
         w.decode_steps, w.step_latency_ms = r.decode_steps, r.step_latency_ms
         q = r.prefix_cache_query_tokens_total
         w.prefix_cache_hit_rate = r.prefix_cache_hit_tokens_total / q if q else 0.0
+        w.host_cache_bytes_used, w.host_cache_bytes_capacity = r.host_cache_bytes_used, r.host_cache_bytes_capacity
+        w.prefix_cache_host_hit_rate = r.prefix_cache_host_hit_tokens_total / q if q else 0.0
+        w.prefix_cache_disk_hit_rate = r.prefix_cache_disk_hit_tokens_total / q if q else 0.0
+        w.host_load_ratio = r.host_load_ratio
         return w
 
 
@@ -189,6 +201,7 @@ class WorkerTable:
             entry = self.entries[worker_id] = WorkerState(identity, handle)
         else:
             entry.handle, entry.identity = handle, identity
+        self.prefix_index.set_node(worker_id, identity.node_id)  # its host/disk tiers are its node's
         # Its WorkerLink may have said Hello before this registration.
         connected = self.link.connected(worker_id)
         self.metrics.worker_up(worker_id, connected)

@@ -23,7 +23,12 @@ def _report(preempt: int, swaps: int, queries: int, hits: int, prefill: int) -> 
 def counted(preempt: int, swaps: int, queries: int, hits: int, prefill: int) -> dict[str, int]:
     return {"num_preemptions_total": preempt, "num_swaps_total": swaps, "prefix_cache_query_tokens_total": queries,
             "prefix_cache_hit_tokens_total": hits, "prefill_tokens_total": prefill, "num_imports_total": 0,
-            "num_exports_total": 0}  # fmt: skip
+            "num_exports_total": 0, **dict.fromkeys(_TIER_TOTALS, 0)}  # fmt: skip
+
+
+# The tiered prefix cache's totals (docs/architecture.md §3a): zero in these reports.
+_TIER_TOTALS = ("prefix_cache_host_hit_tokens_total", "prefix_cache_disk_hit_tokens_total", "tier_bytes_written_total",
+                "tier_bytes_loaded_total", "tier_load_seconds_total", "tier_spills_dropped_total")  # fmt: skip
 
 
 def test_totals_become_deltas_and_a_restart_counts_from_zero() -> None:

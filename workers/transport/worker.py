@@ -29,6 +29,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
 from workers.engine.migration import MigrationState
 from workers.engine.outputs import RequestOutput
+from workers.engine.tiered_cache import TierReport
 from workers.transport.options import WorkerOptions
 from workers.transport.outbox import Outbox
 from workers.transport.pressure import PressurePolicy
@@ -92,6 +93,8 @@ class WorkerCore:
         if self.link is not None:
             self.link.stop()
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.engine.close()  # the engine thread is done with it: pending tier writes finish
 
     # ---- API for any thread (Ray methods) ------------------------------------------------------
     def add_request(self, request: WorkerRequest) -> None:
@@ -250,6 +253,7 @@ class WorkerCore:
         The step's messages go to the outbox together (``Outbox.put_step``), which folds them into the
         previous step's while the link has not sent those yet."""
         step_outputs = _step_outputs(self.engine.num_steps, outputs) if outputs else None
+        self.engine.publish_tier_events()  # spills finished while idle reach the router too
         events = self.engine.pool.drain_events()
         block_events = pb.BlockEvents(events=[_event_proto(e) for e in events]) if events else None
         self._report = report = self._pressure_report()
@@ -291,6 +295,7 @@ class WorkerCore:
             num_imports_total=self._num_imports,
             num_exports_total=self._num_exports,
             prefill_tokens_total=sched.prefill_tokens,
+            **_tier_fields(e.tiers.report(sched.tier_hits) if e.tiers is not None else TierReport()),
         )
 
     def _abort(self, request_id: str) -> bool:
@@ -313,7 +318,9 @@ class WorkerCore:
         pool = self.engine.pool
         # Pending events are older than the snapshot; ship them first so seqs stay ordered.
         self._publish([])
-        snapshot = pb.BlockSnapshot(seq=pool.event_seq, hashes=pool.cached_hashes())
+        tiers = self.engine.tiers.tier_hashes() if self.engine.tiers is not None else {}
+        snapshot = pb.BlockSnapshot(seq=pool.event_seq, hashes=pool.cached_hashes(),
+                                    host_hashes=tiers.get("host", []), disk_hashes=tiers.get("disk", []))  # fmt: skip
         self.outbox.put(pb.WorkerMessage(block_snapshot=snapshot))
 
     # ---- router commands (WorkerLink thread -> inbox) ---------------------------------------------
@@ -371,11 +378,33 @@ def _step_outputs(step: int, outputs: list[RequestOutput]) -> pb.StepOutputs:
     )
 
 
+_TIER_PROTO = {"device": pb.TIER_DEVICE, "host": pb.TIER_HOST, "disk": pb.TIER_DISK}
+
+
+def _tier_fields(t: TierReport) -> dict[str, float]:
+    """The PressureReport fields of the tiered prefix cache."""
+    return {
+        "host_cache_bytes_used": t.host_bytes_used,
+        "host_cache_bytes_capacity": t.host_bytes_capacity,
+        "disk_cache_bytes_used": t.disk_bytes_used,
+        "disk_cache_bytes_capacity": t.disk_bytes_capacity,
+        "host_load_ratio": t.host_load_ratio,
+        "disk_load_ratio": t.disk_load_ratio,
+        "recompute_ms_per_block": t.recompute_ms_per_block,
+        "prefix_cache_host_hit_tokens_total": t.host_hit_tokens,
+        "prefix_cache_disk_hit_tokens_total": t.disk_hit_tokens,
+        "tier_bytes_written_total": t.bytes_written,
+        "tier_bytes_loaded_total": t.bytes_loaded,
+        "tier_load_seconds_total": t.load_seconds,
+        "tier_spills_dropped_total": t.spills_dropped,
+    }
+
+
 def _event_proto(e: BlockEvent) -> pb.BlockEvent:
     if isinstance(e, BlockStored):
-        return pb.BlockEvent(seq=e.seq, stored=pb.BlockStored(hashes=e.hashes))
+        return pb.BlockEvent(seq=e.seq, stored=pb.BlockStored(hashes=e.hashes, tier=_TIER_PROTO[e.tier]))
     if isinstance(e, BlockRemoved):
-        return pb.BlockEvent(seq=e.seq, removed=pb.BlockRemoved(hashes=e.hashes))
+        return pb.BlockEvent(seq=e.seq, removed=pb.BlockRemoved(hashes=e.hashes, tier=_TIER_PROTO[e.tier]))
     assert isinstance(e, AllBlocksCleared)
     return pb.BlockEvent(seq=e.seq, cleared=pb.AllBlocksCleared())
 
