@@ -29,6 +29,7 @@ from cluster.bench import compare_serve_clients as clients
 from cluster.bench import serve_targets as targets
 from cluster.bench.compare_serve_report import ClientResult, ResultError, format_table, summarize
 from cluster.bench.procs import ServerError
+from cluster.process_signals import signals_as_keyboard_interrupt
 
 TARGETS = ("kvserve", "vllm", "vllm-router")
 
@@ -199,6 +200,34 @@ def run(args: argparse.Namespace) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, list[ClientResult]]] = {}
     t0 = time.monotonic()
+    # SIGTERM unwinds like Ctrl-C, through launch(): every server started is stopped on the way out.
+    with signals_as_keyboard_interrupt():
+        status = _rounds(args, plan, vllm, guidellm, served_name, log_dir, results)
+    if status != 0:
+        return status
+    report = {
+        "config": clients.describe(args, served_name, plan),
+        "machine": clients.machine(),
+        "seconds": round(time.monotonic() - t0, 1),
+        "log_dir": str(log_dir),
+        "clients": {client: summarize(per_target) for client, per_target in results.items()},
+    }
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(_header(report))
+        for client, summary in report["clients"].items():
+            print()
+            print(format_table(summary, f"{client}, {args.workload}: medians of {args.runs} rounds"))
+    return 0
+
+
+def _rounds(
+    args: argparse.Namespace, plan: list[targets.Target], vllm: str, guidellm: str | None, served_name: str,
+    log_dir: Path, results: dict[str, dict[str, list[ClientResult]]],
+) -> int:  # fmt: skip
+    """Every round of every target; appends to ``results[client][target]``. Returns 0, or 1 / 130 after a
+    failure / an interrupt (the message printed; the servers are stopped by then)."""
     try:
         for i in range(args.runs):
             for target in round_order(plan, i):
@@ -214,20 +243,6 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("compare-serve: interrupted; servers stopped", file=sys.stderr)
         return 130
-    report = {
-        "config": clients.describe(args, served_name, plan),
-        "machine": clients.machine(),
-        "seconds": round(time.monotonic() - t0, 1),
-        "log_dir": str(log_dir),
-        "clients": {client: summarize(per_target) for client, per_target in results.items()},
-    }
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print(_header(report))
-        for client, summary in report["clients"].items():
-            print()
-            print(format_table(summary, f"{client}, {args.workload}: medians of {args.runs} rounds"))
     return 0
 
 

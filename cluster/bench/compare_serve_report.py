@@ -119,8 +119,9 @@ def ratios(ours: dict[str, float], theirs: dict[str, float]) -> dict[str, float 
 
 
 def summarize(results: dict[str, list[ClientResult]]) -> dict:
-    """``{target: {"rounds": [...], "median": {...}, "ratio": {...}, "failed": n}}``; ``ratio`` (kvserve /
-    target) is there for every target but kvserve, when kvserve is among the results."""
+    """``{target: {"rounds": [...], "median": {...}, "ratio": {...}, "round_ratios": [...], "failed": n}}``;
+    ``ratio`` (kvserve / target, of the medians) and ``round_ratios`` (output tok/s, round by round) are
+    there for every target but kvserve, when kvserve is among the results."""
     out: dict = {}
     ours = medians(results[OURS]) if results.get(OURS) else None
     for name, runs in results.items():
@@ -130,6 +131,10 @@ def summarize(results: dict[str, list[ClientResult]]) -> dict:
         entry: dict = {"rounds": [asdict(r) for r in runs], "median": med, "failed": sum(r.failed for r in runs)}
         if ours is not None and name != OURS:
             entry["ratio"] = ratios(ours, med)
+            entry["round_ratios"] = [
+                a.output_tokens_per_s / b.output_tokens_per_s if b.output_tokens_per_s else None
+                for a, b in zip(results[OURS], runs, strict=False)
+            ]
         out[name] = entry
     return out
 
@@ -151,7 +156,7 @@ def format_table(summary: dict, title: str) -> str:
         med = entry["median"]
         rounds = ", ".join(_fmt(r["output_tokens_per_s"]) for r in entry["rounds"])
         cells = [f"{_fmt(med['output_tokens_per_s'])} ({rounds})"]
-        cells += [_fmt(med[key], 0) for key, _ in METRICS[1:]]
+        cells += [_fmt(med[key], 0 if med[key] >= 100 else 1) for key, _ in METRICS[1:]]  # ms
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {entry['failed']} |")
     for name, entry in summary.items():
         if "ratio" in entry:
