@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.runs <= 0 or args.num_prompts <= 0 or args.max_concurrency <= 0:
             raise ValueError("--runs, --num-prompts and --max-concurrency must be positive")
-        if "vllm" in args.targets and not Path(vllm).exists():
+        if not Path(vllm).exists():  # the client (vllm bench serve), whatever the targets
             raise ValueError(f"no `vllm` at {vllm} (run cluster/bench/setup_peers.sh vllm)")
         if not (Path(args.model) / "config.json").is_file():
             raise ValueError(f"--model {args.model} has no config.json")
