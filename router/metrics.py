@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from dataclasses import dataclass
+from collections.abc import Mapping
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -70,15 +70,9 @@ ITL = Histogram("kvserve:inter_token_latency_seconds", "Time between streamed to
 E2E = Histogram("kvserve:e2e_request_latency_seconds", "Arrival to final token", buckets=_LATENCY_BUCKETS)
 QUEUE_TIME = Histogram("kvserve:request_queue_time_seconds", "Arrival to dispatch", buckets=_LATENCY_BUCKETS)
 
-@dataclass(frozen=True)
-class CounterDeltas:
-    """What a worker counted since its previous report (PressureReport carries running totals)."""
-
-    preemptions: int = 0
-    swaps: int = 0
-    prefix_query_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    prefill_tokens: int = 0
+# What a worker counted since its previous report: each ``*_total`` field of PressureReport by name
+# (``WorkerState.deltas``), so a new counter needs no code here beyond the line that exports it.
+CounterDeltas = Mapping[str, int]
 
 
 class RouterMetrics:
@@ -96,11 +90,12 @@ class RouterMetrics:
         WAITING.labels(w).set(r.num_waiting)
         SWAPPED.labels(w).set(r.num_swapped)
         REPORT_TIME.labels(w).set_to_current_time()
-        PREEMPTIONS.labels("recompute").inc(counted.preemptions - counted.swaps)
-        PREEMPTIONS.labels("swap").inc(counted.swaps)
-        PREFIX_QUERIES.labels(w).inc(counted.prefix_query_tokens)
-        PREFIX_HITS.labels(w).inc(counted.prefix_hit_tokens)
-        PREFILL_TOKENS.labels(w).inc(counted.prefill_tokens)
+        swaps = counted["num_swaps_total"]
+        PREEMPTIONS.labels("recompute").inc(counted["num_preemptions_total"] - swaps)
+        PREEMPTIONS.labels("swap").inc(swaps)
+        PREFIX_QUERIES.labels(w).inc(counted["prefix_cache_query_tokens_total"])
+        PREFIX_HITS.labels(w).inc(counted["prefix_cache_hit_tokens_total"])
+        PREFILL_TOKENS.labels(w).inc(counted["prefill_tokens_total"])
 
     def worker_up(self, worker_id: str, up: bool) -> None:
         WORKER_UP.labels(worker_id).set(1 if up else 0)

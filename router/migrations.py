@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterator
 
 from protos.kvserve.v1 import worker_pb2 as pb
 from router.pipeline import RequestPipeline
@@ -29,25 +30,20 @@ class Mover:
         self.router = router
         self.busy: set[str] = set()  # workers in a migration now (source or destination)
 
-    def running(self) -> list[RunningRequest]:
-        """The requests on workers, as rebalancing sees them."""
+    def running(self) -> Iterator[RunningRequest]:
+        """The requests on workers, as rebalancing sees them. NOTE: lazy: a pressure report (the hot
+        path) builds none of them unless its worker is past the watermark (``plan_migration`` reads
+        them last)."""
         limits = self.router.limits
         # NOTE: generation also stops at max_model_len, so that bounds the tokens still to come.
         max_len = limits.max_model_len if limits is not None else 0
-        return [
-            RunningRequest(
-                r.request_id,
-                r.worker_id,
-                r.priority,
-                r.arrival,
-                len(r.prompt_ids) + r.tokens_received,
-                r.tokens_received,
-                preemptible=not r.router_preempted,
-                remaining_tokens=max(min(r.params.max_tokens, max_len - len(r.prompt_ids)) - r.tokens_received, 0),
-            )  # fmt: skip
-            for r in self.router.requests.values()
-            if r.worker_id is not None
-        ]
+        for r in list(self.router.requests.values()):
+            if r.worker_id is None:
+                continue
+            remaining = max(min(r.params.max_tokens, max_len - len(r.prompt_ids)) - r.tokens_received, 0)
+            tokens = len(r.prompt_ids) + r.tokens_received
+            yield RunningRequest(r.request_id, r.worker_id, r.priority, r.arrival, tokens, r.tokens_received,
+                                 preemptible=not r.router_preempted, remaining_tokens=remaining)  # fmt: skip
 
     def rebalance(self, src: WorkerState) -> None:
         """Start the migration off ``src`` that ``plan_migration`` decides, if any."""

@@ -14,7 +14,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import astuple, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from protos.kvserve.v1 import serving_pb2 as spb
@@ -39,9 +39,11 @@ def actor_dead(e: BaseException) -> bool:
     return any(c.__name__ in _ACTOR_DEAD_ERRORS for c in type(e).__mro__)
 
 
-def _totals(r: pb.PressureReport) -> CounterDeltas:
-    return CounterDeltas(r.num_preemptions_total, r.num_swaps_total, r.prefix_cache_query_tokens_total,
-                         r.prefix_cache_hit_tokens_total, r.prefill_tokens_total)  # fmt: skip
+# Every running total a report carries: PressureReport's ``*_total`` fields that count events or tokens
+# (``*_blocks_total`` are pool sizes, not counters).
+_TOTALS = tuple(
+    f.name for f in pb.PressureReport.DESCRIPTOR.fields if f.name.endswith("_total") and "_blocks_" not in f.name
+)
 
 
 @dataclass
@@ -65,7 +67,7 @@ class WorkerState:
     state: str = WORKER_UP
     restart_times: deque[float] = field(default_factory=deque)  # monotonic, within the restart window
     restarts_total: int = 0
-    totals: CounterDeltas = field(default_factory=CounterDeltas)  # the last report's running totals
+    totals: dict[str, int] = field(default_factory=dict)  # the last report's running totals
 
     @property
     def worker_id(self) -> str:
@@ -78,12 +80,12 @@ class WorkerState:
     def deltas(self, report: pb.PressureReport) -> CounterDeltas:
         """The counts ``report`` adds to the previous one's (a total that went down means a new
         incarnation whose totals began again: all of it is new)."""
-        now = _totals(report)
+        now = {name: getattr(report, name) for name in _TOTALS}
         prev = self.totals
-        if any(n < p for n, p in zip(astuple(now), astuple(prev), strict=True)):
-            prev = CounterDeltas()
+        if any(now[name] < prev.get(name, 0) for name in _TOTALS):
+            prev = {}
         self.totals = now
-        return CounterDeltas(*(n - p for n, p in zip(astuple(now), astuple(prev), strict=True)))
+        return {name: now[name] - prev.get(name, 0) for name in _TOTALS}
 
     def view(self, serving: bool, ledger: MigrationLedger) -> WorkerView:
         """What placement and rebalancing see of this worker."""
