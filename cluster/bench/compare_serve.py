@@ -158,7 +158,7 @@ def _one_target(
 ) -> dict[str, ClientResult]:  # fmt: skip
     """Launch ``target``, run the client(s) against it, stop it; ``{client name: result}``."""
     work = round_dir / target.name
-    work.mkdir(parents=True)
+    work.mkdir(parents=True, exist_ok=True)  # a reused --log-dir: this round's files replace the old ones
     out: dict[str, ClientResult] = {}
     with targets.launch(target, work, served_name, args.ready_timeout) as base_url:
         spec = clients.bench_spec_from_args(args, served_name)
