@@ -53,6 +53,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from protos.kvserve.v1 import serving_pb2 as spb
 from router import http_metrics
+from router.demux import stream_responses
 from router.limits import Bounds
 from router.router import Router, RouterError, RouterRequest
 
@@ -399,14 +400,14 @@ class OpenAIApi:
     async def _responses(self, admitted: list[RouterRequest]) -> AsyncIterator[tuple[int, spb.GenerateResponse]]:
         """Every choice's responses as they come, tagged with the choice index; RouterError if one failed."""
         if len(admitted) == 1:  # NOTE: the common case skips the merge queue (one hop less per token)
-            async for resp in self.router.stream(admitted[0]):
+            async for resp in stream_responses(admitted[0]):
                 yield 0, resp
             return
         queue: asyncio.Queue[tuple[int, spb.GenerateResponse | RouterError]] = asyncio.Queue()
 
         async def pump(i: int, r: RouterRequest) -> None:
             try:
-                async for resp in self.router.stream(r):
+                async for resp in stream_responses(r):
                     queue.put_nowait((i, resp))
             except RouterError as e:
                 queue.put_nowait((i, e))

@@ -23,7 +23,6 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -32,7 +31,7 @@ from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import worker_pb2 as pb
 from router.admission import AdmissionQueue, RejectReason
 from router.config import RouterConfig
-from router.demux import demux_output, stream_responses
+from router.demux import demux_output
 from router.dispatch import Dispatcher
 from router.metrics import RouterMetrics
 from router.migrations import Mover
@@ -251,10 +250,6 @@ class Router(WorkerLinkHandler):
     def dispatch(self, r: RouterRequest, worker_id: str, promised_blocks: int) -> None:
         self.dispatcher.dispatch(r, worker_id, promised_blocks)
 
-    def stream(self, r: RouterRequest) -> AsyncIterator[spb.GenerateResponse]:
-        """Responses of one request until its final one (router/demux.py ``stream_responses``)."""
-        return stream_responses(r)
-
     def cancel(self, r: RouterRequest) -> None:
         """Client gone (cancel, deadline) or Abort: free everything the request holds. Its id is
         free at once; its worker frees the blocks at its next step boundary."""
@@ -340,12 +335,6 @@ class Router(WorkerLinkHandler):
         self.queue.remove(r.request_id)
         self.finish(r)
         r.responses.put_nowait(RouterError(code, message))
-
-    async def migrate(self, request_id: str, dst_worker_id: str) -> bool:
-        return await self.mover.migrate(request_id, dst_worker_id)
-
-    async def health_loop(self) -> None:
-        await self.table.health_loop()
 
     def cluster_status(self) -> spb.ClusterStatus:
         in_flight = sum(1 for r in self.requests.values() if r.worker_id is not None)

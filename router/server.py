@@ -41,6 +41,7 @@ from protos.kvserve.v1 import serving_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router import metrics
 from router.auth import CallerAuthInterceptor
 from router.config import RouterConfig
+from router.demux import stream_responses
 from router.http_api import HttpApiServer
 from router.limits import Bounds, LimitExceeded, client_of_peer
 from router.mux import StreamMux
@@ -206,7 +207,7 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
             await _abort(context, e)
             return
         try:
-            async for response in self.router.stream(r):
+            async for response in stream_responses(r):
                 if who is not None:  # the id as the tenant knows it
                     response.request_id = self.bounds.tenancy.unscoped_id(who, response.request_id)  # type: ignore[union-attr]
                 yield response
@@ -434,7 +435,7 @@ class RouterService:
         await server.start()
         self._server = server
         loop = asyncio.get_running_loop()
-        self._health_task = loop.create_task(self.router.health_loop())
+        self._health_task = loop.create_task(self.router.table.health_loop())
         self._readiness_task = loop.create_task(self._serve_when_ready(health_servicer))
         metrics.ROUTER_QUEUE_REQUESTS.set_function(lambda: self.router.queue.num_requests)
         metrics.ROUTER_QUEUE_BLOCKS.set_function(lambda: self.router.queue.num_blocks)
@@ -513,7 +514,7 @@ class RouterService:
         return self.router.cluster_status().SerializeToString()
 
     async def migrate(self, request_id: str, dst_worker_id: str) -> bool:
-        return await self.router.migrate(request_id, dst_worker_id)
+        return await self.router.mover.migrate(request_id, dst_worker_id)
 
     async def address(self) -> str:
         return f"{self.config.host}:{self.port}"

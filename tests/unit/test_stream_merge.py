@@ -8,9 +8,9 @@ import grpc
 import pytest
 
 from protos.kvserve.v1 import serving_pb2 as spb
-from router.config import RouterConfig
+from router.demux import stream_responses
 from router.request import RouterError
-from router.router import Router, RouterRequest
+from router.router import RouterRequest
 from workers.core.sampling_params import SamplingParams
 
 
@@ -28,12 +28,12 @@ def _resp(tokens: list[int], worker: str = "a", finish: str = "") -> spb.Generat
 
 def _collect(items: list[spb.GenerateResponse | RouterError]) -> tuple[list[spb.GenerateResponse], Exception | None]:
     async def run() -> tuple[list[spb.GenerateResponse], Exception | None]:
-        router, r = Router(RouterConfig(port=0)), _request()
+        r = _request()
         for item in items:
             r.responses.put_nowait(item)
         got: list[spb.GenerateResponse] = []
         try:
-            async for resp in router.stream(r):
+            async for resp in stream_responses(r):
                 got.append(resp)
         except RouterError as e:
             return got, e
