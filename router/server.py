@@ -44,7 +44,9 @@ from router.auth import BearerAuthInterceptor
 from router.config import RouterConfig
 from router.health import HealthPublisher
 from router.http_api import HttpApiServer
+from router.request import WORKER_RETIRED
 from router.router import Router, RouterError
+from router.supervision import WorkerSupervision, restore, snapshot
 from workers.core.identity import WorkerIdentity
 from workers.core.tls import read_pem
 
@@ -327,12 +329,30 @@ class RouterService:
         wait = self.router.queue.projected_wait_s()
         return float("nan") if wait is None else wait
 
-    async def add_worker(self, worker_id: str, handle: Any, identity: WorkerIdentity) -> None:
+    async def add_worker(
+        self, worker_id: str, handle: Any, identity: WorkerIdentity, supervision: WorkerSupervision | None = None
+    ) -> None:
+        """Register a worker; ``supervision`` carries its restarts and retirement over from a
+        previous router (``router/supervision.py``): a retired worker stays retired."""
         self.router.add_worker(worker_id, handle, identity)
         entry = self.router.workers[worker_id]
+        if supervision is not None:
+            restore(entry, supervision)
+            metrics.WORKER_RESTARTS.labels(worker_id).inc(entry.restarts_total)
+            if entry.state == WORKER_RETIRED:
+                metrics.WORKER_UP.labels(worker_id).set(0)
         metrics.REPORT_AGE.labels(worker_id).set_function(
             lambda: time.monotonic() - entry.report_time if entry.report is not None else float("nan")
         )
+
+    async def supervision(self) -> dict[str, WorkerSupervision]:
+        """Every worker's supervision record now (``kvserve serve`` keeps the latest for the next
+        router; also its liveness poll of this router)."""
+        return {worker_id: snapshot(entry) for worker_id, entry in self.router.workers.items()}
+
+    async def connected_workers(self) -> list[str]:
+        """The registered workers whose WorkerLink is connected now."""
+        return [w for w in self.router.workers if self.router.link.connected(w)]
 
     async def pid(self) -> int:
         """This router's OS process id (chaos tests kill it)."""
