@@ -429,7 +429,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from cluster.launch import init_ray, start_cluster
-    from cluster.serve_cli import signals_as_keyboard_interrupt, stop_all
+    from cluster.process_signals import signals_as_keyboard_interrupt, stop_all
     from cluster.top import open_stub
     from router.config import RouterConfig
     from workers.engine.config import EngineConfig

@@ -32,17 +32,25 @@ from rich.text import Text
 
 from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import serving_pb2_grpc
+from router.config import RouterConfig
 
 BAR_WIDTH = 30
 DEFAULT_INTERVAL_MS = 250  # >= 2 refreshes a second
 
 
 # ---- rendering (pure) ------------------------------------------------------------------------
-def usage_style(usage: float) -> str:
-    return "red" if usage >= 0.9 else "yellow" if usage >= 0.7 else "green"
+_DEFAULTS = RouterConfig()
 
 
-def block_bar(total: int, used: int, cached: int, width: int = BAR_WIDTH) -> Text:
+def usage_style(usage: float, high: float = _DEFAULTS.high_watermark, low: float = _DEFAULTS.low_watermark) -> str:
+    """Red at or above the router's high watermark (the worker sheds work), yellow above its low one
+    (no longer a migration target), green below."""
+    return "red" if usage >= high else "yellow" if usage > low else "green"
+
+
+def block_bar(
+    total: int, used: int, cached: int, width: int = BAR_WIDTH, style: Callable[[float], str] = usage_style
+) -> Text:
     """``width`` cells: used (█), cached-evictable (▒), free (░), proportional to blocks.
 
     A non-zero share always gets at least one cell, so a single used block is visible.
@@ -57,7 +65,7 @@ def block_bar(total: int, used: int, cached: int, width: int = BAR_WIDTH) -> Tex
     u = min(cells(used), width)
     c = min(cells(cached), width - u)
     bar = Text()
-    bar.append("█" * u, style=usage_style(used / total))
+    bar.append("█" * u, style=style(used / total))
     bar.append("▒" * c, style="blue")
     bar.append("░" * (width - u - c), style="dim")
     return bar
@@ -160,6 +168,13 @@ def render_frame(
         header.append(f"  failover replays {r.replays_total}", style="yellow")
 
     shown, bar = _layout(width, bar_width)
+    # NOTE: a router older than the fields sends neither: colour by the defaults then.
+    high = r.high_watermark if r.HasField("high_watermark") else _DEFAULTS.high_watermark
+    low = r.low_watermark if r.HasField("low_watermark") else _DEFAULTS.low_watermark
+
+    def style(usage: float) -> str:
+        return usage_style(usage, high, low)
+
     table = Table(box=None, pad_edge=False, header_style="bold", expand=False)
     for name, justify, _, _ in _COLUMNS:
         if name in shown:
@@ -175,11 +190,11 @@ def render_frame(
         cells = {
             "worker": name,
             "node": _short_node(w.node_id),
-            "KV blocks": block_bar(int(w.total_blocks), int(w.used_blocks), int(w.cached_evictable_blocks), bar),
+            "KV blocks": block_bar(int(w.total_blocks), int(w.used_blocks), int(w.cached_evictable_blocks), bar, style),
             "used": str(w.used_blocks),
             "evict": str(w.cached_evictable_blocks),
             "free": str(w.free_blocks),
-            "use%": Text(f"{w.usage * 100:.0f}%", style=usage_style(w.usage)),
+            "use%": Text(f"{w.usage * 100:.0f}%", style=style(w.usage)),
             "swap": f"{w.swap_blocks_total - w.swap_blocks_free}/{w.swap_blocks_total}" if w.swap_blocks_total else "-",
             "run": str(w.num_running),
             "wait": str(w.num_waiting),

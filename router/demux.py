@@ -16,11 +16,13 @@ hands to the client and to its metrics.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import worker_pb2 as pb
+from router.request import RouterError
 
 if TYPE_CHECKING:
     from router.request import RouterRequest
@@ -127,3 +129,25 @@ def merge_responses(first: spb.GenerateResponse, then: spb.GenerateResponse) -> 
     merged.logprobs.extend([*first.logprobs, *then.logprobs])
     merged.text_delta = first.text_delta + then.text_delta
     return merged
+
+
+async def stream_responses(r: RouterRequest) -> AsyncIterator[spb.GenerateResponse]:
+    """Responses of one request until its final one; RouterError if it ended abnormally.
+
+    Responses already waiting when the client reads are merged into one (same worker only, so
+    ``worker_id`` stays exact): a client that keeps up gets one message per step, one that
+    falls behind gets fewer, larger ones instead of paying per-message costs for every token
+    (vLLM's output collector does the same).
+    """
+    while True:
+        item = await r.responses.get()
+        if isinstance(item, RouterError):
+            raise item
+        while not item.finish_reason and not r.responses.empty():
+            nxt = r.responses._queue[0]  # NOTE: peek; asyncio.Queue has no public one
+            if isinstance(nxt, RouterError) or nxt.worker_id != item.worker_id:
+                break
+            item = merge_responses(item, r.responses.get_nowait())
+        yield item
+        if item.finish_reason:
+            return

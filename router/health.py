@@ -6,7 +6,7 @@ Two questions, two answers (Kubernetes asks both):
   gRPC health service ``LIVENESS_SERVICE`` is SERVING from ``start`` on, HTTP ``/health/live``
   answers 200. A liveness failure should restart the router (its pod), nothing else.
 * **Readiness**: can the cluster serve a request now? Yes iff at least one worker is *serving*
-  (``Router.serving``: up, healthy, WorkerLink connected; a retired or down worker never counts).
+  (``WorkerTable.serving``: up, healthy, WorkerLink connected; a retired or down worker never counts).
   gRPC health services ``""`` and ``kvserve.v1.KVServe`` and HTTP ``/health`` and
   ``/health/ready`` all give this one verdict (``cluster_ready``), and it flips back to
   NOT_SERVING / 503 as soon as no worker can serve, and to SERVING / 200 when one can again.
@@ -42,12 +42,12 @@ DEFAULT_INTERVAL_S = 0.2
 
 def cluster_ready(router: Router) -> bool:
     """Whether some worker can take a request now (the readiness verdict, gRPC and HTTP alike)."""
-    return any(router.serving(w) for w in router.workers.values())
+    return router.table.any_serving()
 
 
 def serving_workers(router: Router) -> int:
     """How many workers can take a request now (for the readiness answer's text)."""
-    return sum(1 for w in router.workers.values() if router.serving(w))
+    return sum(1 for w in router.table.entries.values() if router.table.serving(w))
 
 
 class HealthPublisher:

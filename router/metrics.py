@@ -1,21 +1,29 @@
-"""Every Prometheus metric kvserve exports, defined once (names follow vLLM's, prefixed ``kvserve:``).
+"""Every Prometheus metric kvserve exports, defined once (names follow vLLM's, prefixed ``kvserve:``),
+and ``RouterMetrics``, the one object through which a router writes them.
 
-The router owns them: per-worker gauges are set from each PressureReport (so a gauge equals the
-pool/scheduler state it names as of the worker's last report), counters that workers keep as
-running totals are advanced by the delta between reports, and latency histograms are observed
-as tokens arrive.
+Per-worker gauges are set from each PressureReport (so a gauge equals the pool/scheduler state it
+names as of the worker's last report), counters that workers keep as running totals are advanced
+by what each report adds to the worker's previous one (``WorkerState.deltas``: the last totals are
+the router's per-worker state, not this module's), and latency histograms are observed as tokens
+arrive.
+Each counter has one writer: preemptions are counted by the worker that preempts (the router's own
+Preempt commands are counted apart, in ``router_preemption_commands``).
+NOTE: the families stay module-level: prometheus_client registers a family once per registry, and
+the ``/metrics`` endpoint serves the process's default one.
 """
 
 from __future__ import annotations
 
 import socket
 import threading
+from dataclasses import dataclass
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import Counter, Gauge, Histogram, make_wsgi_app
 
 from protos.kvserve.v1 import worker_pb2 as pb
+from workers.core.sizes import pool_usage
 
 _W = ["worker"]
 
@@ -40,13 +48,19 @@ ROUTER_PROJECTED_WAIT = Gauge(
     "Projected wait before a request joining the back of the router queue could start (NaN: no drain observed)",
 )
 
-PREEMPTIONS = Counter("kvserve:num_preemptions", "Preemptions by mode", ["mode"])
+PREEMPTIONS = Counter("kvserve:num_preemptions", "Preemptions by mode (counted by the workers)", ["mode"])
+PREEMPT_COMMANDS = Counter(
+    "kvserve:router_preemption_commands", "Preempt commands the router sent for a more important request", ["mode"]
+)
 MIGRATIONS = Counter("kvserve:num_migrations", "Requests migrated between workers")
 REPLAYS = Counter("kvserve:num_failover_replays", "Requests continued on another worker after theirs died")
 WORKER_RESTARTS = Counter("kvserve:worker_restarts", "Worker processes that came back as a new incarnation", _W)
 REJECTIONS = Counter("kvserve:admission_rejections", "Requests refused at admission, by reason", ["reason"])
 PREFIX_QUERIES = Counter("kvserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", _W)
 PREFIX_HITS = Counter("kvserve:prefix_cache_hits", "Prompt tokens found in the prefix cache", _W)
+PREFILL_TOKENS = Counter(
+    "kvserve:prefill_tokens", "Tokens computed in prefill (prompt, recompute after preemption, replay)", _W
+)
 PROMPT_TOKENS = Counter("kvserve:prompt_tokens", "Prompt tokens of admitted requests")
 GENERATION_TOKENS = Counter("kvserve:generation_tokens", "Tokens generated and streamed")
 
@@ -56,32 +70,72 @@ ITL = Histogram("kvserve:inter_token_latency_seconds", "Time between streamed to
 E2E = Histogram("kvserve:e2e_request_latency_seconds", "Arrival to final token", buckets=_LATENCY_BUCKETS)
 QUEUE_TIME = Histogram("kvserve:request_queue_time_seconds", "Arrival to dispatch", buckets=_LATENCY_BUCKETS)
 
-# Last cumulative totals seen per worker, to turn report totals into counter increments.
-_last_totals: dict[str, tuple[int, int, int, int]] = {}
+@dataclass(frozen=True)
+class CounterDeltas:
+    """What a worker counted since its previous report (PressureReport carries running totals)."""
+
+    preemptions: int = 0
+    swaps: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefill_tokens: int = 0
 
 
-def observe_pressure(r: pb.PressureReport) -> None:
-    w = r.worker_id
-    KV_USAGE.labels(w).set(r.used_blocks / r.total_blocks if r.total_blocks else 0.0)
-    KV_BLOCKS_TOTAL.labels(w).set(r.total_blocks)
-    KV_BLOCKS_FREE.labels(w).set(r.free_blocks)
-    KV_BLOCKS_EVICTABLE.labels(w).set(r.cached_evictable_blocks)
-    KV_SWAP_USED.labels(w).set(r.swap_blocks_total - r.swap_blocks_free)
-    RUNNING.labels(w).set(r.num_running)
-    WAITING.labels(w).set(r.num_waiting)
-    SWAPPED.labels(w).set(r.num_swapped)
-    REPORT_TIME.labels(w).set_to_current_time()
-    totals = (r.num_preemptions_total, r.num_swaps_total, r.prefix_cache_query_tokens_total,
-              r.prefix_cache_hit_tokens_total)  # fmt: skip
-    prev = _last_totals.get(w, (0, 0, 0, 0))
-    if any(t < p for t, p in zip(totals, prev, strict=True)):
-        prev = (0, 0, 0, 0)  # the worker restarted: its totals began again
-    _last_totals[w] = totals
-    swaps = totals[1] - prev[1]
-    PREEMPTIONS.labels("recompute").inc(totals[0] - prev[0] - swaps)
-    PREEMPTIONS.labels("swap").inc(swaps)
-    PREFIX_QUERIES.labels(w).inc(totals[2] - prev[2])
-    PREFIX_HITS.labels(w).inc(totals[3] - prev[3])
+class RouterMetrics:
+    """The router's one writer of metrics: each method is one thing that happened."""
+
+    def observe_pressure(self, r: pb.PressureReport, counted: CounterDeltas) -> None:
+        """A worker's report: gauges as it says, counters by what it ``counted`` since its last one."""
+        w = r.worker_id
+        KV_USAGE.labels(w).set(pool_usage(r.used_blocks, r.total_blocks))
+        KV_BLOCKS_TOTAL.labels(w).set(r.total_blocks)
+        KV_BLOCKS_FREE.labels(w).set(r.free_blocks)
+        KV_BLOCKS_EVICTABLE.labels(w).set(r.cached_evictable_blocks)
+        KV_SWAP_USED.labels(w).set(r.swap_blocks_total - r.swap_blocks_free)
+        RUNNING.labels(w).set(r.num_running)
+        WAITING.labels(w).set(r.num_waiting)
+        SWAPPED.labels(w).set(r.num_swapped)
+        REPORT_TIME.labels(w).set_to_current_time()
+        PREEMPTIONS.labels("recompute").inc(counted.preemptions - counted.swaps)
+        PREEMPTIONS.labels("swap").inc(counted.swaps)
+        PREFIX_QUERIES.labels(w).inc(counted.prefix_query_tokens)
+        PREFIX_HITS.labels(w).inc(counted.prefix_hit_tokens)
+        PREFILL_TOKENS.labels(w).inc(counted.prefill_tokens)
+
+    def worker_up(self, worker_id: str, up: bool) -> None:
+        WORKER_UP.labels(worker_id).set(1 if up else 0)
+
+    def worker_restarted(self, worker_id: str, times: int = 1) -> None:
+        WORKER_RESTARTS.labels(worker_id).inc(times)
+
+    def rejected(self, reason: str) -> None:
+        REJECTIONS.labels(reason).inc()
+
+    def admitted(self, prompt_tokens: int) -> None:
+        PROMPT_TOKENS.inc(prompt_tokens)
+
+    def dispatched(self, queue_time_s: float) -> None:
+        QUEUE_TIME.observe(queue_time_s)
+
+    def replayed(self) -> None:
+        REPLAYS.inc()
+
+    def migrated(self) -> None:
+        MIGRATIONS.inc()
+
+    def preempt_command(self, mode: str) -> None:
+        PREEMPT_COMMANDS.labels(mode).inc()
+
+    def streamed(self, ttft_s: float | None, itl_s: float | None, new_tokens: int, e2e_s: float | None) -> None:
+        """One demuxed output of a request (router/demux.py ``Delivery``)."""
+        if ttft_s is not None:
+            TTFT.observe(ttft_s)
+        if itl_s is not None:
+            ITL.observe(itl_s)
+        if new_tokens:
+            GENERATION_TOKENS.inc(new_tokens)
+        if e2e_s is not None:
+            E2E.observe(e2e_s)
 
 
 class _MetricsServer(ThreadingMixIn, WSGIServer):

@@ -34,40 +34,10 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from router.placement.views import PrefixMatch
 from workers.core.kv_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
 
 __all__ = ["AllBlocksCleared", "BlockEvent", "BlockRemoved", "BlockStored", "PrefixIndex", "PrefixMatch"]
-
-
-class PrefixMatch(int):
-    """A prefix match length (an ``int``: ``affinity``'s answer, leading blocks cached *or* pending)
-    that also says how many of the leading blocks the worker can hit *now*:
-
-    * ``cached``: leading blocks cached on the worker now (``overlap``); the rest of the match is
-      pending, i.e. still being computed by a request placed there. NOTE: a worker only hits
-      blocks already computed, so a request that arrives while the prefix is in prefill computes
-      (and holds) its own copy: placement's room check must count those blocks as needed.
-    * ``idle``: of ``cached``, those with no live placement on the worker holding them, i.e. (as
-      far as the router knows) in its evictable pool: a request reuses them, so they are not also
-      free room for its new blocks (router/placement.py ``room_for``).
-
-    NOTE: an int subclass so that ``affinity`` keeps the ``PrefixHits`` contract
-    (``(worker_id, hashes) -> int``) every caller relies on.
-
-    Raises:
-        ValueError: unless ``0 <= idle <= cached <= value``.
-    """
-
-    cached: int
-    idle: int
-
-    def __new__(cls, value: int, cached: int, idle: int) -> PrefixMatch:
-        if not 0 <= idle <= cached <= value:
-            raise ValueError(f"need 0 <= idle <= cached <= matched, got {idle}, {cached}, {value}")
-        match = super().__new__(cls, value)
-        match.cached = cached
-        match.idle = idle
-        return match
 
 
 @dataclass

@@ -44,9 +44,8 @@ from router.auth import BearerAuthInterceptor
 from router.config import RouterConfig
 from router.health import HealthPublisher
 from router.http_api import HttpApiServer
-from router.request import WORKER_RETIRED
 from router.router import Router, RouterError
-from router.supervision import WorkerSupervision, restore, snapshot
+from router.supervision import WorkerSupervision
 from workers.core.identity import WorkerIdentity
 from workers.core.tls import read_pem
 
@@ -334,13 +333,8 @@ class RouterService:
     ) -> None:
         """Register a worker; ``supervision`` carries its restarts and retirement over from a
         previous router (``router/supervision.py``): a retired worker stays retired."""
-        self.router.add_worker(worker_id, handle, identity)
-        entry = self.router.workers[worker_id]
-        if supervision is not None:
-            restore(entry, supervision)
-            metrics.WORKER_RESTARTS.labels(worker_id).inc(entry.restarts_total)
-            if entry.state == WORKER_RETIRED:
-                metrics.WORKER_UP.labels(worker_id).set(0)
+        self.router.add_worker(worker_id, handle, identity, supervision)
+        entry = self.router.table[worker_id]
         metrics.REPORT_AGE.labels(worker_id).set_function(
             lambda: time.monotonic() - entry.report_time if entry.report is not None else float("nan")
         )
@@ -348,7 +342,7 @@ class RouterService:
     async def supervision(self) -> dict[str, WorkerSupervision]:
         """Every worker's supervision record now (``kvserve serve`` keeps the latest for the next
         router; also its liveness poll of this router)."""
-        return {worker_id: snapshot(entry) for worker_id, entry in self.router.workers.items()}
+        return self.router.table.supervision()
 
     async def connected_workers(self) -> list[str]:
         """The registered workers whose WorkerLink is connected now."""
@@ -362,11 +356,11 @@ class RouterService:
 
     async def worker_pid(self, worker_id: str) -> int:
         """The OS pid of a registered worker's actor process; KeyError if unknown."""
-        return int(await self.router.workers[worker_id].handle.pid.remote())
+        return int(await self.router.table[worker_id].handle.pid.remote())
 
     async def check_worker_integrity(self, worker_id: str) -> None:
         """Run a worker's block-pool integrity check (raises on a broken invariant; tests)."""
-        await self.router.workers[worker_id].handle.check_integrity.remote()
+        await self.router.table[worker_id].handle.check_integrity.remote()
 
     async def wait_for_workers(self, worker_ids: list[str], timeout: float = 120.0) -> None:
         await self.router.wait_for_workers(worker_ids, timeout)

@@ -4,8 +4,9 @@ The router decides retirement (README "Failure behaviour": more than ``worker_re
 restarts within ``worker_restart_window_s``), but it holds no durable state: a router that dies
 would forget a retired worker (and take it back) and every worker's restart history. So
 ``kvserve serve`` keeps the latest ``WorkerSupervision`` of every worker (it reads them from the
-router on each liveness poll, ``RouterService.supervision``) and hands them to the next router
-with each worker's registration (``RouterService.add_worker``).
+router on each liveness poll, ``RouterService.supervision`` -> ``WorkerTable.supervision``) and
+hands them to the next router with each worker's registration (``RouterService.add_worker`` ->
+``WorkerTable.register``).
 
 Restart times travel as ages (seconds before the snapshot), not as clock readings, so the record
 means the same to a router on another clock.
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING
 from router.request import WORKER_RETIRED
 
 if TYPE_CHECKING:
-    from router.router import WorkerEntry
+    from router.workers import WorkerState
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class WorkerSupervision:
     taken_at: float = 0.0
 
 
-def snapshot(entry: WorkerEntry) -> WorkerSupervision:
+def snapshot(entry: WorkerState) -> WorkerSupervision:
     """The record of one router table row, now."""
     now = time.monotonic()
     return WorkerSupervision(
@@ -52,7 +53,7 @@ def snapshot(entry: WorkerEntry) -> WorkerSupervision:
     )
 
 
-def restore(entry: WorkerEntry, record: WorkerSupervision) -> None:
+def restore(entry: WorkerState, record: WorkerSupervision) -> None:
     """Carry ``record`` into a new router's table row (its restart history and retirement).
 
     NOTE: the ages grow by the time since the snapshot (the router's downtime), so a restart

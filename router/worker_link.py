@@ -17,6 +17,7 @@ import grpc
 
 from protos.kvserve.v1 import worker_pb2 as pb
 from protos.kvserve.v1 import worker_pb2_grpc
+from workers.core.kv_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
 
 logger = logging.getLogger(__name__)
 
@@ -120,8 +121,6 @@ class WorkerLinkService(worker_pb2_grpc.WorkerLinkServicer):
                 kind = msg.WhichOneof("body")
                 if kind == "ack":
                     s.unapplied.pop(msg.ack.command_seq, None)
-                elif kind == "export_result":
-                    s.unapplied.pop(msg.export_result.command_seq, None)
                 try:
                     self.handler.on_message(worker_id, msg)
                 except Exception:  # noqa: BLE001 - one bad message must not cut the link
@@ -136,3 +135,13 @@ def _copy(cmd: pb.RouterCommand) -> pb.RouterCommand:
     out = pb.RouterCommand()
     out.CopyFrom(cmd)
     return out
+
+
+def block_event(e: pb.BlockEvent) -> BlockEvent:
+    """A WorkerLink block event as the prefix index's dataclass (workers/core/kv_events.py)."""
+    kind = e.WhichOneof("kind")
+    if kind == "stored":
+        return BlockStored(e.seq, tuple(e.stored.hashes))
+    if kind == "removed":
+        return BlockRemoved(e.seq, tuple(e.removed.hashes))
+    return AllBlocksCleared(e.seq)

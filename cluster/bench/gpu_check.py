@@ -187,7 +187,7 @@ def check_parity(cfg: CheckConfig) -> dict[str, Any]:
 
 def check_kv_smoke(cfg: CheckConfig) -> dict[str, Any]:
     """bf16, fp8-KV and int8-KV runs: complete in-vocabulary outputs; agreement with fp32 reported."""
-    from cluster.bench.offline import token_agreement
+    from cluster.bench.agreement import token_agreement
     from workers.engine.engine import LLM
 
     path = random_checkpoint(cfg, "llama", "tiny")

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.bench import peers
+from cluster.bench.agreement import token_agreement
 from cluster.bench.workloads import WORKLOADS, prompts
 from workers.engine.progress import RequestProgress
 
@@ -380,18 +381,6 @@ def _run_rounds(
             results.append(run_workload(engine, prompt_ids, max_tokens, advance))
             if peer_proc is not None:
                 peer_runs.append(peer_proc.run())
-
-
-def token_agreement(ours: list[list[int]], reference: list[list[int]]) -> float:
-    """Share of output positions where two runs chose the same token (a quality figure for lossy
-    levers such as an fp8 KV cache, where tokens may legitimately differ)."""
-    if len(ours) != len(reference):
-        raise ValueError(f"{len(ours)} outputs vs {len(reference)} in the reference")
-    same = total = 0
-    for a, b in zip(ours, reference, strict=True):
-        total += max(len(a), len(b))
-        same += sum(x == y for x, y in zip(a, b, strict=False))
-    return same / total if total else 1.0
 
 
 def logprob_delta(

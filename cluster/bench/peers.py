@@ -229,7 +229,7 @@ class Comparison:
     peer_tokens_per_s: list[float]
     identical_requests: int  # requests whose whole output equals the peer's (last round)
     num_requests: int
-    token_agreement: float  # positional share of equal tokens (see offline.token_agreement)
+    token_agreement: float  # positional share of equal tokens (see agreement.token_agreement)
     # output tokens per CPU-second of each round (None where not measured): what each engine gets done
     # with the CPU it was given, independent of how much a busy machine gave it
     ours_tokens_per_cpu_s: tuple[float | None, ...] = ()
@@ -279,7 +279,7 @@ def compare(
     Raises:
         ValueError: no rounds, different round counts, or token lists for different request counts.
     """
-    from cluster.bench.offline import token_agreement
+    from cluster.bench.agreement import token_agreement
 
     if not ours or len(ours) != len(theirs):
         raise ValueError(f"need the same non-zero number of rounds, got {len(ours)} ours vs {len(theirs)} peer")

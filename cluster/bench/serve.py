@@ -50,6 +50,7 @@ from cluster.bench.serve_report import (
     plot,
     summarize,
 )
+from workers.core.sizes import pool_usage
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +148,7 @@ async def drive(
                     StatusSample(
                         t=time.monotonic() - t0,
                         queue_requests=st.router.queue_requests,
-                        usage={w.worker_id: w.used_blocks / w.total_blocks if w.total_blocks else 0.0
+                        usage={w.worker_id: pool_usage(w.used_blocks, w.total_blocks)
                                for w in st.workers},
                         waiting={w.worker_id: w.num_waiting for w in st.workers},
                     )

@@ -7,6 +7,7 @@ import socket
 import time
 from pathlib import Path
 
+from workers.core.request import WorkerRequest
 from workers.core.sampling_params import SamplingParams
 from workers.engine.config import EngineConfig
 from workers.transport.options import WorkerOptions
@@ -28,8 +29,8 @@ def test_orphaned_requests_are_aborted_and_their_blocks_freed(tiny_llama_dir: Pa
     try:
         t0 = time.monotonic()
         params = SamplingParams(max_tokens=400, ignore_eos=True)
-        core.add_request("orphan-1", [5, 6, 7, 8, 9], params)
-        core.add_request("orphan-2", [9, 8, 7, 6, 5], params)
+        core.add_request(WorkerRequest("orphan-1", (5, 6, 7, 8, 9), params))
+        core.add_request(WorkerRequest("orphan-2", (9, 8, 7, 6, 5), params))
         # NOTE: bounded wait on the worker's own state (its stats snapshot), no fixed sleep.
         deadline = time.monotonic() + 60
         while (s := core.stats()).num_running + s.num_waiting > 0 or s.used_blocks > 0:

@@ -27,6 +27,7 @@ from protos.kvserve.v1 import worker_pb2 as pb  # noqa: E402
 from tests.integration.worker_harness import RecordingRouter  # noqa: E402
 from workers.core.block_hash import cache_extra, hash_blocks  # noqa: E402
 from workers.core.identity import WorkerIdentity  # noqa: E402
+from workers.core.request import WorkerRequest  # noqa: E402
 from workers.core.sampling_params import SamplingParams  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.engine import LLM, LLMEngine  # noqa: E402
@@ -134,7 +135,8 @@ def reference(tiny_llama_dir: Path):
 
 
 def _add(cluster: Cluster, worker_id: str, requests: dict[str, list[int]], params: SamplingParams) -> None:
-    _get([cluster.actor(worker_id).add_request.remote(rid, p, params) for rid, p in requests.items()])
+    actor = cluster.actor(worker_id)
+    _get([actor.add_request.remote(WorkerRequest(rid, tuple(p), params)) for rid, p in requests.items()])
 
 
 def _assert_seq_consecutive(router: RecordingRouter, worker_id: str) -> None:
@@ -363,39 +365,6 @@ def _tokens_of(router: RecordingRouter, rid: str, worker_id: str, n: int) -> lis
     return toks if len(toks) == n else None
 
 
-def _export_result(router: RecordingRouter, worker_id: str, rid: str) -> pb.ExportResult | None:
-    """The ExportResult for ``rid``, once it arrived (caller holds the lock)."""
-    msgs = router.handler.workers[worker_id].messages
-    return next((m.export_result for _, m in msgs if m.WhichOneof("body") == "export_result"
-                 and m.export_result.request_id == rid), None)  # fmt: skip
-
-
-def test_migration_via_export_command(cluster: Cluster, reference) -> None:
-    router, a, b = cluster.router, cluster.actor("wA"), cluster.actor("wB")
-    rid, prompt = "t4-cmd", _prompts(1, 11, 11, seed=5)[0]
-    router.on_tokens(rid, 4, lambda: router.send_soon("wA", pb.RouterCommand(export=pb.Export(request_id=rid))))
-    _add(cluster, "wA", {rid: prompt}, GREEDY16)
-    result = router.wait_for(lambda: _export_result(router, "wA", rid), what="ExportResult")
-    assert result.ok and list(result.prompt_token_ids) == prompt
-    n_before = len(result.output_token_ids)
-    assert 4 <= n_before < GREEDY16.max_tokens
-    state = _get(a.take_export.remote(rid))
-    assert state is not None and state.output_token_ids == list(result.output_token_ids)
-    assert _get(a.take_export.remote(rid)) is None  # handed out once
-    t0 = time.perf_counter()
-    assert _get(b.import_request.remote(state)) is True
-    t_import = time.perf_counter() - t0
-    assert _get(a.finish_export.remote(rid, True)) is True
-    router.wait_finished([rid])
-    assert router.tokens(rid, "wA") == list(result.output_token_ids)
-    assert router.tokens(rid) == reference([prompt], GREEDY16)[0]
-    assert rid not in {c.export.request_id for c in router.unapplied("wA")}
-    _assert_pool_at_rest(cluster, "wA")
-    _assert_pool_at_rest(cluster, "wB")
-    print(f"\n[migrate {rid}] via Export command: {n_before} tokens on A; KV {state.kv_bytes} B; "
-          f"import {t_import * 1e3:.1f} ms")  # fmt: skip
-
-
 def test_migration_that_does_not_fit_resumes_at_source(cluster: Cluster, reference) -> None:
     router, a, s = cluster.router, cluster.actor("wA"), cluster.actor("wS")
     rid = "t4-big"
@@ -507,7 +476,7 @@ def test_stalled_engine_fails_health_then_recovers(cluster: Cluster, reference) 
     t0 = time.monotonic()
     _get(a.check_health.remote())  # the stall began just now: not yet stalled for stall_timeout_s
     prompt = _prompts(1, 7, 7, seed=8)[0]
-    pending = a.add_request.remote("t6-0", prompt, GREEDY12)  # queued behind the stall
+    pending = a.add_request.remote(WorkerRequest("t6-0", tuple(prompt), GREEDY12))  # queued behind the stall
     deadline = t0 + 2.8
     while True:
         try:
@@ -530,21 +499,16 @@ def test_commands_for_unknown_requests_are_ignored(cluster: Cluster, reference) 
     commands = [
         pb.RouterCommand(abort=pb.Abort(request_id="nope")),
         pb.RouterCommand(preempt=pb.Preempt(request_id="nope", mode=pb.Preempt.SWAP)),
-        pb.RouterCommand(swap_in=pb.SwapIn(request_id="nope")),
     ]
     seqs = [router.send("wB", c) for c in commands]
-    export_seq = router.send("wB", pb.RouterCommand(export=pb.Export(request_id="nope")))
 
     def answered():
         acks = {a.command_seq: a for a in router.acks("wB")}
-        results = [r for r in router.export_results("wB") if r.command_seq == export_seq]
-        return (acks, results[0]) if all(s in acks for s in seqs) and results else None
+        return acks if all(s in acks for s in seqs) else None
 
-    acks, result = router.wait_for(answered, what="acks")
+    acks = router.wait_for(answered, what="acks")
     for s in seqs:
         assert acks[s].ok is False and acks[s].request_id == "nope"
-    assert result.ok is False and result.request_id == "nope" and result.error
-    assert _get(cluster.actor("wB").take_export.remote("nope")) is None
     assert not router.unapplied("wB")  # every command answered, none to resend
 
     prompt = _prompts(1, 6, 6, seed=9)[0]

@@ -331,9 +331,6 @@ class RecordingRouter:
     def acks(self, worker_id: str) -> list[pb.CommandAck]:
         return [m.ack for m in self.messages(worker_id, "ack")]
 
-    def export_results(self, worker_id: str) -> list[pb.ExportResult]:
-        return [m.export_result for m in self.messages(worker_id, "export_result")]
-
     def outputs(self, request_id: str, worker_id: str | None = None) -> list[pb.RequestOutput]:
         with self.handler.cond:
             outs = list(self.handler.outputs.get(request_id, ()))

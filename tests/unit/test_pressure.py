@@ -4,26 +4,32 @@ from __future__ import annotations
 
 import pytest
 
+from protos.kvserve.v1 import worker_pb2 as pb
 from workers.transport.pressure import PressurePolicy
+
+
+def r(usage: float, free: int) -> pb.PressureReport:
+    """A report of a 100-block pool at ``usage`` with ``free`` free blocks (a count placement reads)."""
+    return pb.PressureReport(total_blocks=100, used_blocks=round(usage * 100), free_blocks=free)
 
 
 def test_rate_limit_idle_liveness_and_watermarks() -> None:
     p = PressurePolicy(interval_s=0.05, idle_interval_s=1.0, high_watermark=0.9, low_watermark=0.7)
-    assert p.due(0.0, 0.5, (1,))  # never reported
-    p.sent(0.0, 0.5, (1,))
-    assert not p.due(0.01, 0.5, (2,))  # changed, but inside the interval
-    assert p.due(0.06, 0.5, (2,))
-    assert not p.due(0.5, 0.5, (1,))  # unchanged: only the idle interval
-    assert p.due(1.0, 0.5, (1,))
-    assert p.due(0.01, 0.95, (1,))  # crossing the high watermark: at once
+    assert p.due(0.0, r(0.5, 1))  # never reported
+    p.sent(0.0, r(0.5, 1))
+    assert not p.due(0.01, r(0.5, 2))  # changed, but inside the interval
+    assert p.due(0.06, r(0.5, 2))
+    assert not p.due(0.5, r(0.5, 1))  # unchanged: only the idle interval
+    assert p.due(1.0, r(0.5, 1))
+    assert p.due(0.01, r(0.95, 1))  # crossing the high watermark: at once
 
 
 def test_reset_makes_the_next_report_due() -> None:
     p = PressurePolicy()
-    p.sent(10.0, 0.5, (1,))
-    assert not p.due(10.01, 0.5, (1,))
+    p.sent(10.0, r(0.5, 1))
+    assert not p.due(10.01, r(0.5, 1))
     p.reset()
-    assert p.due(10.01, 0.5, (1,))
+    assert p.due(10.01, r(0.5, 1))
 
 
 def test_bad_watermarks_rejected() -> None:

@@ -19,7 +19,7 @@ def _router() -> tuple[Router, RouterRequest]:
     router.add_worker("b", None, _identity("b"))
     r = RouterRequest("r", [1, 2, 3], SamplingParams(max_tokens=8), 0, "", (), 1, worker_id="a", worker_rid="r")
     router.requests["r"] = r
-    router._by_worker_rid["r"] = r  # outputs name the dispatch's worker-side id
+    router.dispatcher.by_worker_rid["r"] = r  # outputs name the dispatch's worker-side id
     return router, r
 
 

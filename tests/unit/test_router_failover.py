@@ -114,10 +114,10 @@ def test_replay_continues_on_another_worker_after_the_streamed_tokens() -> None:
         await _settle()
         assert router.workers[src].state == WORKER_DOWN
         assert _worker_up(src) == 0.0
-        (args, kwargs), = workers[dst].added()
-        assert args[0] != first_rid and args[0].startswith("r1#")
-        assert kwargs["resume_output_ids"] == [10, 11]
-        assert args[2].max_tokens == 8 and args[2].seed == 5  # the same params: the whole budget
+        ((added,), _), = workers[dst].added()
+        assert added.request_id != first_rid and added.request_id.startswith("r1#")
+        assert added.resume_output_ids == (10, 11)
+        assert added.params.max_tokens == 8 and added.params.seed == 5  # the same params: the whole budget
         assert r.worker_id == dst
         router._on_output(src, _out(first_rid, [12], 3))  # the dead dispatch's late output: dropped
         router._on_output(dst, _out(r.worker_rid, [12], 3))

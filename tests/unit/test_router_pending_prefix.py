@@ -16,6 +16,7 @@ from protos.kvserve.v1 import worker_pb2 as pb
 from router.config import RouterConfig
 from router.router import Router, RouterRequest
 from workers.core.identity import WorkerIdentity
+from workers.core.request import WorkerRequest
 
 BS = 16
 TOTAL_BLOCKS = 64
@@ -27,9 +28,9 @@ class _Method:
     def __init__(self, calls: list[tuple[str, str]], worker_id: str) -> None:
         self.calls, self.worker_id = calls, worker_id
 
-    async def remote(self, request_id: str, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 - the worker's
+    async def remote(self, request: WorkerRequest) -> None:
         # NOTE: the router may tag the id it sends a worker (``r1#<incarnation>.<n>``); record the request's.
-        self.calls.append((self.worker_id, request_id.partition("#")[0]))
+        self.calls.append((self.worker_id, request.request_id.partition("#")[0]))
 
 
 class _FakeWorker:

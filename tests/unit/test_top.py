@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from rich.table import Table
 
 from cluster.top import _layout, block_bar, render_frame, render_text
 from protos.kvserve.v1 import serving_pb2 as spb
@@ -153,3 +154,23 @@ def test_worker_down_restarts_retired_and_projected_wait_are_shown() -> None:
     assert row(text, "worker-2")[1:4] == ["✗", "retired", "↻4"]
     cur.router.projected_wait_s = -1.0  # unknown: no drain observed yet
     assert "projected wait ?" in render_text(None, cur, width=200)
+
+
+def test_usage_is_coloured_by_the_routers_own_watermarks() -> None:
+    """The same 75 % pool is yellow under the default watermarks and red under a router whose high
+    watermark is 0.7 (the colours say what the router does: above high it sheds work)."""
+    def status(high: float | None) -> spb.ClusterStatus:
+        s = spb.ClusterStatus(workers=[spb.WorkerStatus(worker_id="w0", healthy=True, state="up", total_blocks=100,
+                                                       used_blocks=75, free_blocks=25, usage=0.75)])
+        if high is not None:
+            s.router.high_watermark, s.router.low_watermark = high, 0.5
+        return s
+
+    def use_style(s: spb.ClusterStatus) -> str:
+        frame = render_frame(None, s)
+        table = next(r for r in frame.renderables if isinstance(r, Table))
+        col = next(c for c in table.columns if c.header == "use%")
+        return col._cells[0].style
+
+    assert use_style(status(None)) == "yellow"
+    assert use_style(status(0.7)) == "red"

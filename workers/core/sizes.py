@@ -34,3 +34,9 @@ def parse_bytes(value: str | int | float) -> int:
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """Blocks needed to hold ``num_tokens`` tokens (ceil division); the one definition of it."""
     return -(-num_tokens // block_size)
+
+
+def pool_usage(used_blocks: int, total_blocks: int) -> float:
+    """Fraction of a pool's blocks held by requests, 0 for an empty pool (the one definition: reports,
+    watermarks, metrics, ``kvserve top``)."""
+    return used_blocks / total_blocks if total_blocks else 0.0

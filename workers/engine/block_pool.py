@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from workers.core.kv_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
+from workers.core.sizes import pool_usage
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class PoolStats:
     @property
     def usage(self) -> float:
         """Fraction of blocks held by requests (cached-evictable blocks count as available)."""
-        return self.used / self.total if self.total else 0.0
+        return pool_usage(self.used, self.total)
 
 
 class BlockPool:

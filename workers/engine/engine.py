@@ -298,11 +298,6 @@ class LLMEngine:
         self.kv_cache.swap_out(copies)
         return True
 
-    def swap_in_request(self, request_id: str) -> bool:
-        """Bring a swapped request back first when blocks allow. False if not swapped."""
-        req = self.requests.get(request_id)
-        return req is not None and self.scheduler.prioritize_swap_in(req)
-
     def export_request(self, request_id: str) -> MigrationState | None:
         """Pause a request and return its full state (KV on the host). None if unknown.
 

@@ -109,10 +109,10 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
-        self._swap_in_first: set[str] = set()  # ids the router asked to bring back first
         self.num_preemptions = {"recompute": 0, "swap": 0}
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found cached
+        self.prefill_tokens = 0  # tokens computed before a request's newest one (prompt, recompute, replay)
 
     # ---- queues --------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -205,13 +205,6 @@ class Scheduler:
         out = SchedulerOutput()
         self._preempt(req, out, mode)
         return out.swap_out
-
-    def prioritize_swap_in(self, req: Request) -> bool:
-        """Move a swapped request to the head of the swap-in queue; False if it is not swapped."""
-        if req not in self.swapped:
-            return False
-        self._swap_in_first.add(req.request_id)
-        return True
 
     def detach(self, req: Request) -> None:
         """Take a request out of every queue but keep its blocks (migration export in progress)."""
@@ -320,7 +313,7 @@ class Scheduler:
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
         """Bring swapped requests back in arrival order while blocks (and the budget) allow."""
-        self.swapped.sort(key=lambda r: (r.request_id not in self._swap_in_first, _importance(r)))
+        self.swapped.sort(key=_importance)
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.swapped[0]
             if self.waiting and _importance(self.waiting[0]) < _importance(req):
@@ -339,7 +332,6 @@ class Scheduler:
             req.num_cached_blocks = released  # fresh device blocks: re-register their hashes after the step
             req.status = RequestStatus.RUNNING
             self.swapped.pop(0)
-            self._swap_in_first.discard(req.request_id)
             self.running.append(req)
             out.scheduled.append((req, num_new))
             budget -= num_new
@@ -383,6 +375,7 @@ class Scheduler:
         """
         grew: list[Request] = []
         for (req, num_new), token in zip(out.scheduled, sampled, strict=True):
+            self.prefill_tokens += num_new if req.num_computed_tokens + 1 < req.num_tokens else 0
             req.num_computed_tokens += num_new
             self._cache_full_blocks(req)
             if self.config.sliding_window is not None:

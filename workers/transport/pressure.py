@@ -4,6 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protos.kvserve.v1 import worker_pb2 as pb
+from workers.core.sizes import pool_usage
+
+
+def report_usage(report: pb.PressureReport) -> float:
+    return pool_usage(report.used_blocks, report.total_blocks)
+
+
+def _counts(r: pb.PressureReport) -> tuple[int, ...]:
+    """What a report carries that placement reads: a change of these is worth a report."""
+    return (r.free_blocks, r.used_blocks, r.cached_evictable_blocks, r.swap_blocks_free, r.num_running,
+            r.num_waiting, r.num_swapped)  # fmt: skip
+
 
 @dataclass
 class PressurePolicy:
@@ -34,12 +47,12 @@ class PressurePolicy:
             before <= self.low_watermark
         ) != (now <= self.low_watermark)
 
-    def due(self, now: float, usage: float, counts: tuple[int, ...]) -> bool:
-        """Should a report go out now? ``counts`` = the block/queue counts the report carries."""
+    def due(self, now: float, report: pb.PressureReport) -> bool:
+        """Should ``report`` go out now?"""
         elapsed = now - self._last_time
-        if self.crossed(usage):
+        if self.crossed(report_usage(report)):
             return True
-        if counts != self._last_counts and elapsed >= self.interval_s:
+        if _counts(report) != self._last_counts and elapsed >= self.interval_s:
             return True
         return elapsed >= self.idle_interval_s
 
@@ -47,5 +60,5 @@ class PressurePolicy:
         """Forget the last report: the next ``due`` is true (a new router connection knows nothing yet)."""
         self._last_time = float("-inf")
 
-    def sent(self, now: float, usage: float, counts: tuple[int, ...]) -> None:
-        self._last_time, self._last_usage, self._last_counts = now, usage, counts
+    def sent(self, now: float, report: pb.PressureReport) -> None:
+        self._last_time, self._last_usage, self._last_counts = now, report_usage(report), _counts(report)

@@ -16,16 +16,15 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import worker_pb2 as pb
 from workers.core.identity import WorkerIdentity
 from workers.core.kv_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
-from workers.core.sampling_params import SamplingParams
+from workers.core.request import WorkerRequest
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
 from workers.engine.migration import MigrationState
@@ -41,35 +40,6 @@ T = TypeVar("T")
 _PREEMPT_MODES = {pb.Preempt.RECOMPUTE: "recompute", pb.Preempt.SWAP: "swap", pb.Preempt.MODE_UNSPECIFIED: None}
 
 
-@dataclass(frozen=True)
-class WorkerStats:
-    """An immutable snapshot of the worker, refreshed by the engine thread."""
-
-    worker_id: str
-    total_blocks: int
-    free_blocks: int
-    used_blocks: int
-    cached_evictable_blocks: int
-    swap_blocks_total: int
-    swap_blocks_free: int
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    tokens_in_flight: int
-    decode_steps: int  # engine steps that sampled at least one token
-    step_latency_ms: float
-    num_preemptions: int
-    num_swaps: int
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
-    num_imports: int  # requests migrated in (this incarnation)
-    num_exports: int  # exports finished as migrated (their blocks freed here)
-
-    @property
-    def usage(self) -> float:
-        return self.used_blocks / self.total_blocks if self.total_blocks else 0.0
-
-
 class WorkerError(RuntimeError):
     """The worker cannot serve: its engine thread died or stalled."""
 
@@ -83,8 +53,6 @@ class WorkerCore:
         self._inbox: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._draining = False
-        self._drain_acks: list[int] = []
         self.outbox = Outbox()
         o = self.options
         self._pressure = PressurePolicy(
@@ -94,11 +62,10 @@ class WorkerCore:
         self._step_latency_ms = 0.0
         self._last_progress = time.monotonic()
         self._busy = False
-        self._exported: dict[str, MigrationState] = {}
         self._decode_steps = 0
         self._num_imports = 0  # NOTE: engine-thread counters, read by _snapshot on that thread
         self._num_exports = 0
-        self._stats = self._snapshot()
+        self._report = self._pressure_report()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
         self.link: WorkerLinkClient | None = None
@@ -127,25 +94,14 @@ class WorkerCore:
         self._thread.join(timeout=10)
 
     # ---- API for any thread (Ray methods) ------------------------------------------------------
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | Sequence[int],
-        params: SamplingParams,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        resume_output_ids: Sequence[int] = (),
-    ) -> None:
+    def add_request(self, request: WorkerRequest) -> None:
         """Queue a request, or resume one whose worker died (``resume_output_ids``: the output
         tokens its client already has; see ``LLMEngine.add_request``). Raises ValueError (bad
         input) or WorkerError (draining/dead)."""
-        if self._draining:
-            raise WorkerError(f"worker {self.worker_id} is draining")
-
         def add() -> None:
-            self.engine.add_request(
-                request_id, prompt, params, priority, cache_salt, resume_output_ids=resume_output_ids
-            )
+            r = request
+            self.engine.add_request(r.request_id, r.prompt if isinstance(r.prompt, str) else list(r.prompt), r.params,
+                                    r.priority, r.cache_salt, resume_output_ids=r.resume_output_ids)  # fmt: skip
 
         self._call(add)
 
@@ -158,10 +114,6 @@ class WorkerCore:
     def export_request(self, request_id: str) -> MigrationState | None:
         """Pause a request at a step boundary and return its state (see ``finish_export``)."""
         return self._call(lambda: self.engine.export_request(request_id))
-
-    def take_export(self, request_id: str) -> MigrationState | None:
-        """The state exported by a WorkerLink ``Export`` command (once)."""
-        return self._exported.pop(request_id, None)
 
     def finish_export(self, request_id: str, migrated: bool) -> bool:
         """Free an exported request (``migrated``) or resume it here; False if none is exported."""
@@ -183,8 +135,9 @@ class WorkerCore:
 
         return self._call(import_)
 
-    def stats(self) -> WorkerStats:
-        return self._stats
+    def pressure(self) -> pb.PressureReport:
+        """The worker's pressure as of its last step (what its last report said, or would say)."""
+        return self._report
 
     def check_health(self) -> None:
         """Raise WorkerError if the engine thread died or has not stepped for ``stall_timeout_s``
@@ -261,7 +214,6 @@ class WorkerCore:
                 else:
                     self._busy = not self._inbox.empty()
                     self._publish([])
-                    self._maybe_finish_drain()
                     self._wake.wait(timeout=self.options.idle_report_s / 2)
                     # NOTE: idle is not a stall: without this, the first command after a long idle
                     # spell (or any add_request racing check_health) looks stalled at once.
@@ -295,24 +247,25 @@ class WorkerCore:
         step_outputs = _step_outputs(self.engine.num_steps, outputs) if outputs else None
         events = self.engine.pool.drain_events()
         block_events = pb.BlockEvents(events=[_event_proto(e) for e in events]) if events else None
-        self._stats = stats = self._snapshot()
-        counts = (stats.free_blocks, stats.used_blocks, stats.cached_evictable_blocks, stats.swap_blocks_free,
-                  stats.num_running, stats.num_waiting, stats.num_swapped)  # fmt: skip
+        self._report = report = self._pressure_report()
         now = time.monotonic()
         pressure = None
-        if self._pressure.due(now, stats.usage, counts):
+        if self._pressure.due(now, report):
             self._report_seq += 1
-            pressure = _pressure_proto(stats, self._report_seq)
+            pressure = pb.PressureReport()
+            pressure.CopyFrom(report)
+            pressure.seq = self._report_seq
         # NOTE: a report dropped while disconnected was not sent: the first _publish after a
         # reconnect then reports at once instead of up to idle_report_s later.
         if self.outbox.put_step(step_outputs, block_events, pressure):
-            self._pressure.sent(now, stats.usage, counts)
+            self._pressure.sent(now, report)
 
-    def _snapshot(self) -> WorkerStats:
+    def _pressure_report(self) -> pb.PressureReport:
+        """The one stats object: pool and scheduler state as the router, metrics and ``kvserve top`` see it."""
         e = self.engine
         ps = e.pool.stats()
         sched = e.scheduler
-        return WorkerStats(
+        return pb.PressureReport(
             worker_id=self.worker_id,
             total_blocks=ps.total,
             free_blocks=ps.free,
@@ -326,12 +279,13 @@ class WorkerCore:
             tokens_in_flight=sched.tokens_in_flight(),
             decode_steps=self._decode_steps,
             step_latency_ms=self._step_latency_ms,
-            num_preemptions=sum(sched.num_preemptions.values()),
-            num_swaps=sched.num_preemptions["swap"],
-            prefix_query_tokens=sched.prefix_queries,
-            prefix_hit_tokens=sched.prefix_hits,
-            num_imports=self._num_imports,
-            num_exports=self._num_exports,
+            num_preemptions_total=sum(sched.num_preemptions.values()),
+            prefix_cache_query_tokens_total=sched.prefix_queries,
+            prefix_cache_hit_tokens_total=sched.prefix_hits,
+            num_swaps_total=sched.num_preemptions["swap"],
+            num_imports_total=self._num_imports,
+            num_exports_total=self._num_exports,
+            prefill_tokens_total=sched.prefill_tokens,
         )
 
     def _abort(self, request_id: str) -> bool:
@@ -371,40 +325,11 @@ class WorkerCore:
         elif kind == "preempt":
             rid = cmd.preempt.request_id
             ok = self.engine.preempt_request(rid, _PREEMPT_MODES[cmd.preempt.mode])
-        elif kind == "swap_in":
-            rid = cmd.swap_in.request_id
-            ok = self.engine.swap_in_request(rid)
-        elif kind == "export":
-            self._export_command(cmd)
-            return
-        elif kind == "drain":
-            self._draining = True
-            self._drain_acks.append(cmd.seq)
-            return
         elif kind == "request_snapshot":
             self._send_snapshot()
         if not ok:
             logger.info("worker %s: %s for unknown or inapplicable request %r ignored", self.worker_id, kind, rid)
         self.outbox.put(pb.WorkerMessage(ack=pb.CommandAck(command_seq=cmd.seq, request_id=rid, ok=ok)))
-
-    def _export_command(self, cmd: pb.RouterCommand) -> None:
-        rid = cmd.export.request_id
-        state = self.engine.export_request(rid)
-        result = pb.ExportResult(request_id=rid, command_seq=cmd.seq, ok=state is not None)
-        if state is None:
-            result.error = "unknown request"
-        else:
-            self._exported[rid] = state
-            result.prompt_token_ids.extend(state.prompt_token_ids)
-            result.output_token_ids.extend(state.output_token_ids)
-            result.num_preemptions, result.num_swaps = state.num_preemptions, state.num_swaps
-        self.outbox.put(pb.WorkerMessage(export_result=result))
-
-    def _maybe_finish_drain(self) -> None:
-        if self._drain_acks and not self.engine.has_unfinished_requests():
-            for seq in self._drain_acks:
-                self.outbox.put(pb.WorkerMessage(ack=pb.CommandAck(command_seq=seq, ok=True)))
-            self._drain_acks.clear()
 
 
 def _ray_node_id() -> str:
@@ -450,31 +375,6 @@ def _event_proto(e: BlockEvent) -> pb.BlockEvent:
     return pb.BlockEvent(seq=e.seq, cleared=pb.AllBlocksCleared())
 
 
-def _pressure_proto(s: WorkerStats, seq: int) -> pb.PressureReport:
-    return pb.PressureReport(
-        worker_id=s.worker_id,
-        seq=seq,
-        total_blocks=s.total_blocks,
-        free_blocks=s.free_blocks,
-        used_blocks=s.used_blocks,
-        cached_evictable_blocks=s.cached_evictable_blocks,
-        swap_blocks_total=s.swap_blocks_total,
-        swap_blocks_free=s.swap_blocks_free,
-        num_running=s.num_running,
-        num_waiting=s.num_waiting,
-        num_swapped=s.num_swapped,
-        tokens_in_flight=s.tokens_in_flight,
-        decode_steps=s.decode_steps,
-        step_latency_ms=s.step_latency_ms,
-        num_preemptions_total=s.num_preemptions,
-        prefix_cache_query_tokens_total=s.prefix_query_tokens,
-        prefix_cache_hit_tokens_total=s.prefix_hit_tokens,
-        num_swaps_total=s.num_swaps,
-        num_imports_total=s.num_imports,
-        num_exports_total=s.num_exports,
-    )
-
-
 class Worker:
     """The Ray actor around ``WorkerCore`` (create it with ``worker_actor_class()``).
 
@@ -501,18 +401,10 @@ class Worker:
         """Identity and sizes (what the WorkerLink Hello says), once the engine is up."""
         return self.core.identity()
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        resume_output_ids: list[int] | None = None,
-    ) -> None:
+    def add_request(self, request: WorkerRequest) -> None:
         """Queue a request; with ``resume_output_ids`` continue one after those output tokens
         (failover replay: the router passes what it already streamed)."""
-        self.core.add_request(request_id, prompt, params, priority, cache_salt, resume_output_ids or ())
+        self.core.add_request(request)
 
     def abort(self, request_id: str) -> bool:
         return self.core.abort(request_id)
@@ -523,17 +415,14 @@ class Worker:
     def export_request(self, request_id: str) -> MigrationState | None:
         return self.core.export_request(request_id)
 
-    def take_export(self, request_id: str) -> MigrationState | None:
-        return self.core.take_export(request_id)
-
     def finish_export(self, request_id: str, migrated: bool) -> bool:
         return self.core.finish_export(request_id, migrated)
 
     def import_request(self, state: MigrationState) -> bool | None:
         return self.core.import_request(state)
 
-    def stats(self) -> WorkerStats:
-        return self.core.stats()
+    def pressure(self) -> pb.PressureReport:
+        return self.core.pressure()
 
     def check_health(self) -> None:
         self.core.check_health()

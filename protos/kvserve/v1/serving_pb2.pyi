@@ -201,7 +201,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., healthy: _Optional[bool] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_evictable_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., num_preemptions_total: _Optional[int] = ..., num_migrations_total: _Optional[int] = ..., last_report_age_s: _Optional[float] = ..., blocks_in_flight: _Optional[int] = ..., decode_steps: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., model_id: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[str] = ..., restarts_total: _Optional[int] = ...) -> None: ...
 
 class RouterStatus(_message.Message):
-    __slots__ = ("queue_requests", "queue_blocks", "max_queue_requests", "max_queue_blocks", "admission_state", "rejections_total", "requests_in_flight", "projected_wait_s", "replays_total")
+    __slots__ = ("queue_requests", "queue_blocks", "max_queue_requests", "max_queue_blocks", "admission_state", "rejections_total", "requests_in_flight", "projected_wait_s", "replays_total", "high_watermark", "low_watermark")
     class RejectionsTotalEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +218,8 @@ class RouterStatus(_message.Message):
     REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     PROJECTED_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     REPLAYS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    HIGH_WATERMARK_FIELD_NUMBER: _ClassVar[int]
+    LOW_WATERMARK_FIELD_NUMBER: _ClassVar[int]
     queue_requests: int
     queue_blocks: int
     max_queue_requests: int
@@ -227,4 +229,6 @@ class RouterStatus(_message.Message):
     requests_in_flight: int
     projected_wait_s: float
     replays_total: int
-    def __init__(self, queue_requests: _Optional[int] = ..., queue_blocks: _Optional[int] = ..., max_queue_requests: _Optional[int] = ..., max_queue_blocks: _Optional[int] = ..., admission_state: _Optional[str] = ..., rejections_total: _Optional[_Mapping[str, int]] = ..., requests_in_flight: _Optional[int] = ..., projected_wait_s: _Optional[float] = ..., replays_total: _Optional[int] = ...) -> None: ...
+    high_watermark: float
+    low_watermark: float
+    def __init__(self, queue_requests: _Optional[int] = ..., queue_blocks: _Optional[int] = ..., max_queue_requests: _Optional[int] = ..., max_queue_blocks: _Optional[int] = ..., admission_state: _Optional[str] = ..., rejections_total: _Optional[_Mapping[str, int]] = ..., requests_in_flight: _Optional[int] = ..., projected_wait_s: _Optional[float] = ..., replays_total: _Optional[int] = ..., high_watermark: _Optional[float] = ..., low_watermark: _Optional[float] = ...) -> None: ...

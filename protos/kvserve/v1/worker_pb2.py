@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.kvserve.v1 import serving_pb2 as kvserve_dot_v1_dot_serving__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvserve/v1/worker.proto\x12\nkvserve.v1\x1a\x18kvserve/v1/serving.proto\"\xe9\x02\n\rWorkerMessage\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\"\n\x05hello\x18\x02 \x01(\x0b\x32\x11.kvserve.v1.HelloH\x00\x12/\n\x0cstep_outputs\x18\x03 \x01(\x0b\x32\x17.kvserve.v1.StepOutputsH\x00\x12.\n\x08pressure\x18\x04 \x01(\x0b\x32\x1a.kvserve.v1.PressureReportH\x00\x12/\n\x0c\x62lock_events\x18\x05 \x01(\x0b\x32\x17.kvserve.v1.BlockEventsH\x00\x12\x33\n\x0e\x62lock_snapshot\x18\x06 \x01(\x0b\x32\x19.kvserve.v1.BlockSnapshotH\x00\x12\x31\n\rexport_result\x18\x07 \x01(\x0b\x32\x18.kvserve.v1.ExportResultH\x00\x12%\n\x03\x61\x63k\x18\x08 \x01(\x0b\x32\x16.kvserve.v1.CommandAckH\x00\x42\x06\n\x04\x62ody\"\xa0\x02\n\x05Hello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x04\x12\x13\n\x0bswap_blocks\x18\x05 \x01(\x04\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x14\n\x07node_id\x18\x07 \x01(\tH\x00\x88\x01\x01\x12\x14\n\x07\x61\x64\x64ress\x18\x08 \x01(\tH\x01\x88\x01\x01\x12\x13\n\x0bincarnation\x18\t \x01(\t\x12\x18\n\x10last_command_seq\x18\n \x01(\x04\x12\x12\n\nvocab_size\x18\x0b \x01(\r\x12\x15\n\rhas_tokenizer\x18\x0c \x01(\x08\x42\n\n\x08_node_idB\n\n\x08_address\"N\n\x0bStepOutputs\x12\x13\n\x0b\x64\x65\x63ode_step\x18\x01 \x01(\x04\x12*\n\x07outputs\x18\x02 \x03(\x0b\x32\x19.kvserve.v1.RequestOutput\"\x9e\x02\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x12\n\ntext_delta\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\r\x12\x11\n\tnum_swaps\x18\x08 \x01(\r\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x19\n\x11num_output_tokens\x18\n \x01(\r\x12+\n\x08logprobs\x18\x0b \x03(\x0b\x32\x19.kvserve.v1.TokenLogprobs\"\x8c\x04\n\x0ePressureReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x14\n\x0ctotal_blocks\x18\x03 \x01(\x04\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\x04\x12\x13\n\x0bused_blocks\x18\x05 \x01(\x04\x12\x1f\n\x17\x63\x61\x63hed_evictable_blocks\x18\x06 \x01(\x04\x12\x19\n\x11swap_blocks_total\x18\x07 \x01(\x04\x12\x18\n\x10swap_blocks_free\x18\x08 \x01(\x04\x12\x13\n\x0bnum_running\x18\t \x01(\r\x12\x13\n\x0bnum_waiting\x18\n \x01(\r\x12\x13\n\x0bnum_swapped\x18\x0b \x01(\r\x12\x18\n\x10tokens_in_flight\x18\x0c \x01(\x04\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\r \x01(\x04\x12\x17\n\x0fstep_latency_ms\x18\x0e \x01(\x01\x12\x1d\n\x15num_preemptions_total\x18\x0f \x01(\x04\x12\'\n\x1fprefix_cache_query_tokens_total\x18\x10 \x01(\x04\x12%\n\x1dprefix_cache_hit_tokens_total\x18\x11 \x01(\x04\x12\x17\n\x0fnum_swaps_total\x18\x12 \x01(\x04\x12\x19\n\x11num_imports_total\x18\x13 \x01(\x04\x12\x19\n\x11num_exports_total\x18\x14 \x01(\x04\"5\n\x0b\x42lockEvents\x12&\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x16.kvserve.v1.BlockEvent\"\xaa\x01\n\nBlockEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12)\n\x06stored\x18\x02 \x01(\x0b\x32\x17.kvserve.v1.BlockStoredH\x00\x12+\n\x07removed\x18\x03 \x01(\x0b\x32\x18.kvserve.v1.BlockRemovedH\x00\x12/\n\x07\x63leared\x18\x04 \x01(\x0b\x32\x1c.kvserve.v1.AllBlocksClearedH\x00\x42\x06\n\x04kind\"\x1d\n\x0b\x42lockStored\x12\x0e\n\x06hashes\x18\x01 \x03(\x04\"\x1e\n\x0c\x42lockRemoved\x12\x0e\n\x06hashes\x18\x01 \x03(\x04\"\x12\n\x10\x41llBlocksCleared\",\n\rBlockSnapshot\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0e\n\x06hashes\x18\x02 \x03(\x04\"\xb2\x01\n\x0c\x45xportResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63ommand_seq\x18\x02 \x01(\x04\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x06 \x03(\x05\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\r\x12\x11\n\tnum_swaps\x18\x08 \x01(\r\"P\n\nCommandAck\x12\x13\n\x0b\x63ommand_seq\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\xb0\x02\n\rRouterCommand\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x11\n\tacked_seq\x18\n \x01(\x04\x12\"\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x11.kvserve.v1.AbortH\x00\x12&\n\x07preempt\x18\x03 \x01(\x0b\x32\x13.kvserve.v1.PreemptH\x00\x12%\n\x07swap_in\x18\x04 \x01(\x0b\x32\x12.kvserve.v1.SwapInH\x00\x12$\n\x06\x65xport\x18\x05 \x01(\x0b\x32\x12.kvserve.v1.ExportH\x00\x12\"\n\x05\x64rain\x18\x06 \x01(\x0b\x32\x11.kvserve.v1.DrainH\x00\x12\x37\n\x10request_snapshot\x18\x07 \x01(\x0b\x32\x1b.kvserve.v1.RequestSnapshotH\x00\x42\t\n\x07\x63ommand\"\x1b\n\x05\x41\x62ort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"|\n\x07Preempt\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x04mode\x18\x02 \x01(\x0e\x32\x18.kvserve.v1.Preempt.Mode\"5\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tRECOMPUTE\x10\x01\x12\x08\n\x04SWAP\x10\x02\"\x1c\n\x06SwapIn\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1c\n\x06\x45xport\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x07\n\x05\x44rain\"\x11\n\x0fRequestSnapshot2Q\n\nWorkerLink\x12\x43\n\x07\x43onnect\x12\x19.kvserve.v1.WorkerMessage\x1a\x19.kvserve.v1.RouterCommand(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvserve/v1/worker.proto\x12\nkvserve.v1\x1a\x18kvserve/v1/serving.proto\"\xcb\x02\n\rWorkerMessage\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\"\n\x05hello\x18\x02 \x01(\x0b\x32\x11.kvserve.v1.HelloH\x00\x12/\n\x0cstep_outputs\x18\x03 \x01(\x0b\x32\x17.kvserve.v1.StepOutputsH\x00\x12.\n\x08pressure\x18\x04 \x01(\x0b\x32\x1a.kvserve.v1.PressureReportH\x00\x12/\n\x0c\x62lock_events\x18\x05 \x01(\x0b\x32\x17.kvserve.v1.BlockEventsH\x00\x12\x33\n\x0e\x62lock_snapshot\x18\x06 \x01(\x0b\x32\x19.kvserve.v1.BlockSnapshotH\x00\x12%\n\x03\x61\x63k\x18\x08 \x01(\x0b\x32\x16.kvserve.v1.CommandAckH\x00\x42\x06\n\x04\x62odyJ\x04\x08\x07\x10\x08R\rexport_result\"\xa0\x02\n\x05Hello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x04\x12\x13\n\x0bswap_blocks\x18\x05 \x01(\x04\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x14\n\x07node_id\x18\x07 \x01(\tH\x00\x88\x01\x01\x12\x14\n\x07\x61\x64\x64ress\x18\x08 \x01(\tH\x01\x88\x01\x01\x12\x13\n\x0bincarnation\x18\t \x01(\t\x12\x18\n\x10last_command_seq\x18\n \x01(\x04\x12\x12\n\nvocab_size\x18\x0b \x01(\r\x12\x15\n\rhas_tokenizer\x18\x0c \x01(\x08\x42\n\n\x08_node_idB\n\n\x08_address\"N\n\x0bStepOutputs\x12\x13\n\x0b\x64\x65\x63ode_step\x18\x01 \x01(\x04\x12*\n\x07outputs\x18\x02 \x03(\x0b\x32\x19.kvserve.v1.RequestOutput\"\x9e\x02\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x12\n\ntext_delta\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\r\x12\x11\n\tnum_swaps\x18\x08 \x01(\r\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x19\n\x11num_output_tokens\x18\n \x01(\r\x12+\n\x08logprobs\x18\x0b \x03(\x0b\x32\x19.kvserve.v1.TokenLogprobs\"\xaa\x04\n\x0ePressureReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x14\n\x0ctotal_blocks\x18\x03 \x01(\x04\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\x04\x12\x13\n\x0bused_blocks\x18\x05 \x01(\x04\x12\x1f\n\x17\x63\x61\x63hed_evictable_blocks\x18\x06 \x01(\x04\x12\x19\n\x11swap_blocks_total\x18\x07 \x01(\x04\x12\x18\n\x10swap_blocks_free\x18\x08 \x01(\x04\x12\x13\n\x0bnum_running\x18\t \x01(\r\x12\x13\n\x0bnum_waiting\x18\n \x01(\r\x12\x13\n\x0bnum_swapped\x18\x0b \x01(\r\x12\x18\n\x10tokens_in_flight\x18\x0c \x01(\x04\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\r \x01(\x04\x12\x17\n\x0fstep_latency_ms\x18\x0e \x01(\x01\x12\x1d\n\x15num_preemptions_total\x18\x0f \x01(\x04\x12\'\n\x1fprefix_cache_query_tokens_total\x18\x10 \x01(\x04\x12%\n\x1dprefix_cache_hit_tokens_total\x18\x11 \x01(\x04\x12\x17\n\x0fnum_swaps_total\x18\x12 \x01(\x04\x12\x19\n\x11num_imports_total\x18\x13 \x01(\x04\x12\x19\n\x11num_exports_total\x18\x14 \x01(\x04\x12\x1c\n\x14prefill_tokens_total\x18\x15 \x01(\x04\"5\n\x0b\x42lockEvents\x12&\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x16.kvserve.v1.BlockEvent\"\xaa\x01\n\nBlockEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12)\n\x06stored\x18\x02 \x01(\x0b\x32\x17.kvserve.v1.BlockStoredH\x00\x12+\n\x07removed\x18\x03 \x01(\x0b\x32\x18.kvserve.v1.BlockRemovedH\x00\x12/\n\x07\x63leared\x18\x04 \x01(\x0b\x32\x1c.kvserve.v1.AllBlocksClearedH\x00\x42\x06\n\x04kind\"\x1d\n\x0b\x42lockStored\x12\x0e\n\x06hashes\x18\x01 \x03(\x04\"\x1e\n\x0c\x42lockRemoved\x12\x0e\n\x06hashes\x18\x01 \x03(\x04\"\x12\n\x10\x41llBlocksCleared\",\n\rBlockSnapshot\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0e\n\x06hashes\x18\x02 \x03(\x04\"P\n\nCommandAck\x12\x13\n\x0b\x63ommand_seq\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\xe9\x01\n\rRouterCommand\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x11\n\tacked_seq\x18\n \x01(\x04\x12\"\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x11.kvserve.v1.AbortH\x00\x12&\n\x07preempt\x18\x03 \x01(\x0b\x32\x13.kvserve.v1.PreemptH\x00\x12\x37\n\x10request_snapshot\x18\x07 \x01(\x0b\x32\x1b.kvserve.v1.RequestSnapshotH\x00\x42\t\n\x07\x63ommandJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07R\x07swap_inR\x06\x65xportR\x05\x64rain\"\x1b\n\x05\x41\x62ort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"|\n\x07Preempt\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x04mode\x18\x02 \x01(\x0e\x32\x18.kvserve.v1.Preempt.Mode\"5\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tRECOMPUTE\x10\x01\x12\x08\n\x04SWAP\x10\x02\"\x11\n\x0fRequestSnapshot2Q\n\nWorkerLink\x12\x43\n\x07\x43onnect\x12\x19.kvserve.v1.WorkerMessage\x1a\x19.kvserve.v1.RouterCommand(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,14 +33,14 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvserve.v1.worker_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKERMESSAGE']._serialized_start=66
-  _globals['_WORKERMESSAGE']._serialized_end=427
-  _globals['_HELLO']._serialized_start=430
-  _globals['_HELLO']._serialized_end=718
-  _globals['_STEPOUTPUTS']._serialized_start=720
-  _globals['_STEPOUTPUTS']._serialized_end=798
-  _globals['_REQUESTOUTPUT']._serialized_start=801
-  _globals['_REQUESTOUTPUT']._serialized_end=1087
-  _globals['_PRESSUREREPORT']._serialized_start=1090
+  _globals['_WORKERMESSAGE']._serialized_end=397
+  _globals['_HELLO']._serialized_start=400
+  _globals['_HELLO']._serialized_end=688
+  _globals['_STEPOUTPUTS']._serialized_start=690
+  _globals['_STEPOUTPUTS']._serialized_end=768
+  _globals['_REQUESTOUTPUT']._serialized_start=771
+  _globals['_REQUESTOUTPUT']._serialized_end=1057
+  _globals['_PRESSUREREPORT']._serialized_start=1060
   _globals['_PRESSUREREPORT']._serialized_end=1614
   _globals['_BLOCKEVENTS']._serialized_start=1616
   _globals['_BLOCKEVENTS']._serialized_end=1669
@@ -54,26 +54,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ALLBLOCKSCLEARED']._serialized_end=1925
   _globals['_BLOCKSNAPSHOT']._serialized_start=1927
   _globals['_BLOCKSNAPSHOT']._serialized_end=1971
-  _globals['_EXPORTRESULT']._serialized_start=1974
-  _globals['_EXPORTRESULT']._serialized_end=2152
-  _globals['_COMMANDACK']._serialized_start=2154
-  _globals['_COMMANDACK']._serialized_end=2234
-  _globals['_ROUTERCOMMAND']._serialized_start=2237
-  _globals['_ROUTERCOMMAND']._serialized_end=2541
-  _globals['_ABORT']._serialized_start=2543
-  _globals['_ABORT']._serialized_end=2570
-  _globals['_PREEMPT']._serialized_start=2572
-  _globals['_PREEMPT']._serialized_end=2696
-  _globals['_PREEMPT_MODE']._serialized_start=2643
-  _globals['_PREEMPT_MODE']._serialized_end=2696
-  _globals['_SWAPIN']._serialized_start=2698
-  _globals['_SWAPIN']._serialized_end=2726
-  _globals['_EXPORT']._serialized_start=2728
-  _globals['_EXPORT']._serialized_end=2756
-  _globals['_DRAIN']._serialized_start=2758
-  _globals['_DRAIN']._serialized_end=2765
-  _globals['_REQUESTSNAPSHOT']._serialized_start=2767
-  _globals['_REQUESTSNAPSHOT']._serialized_end=2784
-  _globals['_WORKERLINK']._serialized_start=2786
-  _globals['_WORKERLINK']._serialized_end=2867
+  _globals['_COMMANDACK']._serialized_start=1973
+  _globals['_COMMANDACK']._serialized_end=2053
+  _globals['_ROUTERCOMMAND']._serialized_start=2056
+  _globals['_ROUTERCOMMAND']._serialized_end=2289
+  _globals['_ABORT']._serialized_start=2291
+  _globals['_ABORT']._serialized_end=2318
+  _globals['_PREEMPT']._serialized_start=2320
+  _globals['_PREEMPT']._serialized_end=2444
+  _globals['_PREEMPT_MODE']._serialized_start=2391
+  _globals['_PREEMPT_MODE']._serialized_end=2444
+  _globals['_REQUESTSNAPSHOT']._serialized_start=2446
+  _globals['_REQUESTSNAPSHOT']._serialized_end=2463
+  _globals['_WORKERLINK']._serialized_start=2465
+  _globals['_WORKERLINK']._serialized_end=2546
 # @@protoc_insertion_point(module_scope)

@@ -10,14 +10,13 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("seq", "hello", "step_outputs", "pressure", "block_events", "block_snapshot", "export_result", "ack")
+    __slots__ = ("seq", "hello", "step_outputs", "pressure", "block_events", "block_snapshot", "ack")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
     STEP_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     PRESSURE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_EVENTS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
-    EXPORT_RESULT_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     seq: int
     hello: Hello
@@ -25,9 +24,8 @@ class WorkerMessage(_message.Message):
     pressure: PressureReport
     block_events: BlockEvents
     block_snapshot: BlockSnapshot
-    export_result: ExportResult
     ack: CommandAck
-    def __init__(self, seq: _Optional[int] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., step_outputs: _Optional[_Union[StepOutputs, _Mapping]] = ..., pressure: _Optional[_Union[PressureReport, _Mapping]] = ..., block_events: _Optional[_Union[BlockEvents, _Mapping]] = ..., block_snapshot: _Optional[_Union[BlockSnapshot, _Mapping]] = ..., export_result: _Optional[_Union[ExportResult, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ...) -> None: ...
+    def __init__(self, seq: _Optional[int] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., step_outputs: _Optional[_Union[StepOutputs, _Mapping]] = ..., pressure: _Optional[_Union[PressureReport, _Mapping]] = ..., block_events: _Optional[_Union[BlockEvents, _Mapping]] = ..., block_snapshot: _Optional[_Union[BlockSnapshot, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("worker_id", "model_id", "block_size", "total_blocks", "swap_blocks", "max_model_len", "node_id", "address", "incarnation", "last_command_seq", "vocab_size", "has_tokenizer")
@@ -92,7 +90,7 @@ class RequestOutput(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_swaps: _Optional[int] = ..., error: _Optional[str] = ..., num_output_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_serving_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class PressureReport(_message.Message):
-    __slots__ = ("worker_id", "seq", "total_blocks", "free_blocks", "used_blocks", "cached_evictable_blocks", "swap_blocks_total", "swap_blocks_free", "num_running", "num_waiting", "num_swapped", "tokens_in_flight", "decode_steps", "step_latency_ms", "num_preemptions_total", "prefix_cache_query_tokens_total", "prefix_cache_hit_tokens_total", "num_swaps_total", "num_imports_total", "num_exports_total")
+    __slots__ = ("worker_id", "seq", "total_blocks", "free_blocks", "used_blocks", "cached_evictable_blocks", "swap_blocks_total", "swap_blocks_free", "num_running", "num_waiting", "num_swapped", "tokens_in_flight", "decode_steps", "step_latency_ms", "num_preemptions_total", "prefix_cache_query_tokens_total", "prefix_cache_hit_tokens_total", "num_swaps_total", "num_imports_total", "num_exports_total", "prefill_tokens_total")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +111,7 @@ class PressureReport(_message.Message):
     NUM_SWAPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_IMPORTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_EXPORTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     seq: int
     total_blocks: int
@@ -133,7 +132,8 @@ class PressureReport(_message.Message):
     num_swaps_total: int
     num_imports_total: int
     num_exports_total: int
-    def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_evictable_blocks: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., decode_steps: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., num_preemptions_total: _Optional[int] = ..., prefix_cache_query_tokens_total: _Optional[int] = ..., prefix_cache_hit_tokens_total: _Optional[int] = ..., num_swaps_total: _Optional[int] = ..., num_imports_total: _Optional[int] = ..., num_exports_total: _Optional[int] = ...) -> None: ...
+    prefill_tokens_total: int
+    def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_evictable_blocks: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., decode_steps: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., num_preemptions_total: _Optional[int] = ..., prefix_cache_query_tokens_total: _Optional[int] = ..., prefix_cache_hit_tokens_total: _Optional[int] = ..., num_swaps_total: _Optional[int] = ..., num_imports_total: _Optional[int] = ..., num_exports_total: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ...) -> None: ...
 
 class BlockEvents(_message.Message):
     __slots__ = ("events",)
@@ -177,26 +177,6 @@ class BlockSnapshot(_message.Message):
     hashes: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, seq: _Optional[int] = ..., hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
-class ExportResult(_message.Message):
-    __slots__ = ("request_id", "command_seq", "ok", "error", "prompt_token_ids", "output_token_ids", "num_preemptions", "num_swaps")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    COMMAND_SEQ_FIELD_NUMBER: _ClassVar[int]
-    OK_FIELD_NUMBER: _ClassVar[int]
-    ERROR_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
-    NUM_SWAPS_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    command_seq: int
-    ok: bool
-    error: str
-    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    num_preemptions: int
-    num_swaps: int
-    def __init__(self, request_id: _Optional[str] = ..., command_seq: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., num_preemptions: _Optional[int] = ..., num_swaps: _Optional[int] = ...) -> None: ...
-
 class CommandAck(_message.Message):
     __slots__ = ("command_seq", "request_id", "ok", "error")
     COMMAND_SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -210,24 +190,18 @@ class CommandAck(_message.Message):
     def __init__(self, command_seq: _Optional[int] = ..., request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class RouterCommand(_message.Message):
-    __slots__ = ("seq", "acked_seq", "abort", "preempt", "swap_in", "export", "drain", "request_snapshot")
+    __slots__ = ("seq", "acked_seq", "abort", "preempt", "request_snapshot")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     ACKED_SEQ_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     PREEMPT_FIELD_NUMBER: _ClassVar[int]
-    SWAP_IN_FIELD_NUMBER: _ClassVar[int]
-    EXPORT_FIELD_NUMBER: _ClassVar[int]
-    DRAIN_FIELD_NUMBER: _ClassVar[int]
     REQUEST_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     seq: int
     acked_seq: int
     abort: Abort
     preempt: Preempt
-    swap_in: SwapIn
-    export: Export
-    drain: Drain
     request_snapshot: RequestSnapshot
-    def __init__(self, seq: _Optional[int] = ..., acked_seq: _Optional[int] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., preempt: _Optional[_Union[Preempt, _Mapping]] = ..., swap_in: _Optional[_Union[SwapIn, _Mapping]] = ..., export: _Optional[_Union[Export, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., request_snapshot: _Optional[_Union[RequestSnapshot, _Mapping]] = ...) -> None: ...
+    def __init__(self, seq: _Optional[int] = ..., acked_seq: _Optional[int] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., preempt: _Optional[_Union[Preempt, _Mapping]] = ..., request_snapshot: _Optional[_Union[RequestSnapshot, _Mapping]] = ...) -> None: ...
 
 class Abort(_message.Message):
     __slots__ = ("request_id",)
@@ -250,22 +224,6 @@ class Preempt(_message.Message):
     request_id: str
     mode: Preempt.Mode
     def __init__(self, request_id: _Optional[str] = ..., mode: _Optional[_Union[Preempt.Mode, str]] = ...) -> None: ...
-
-class SwapIn(_message.Message):
-    __slots__ = ("request_id",)
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
-
-class Export(_message.Message):
-    __slots__ = ("request_id",)
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
-
-class Drain(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
 
 class RequestSnapshot(_message.Message):
     __slots__ = ()

@@ -1,0 +1,137 @@
+"""Dispatch: a request's placements on workers, each under its own worker-side id, and its replay
+when its worker dies.
+
+Per-dispatch ids: the router sends each placement of a request to its worker as
+``<request_id>#<router incarnation>.<n>``, so outputs of an aborted or dead dispatch never reach a
+replay, a finished request's id is free at once, and outputs of a previous router's requests
+(orphans after a router restart) are recognised and aborted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import uuid
+from collections import OrderedDict
+
+import grpc
+
+from protos.kvserve.v1 import worker_pb2 as pb
+from router.pipeline import RequestPipeline
+from router.request import WORKER_UP, RouterRequest
+from router.workers import WorkerState, actor_dead
+from workers.core.request import WorkerRequest
+
+logger = logging.getLogger(__name__)
+
+_MAX_ORPHANS = 4096
+
+
+class Dispatcher:
+    """Sends requests to workers (Ray ``add_request``) and maps worker-side ids back to requests."""
+
+    def __init__(self, router: RequestPipeline) -> None:
+        self.router = router
+        self.incarnation = uuid.uuid4().hex[:8]
+        self._seq = itertools.count(1)
+        self.by_worker_rid: dict[str, RouterRequest] = {}  # current dispatches only
+        self._orphans: OrderedDict[str, None] = OrderedDict()  # a previous router's requests, aborted
+
+    def current(self, worker_rid: str) -> RouterRequest | None:
+        return self.by_worker_rid.get(worker_rid)
+
+    def forget(self, r: RouterRequest) -> None:
+        self.by_worker_rid.pop(r.worker_rid, None)
+
+    def stop_stray(self, worker_id: str, out: pb.RequestOutput) -> None:
+        """An output of no current dispatch: an earlier one (aborted, or its worker was given up) is
+        already stopped; an orphan a previous router placed nobody will ever read, so abort it (once)."""
+        tag = out.request_id.rpartition("#")[2]
+        if out.finish_reason or tag.startswith(self.incarnation + ".") or out.request_id in self._orphans:
+            return
+        self._orphans[out.request_id] = None
+        while len(self._orphans) > _MAX_ORPHANS:
+            self._orphans.popitem(last=False)
+        self.router.link.send(worker_id, pb.RouterCommand(abort=pb.Abort(request_id=out.request_id)))
+
+    def dispatch(self, r: RouterRequest, worker_id: str, promised_blocks: int) -> None:
+        """Send ``r`` to ``worker_id`` under a fresh dispatch id, promising ``promised_blocks`` there
+        until the worker's report shows them (the one dispatch path: placement, pump, preemption)."""
+        router = self.router
+        self.forget(r)
+        r.worker_rid = f"{r.request_id}#{self.incarnation}.{next(self._seq)}"
+        self.by_worker_rid[r.worker_rid] = r
+        entry = router.table[worker_id]
+        entry.in_flight[r.worker_rid] = promised_blocks
+        router.pend(r, worker_id)
+        r.target = worker_id
+        router.spawn(self._add_request(r, entry, r.worker_rid))
+
+    async def _add_request(self, r: RouterRequest, entry: WorkerState, worker_rid: str) -> None:
+        router = self.router
+        router.metrics.dispatched(time.monotonic() - r.arrival)
+        request = WorkerRequest(worker_rid, tuple(r.prompt_ids), r.params, r.priority, r.tenant or None,
+                                tuple(r.output_ids))  # fmt: skip
+        try:
+            await entry.handle.add_request.remote(request)
+        except Exception as e:  # noqa: BLE001 - Ray wraps the worker's exception
+            entry.in_flight.pop(worker_rid, None)
+            if r.worker_rid != worker_rid or r.finished:
+                return  # superseded meanwhile (its worker died and it was replayed, or it ended)
+            r.target = None
+            cause = getattr(e, "cause", e)
+            if isinstance(cause, ValueError):
+                router.fail(r, grpc.StatusCode.INVALID_ARGUMENT, str(cause))
+            elif actor_dead(e):
+                r.worker_id = entry.worker_id
+                router.table.down(entry, f"a call found its actor dead ({type(e).__name__})")
+            else:
+                logger.warning("dispatch of %s to %s failed: %r", r.request_id, entry.worker_id, e)
+                entry.healthy = False
+                router.fail(r, grpc.StatusCode.UNAVAILABLE, f"worker {entry.worker_id} failed: {cause}")
+            return
+        if r.worker_rid != worker_rid:  # superseded while the call was in flight: stop this one
+            router.link.send(entry.worker_id, pb.RouterCommand(abort=pb.Abort(request_id=worker_rid)))
+            return
+        r.target = None
+        r.worker_id = entry.worker_id
+        if r.cancelled:  # the client left while the call was in flight
+            router.send_abort(r)
+            router.finish(r)
+        elif entry.state != WORKER_UP:  # it died while the call was in flight
+            self.replay(r, entry.worker_id)
+
+    def replay_all(self, entry: WorkerState) -> None:
+        """``entry`` went down: continue each of its requests elsewhere."""
+        for r in [r for r in self.router.requests.values() if r.worker_id == entry.worker_id]:
+            self.replay(r, entry.worker_id)
+
+    def replay(self, r: RouterRequest, dead_worker_id: str) -> None:
+        """Continue ``r`` (its worker died) on a healthy worker after the tokens already streamed (the
+        worker fast-forwards text state and the seeded RNG), or end it UNAVAILABLE beyond
+        ``migration_limit`` replays."""
+        router = self.router
+        if r.finished:
+            return
+        self.forget(r)
+        # NOTE: if the worker only lost its link (same process), this stops the old dispatch
+        # when it reconnects; a new incarnation never gets it.
+        router.link.send(dead_worker_id, pb.RouterCommand(abort=pb.Abort(request_id=r.worker_rid)))
+        r.worker_id = None
+        r.held.clear()
+        if r.cancelled:
+            router.finish(r)
+            return
+        limit = router.config.migration_limit
+        if r.replays >= limit:
+            router.fail(r, grpc.StatusCode.UNAVAILABLE, f"worker {dead_worker_id} died; request {r.request_id} was "
+                        f"already replayed {r.replays} times (migration limit {limit})")  # fmt: skip
+            return
+        r.replays += 1
+        r.migrations += 1
+        router.replays_total += 1
+        router.metrics.replayed()
+        logger.info("replaying %s after %d tokens (worker %s died)", r.request_id, len(r.output_ids), dead_worker_id)
+        if not router.place(r) and not router.queue.offer(r, first=True):
+            router.fail(r, grpc.StatusCode.UNAVAILABLE, f"worker {dead_worker_id} died and no worker can take over")

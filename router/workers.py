@@ -1,0 +1,340 @@
+"""The router's worker table: one ``WorkerState`` per worker and its lifecycle (register, hello,
+down, retire, health probes), apart from the request pipeline (router/router.py).
+
+States (``ClusterStatus.workers[].state``): *up* (serving once healthy and its link is connected),
+*down* (dead or restarting: its requests were handed to ``on_down`` to replay) and *retired* (it
+restarted more than ``worker_restart_limit`` times within ``worker_restart_window_s``: killed for
+good, said once). Everything runs on the router's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import astuple, dataclass, field
+from typing import Any
+
+from protos.kvserve.v1 import serving_pb2 as spb
+from protos.kvserve.v1 import worker_pb2 as pb
+from router.config import RouterConfig
+from router.metrics import CounterDeltas, RouterMetrics
+from router.placement import WorkerView
+from router.prefix_index import PrefixIndex
+from router.rebalance import MigrationLedger
+from router.request import WORKER_DOWN, WORKER_RETIRED, WORKER_UP
+from router.supervision import WorkerSupervision
+from router.supervision import restore as restore_supervision
+from router.supervision import snapshot as snapshot_supervision
+from router.worker_link import WorkerLinkService
+from workers.core.identity import WorkerIdentity
+from workers.core.sizes import pool_usage
+
+logger = logging.getLogger(__name__)
+
+_ACTOR_DEAD_ERRORS = ("RayActorError", "ActorDiedError", "ActorUnavailableError")
+
+
+def actor_dead(e: BaseException) -> bool:
+    """The Ray error says the actor process is gone (dead or being restarted)."""
+    return any(c.__name__ in _ACTOR_DEAD_ERRORS for c in type(e).__mro__)
+
+
+def _totals(r: pb.PressureReport) -> CounterDeltas:
+    return CounterDeltas(r.num_preemptions_total, r.num_swaps_total, r.prefix_cache_query_tokens_total,
+                         r.prefix_cache_hit_tokens_total, r.prefill_tokens_total)  # fmt: skip
+
+
+@dataclass
+class WorkerState:
+    """The router's row for one worker: its last report, the blocks promised since, supervision.
+
+    Link state (connected or not) lives in the WorkerLinkService only; ``healthy`` is the health
+    checks' verdict.
+    """
+
+    identity: WorkerIdentity
+    handle: Any  # Ray actor handle of workers.transport.worker.Worker
+    report: pb.PressureReport | None = None
+    report_time: float = 0.0
+    healthy: bool = True
+    in_flight: dict[str, int] = field(default_factory=dict)  # dispatch id -> blocks promised, not yet reported
+    # Requests whose first output arrived: the next pressure report (same ordered stream) counts
+    # their blocks, so their promise is dropped then, not earlier.
+    started: set[str] = field(default_factory=set)
+    migrations_out: int = 0
+    state: str = WORKER_UP
+    restart_times: deque[float] = field(default_factory=deque)  # monotonic, within the restart window
+    restarts_total: int = 0
+    totals: CounterDeltas = field(default_factory=CounterDeltas)  # the last report's running totals
+
+    @property
+    def worker_id(self) -> str:
+        return self.identity.worker_id
+
+    @property
+    def promised_blocks(self) -> int:
+        return sum(self.in_flight.values())
+
+    def deltas(self, report: pb.PressureReport) -> CounterDeltas:
+        """The counts ``report`` adds to the previous one's (a total that went down means a new
+        incarnation whose totals began again: all of it is new)."""
+        now = _totals(report)
+        prev = self.totals
+        if any(n < p for n, p in zip(astuple(now), astuple(prev), strict=True)):
+            prev = CounterDeltas()
+        self.totals = now
+        return CounterDeltas(*(n - p for n, p in zip(astuple(now), astuple(prev), strict=True)))
+
+    def view(self, serving: bool, ledger: MigrationLedger) -> WorkerView:
+        """What placement and rebalancing see of this worker."""
+        r, ident = self.report, self.identity
+        return WorkerView(
+            worker_id=ident.worker_id,
+            healthy=serving,
+            block_size=ident.block_size,
+            total_blocks=ident.total_blocks,
+            free_blocks=int(r.free_blocks) if r else ident.total_blocks,
+            cached_evictable_blocks=int(r.cached_evictable_blocks) if r else 0,
+            running=int(r.num_running) if r else 0,
+            waiting=int(r.num_waiting) if r else 0,
+            blocks_in_flight=self.promised_blocks,
+            used_blocks=int(r.used_blocks) if r else 0,
+            reported=r is not None,
+            blocks_migrating_in=ledger.blocks_in(ident.worker_id),
+            blocks_migrating_out=ledger.blocks_out(ident.worker_id),
+            swap_blocks=ident.swap_blocks,
+        )
+
+    def status_row(self, serving: bool, now: float) -> spb.WorkerStatus:
+        """This worker as ``ClusterStatus`` shows it (``kvserve top``, ``GetClusterStatus``)."""
+        r, ident = self.report, self.identity
+        w = spb.WorkerStatus(
+            worker_id=self.worker_id,
+            healthy=serving,
+            state=self.state,
+            restarts_total=self.restarts_total,
+            total_blocks=ident.total_blocks,
+            num_migrations_total=self.migrations_out,
+            blocks_in_flight=self.promised_blocks,
+            model_id=ident.model_id,
+            node_id=ident.node_id,
+            last_report_age_s=now - self.report_time if r else -1.0,
+        )
+        if r is None:
+            w.free_blocks = ident.total_blocks
+            return w
+        w.free_blocks, w.used_blocks = r.free_blocks, r.used_blocks
+        w.cached_evictable_blocks = r.cached_evictable_blocks
+        w.usage = pool_usage(r.used_blocks, r.total_blocks)
+        w.num_running, w.num_waiting, w.num_swapped = r.num_running, r.num_waiting, r.num_swapped
+        w.swap_blocks_total, w.swap_blocks_free = r.swap_blocks_total, r.swap_blocks_free
+        w.num_preemptions_total = r.num_preemptions_total
+        w.decode_steps, w.step_latency_ms = r.decode_steps, r.step_latency_ms
+        q = r.prefix_cache_query_tokens_total
+        w.prefix_cache_hit_rate = r.prefix_cache_hit_tokens_total / q if q else 0.0
+        return w
+
+
+class WorkerTable:
+    """Every registered worker and its lifecycle.
+
+    Args:
+        config: the router's knobs (restart limit and window, health interval, stale report age).
+        link: the WorkerLink service (connection state, commands).
+        prefix_index: forgets a worker that went down.
+        ledger: migrations not yet reflected by reports.
+        metrics: the router's metrics.
+        on_down: called with a worker that just went down (the request pipeline replays its requests).
+    """
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        link: WorkerLinkService,
+        prefix_index: PrefixIndex,
+        ledger: MigrationLedger,
+        metrics: RouterMetrics,
+        on_down: Callable[[WorkerState], None],
+    ) -> None:
+        self.config = config
+        self.link = link
+        self.prefix_index = prefix_index
+        self.ledger = ledger
+        self.metrics = metrics
+        self.on_down = on_down
+        self.entries: dict[str, WorkerState] = {}
+        self.ready = asyncio.Event()  # set once a registered worker said Hello (readiness)
+
+    def __getitem__(self, worker_id: str) -> WorkerState:
+        return self.entries[worker_id]
+
+    def get(self, worker_id: str) -> WorkerState | None:
+        return self.entries.get(worker_id)
+
+    def register(
+        self, worker_id: str, handle: Any, identity: WorkerIdentity, supervision: WorkerSupervision | None = None
+    ) -> WorkerState:
+        """Add (or refresh after a router restart) a worker; it serves once its WorkerLink says Hello.
+
+        ``supervision`` carries its restarts and retirement over from a previous router
+        (router/supervision.py): a retired worker stays retired, and its restarts keep counting
+        towards the limit within the window.
+
+        Raises:
+            ValueError: the identity names another worker, or its block size differs from the cluster's.
+        """
+        if identity.worker_id != worker_id:
+            raise ValueError(f"worker {worker_id}: its identity says {identity.worker_id!r}")
+        sizes = {e.identity.block_size for e in self.entries.values() if e.worker_id != worker_id}
+        if sizes and identity.block_size not in sizes:
+            raise ValueError(f"worker {worker_id}: block size {identity.block_size} != cluster's {sizes.pop()}")
+        entry = self.entries.get(worker_id)
+        if entry is None:
+            entry = self.entries[worker_id] = WorkerState(identity, handle)
+        else:
+            entry.handle, entry.identity = handle, identity
+        if supervision is not None:
+            carried = entry.restarts_total
+            restore_supervision(entry, supervision)
+            self.metrics.worker_restarted(worker_id, entry.restarts_total - carried)
+        # Its WorkerLink may have said Hello before this registration.
+        connected = self.link.connected(worker_id) and entry.state != WORKER_RETIRED
+        self.metrics.worker_up(worker_id, connected)
+        if connected:
+            self.ready.set()
+        return entry
+
+    def supervision(self) -> dict[str, WorkerSupervision]:
+        """Every worker's supervision record now (for the next router, should this one die)."""
+        return {worker_id: snapshot_supervision(entry) for worker_id, entry in self.entries.items()}
+
+    async def wait_connected(self, worker_ids: list[str], timeout: float) -> None:
+        """Until every listed worker is registered and has connected its WorkerLink; TimeoutError otherwise."""
+        deadline = time.monotonic() + timeout
+        while missing := [w for w in worker_ids if w not in self.entries or not self.link.connected(w)]:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"workers never connected their WorkerLink: {missing}")
+            await asyncio.sleep(0.05)
+
+    def serving(self, entry: WorkerState) -> bool:
+        """Whether ``entry`` takes requests now: up, healthy and its WorkerLink connected."""
+        return entry.state == WORKER_UP and entry.healthy and self.link.connected(entry.worker_id)
+
+    def any_serving(self) -> bool:
+        return any(self.serving(e) for e in self.entries.values())
+
+    def views(self) -> list[WorkerView]:
+        return [e.view(self.serving(e), self.ledger) for e in self.entries.values()]
+
+    def status_rows(self) -> list[spb.WorkerStatus]:
+        now = time.monotonic()
+        return [e.status_row(self.serving(e), now) for e in self.entries.values()]
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def hello(self, worker_id: str, hello: pb.Hello, restarted: bool) -> bool:
+        """A worker's WorkerLink said Hello; True if it is up now (its pool may take work)."""
+        entry = self.entries.get(worker_id)
+        if entry is None:
+            logger.info("Hello from %s before its registration", worker_id)
+            return False
+        if entry.state == WORKER_RETIRED:
+            return False
+        if restarted:
+            # A new process: its pool is empty, our requests there are gone (replayed elsewhere
+            # unless its death went unnoticed until now), its counters start from 0 again.
+            self.down(entry, "restarted")
+            entry.restarts_total += 1
+            self.metrics.worker_restarted(worker_id)
+            now = time.monotonic()
+            entry.restart_times.append(now)
+            while entry.restart_times and now - entry.restart_times[0] > self.config.worker_restart_window_s:
+                entry.restart_times.popleft()
+            if len(entry.restart_times) > self.config.worker_restart_limit:
+                self.retire(entry)
+                return False
+        entry.healthy = True
+        was_down = entry.state == WORKER_DOWN
+        entry.state = WORKER_UP
+        self.ready.set()
+        self.metrics.worker_up(worker_id, True)
+        if was_down or restarted:
+            logger.warning("worker %s is up again (restart %d, %d blocks)", worker_id, entry.restarts_total,
+                           hello.total_blocks)  # fmt: skip
+        else:
+            logger.info("worker %s connected (%d blocks)", worker_id, hello.total_blocks)
+        return True
+
+    def down(self, entry: WorkerState, why: str) -> None:
+        """First sign of a worker's death: mark it down (logged once per state change), forget its
+        pool, and hand it to ``on_down`` (its requests are replayed on the others). Idempotent."""
+        self.metrics.worker_up(entry.worker_id, False)
+        if entry.state == WORKER_UP:
+            entry.state = WORKER_DOWN
+            logger.warning("worker %s is down: %s", entry.worker_id, why)
+        entry.healthy = False
+        entry.report = None
+        entry.in_flight.clear()
+        entry.started.clear()
+        self.prefix_index.remove_worker(entry.worker_id)
+        self.ledger.forget(entry.worker_id)
+        self.on_down(entry)
+
+    def retire(self, entry: WorkerState) -> None:
+        """A crash-looping worker stays down: kill its actor for good (no more restarts)."""
+        entry.state = WORKER_RETIRED
+        entry.healthy = False
+        self.metrics.worker_up(entry.worker_id, False)
+        logger.error(
+            "worker %s restarted %d times within %.0fs: it stays down (retired); fix it and restart serve",
+            entry.worker_id, len(entry.restart_times), self.config.worker_restart_window_s,
+        )  # fmt: skip
+        try:
+            import ray
+
+            ray.kill(entry.handle, no_restart=True)
+        except Exception:  # noqa: BLE001 - not a Ray actor (tests) or already gone
+            logger.debug("killing retired worker %s failed", entry.worker_id, exc_info=True)
+
+    def reported(self, worker_id: str, report: pb.PressureReport) -> WorkerState | None:
+        """Apply a pressure report; the worker's row if it was newer than the last one applied."""
+        entry = self.entries.get(worker_id)
+        if entry is None or (entry.report is not None and report.seq <= entry.report.seq):
+            return None
+        entry.report, entry.report_time, entry.healthy = report, time.monotonic(), True
+        for rid in entry.started:
+            entry.in_flight.pop(rid, None)
+        entry.started.clear()
+        self.ledger.reported(worker_id, report.num_imports_total, report.num_exports_total)
+        self.metrics.observe_pressure(report, entry.deltas(report))
+        return entry
+
+    # ---- health ----------------------------------------------------------------------------------
+    async def health_loop(self) -> None:
+        """Probe every worker that is up: a stale report or a failing ``check_health`` makes it
+        unhealthy (no new work), a dead actor makes it down (its requests replayed). Logged once
+        per state change; workers already down wait for their new incarnation's Hello."""
+        while True:
+            await asyncio.sleep(self.config.health_check_interval_s)
+            await asyncio.gather(*(self.probe(e) for e in list(self.entries.values()) if e.state == WORKER_UP))
+
+    async def probe(self, entry: WorkerState) -> None:
+        stale = entry.report is not None and time.monotonic() - entry.report_time > self.config.stale_report_s
+        try:
+            await asyncio.wait_for(entry.handle.check_health.remote(), timeout=self.config.stale_report_s)
+            problem = f"no pressure report for {self.config.stale_report_s:.0f}s" if stale else None
+        except Exception as e:  # noqa: BLE001 - Ray errors of many kinds
+            if actor_dead(e):
+                self.down(entry, f"health probe: {type(e).__name__}")
+                return
+            problem = f"health probe failed: {e!r}"
+        if entry.state != WORKER_UP:
+            return
+        if problem is not None and entry.healthy:
+            logger.warning("worker %s unhealthy: %s", entry.worker_id, problem)
+        elif problem is None and not entry.healthy:
+            logger.warning("worker %s healthy again", entry.worker_id)
+        entry.healthy = problem is None
+        self.metrics.worker_up(entry.worker_id, self.serving(entry))
