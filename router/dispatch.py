@@ -9,6 +9,7 @@ replay, a finished request's id is free at once, and outputs of a previous route
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
@@ -74,7 +75,18 @@ class Dispatcher:
         request = WorkerRequest(worker_rid, tuple(r.prompt_ids), r.params, r.priority, r.tenant or None,
                                 tuple(r.output_ids))  # fmt: skip
         try:
-            await entry.handle.add_request.remote(request)
+            # NOTE: the worker takes a request between two steps, so an answer slower than its stall
+            # threshold means it is stalled (router/liveness.py): never wait longer.
+            await asyncio.wait_for(entry.handle.add_request.remote(request), router.table.stall_threshold_s(entry))
+        except TimeoutError:
+            entry.in_flight.pop(worker_rid, None)
+            if r.worker_rid != worker_rid or r.finished:
+                return
+            r.target, r.worker_id = None, entry.worker_id
+            router.table.give_up(entry, f"add_request did not return in {router.table.stall_threshold_s(entry):.1f}s")
+            if r.worker_id == entry.worker_id:  # NOTE: give_up replays it unless the worker was down already
+                self.replay(r, entry.worker_id)
+            return
         except Exception as e:  # noqa: BLE001 - Ray wraps the worker's exception
             entry.in_flight.pop(worker_rid, None)
             if r.worker_rid != worker_rid or r.finished:

@@ -81,7 +81,7 @@ class Router(WorkerLinkHandler):
         self.ledger = MigrationLedger()
         self.dispatcher = Dispatcher(self)
         self.table = WorkerTable(config, self.link, self.prefix_index, self.ledger, self.metrics,
-                                 self.dispatcher.replay_all)  # fmt: skip
+                                 self.dispatcher.replay_all, self._holds_requests)  # fmt: skip
         self.mover = Mover(self)
         self.model_id = ""
         self.block_size = 16
@@ -116,7 +116,11 @@ class Router(WorkerLinkHandler):
     def on_disconnect(self, worker_id: str) -> None:
         entry = self.table.get(worker_id)
         if entry is not None:
-            self.table.down(entry, "its WorkerLink broke")
+            self.table.link_lost(entry)  # down after the grace period, or at once if its process is gone
+
+    def _holds_requests(self, worker_id: str) -> bool:
+        """Some request runs on, or is being dispatched to, ``worker_id`` (the liveness rule's "work")."""
+        return any(r.worker_id == worker_id or r.target == worker_id for r in self.requests.values())
 
     def on_message(self, worker_id: str, msg: pb.WorkerMessage) -> None:
         kind = msg.WhichOneof("body")
