@@ -74,6 +74,7 @@ class Dispatcher:
         router.metrics.dispatched(time.monotonic() - r.arrival)
         request = WorkerRequest(worker_rid, tuple(r.prompt_ids), r.params, r.priority, r.tenant or None,
                                 tuple(r.output_ids))  # fmt: skip
+        incarnation = entry.incarnation  # evidence from this call concerns this process only
         try:
             # NOTE: the worker takes a request between two steps, so an answer slower than its stall
             # threshold means it is stalled (router/liveness.py): never wait longer.
@@ -83,8 +84,9 @@ class Dispatcher:
             if r.worker_rid != worker_rid or r.finished:
                 return
             r.target, r.worker_id = None, entry.worker_id
-            router.table.give_up(entry, f"add_request did not return in {router.table.stall_threshold_s(entry):.1f}s")
-            if r.worker_id == entry.worker_id:  # NOTE: give_up replays it unless the worker was down already
+            threshold = router.table.stall_threshold_s(entry)
+            router.table.give_up(entry, f"add_request did not return in {threshold:.1f}s", incarnation)
+            if r.worker_id == entry.worker_id:  # NOTE: give_up replays it unless it did not apply
                 self.replay(r, entry.worker_id)
             return
         except Exception as e:  # noqa: BLE001 - Ray wraps the worker's exception
@@ -97,7 +99,9 @@ class Dispatcher:
                 router.fail(r, grpc.StatusCode.INVALID_ARGUMENT, str(cause))
             elif actor_dead(e):
                 r.worker_id = entry.worker_id
-                router.table.down(entry, f"a call found its actor dead ({type(e).__name__})")
+                router.table.down(entry, f"a call found its actor dead ({type(e).__name__})", incarnation)
+                if r.worker_id == entry.worker_id:  # a later process of it lives: continue elsewhere
+                    self.replay(r, entry.worker_id)
             else:
                 logger.warning("dispatch of %s to %s failed: %r", r.request_id, entry.worker_id, e)
                 entry.healthy = False

@@ -78,6 +78,10 @@ class WorkerState:
     progress_time: float = field(default_factory=time.monotonic)
     slowest_step_s: float = 0.0
     link_lost_at: float | None = None
+    # The process its current WorkerLink Hello came from. NOTE: evidence from a Ray call (a dead
+    # actor, a timeout) concerns the process the call went to; it must not take down a fresh
+    # incarnation that said Hello meanwhile (``down``/``give_up`` take the call's incarnation).
+    incarnation: str = ""
 
     @property
     def worker_id(self) -> str:
@@ -256,6 +260,7 @@ class WorkerTable:
         if entry.state == WORKER_RETIRED:
             return False
         entry.progress_time = time.monotonic()
+        entry.incarnation = hello.incarnation
         lost_at, entry.link_lost_at = entry.link_lost_at, None
         if restarted:
             entry.slowest_step_s = 0.0
@@ -287,9 +292,16 @@ class WorkerTable:
             logger.info("worker %s connected (%d blocks)", worker_id, hello.total_blocks)
         return True
 
-    def down(self, entry: WorkerState, why: str) -> None:
+    def down(self, entry: WorkerState, why: str, incarnation: str | None = None) -> None:
         """First sign of a worker's death: mark it down (logged once per state change), forget its
-        pool, and hand it to ``on_down`` (its requests are replayed on the others). Idempotent."""
+        pool, and hand it to ``on_down`` (its requests are replayed on the others). Idempotent.
+
+        ``incarnation``: the process the evidence concerns (a Ray call's target when it was made);
+        evidence about an earlier process than the one now connected is ignored.
+        """
+        if incarnation is not None and incarnation != entry.incarnation:
+            logger.info("worker %s: ignoring stale evidence about an earlier process (%s)", entry.worker_id, why)
+            return
         self.metrics.worker_up(entry.worker_id, False)
         if entry.state == WORKER_UP:
             entry.state = WORKER_DOWN
@@ -321,10 +333,10 @@ class WorkerTable:
             return  # hung or slow: the grace rule decides
         except Exception as e:  # noqa: BLE001 - Ray errors of many kinds
             if actor_dead(e) and entry.link_lost_at is not None and entry.state == WORKER_UP:
-                self.down(entry, f"its WorkerLink broke and its actor is gone ({type(e).__name__})")
+                self.down(entry, f"its WorkerLink broke and its actor is gone ({type(e).__name__})", incarnation)
             return
         if now_incarnation != incarnation and entry.link_lost_at is not None and entry.state == WORKER_UP:
-            self.down(entry, "its WorkerLink broke and Ray restarted its process")
+            self.down(entry, "its WorkerLink broke and Ray restarted its process", incarnation)
 
     def check_liveness(self, now: float) -> None:
         """Apply the liveness rule (router/liveness.py) to every worker that is up."""
@@ -349,10 +361,11 @@ class WorkerTable:
         """How long a call that needs the worker's engine may take before the worker is stalled."""
         return stall_threshold_s(self.config.stall_timeout_s, entry.slowest_step_s)
 
-    def give_up(self, entry: WorkerState, why: str) -> None:
+    def give_up(self, entry: WorkerState, why: str, incarnation: str | None = None) -> None:
         """The liveness rule says ``entry`` is down: replay its requests elsewhere (``down``) and
-        kill its actor so Ray starts a fresh process (counting toward retirement). Idempotent."""
-        if entry.state != WORKER_UP:
+        kill its actor so Ray starts a fresh process (counting toward retirement). Idempotent;
+        ``incarnation`` as for ``down``."""
+        if entry.state != WORKER_UP or (incarnation is not None and incarnation != entry.incarnation):
             return
         self.down(entry, why)
         self.kills_total += 1
@@ -426,16 +439,17 @@ class WorkerTable:
                 logger.exception("liveness check failed")
 
     async def probe(self, entry: WorkerState) -> None:
+        incarnation = entry.incarnation
         stale = entry.report is not None and time.monotonic() - entry.report_time > self.config.stale_report_s
         try:
             await asyncio.wait_for(entry.handle.check_health.remote(), timeout=self.config.stale_report_s)
             problem = f"no pressure report for {self.config.stale_report_s:.0f}s" if stale else None
         except Exception as e:  # noqa: BLE001 - Ray errors of many kinds
             if actor_dead(e):
-                self.down(entry, f"health probe: {type(e).__name__}")
+                self.down(entry, f"health probe: {type(e).__name__}", incarnation)
                 return
             if isinstance(getattr(e, "cause", e), EngineDeadError):
-                self.give_up(entry, f"its engine thread died ({getattr(e, 'cause', e)})")
+                self.give_up(entry, f"its engine thread died ({getattr(e, 'cause', e)})", incarnation)
                 return
             problem = f"health probe failed: {e!r}"
         if entry.state != WORKER_UP:

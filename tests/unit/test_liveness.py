@@ -33,6 +33,7 @@ class _Worker(FakeWorker):
         super().__init__()
         self.incarnation_value = incarnation
         self.health_error: BaseException | None = None
+        self.health_future: asyncio.Future | None = None  # check_health answers when this does
         self.hang_add_request = False
 
     def __getattr__(self, name: str) -> Any:
@@ -45,6 +46,8 @@ class _Worker(FakeWorker):
                 if name == "incarnation":
                     fut = asyncio.get_running_loop().create_future()
                     fut.set_result(outer.incarnation_value)
+                elif name == "check_health" and outer.health_future is not None:
+                    fut = outer.health_future
                 elif name == "check_health" and outer.health_error is not None:
                     fut = asyncio.get_running_loop().create_future()
                     fut.set_exception(outer.health_error)
@@ -237,5 +240,28 @@ def test_a_crash_looping_worker_is_killed_for_good(kills: list) -> None:
         _connect(router, "a", "inc-3")
         assert router.workers["a"].state == WORKER_RETIRED
         assert kills == [(workers["a"], True)]
+
+    asyncio.run(test())
+
+
+class ActorDiedError(Exception):
+    """Named as Ray's (the router recognises Ray's errors by class name)."""
+
+
+def test_evidence_about_an_earlier_process_never_takes_down_a_fresh_one(kills: list) -> None:
+    """A probe sent to the old process fails only after Ray's fresh process said Hello: the fresh
+    one stays up (else it would sit 'down' forever with its link connected)."""
+
+    async def test() -> None:
+        router, workers = _router()
+        pending = asyncio.get_running_loop().create_future()
+        workers["a"].health_future = pending
+        probe = asyncio.ensure_future(router.table.probe(router.workers["a"]))
+        await _settle()
+        _connect(router, "a", "inc-2")  # the old process died; Ray's new one says Hello
+        assert router.workers["a"].state == WORKER_UP
+        pending.set_exception(ActorDiedError("the old process is gone"))
+        await probe
+        assert router.workers["a"].state == WORKER_UP and router.table.serving(router.workers["a"]) and not kills
 
     asyncio.run(test())

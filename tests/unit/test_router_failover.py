@@ -61,7 +61,7 @@ def _connect(router: Router, worker_id: str, incarnation: str) -> None:
     restarted = bool(s.incarnation) and s.incarnation != incarnation
     s.incarnation = incarnation
     s.queue = asyncio.Queue()
-    router.on_hello(worker_id, pb.Hello(worker_id=worker_id, total_blocks=32), restarted)
+    router.on_hello(worker_id, pb.Hello(worker_id=worker_id, total_blocks=32, incarnation=incarnation), restarted)
 
 
 def _worker_up(worker_id: str) -> float:
