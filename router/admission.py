@@ -27,10 +27,18 @@ counts what ``pop_ready`` took off the queue over the last ``drain_window_s``. N
 only when running work completes and frees blocks, so under saturation the rate is the cluster's
 real completion rate, and a burst of arrivals cannot inflate it (direct placements are not
 pops); when the queue is only briefly used it under-estimates capacity, which errs on refusing.
-With no drain observed (a cold start, or nothing finished for a whole window) the wait is
-unknown: only a request with nobody ahead of it is queued (it will be the first to start), the
-others are refused with the "unknown" retry hint. Queued requests whose deadline passes are
-taken out by ``expired`` without ever reaching a worker.
+With no drain observed (a cold start, or nothing finished for a whole window) there is no rate
+to project with, and a cold cluster is exactly when clients burst, so admission does not guess:
+it refuses only what *provably* cannot start in time (``ColdCapacity``, from what is known: the
+fastest recent engine step, the serving pools and their free blocks, the work queued ahead). A
+queued request needs the blocks of everything ahead of it plus its own; those beyond the free
+blocks must be freed by running work, and a whole pool's turnover takes at least one engine step
+(a request must run a step before it can finish and free its blocks), so it cannot start before
+``ceil(excess blocks / pool blocks)`` steps. Only a request whose deadline (or ``max_wait_s``)
+falls before that lower bound is refused; the rest are queued within the bounds. Without a
+``ColdCapacity`` (or with no step measured yet) the lower bound is 0 for a request with nobody
+ahead, and unknown otherwise: refused with the "unknown" retry hint, as before any estimate.
+Queued requests whose deadline passes are taken out by ``expired`` without ever reaching a worker.
 """
 
 from __future__ import annotations
@@ -87,6 +95,31 @@ class Refusal:
     projected_wait_s: float | None
 
 
+@dataclass(frozen=True)
+class ColdCapacity:
+    """What is known of the serving workers before any drain is measured (for ``admit``).
+
+    Attributes:
+        step_s: the fastest recent engine step among them, seconds (0 = none measured yet).
+        pool_blocks: the blocks of their pools together.
+        free_blocks: blocks free for new work now (free and evictable, less those promised).
+    """
+
+    step_s: float
+    pool_blocks: int
+    free_blocks: int
+
+    def earliest_start_s(self, blocks_needed: int) -> float | None:
+        """A lower bound on when work needing ``blocks_needed`` blocks (its own and all ahead of it)
+        can start (see the module doc); None when it cannot be bounded (no step measured, no pool)."""
+        excess = blocks_needed - self.free_blocks
+        if excess <= 0:
+            return 0.0
+        if self.step_s <= 0 or self.pool_blocks <= 0:
+            return None
+        return math.ceil(excess / self.pool_blocks) * self.step_s
+
+
 class AdmissionState(str, enum.Enum):
     """Coarse queue state for status displays."""
 
@@ -134,6 +167,8 @@ class AdmissionQueue(Generic[T]):
         drain_window_s: how far back ``pop_ready`` drains count towards the drain rate.
         max_wait_s: ``admit`` refuses a request whose projected wait exceeds this.
         unknown_retry_ms: the retry hint when the wait cannot be projected (no drain observed).
+        cold_capacity: what is known of the workers, for admission before any drain is observed
+            (module doc); None: refuse what has others ahead of it then.
 
     Raises:
         ValueError: a negative bound or a non-positive window or wait.
@@ -148,6 +183,7 @@ class AdmissionQueue(Generic[T]):
         drain_window_s: float = 30.0,
         max_wait_s: float = 30.0,
         unknown_retry_ms: int = 1_000,
+        cold_capacity: Callable[[], ColdCapacity] | None = None,
     ) -> None:
         if max_requests < 0 or max_blocks < 0:
             raise ValueError(f"queue bounds must be >= 0, got {max_requests=} {max_blocks=}")
@@ -157,6 +193,7 @@ class AdmissionQueue(Generic[T]):
             raise ValueError(f"max_wait_s and unknown_retry_ms must be positive, got {max_wait_s=} {unknown_retry_ms=}")
         self.max_wait_s = max_wait_s
         self.unknown_retry_ms = unknown_retry_ms
+        self.cold_capacity = cold_capacity
         self._deadlines: list[tuple[float, int, str]] = []  # heap of (deadline, tie, request_id)
         self._deadline_of: dict[str, float] = {}
         self._tie = 0
@@ -246,8 +283,14 @@ class AdmissionQueue(Generic[T]):
             if deadline is not None and deadline <= now:
                 reason = RejectReason.WAIT_EXCEEDS_DEADLINE
             elif wait is None:
-                if self._requests_ahead(item.priority) > 0:
-                    reason = RejectReason.WAIT_UNKNOWN
+                wait = self._cold_lower_bound_s(item)
+                if wait is None:
+                    if self._requests_ahead(item.priority) > 0:
+                        reason = RejectReason.WAIT_UNKNOWN
+                elif deadline is not None and wait > deadline - now:
+                    reason = RejectReason.WAIT_EXCEEDS_DEADLINE
+                elif wait > self.max_wait_s:
+                    reason = RejectReason.WAIT_EXCEEDS_MAX
             elif deadline is not None and wait > deadline - now:
                 reason = RejectReason.WAIT_EXCEEDS_DEADLINE
             elif wait > self.max_wait_s:
@@ -267,6 +310,12 @@ class AdmissionQueue(Generic[T]):
         else:
             retry = max(self.retry_after_ms(item.num_blocks), math.ceil(wait * 1000))
         return Refusal(reason, retry, wait)
+
+    def _cold_lower_bound_s(self, item: T) -> float | None:
+        """With no drain observed: the earliest ``item`` could start (``ColdCapacity``), or None."""
+        if self.cold_capacity is None:
+            return None
+        return self.cold_capacity().earliest_start_s(self._blocks_ahead(item.priority) + item.num_blocks)
 
     def expired(self) -> list[T]:
         """Take out, and return, queued items whose deadline (given to ``admit``) has passed.

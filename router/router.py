@@ -71,8 +71,9 @@ class Router(WorkerLinkHandler):
         self.requests: dict[str, RouterRequest] = {}
         self.replays_total = 0
         self.queue: AdmissionQueue[RouterRequest] = AdmissionQueue(
-            config.max_queue_requests, config.max_queue_blocks, max_wait_s=config.max_queue_wait_s
-        )
+            config.max_queue_requests, config.max_queue_blocks, max_wait_s=config.max_queue_wait_s,
+            cold_capacity=lambda: self.table.cold_capacity(),
+        )  # fmt: skip
         self._expiry: asyncio.TimerHandle | None = None
         self.placement = Placement(config.placement_policy)
         self.prefix_index = PrefixIndex()

@@ -19,6 +19,7 @@ from typing import Any
 
 from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import worker_pb2 as pb
+from router.admission import ColdCapacity
 from router.config import RouterConfig
 from router.liveness import LivenessInputs, down_reason
 from router.metrics import CounterDeltas, RouterMetrics
@@ -242,6 +243,15 @@ class WorkerTable:
 
     def any_serving(self) -> bool:
         return any(self.serving(e) for e in self.entries.values())
+
+    def cold_capacity(self) -> ColdCapacity:
+        """What admission may rely on before any drain is measured (router/admission.py): the
+        fastest recent step, the pool blocks and the blocks free now of the serving workers."""
+        serving = [e for e in self.entries.values() if self.serving(e)]
+        steps = [e.report.step_latency_ms / 1000 for e in serving if e.report and e.report.step_latency_ms > 0]
+        views = [e.view(True, self.ledger) for e in serving]
+        free = sum(max(v.free_blocks + v.cached_evictable_blocks - v.blocks_in_flight, 0) for v in views)
+        return ColdCapacity(min(steps, default=0.0), sum(v.total_blocks for v in views), free)
 
     def views(self) -> list[WorkerView]:
         return [e.view(self.serving(e), self.ledger) for e in self.entries.values()]
