@@ -34,10 +34,11 @@ fastest recent engine step, the serving pools and their free blocks, the work qu
 queued request needs the blocks of everything ahead of it plus its own; those beyond the free
 blocks must be freed by running work, and a whole pool's turnover takes at least one engine step
 (a request must run a step before it can finish and free its blocks), so it cannot start before
-``ceil(excess blocks / pool blocks)`` steps. Only a request whose deadline (or ``max_wait_s``)
-falls before that lower bound is refused; the rest are queued within the bounds. Without a
-``ColdCapacity`` (or with no step measured yet) the lower bound is 0 for a request with nobody
-ahead, and unknown otherwise: refused with the "unknown" retry hint, as before any estimate.
+``ceil(excess blocks / pool blocks)`` steps (0 before any step was measured: nothing bounds it
+then). Only a request whose deadline (or ``max_wait_s``) falls before that lower bound is refused;
+the rest are queued within the bounds. Without a ``ColdCapacity`` (no serving pool) the wait is
+unknown: only a request with nobody ahead of it is queued, the others are refused with the
+"unknown" retry hint.
 Queued requests whose deadline passes are taken out by ``expired`` without ever reaching a worker.
 """
 
@@ -111,12 +112,16 @@ class ColdCapacity:
 
     def earliest_start_s(self, blocks_needed: int) -> float | None:
         """A lower bound on when work needing ``blocks_needed`` blocks (its own and all ahead of it)
-        can start (see the module doc); None when it cannot be bounded (no step measured, no pool)."""
+        can start (see the module doc); None when there is no pool to start on.
+
+        NOTE: with no step measured yet (a cluster that never ran one) nothing bounds it from below
+        but 0: a burst at a cluster that just started is queued, not refused.
+        """
+        if self.pool_blocks <= 0:
+            return None
         excess = blocks_needed - self.free_blocks
         if excess <= 0:
             return 0.0
-        if self.step_s <= 0 or self.pool_blocks <= 0:
-            return None
         return math.ceil(excess / self.pool_blocks) * self.step_s
 
 

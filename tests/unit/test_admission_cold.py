@@ -28,7 +28,8 @@ def test_lower_bound_counts_whole_pool_turnovers_of_one_step_each() -> None:
     assert cap.earliest_start_s(20) == 0.0  # fits in what is free now
     assert cap.earliest_start_s(21) == 0.5  # one turnover
     assert cap.earliest_start_s(220) == 1.0  # 200 beyond the free ones: two
-    assert ColdCapacity(step_s=0.0, pool_blocks=100, free_blocks=0).earliest_start_s(5) is None  # no step yet
+    assert ColdCapacity(step_s=0.0, pool_blocks=100, free_blocks=0).earliest_start_s(500) == 0.0  # no step yet
+    assert ColdCapacity(step_s=0.5, pool_blocks=0, free_blocks=0).earliest_start_s(5) is None  # no pool
 
 
 def test_a_cold_burst_with_generous_deadlines_is_queued_not_refused() -> None:
