@@ -87,6 +87,7 @@ def _render_chats(prompts: list, model_dir: str) -> list:
     """Offline: chat prompts -> token ids through the model's chat template (as the router does)."""
     if not any(_is_chat(p) for p in prompts):
         return prompts
+    from workers.text.chat_encoding import encode_chat
     from workers.text.chat_template import ChatMessage, ChatTemplate
     from workers.text.tokenizer import load_tokenizer
 
@@ -94,8 +95,7 @@ def _render_chats(prompts: list, model_dir: str) -> list:
     if template is None or tokenizer is None:
         raise ValueError(f"--chat: {model_dir} has no chat template (tokenizer_config.json chat_template)")
     return [
-        tokenizer.encode(template.render([ChatMessage(*m) for m in p]), add_special_tokens=False)
-        if _is_chat(p)
+        encode_chat(tokenizer, template, [ChatMessage(*m) for m in p]) if _is_chat(p)
         else p
         for p in prompts
     ]

@@ -54,7 +54,7 @@ ROUTER_ACTOR_NAME = "kvserve-router"
 _RESERVED = {
     "engine": {"model": "model"},
     "router": {"model": "model", "host": "host", "port": "port", "stall_timeout_s": "worker.stall_timeout_s"},
-    "worker": {"router_address": None, "auth_token": "router.auth_token"},
+    "worker": {"router_address": None, "credential": None},
 }
 _SECTIONS = {"engine": EngineConfig, "router": RouterConfig, "worker": WorkerOptions}
 

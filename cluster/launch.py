@@ -27,11 +27,13 @@ import logging
 import socket
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from router.config import RouterConfig
 from router.supervision import WorkerSupervision
 from workers.core.identity import WorkerIdentity
+from workers.core.worker_credential import issue_worker_credential, new_worker_key
 from workers.engine.config import EngineConfig
 from workers.transport.options import WorkerOptions
 
@@ -91,6 +93,9 @@ class Cluster:
     router_restarts: int = 0
     identities: dict[str, WorkerIdentity] = field(default_factory=dict)  # as each worker last told us
     supervision: dict[str, WorkerSupervision] = field(default_factory=dict)  # from the last poll
+    # NOTE: the cluster's worker key: the router verifies worker credentials with it, and a
+    # restarted router needs the same one (the workers keep theirs). Never given to a worker.
+    worker_key: str = field(default="", repr=False)
     _stopped: bool = field(default=False, repr=False)
 
     def poll_router(self, timeout_s: float = ROUTER_CALL_TIMEOUT_S) -> RouterPoll:
@@ -126,8 +131,11 @@ class Cluster:
             ray.kill(self.router)  # NOTE: frees the name and the port, should the old one linger half-dead
         except Exception:  # noqa: BLE001 - already gone
             pass
-        router, _ = _start_router(self.router_config, self.metrics_port, self.router_name, self.http_port)
+        router, _ = _start_router(
+            self.router_config, self.metrics_port, self.router_name, self.http_port, self.worker_key
+        )
         self.router = router
+        ray.get(router.expect_workers.remote(list(self.workers)), timeout=ROUTER_CALL_TIMEOUT_S)
         self.router_restarts += 1
         fresh, gone = _probe_workers(self.workers, WORKER_PROBE_TIMEOUT_S)
         self.identities.update(fresh)
@@ -215,13 +223,16 @@ def start_cluster(
     if num_workers <= 0:
         raise ValueError(f"num_workers must be positive, got {num_workers}")
     router_config = router_config or RouterConfig(model=engine_config.model)
+    if router_config.auth_keys:  # NOTE: the router actor reads it; its working directory may differ
+        router_config = dataclasses.replace(router_config, auth_keys=str(Path(router_config.auth_keys).resolve()))
     owns_ray = init_ray(address)
     if use_gpus is None:
         use_gpus = ray.cluster_resources().get("GPU", 0) >= 1
     if metrics_port == 0:
         metrics_port = _free_port(router_config.host)  # the router runs on this node
+    worker_key = new_worker_key()
     try:
-        router, http_port = _start_router(router_config, metrics_port, name, http_port)
+        router, http_port = _start_router(router_config, metrics_port, name, http_port, worker_key)
     except BaseException:
         if owns_ray:
             ray.shutdown()
@@ -232,9 +243,6 @@ def start_cluster(
     if router_config.host in ("0.0.0.0", "::"):
         link_address = f"{ray.util.get_node_ip_address()}:{router_address.rsplit(':', 1)[1]}"
     base = worker_options or WorkerOptions()
-    options = WorkerOptions(
-        **{**base.__dict__, "router_address": link_address, "auth_token": router_config.auth_token or base.auth_token}
-    )
     actor = worker_actor_class()
     workers: dict[str, Any] = {}
     resources = {"num_gpus": 1, "num_cpus": 1} if use_gpus else {"num_cpus": cpus_per_worker}
@@ -242,8 +250,10 @@ def start_cluster(
     if spread:
         bundle = {"GPU": 1, "CPU": 1} if use_gpus else {"CPU": cpus_per_worker}
         pg = ray.util.placement_group([dict(bundle) for _ in range(num_workers)], strategy="SPREAD")
-    for i in range(num_workers):
-        worker_id = f"worker-{i}"
+    worker_ids = [f"worker-{i}" for i in range(num_workers)]
+    ray.get(router.expect_workers.remote(worker_ids))
+    for i, worker_id in enumerate(worker_ids):
+        options = worker_options_for(base, worker_id, worker_key, link_address)
         # NOTE: Ray restarts a dead worker forever; the router retires one that crash-loops.
         opts: dict[str, Any] = dict(resources, max_restarts=-1)
         if pg is not None:
@@ -262,12 +272,20 @@ def start_cluster(
     logger.info("cluster up in %.1fs: router %s, %d workers", time.monotonic() - t0, router_address, num_workers)
     return Cluster(
         router, workers, router_address, metrics_port, owns_ray, pg, http_port, bound_config, name,
-        identities=identities,
+        identities=identities, worker_key=worker_key,
     )  # fmt: skip
 
 
+def worker_options_for(base: WorkerOptions, worker_id: str, worker_key: str, router_address: str) -> WorkerOptions:
+    """``base`` for one worker: the router's WorkerLink address and that worker's own credential
+    (only its own: docs/architecture.md section 4)."""
+    return dataclasses.replace(
+        base, router_address=router_address, credential=issue_worker_credential(worker_key, worker_id)
+    )
+
+
 def _start_router(
-    config: RouterConfig, metrics_port: int | None, name: str | None, http_port: int | None
+    config: RouterConfig, metrics_port: int | None, name: str | None, http_port: int | None, worker_key: str
 ) -> tuple[Any, int | None]:
     """Create the router actor on this node (detached and named if ``name``) and start it; returns it
     and its bound HTTP port (None = off).
@@ -284,7 +302,7 @@ def _start_router(
     opts: dict[str, Any] = {"scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)}
     if name:
         opts.update(name=name, lifetime="detached", get_if_exists=False)
-    router = router_actor_class().options(**opts).remote(config, metrics_port, http_port)
+    router = router_actor_class().options(**opts).remote(config, metrics_port, http_port, worker_key=worker_key)
     try:
         ray.get(router.start.remote(), timeout=ROUTER_START_TIMEOUT_S)
         http_port = ray.get(router.http_port.remote(), timeout=ROUTER_CALL_TIMEOUT_S)
@@ -299,6 +317,7 @@ def _register_workers(router: Any, workers: dict[str, Any], timeout_s: float) ->
     the identities."""
     import ray
 
+    ray.get(router.expect_workers.remote(list(workers)), timeout=ROUTER_CALL_TIMEOUT_S)
     infos = ray.get([w.ready.remote() for w in workers.values()], timeout=timeout_s)
     for (worker_id, handle), info in zip(workers.items(), infos, strict=True):
         ray.get(router.add_worker.remote(worker_id, handle, info), timeout=ROUTER_CALL_TIMEOUT_S)

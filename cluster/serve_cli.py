@@ -181,7 +181,8 @@ def serve(cfg, *, out=None, poll_s: float = 0.5) -> int:  # noqa: ANN001 - Clust
             else:
                 print("kvserve: metrics off", file=out)
             if cluster.http_port is not None:
-                print(f"kvserve: OpenAI-compatible HTTP API on http://{cfg.host}:{cluster.http_port}/v1", file=out)
+                scheme = "https" if cfg.router.tls_cert else "http"
+                print(f"kvserve: OpenAI-compatible HTTP API on {scheme}://{cfg.host}:{cluster.http_port}/v1", file=out)
             out.flush()
             supervise_router(cluster, out, poll_s)
         except KeyboardInterrupt as e:

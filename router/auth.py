@@ -1,5 +1,14 @@
-"""Bearer-token authentication for every RPC except the standard health and reflection services
-(probes and grpcurl discovery need no secret; they reveal nothing about requests)."""
+"""Who may call what on the router's gRPC port.
+
+- ``grpc.health.v1.Health`` and reflection: anyone (probes and grpcurl discovery need no secret;
+  they reveal nothing about requests).
+- ``kvserve.v1.WorkerLink``: only a worker, with its own worker credential
+  (``workers/core/worker_credential.py``); ``router/worker_auth.py`` checks it and binds it to the
+  ``Hello``. A client token does not open it.
+- ``kvserve.v1.KVServe`` (the client API): the bearer token or an API key when either is
+  configured (UNAUTHENTICATED otherwise); never a worker credential (PERMISSION_DENIED), so a
+  worker's credential leaks no client access.
+"""
 
 from __future__ import annotations
 
@@ -7,17 +16,21 @@ import hmac
 
 import grpc
 
+from router.tenancy import KeyRing
+from workers.core.worker_credential import WORKER_CREDENTIAL_HEADER
+
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+WORKER_LINK_PREFIX = "/kvserve.v1.WorkerLink/"
 
 
-def _denied(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    message = "missing or wrong bearer token (send 'authorization: Bearer <token>')"
+def denied(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler of ``handler``'s shape that only answers ``code`` (the call's body is never read)."""
 
     async def unary(request, context):  # noqa: ANN001 - gRPC handler signature
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await context.abort(code, message)
 
     async def streaming(request, context):  # noqa: ANN001
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await context.abort(code, message)
         yield  # pragma: no cover - makes this an async generator
 
     kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
@@ -30,20 +43,42 @@ def _denied(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(unary, **kw)
 
 
-class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, token: str) -> None:
-        if not token:
+class CallerAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Client-API authentication (see the module docstring); installed whether or not a token is set.
+
+    Args:
+        token: the client bearer token (None: the client API is open to whoever reaches the port,
+            unless ``keys`` are given).
+        keys: API keys (``--auth-keys``): each also opens the client API, as its tenant
+            (router/tenancy.py).
+    """
+
+    def __init__(self, token: str | None, keys: KeyRing | None = None) -> None:
+        if token is not None and not token:
             raise ValueError("auth token must be non-empty")
-        self._expected = f"Bearer {token}".encode()
+        self._expected = f"Bearer {token}".encode() if token else None
+        self._keys = keys
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):  # noqa: ANN001
         handler = await continuation(details)
-        if handler is None or details.method.startswith(_OPEN_PREFIXES):
+        method = details.method
+        if handler is None or method.startswith(_OPEN_PREFIXES) or method.startswith(WORKER_LINK_PREFIX):
+            return handler  # NOTE: WorkerLink authenticates in router/worker_auth.py (it needs the Hello)
+        metadata = dict(details.invocation_metadata or ())
+        if WORKER_CREDENTIAL_HEADER in metadata:
+            return denied(handler, grpc.StatusCode.PERMISSION_DENIED, "a worker credential cannot call the client API")
+        if self._expected is None and self._keys is None:
             return handler
-        got = dict(details.invocation_metadata or ()).get("authorization", "")
+        got = metadata.get("authorization", "")
         if isinstance(got, str):
             got = got.encode()
         # NOTE: constant-time compare, so the token cannot be guessed byte by byte from timings.
-        if hmac.compare_digest(got, self._expected):
+        if self._expected is not None and hmac.compare_digest(got, self._expected):
             return handler
-        return _denied(handler)
+        if self._keys is not None and self._keys.lookup(got) is not None:
+            return handler
+        return denied(
+            handler,
+            grpc.StatusCode.UNAUTHENTICATED,
+            "missing or wrong bearer token (send 'authorization: Bearer <token>')",
+        )

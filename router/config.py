@@ -24,7 +24,17 @@ class RouterConfig:
     host: str = knob("127.0.0.1", help="bind address of the API and WorkerLink", cli=False)
     port: int = knob(50051, help="client API and WorkerLink port (0 = pick a free port)", check=PORT, cli=False)
     model: str = knob("", help="model directory, for the tokenizer (text prompts)", cli=False)
+    served_model_name: str = knob(
+        "", help="the model's name in the HTTP API (/v1/models, the 'model' field); default: the --model argument"
+    )
     auth_token: str | None = knob(None, help="require 'authorization: Bearer TOKEN'", env="KVSERVE_AUTH_TOKEN")
+    auth_keys: str | None = knob(
+        None, help="YAML/JSON file of sha256-hashed API keys -> tenant, max_priority, rate limits (router/tenancy.py)",
+        env="KVSERVE_AUTH_KEYS",
+    )
+    metrics_auth: bool = knob(
+        False, help="require the client API's bearer token (or an API key) on /metrics too", flag="--metrics-auth"
+    )
     tls_cert: str | None = knob(None, help="PEM server certificate (TLS)")
     tls_key: str | None = knob(None, help="PEM server key")
     tls_client_ca: str | None = knob(None, help="PEM CA: require client certificates (mTLS)")
@@ -66,6 +76,22 @@ class RouterConfig:
         3, help="restarts of one worker within worker_restart_window_s before it stays down", check=NON_NEGATIVE
     )
     worker_restart_window_s: float = knob(300.0, help="window of worker_restart_limit, s", check=POSITIVE)
+    # Input bounds (router/limits.py, README "Security"): one client cannot stall the router's loop.
+    max_http_body_bytes: int = knob(8 << 20, help="largest HTTP request body (413 beyond)", check=POSITIVE)
+    max_choices_per_request: int = knob(
+        64, help="prompts x n of one HTTP completion call (400 beyond)", check=POSITIVE
+    )
+    max_stop_token_ids: int = knob(256, help="stop_token_ids of one request", check=POSITIVE)
+    max_logprob_tokens: int = knob(
+        1 << 16, help="(logprobs + 1) x max_tokens of one request: log-probabilities it may return", check=POSITIVE
+    )
+    max_streams_per_client: int = knob(
+        256, help="requests one client (peer host) may have running or queued at once", check=POSITIVE
+    )
+    max_pressure_watchers: int = knob(64, help="WatchBlockPressure streams open at once", check=POSITIVE)
+    prompt_threads: int = knob(2, help="threads that tokenize and render prompts, off the event loop", check=POSITIVE)
+    max_pending_prompts: int = knob(256, help="prompts waiting for those threads (beyond: RESOURCE_EXHAUSTED)",
+                                    check=POSITIVE)  # fmt: skip
 
     def __post_init__(self) -> None:
         validate(self)
@@ -73,5 +99,7 @@ class RouterConfig:
             raise ValueError("need 0 <= low_watermark <= high_watermark <= 1")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key go together")
+        if self.metrics_auth and not (self.auth_token or self.auth_keys):
+            raise ValueError("metrics_auth needs auth_token or auth_keys")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key")

@@ -38,6 +38,7 @@ class Dispatcher:
         self._seq = itertools.count(1)
         self.by_worker_rid: dict[str, RouterRequest] = {}  # current dispatches only
         self._orphans: OrderedDict[str, None] = OrderedDict()  # a previous router's requests, aborted
+        self._foreign_logged: set[str] = set()
 
     def current(self, worker_rid: str) -> RouterRequest | None:
         return self.by_worker_rid.get(worker_rid)
@@ -56,12 +57,21 @@ class Dispatcher:
             self._orphans.popitem(last=False)
         self.router.link.send(worker_id, pb.RouterCommand(abort=pb.Abort(request_id=out.request_id)))
 
+    def foreign(self, worker_id: str, out: pb.RequestOutput, r: RouterRequest) -> None:
+        """An output for a current dispatch from a worker it is not on: never delivered (a worker
+        cannot write into another's streams); logged once per worker."""
+        if worker_id not in self._foreign_logged and len(self._foreign_logged) < _MAX_ORPHANS:
+            self._foreign_logged.add(worker_id)
+            logger.warning("worker %s sent output for %s, which runs on %s: dropped (logged once per worker)",
+                           worker_id, out.request_id, sorted(r.dispatch_workers))  # fmt: skip
+
     def dispatch(self, r: RouterRequest, worker_id: str, promised_blocks: int) -> None:
         """Send ``r`` to ``worker_id`` under a fresh dispatch id, promising ``promised_blocks`` there
         until the worker's report shows them (the one dispatch path: placement, pump, preemption)."""
         router = self.router
         self.forget(r)
         r.worker_rid = f"{r.request_id}#{self.incarnation}.{next(self._seq)}"
+        r.dispatch_workers = {worker_id}
         self.by_worker_rid[r.worker_rid] = r
         entry = router.table[worker_id]
         entry.in_flight[r.worker_rid] = promised_blocks

@@ -40,6 +40,7 @@ import logging
 import math
 import re
 import socket
+import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -57,6 +58,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from protos.kvserve.v1 import serving_pb2 as spb
 from router import http_metrics
 from router.health import cluster_ready, serving_workers
+from router.limits import Bounds
 from router.router import Router, RouterError, RouterRequest
 
 logger = logging.getLogger(__name__)
@@ -209,11 +211,7 @@ def completion_requests(body: CompletionBody) -> list[spb.GenerateRequest]:
     """One GenerateRequest per (prompt, choice), in OpenAI's choice order (prompt-major)."""
     if body.echo:
         raise _bad("echo", "not supported")
-    prompts: list[str | list[int]]
-    if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)):
-        prompts = [body.prompt]  # type: ignore[list-item]
-    else:
-        prompts = list(body.prompt)  # type: ignore[arg-type]
+    prompts = _prompts(body)
     if not prompts:
         raise _bad("prompt", "empty prompt")
     out = []
@@ -227,6 +225,13 @@ def completion_requests(body: CompletionBody) -> list[spb.GenerateRequest]:
             r.sampling.CopyFrom(_sampling(body, body.max_tokens, body.logprobs, j))
             out.append(r)
     return out
+
+
+def _prompts(body: CompletionBody) -> list[str | list[int]]:
+    """The completion's prompts: one text or id list, or a list of them."""
+    if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)):
+        return [body.prompt]  # type: ignore[list-item]
+    return list(body.prompt)  # type: ignore[arg-type]
 
 
 def _content(m: MessageBody) -> str:
@@ -336,8 +341,9 @@ def _merge_logprobs(acc: dict[str, Any] | None, new: dict[str, Any], chat: bool)
 class OpenAIApi:
     """The FastAPI app over one Router. Every handler runs on the router's event loop."""
 
-    def __init__(self, router: Router, auth_token: str | None = None) -> None:
+    def __init__(self, router: Router, auth_token: str | None = None, bounds: Bounds | None = None) -> None:
         self.router = router
+        self.bounds = bounds or Bounds(router)
         self._expected = f"Bearer {auth_token}".encode() if auth_token else None
         self._text = _TokenText(router.tokenizer)
         self.app = FastAPI(title="kvserve OpenAI-compatible API", docs_url=None, redoc_url=None)
@@ -345,34 +351,50 @@ class OpenAIApi:
 
     # -- plumbing --
     def model_name(self) -> str:
-        return self.router.model_id or "kvserve"
+        """The served name, fixed from the start (as ``vllm serve --served-model-name``, default the model
+        argument): a client that reads ``/v1/models`` before the workers are up gets the name it will use."""
+        c = self.router.config
+        return c.served_model_name or c.model or self.router.model_id or "kvserve"
+
+    def _model_names(self) -> set[str]:
+        """Names a request may give: the served name, the model argument and the workers' model id, each
+        also as its last path component (the short name)."""
+        c = self.router.config
+        names = {n for n in (c.served_model_name, c.model, self.router.model_id) if n} or {"kvserve"}
+        return names | {Path(n).name for n in names}
 
     def _check_auth(self, request: Request) -> None:
-        if self._expected is None:
+        if self._expected is None and self.bounds.tenancy is None:
             return
         got = request.headers.get("authorization", "").encode()
+        if self.bounds.principal(got) is not None:
+            return  # an API key (router/tenancy.py)
         # NOTE: constant-time compare, as the gRPC interceptor (router/auth.py).
-        if not hmac.compare_digest(got, self._expected):
+        if self._expected is None or not hmac.compare_digest(got, self._expected):
             raise ApiError(401, "missing or wrong bearer token (send 'Authorization: Bearer <token>')",
                            "authentication_error")  # fmt: skip
 
     def _check_model(self, model: str | None) -> None:
-        name = self.model_name()
-        if model is not None and model not in (name, Path(name).name):
-            raise ApiError(404, f"model {model!r} does not exist; this server serves {name!r}",
+        if model is not None and model not in self._model_names():
+            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.model_name()!r}",
                            "not_found_error", "model")  # fmt: skip
 
-    def _submit(self, requests: list[spb.GenerateRequest], chat: bool) -> list[RouterRequest]:
-        """Admit every choice's request, or none (the ones already admitted are cancelled)."""
-        admitted: list[RouterRequest] = []
+    async def _submit(self, request: Request, requests: list[spb.GenerateRequest], chat: bool) -> list[RouterRequest]:
+        """Admit every choice's request, or none (the ones already admitted are cancelled);
+        prompts are tokenized off the loop, and the bounds of router/limits.py apply."""
+        client = request.client.host if request.client else ""
+        who = self.bounds.principal(request.headers.get("authorization"))
         try:
-            for r in requests:
-                admitted.append(self.router.submit(r))
+            return await self.bounds.submit_all(client, requests, who=who)
         except RouterError as e:
-            for r in admitted:
-                self.router.cancel(r)
             raise api_error(e, chat) from e
-        return admitted
+
+    def _check_choices(self, num_prompts: int, n: int) -> None:
+        """prompts x n before any request is built (each becomes a router request)."""
+        limit = self.bounds.limits.max_choices_per_request
+        if num_prompts * n > limit:
+            raise _bad("prompt", f"{num_prompts} prompts x n={n} choices, at most {limit} "
+                                 "(limit max_choices_per_request)")  # fmt: skip
 
     def _cancel_unfinished(self, admitted: list[RouterRequest]) -> None:
         for r in admitted:
@@ -411,14 +433,16 @@ class OpenAIApi:
     # -- handlers --
     async def completions(self, body: CompletionBody, request: Request) -> Any:
         self._check_model(body.model)
+        self._check_choices(len(_prompts(body)), body.n)
         return await self._generate(request, body, completion_requests(body), chat=False)
 
     async def chat_completions(self, body: ChatBody, request: Request) -> Any:
         self._check_model(body.model)
+        self._check_choices(1, body.n)
         return await self._generate(request, body, chat_requests(body), chat=True)
 
     async def _generate(self, request: Request, body: Any, requests: list[spb.GenerateRequest], chat: bool) -> Any:
-        admitted = self._submit(requests, chat)
+        admitted = await self._submit(request, requests, chat)
         head = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
             "created": int(time.time()),
@@ -606,6 +630,59 @@ class MetricsMiddleware:
             http_metrics.HTTP_DURATION.labels(route).observe(time.monotonic() - start)
 
 
+_MAX_DRAIN_BYTES = 64 << 20  # what a refused body may still send before the connection is dropped
+
+
+class BodyLimitMiddleware:
+    """Refuses a request body over ``max_bytes`` with 413 before anything parses it (by its
+    Content-Length when it gives one, else as the bytes arrive); passes the body it read on."""
+
+    def __init__(self, app: Callable, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or ()).get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.max_bytes:
+            await self._refuse(send, receive)
+            return
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away before sending its body
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._refuse(send, receive)
+                return
+            more = message.get("more_body", False)
+        body = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay() -> dict:
+            return body.pop() if body else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send: Callable, receive: Callable) -> None:
+        error = ApiError(413, f"request body over {self.max_bytes} bytes (limit max_http_body_bytes)",
+                         "invalid_request_error")  # fmt: skip
+        payload = json.dumps(error.body()).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+                                (b"connection", b"close")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": payload})
+        # NOTE: read (and drop) what the client is still sending, up to a bound: closing with unread
+        # input makes the kernel reset the connection, and the client may never see the 413.
+        drained, more = 0, True
+        while more and drained <= _MAX_DRAIN_BYTES:
+            message = await receive()
+            drained += len(message.get("body", b""))
+            more = message["type"] == "http.request" and message.get("more_body", False)
+
+
 # ---- the server -----------------------------------------------------------------------------------------
 class _Server(uvicorn.Server):
     @contextlib.contextmanager
@@ -617,13 +694,25 @@ class _Server(uvicorn.Server):
 class HttpApiServer:
     """uvicorn serving ``OpenAIApi`` as a task on the current event loop (beside grpc.aio)."""
 
-    def __init__(self, router: Router, host: str, port: int, auth_token: str | None = None) -> None:
+    def __init__(
+        self,
+        router: Router,
+        host: str,
+        port: int,
+        auth_token: str | None = None,
+        bounds: Bounds | None = None,
+        tls: tuple[str, str, str | None] | None = None,
+    ) -> None:
         """
         Args:
             host, port: where to listen (port 0 = a free one; ``start`` returns it).
             auth_token: require ``Authorization: Bearer <token>`` (all but ``/health``).
+            bounds: the input bounds, shared with the gRPC API (router/limits.py).
+            tls: ``(cert, key, client CA or None)`` PEM files: HTTPS, and with a client CA client
+                certificates required (the gRPC port's ``tls_cert``/``tls_key``/``tls_client_ca``).
         """
-        self.api = OpenAIApi(router, auth_token)
+        self.api = OpenAIApi(router, auth_token, bounds)
+        self.tls = tls
         self.host, self.port = host, port
         self._server: _Server | None = None
         self._task: asyncio.Task | None = None
@@ -641,8 +730,9 @@ class HttpApiServer:
         self.port = int(sock.getsockname()[1])
         # NOTE: log_config=None: the process's logging stays as it is (uvicorn would install its own).
         config = uvicorn.Config(
-            MetricsMiddleware(self.api.app), log_config=None, log_level="warning", access_log=False,
-            lifespan="off", timeout_graceful_shutdown=1,
+            MetricsMiddleware(BodyLimitMiddleware(self.api.app, self.api.bounds.limits.max_http_body_bytes)),
+            log_config=None, log_level="warning", access_log=False,
+            lifespan="off", timeout_graceful_shutdown=1, **self._ssl_options(),
         )  # fmt: skip
         self._server = _Server(config)
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
@@ -651,8 +741,17 @@ class HttpApiServer:
                 self._task.result()  # raises what failed
                 raise OSError("the HTTP API server stopped at startup")
             await asyncio.sleep(0.01)
-        logger.info("OpenAI-compatible HTTP API on http://%s:%d", self.host, self.port)
+        logger.info("OpenAI-compatible HTTP API on %s://%s:%d", "https" if self.tls else "http", self.host, self.port)
         return self.port
+
+    def _ssl_options(self) -> dict[str, Any]:
+        if self.tls is None:
+            return {}
+        cert, key, client_ca = self.tls
+        return {
+            "ssl_certfile": cert, "ssl_keyfile": key, "ssl_ca_certs": client_ca,
+            "ssl_cert_reqs": ssl.CERT_REQUIRED if client_ca else ssl.CERT_NONE,
+        }  # fmt: skip
 
     async def stop(self) -> None:
         if self._server is None or self._task is None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -61,6 +61,18 @@ PREFIX_HITS = Counter("kvserve:prefix_cache_hits", "Prompt tokens found in the p
 PREFILL_TOKENS = Counter(
     "kvserve:prefill_tokens", "Tokens computed in prefill (prompt, recompute after preemption, replay)", _W
 )
+TIER_HITS = Counter("kvserve:prefix_cache_tier_hits", "Prompt tokens loaded from a host or disk tier", [*_W, "tier"])
+TIER_BYTES = Counter(
+    "kvserve:tier_bytes", "KV bytes a worker spilled to (written) or loaded from (loaded) the tiers", [*_W, "direction"]
+)
+TIER_LOAD_SECONDS = Counter("kvserve:tier_load_seconds", "Time spent loading blocks from the tiers", _W)
+TIER_SPILLS_DROPPED = Counter("kvserve:tier_spills_dropped", "Evicted blocks not spilled (writer behind)", _W)
+TIER_BYTES_USED = Gauge("kvserve:tier_cache_bytes_used", "Bytes in the worker's node's tier", [*_W, "tier"])
+TIER_BYTES_CAPACITY = Gauge("kvserve:tier_cache_bytes_capacity", "Budget of the worker's node's tier", [*_W, "tier"])
+TIER_LOAD_RATIO = Gauge(
+    "kvserve:tier_load_recompute_ratio", "Measured load / recompute time of one block (0 = unmeasured)", [*_W, "tier"]
+)
+RECOMPUTE_MS = Gauge("kvserve:recompute_ms_per_block", "Measured prefill time of one KV block", _W)
 PROMPT_TOKENS = Counter("kvserve:prompt_tokens", "Prompt tokens of admitted requests")
 GENERATION_TOKENS = Counter("kvserve:generation_tokens", "Tokens generated and streamed")
 
@@ -70,15 +82,9 @@ ITL = Histogram("kvserve:inter_token_latency_seconds", "Time between streamed to
 E2E = Histogram("kvserve:e2e_request_latency_seconds", "Arrival to final token", buckets=_LATENCY_BUCKETS)
 QUEUE_TIME = Histogram("kvserve:request_queue_time_seconds", "Arrival to dispatch", buckets=_LATENCY_BUCKETS)
 
-@dataclass(frozen=True)
-class CounterDeltas:
-    """What a worker counted since its previous report (PressureReport carries running totals)."""
-
-    preemptions: int = 0
-    swaps: int = 0
-    prefix_query_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    prefill_tokens: int = 0
+# What a worker counted since its previous report: each ``*_total`` field of PressureReport by name
+# (``WorkerState.deltas``), so a new counter needs no code here beyond the line that exports it.
+CounterDeltas = Mapping[str, int]
 
 
 class RouterMetrics:
@@ -96,11 +102,32 @@ class RouterMetrics:
         WAITING.labels(w).set(r.num_waiting)
         SWAPPED.labels(w).set(r.num_swapped)
         REPORT_TIME.labels(w).set_to_current_time()
-        PREEMPTIONS.labels("recompute").inc(counted.preemptions - counted.swaps)
-        PREEMPTIONS.labels("swap").inc(counted.swaps)
-        PREFIX_QUERIES.labels(w).inc(counted.prefix_query_tokens)
-        PREFIX_HITS.labels(w).inc(counted.prefix_hit_tokens)
-        PREFILL_TOKENS.labels(w).inc(counted.prefill_tokens)
+        swaps = counted["num_swaps_total"]
+        PREEMPTIONS.labels("recompute").inc(counted["num_preemptions_total"] - swaps)
+        PREEMPTIONS.labels("swap").inc(swaps)
+        PREFIX_QUERIES.labels(w).inc(counted["prefix_cache_query_tokens_total"])
+        PREFIX_HITS.labels(w).inc(counted["prefix_cache_hit_tokens_total"])
+        PREFILL_TOKENS.labels(w).inc(counted["prefill_tokens_total"])
+        if r.host_cache_bytes_capacity or r.disk_cache_bytes_capacity:  # a worker with tiers (docs/architecture.md §3a)
+            self._observe_tiers(r, counted)
+
+    @staticmethod
+    def _observe_tiers(r: pb.PressureReport, counted: CounterDeltas) -> None:
+        w = r.worker_id
+        TIER_HITS.labels(w, "host").inc(counted["prefix_cache_host_hit_tokens_total"])
+        TIER_HITS.labels(w, "disk").inc(counted["prefix_cache_disk_hit_tokens_total"])
+        TIER_BYTES.labels(w, "written").inc(counted["tier_bytes_written_total"])
+        TIER_BYTES.labels(w, "loaded").inc(counted["tier_bytes_loaded_total"])
+        TIER_LOAD_SECONDS.labels(w).inc(counted["tier_load_seconds_total"])
+        TIER_SPILLS_DROPPED.labels(w).inc(counted["tier_spills_dropped_total"])
+        tiers = (("host", r.host_cache_bytes_used, r.host_cache_bytes_capacity, r.host_load_ratio),
+                 ("disk", r.disk_cache_bytes_used, r.disk_cache_bytes_capacity, r.disk_load_ratio))  # fmt: skip
+        for tier, used, capacity, ratio in tiers:
+            if capacity:
+                TIER_BYTES_USED.labels(w, tier).set(used)
+                TIER_BYTES_CAPACITY.labels(w, tier).set(capacity)
+                TIER_LOAD_RATIO.labels(w, tier).set(ratio)
+        RECOMPUTE_MS.labels(w).set(r.recompute_ms_per_block)
 
     def worker_up(self, worker_id: str, up: bool) -> None:
         WORKER_UP.labels(worker_id).set(1 if up else 0)
@@ -147,8 +174,13 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
-def start_metrics_server(port: int, addr: str = "127.0.0.1") -> WSGIServer:
+def start_metrics_server(
+    port: int, addr: str = "127.0.0.1", authorized: Callable[[str], bool] | None = None
+) -> WSGIServer:
     """Serve ``/metrics`` on ``addr:port`` (a daemon thread), always in the Prometheus text format.
+
+    ``authorized``: when given, a scrape whose ``Authorization`` header it refuses gets 401
+    (``router.metrics_auth``: the client API's token or API keys).
 
     NOTE: prometheus_client >= 0.22 writes OpenMetrics sample names with ':' turned into '_' while
     their ``# TYPE`` lines keep it (prometheus/client_python#1177). Prometheus asks for OpenMetrics
@@ -158,6 +190,9 @@ def start_metrics_server(port: int, addr: str = "127.0.0.1") -> WSGIServer:
     app = make_wsgi_app()
 
     def text_format(environ: dict, start_response):  # noqa: ANN202 - WSGI
+        if authorized is not None and not authorized(environ.get("HTTP_AUTHORIZATION", "")):
+            start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")])
+            return [b"missing or wrong bearer token\n"]
         environ.pop("HTTP_ACCEPT", None)
         return app(environ, start_response)
 

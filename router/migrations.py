@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 from protos.kvserve.v1 import worker_pb2 as pb
 from router.pipeline import RequestPipeline
@@ -45,25 +45,20 @@ class Mover:
         # "after_import") with the request and the move; it may raise, hang, cancel or kill.
         self.fault: Callable[[str, RouterRequest, Migration], Awaitable[None]] | None = None
 
-    def running(self) -> list[RunningRequest]:
-        """The requests on workers, as rebalancing sees them."""
+    def running(self) -> Iterator[RunningRequest]:
+        """The requests on workers, as rebalancing sees them. NOTE: lazy: a pressure report (the hot
+        path) builds none of them unless its worker is past the watermark (``plan_migration`` reads
+        them last)."""
         limits = self.router.limits
         # NOTE: generation also stops at max_model_len, so that bounds the tokens still to come.
         max_len = limits.max_model_len if limits is not None else 0
-        return [
-            RunningRequest(
-                r.request_id,
-                r.worker_id,
-                r.priority,
-                r.arrival,
-                len(r.prompt_ids) + r.tokens_received,
-                r.tokens_received,
-                preemptible=not r.router_preempted,
-                remaining_tokens=max(min(r.params.max_tokens, max_len - len(r.prompt_ids)) - r.tokens_received, 0),
-            )  # fmt: skip
-            for r in self.router.requests.values()
-            if r.worker_id is not None
-        ]
+        for r in list(self.router.requests.values()):
+            if r.worker_id is None:
+                continue
+            remaining = max(min(r.params.max_tokens, max_len - len(r.prompt_ids)) - r.tokens_received, 0)
+            tokens = len(r.prompt_ids) + r.tokens_received
+            yield RunningRequest(r.request_id, r.worker_id, r.priority, r.arrival, tokens, r.tokens_received,
+                                 preemptible=not r.router_preempted, remaining_tokens=remaining)  # fmt: skip
 
     def rebalance(self, src: WorkerState) -> None:
         """Start the migration off ``src`` that ``plan_migration`` decides, if any."""
@@ -101,7 +96,7 @@ class Mover:
         phase = "export"
         try:
             await self._fault("before_export", r, move)
-            state = await self._call(src, src_inc, "export_request", rid)
+            state = await self._call(src, src_inc, "export_request", src.handle.export_request.remote(rid))
             if state is None:
                 return False
             exported = True
@@ -109,13 +104,18 @@ class Mover:
             await self._fault("before_import", r, move)
             if not self._still_on(r, src.worker_id, rid):  # cancelled, finished or replayed meanwhile
                 return False
-            ok = await self._call(dst, dst_inc, "import_request", state)
+            # NOTE: from the import on, the destination's outputs for this dispatch count (they may
+            # arrive before this call returns); the source's keep counting (its last ones may too).
+            r.dispatch_workers.add(dst.worker_id)
+            ok = await self._call(dst, dst_inc, "import_request", dst.handle.import_request.remote(state))
             if not ok:
+                r.dispatch_workers.discard(dst.worker_id)
                 return False
             phase = "commit"
             await self._fault("after_import", r, move)
             if not self._still_on(r, src.worker_id, rid) or dst.state != WORKER_UP:
                 self._abort_on(dst, rid)  # nobody will read that copy
+                r.dispatch_workers.discard(dst.worker_id)
                 return False
             # Committed: the request lives on dst from now on (a src death no longer replays it).
             committed = True
@@ -135,6 +135,7 @@ class Mover:
             if phase in ("import", "commit") and not committed:
                 # NOTE: the import landed, or one that timed out still may: nobody reads that copy.
                 self._abort_on(dst, rid)
+                r.dispatch_workers.discard(dst.worker_id)
             return False
         finally:
             if exported:
@@ -148,20 +149,21 @@ class Mover:
         """``r`` is alive and still the same dispatch on ``worker_id``."""
         return not r.finished and not r.cancelled and r.worker_id == worker_id and r.worker_rid == rid
 
-    async def _call(self, entry: WorkerState, incarnation: str, method: str, *args: object) -> object:
-        """A migration call bounded by ``entry``'s stall threshold; a timeout is a stall (the
-        worker is given up: its requests replayed, its actor killed) and raises TimeoutError."""
+    async def _call(self, entry: WorkerState, incarnation: str, method: str, call: Awaitable[object]) -> object:
+        """Await a migration ``call`` to ``entry`` bounded by its stall threshold; a timeout is a
+        stall (the worker is given up: its requests replayed, its actor killed) and raises
+        TimeoutError."""
         table = self.router.table
         threshold = table.stall_threshold_s(entry)
         try:
-            return await asyncio.wait_for(getattr(entry.handle, method).remote(*args), threshold)
+            return await asyncio.wait_for(call, threshold)
         except TimeoutError:
             table.give_up(entry, f"{method} did not return in {threshold:.1f}s", incarnation)
             raise
 
     async def _finish_export(self, src: WorkerState, incarnation: str, rid: str, migrated: bool) -> None:
         try:
-            await self._call(src, incarnation, "finish_export", rid, migrated)
+            await self._call(src, incarnation, "finish_export", src.handle.finish_export.remote(rid, migrated))
         except Exception as e:  # noqa: BLE001 - a dead or hung source takes its paused copy with it
             logger.warning("finish_export(%s, migrated=%s) on %s failed: %r", rid, migrated, src.worker_id, e)
 

@@ -26,12 +26,20 @@ the request ends or moves; ``affinity`` counts leading hashes that are cached *o
 worker (placement's prefix lookup), while ``overlap`` stays "cached now" (what the worker can hit
 at once, e.g. for the blocks a placement promises). Pending entries survive gaps and resyncs (the
 router knows them itself) and go with ``remove_worker``.
+
+Tiers (docs/architecture.md §3a): events and snapshots name a tier. Device events describe the
+worker's own pool (the sets above). Host and disk tiers belong to the worker's *node* (``set_node``;
+a worker with no node id is a node of its own), shared by every worker there: any of them may
+report a block another one stored, and a hit there is available to all of them. ``affinity``
+reports, after a worker's own match, the run of following blocks its node's host tier holds, then
+the disk tier (``PrefixMatch.host`` / ``.disk``). A gap drops the worker's device set only; the
+node's tier sets are replaced by the next snapshot that carries them.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from router.placement.views import PrefixMatch
@@ -54,6 +62,16 @@ class PrefixIndex:
     def __init__(self) -> None:
         self._workers: dict[str, _WorkerIndex] = {}
         self._pending: dict[str, tuple[str, tuple[int, ...]]] = {}  # request_id -> (worker_id, hashes)
+        self._tiers: dict[tuple[str, str], set[int]] = {}  # (node, "host" | "disk") -> hashes there
+        # NOTE: kept across remove_worker: a worker that comes back runs on the same node.
+        self._nodes: dict[str, str] = {}  # worker_id -> node_id
+
+    def set_node(self, worker_id: str, node_id: str) -> None:
+        """Say which node ``worker_id`` runs on ("" = unknown: the worker is a node of its own)."""
+        self._nodes[worker_id] = node_id
+
+    def _node(self, worker_id: str) -> str:
+        return self._nodes.get(worker_id) or f"worker:{worker_id}"
 
     def apply(self, worker_id: str, events: Iterable[BlockEvent]) -> bool:
         """Fold a batch of ``worker_id``'s events, in order (see the module doc for seq rules).
@@ -78,7 +96,13 @@ class PrefixIndex:
                 found_gap = True
                 continue
             index.last_seq = event.seq
-            if isinstance(event, BlockStored):
+            if isinstance(event, BlockStored | BlockRemoved) and event.tier != "device":
+                held = self._tiers.setdefault((self._node(worker_id), event.tier), set())
+                if isinstance(event, BlockStored):
+                    held.update(event.hashes)
+                else:
+                    held.difference_update(event.hashes)
+            elif isinstance(event, BlockStored):
                 index.hashes.update(event.hashes)
             elif isinstance(event, BlockRemoved):
                 index.hashes.difference_update(event.hashes)
@@ -86,8 +110,11 @@ class PrefixIndex:
                 index.hashes.clear()
         return found_gap
 
-    def load_snapshot(self, worker_id: str, seq: int, hashes: Iterable[int]) -> bool:
-        """Replace ``worker_id``'s hash set with a snapshot taken as of event ``seq``.
+    def load_snapshot(
+        self, worker_id: str, seq: int, hashes: Iterable[int], tiers: Mapping[str, Iterable[int]] | None = None
+    ) -> bool:
+        """Replace ``worker_id``'s hash set with a snapshot taken as of event ``seq``; ``tiers`` (tier ->
+        hashes) replace its node's host/disk sets (a tier left out keeps its set).
 
         Later events continue from ``seq + 1``. While the worker is in sync, a snapshot older
         than the last applied event is stale and ignored; in resync any snapshot is taken (a
@@ -102,7 +129,27 @@ class PrefixIndex:
         index.last_seq = seq
         index.needs_resync = False
         index.hashes = set(hashes)
+        for tier, held in (tiers or {}).items():
+            self._tiers[(self._node(worker_id), tier)] = set(held)
         return True
+
+    def tier_hashes(self, worker_id: str, tier: str) -> frozenset[int]:
+        """A copy of the ``tier`` set of ``worker_id``'s node (empty if unknown)."""
+        return frozenset(self._tiers.get((self._node(worker_id), tier), ()))
+
+    def _tier_runs(self, worker_id: str, hashes: Sequence[int]) -> tuple[int, int]:
+        """Leading blocks of ``hashes`` in the node's host tier, then the following ones in its disk tier."""
+        node = self._node(worker_id)
+        runs = []
+        start = 0
+        for tier in ("host", "disk"):
+            held = self._tiers.get((node, tier), ())
+            n = 0
+            while start + n < len(hashes) and hashes[start + n] in held:
+                n += 1
+            runs.append(n)
+            start += n
+        return runs[0], runs[1]
 
     def needs_resync(self, worker_id: str) -> bool:
         """Whether ``worker_id``'s entries were dropped after a gap and await a snapshot."""
@@ -174,7 +221,8 @@ class PrefixIndex:
         """
         index = self._workers.get(worker_id)
         if index is None:
-            return PrefixMatch(0, 0, 0)
+            host, disk = self._tier_runs(worker_id, hashes) if self._tiers else (0, 0)
+            return PrefixMatch(0, 0, 0, host, disk)
         present, pending = index.hashes, index.pending
         count = cached = idle = 0
         for h in hashes:
@@ -186,7 +234,8 @@ class PrefixIndex:
                 cached += 1
                 idle += not held
             count += 1
-        return PrefixMatch(count, cached, idle)
+        host, disk = self._tier_runs(worker_id, hashes[count:]) if self._tiers else (0, 0)
+        return PrefixMatch(count, cached, idle, host, disk)
 
     def overlaps(self, hashes: Sequence[int]) -> dict[str, int]:
         """``overlap`` for every known worker."""
@@ -215,5 +264,8 @@ class PrefixIndex:
         """Forget ``worker_id`` entirely, its pending placements too (a no-op if unknown); it restarts at
         seq 0 if seen again."""
         self._workers.pop(worker_id, None)
+        nodes = {self._node(w) for w in self._workers}
+        for key in [k for k in self._tiers if k[0] not in nodes]:  # no worker left on that node
+            del self._tiers[key]
         for request_id in [r for r, (w, _) in self._pending.items() if w == worker_id]:
             del self._pending[request_id]

@@ -7,7 +7,8 @@ from typing import Any
 
 from protos.kvserve.v1 import serving_pb2 as spb
 from router.validation import MAX_TEXT_CHARS, ModelLimits, ValidationError, chat_messages, validate_prompt_ids
-from workers.text.chat_template import ChatTemplate, ChatTemplateError
+from workers.text.chat_encoding import encode_chat
+from workers.text.chat_template import ChatTemplate
 
 
 def prompt_ids(
@@ -44,11 +45,11 @@ def prompt_ids(
         if tokenizer is None or chat_template is None:
             raise ValidationError("prompt.messages", "this model has no chat template; send prompt.text")
         try:
-            text = chat_template.render(messages, add_generation_prompt=True)
-        except ChatTemplateError as e:
+            # NOTE: only the template's own markup yields control tokens (BOS included); special-token
+            # strings inside content stay text (workers/text/chat_encoding.py, README "Security").
+            ids = encode_chat(tokenizer, chat_template, messages, add_generation_prompt=True)
+        except ValueError as e:  # ChatTemplateError, or content that cannot stay text
             raise ValidationError("prompt.messages", str(e)) from e
-        # NOTE: the template wrote the special tokens (BOS included), as HF's apply_chat_template.
-        ids = tokenizer.encode(text, add_special_tokens=False)
         validate_prompt_ids(ids, limits, "prompt.messages")
         return ids
     raise ValidationError("prompt", "set prompt.text, prompt.token_ids or prompt.messages")

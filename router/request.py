@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -46,12 +47,15 @@ class RouterRequest:
     block_hashes: tuple[int, ...]
     num_blocks: int  # prompt blocks, for queue accounting
     arrival: float = field(default_factory=time.monotonic)
-    responses: asyncio.Queue = field(default_factory=asyncio.Queue)
+    responses: asyncio.Queue | Any = field(default_factory=asyncio.Queue)  # or a MuxSlot (router/mux.py)
     worker_id: str | None = None
     target: str | None = None  # placement decided, dispatch pending
     tokens_received: int = 0
     output_ids: list[int] = field(default_factory=list)  # tokens delivered to the client (for a replay)
     worker_rid: str = ""
+    # Workers whose outputs count for the current dispatch: the one it was sent to, and a
+    # migration's destination (from its import on); any other worker's are dropped.
+    dispatch_workers: set[str] = field(default_factory=set)
     replays: int = 0  # failover replays (counted in ``migrations`` too)
     finished: bool = False
     cancelled: bool = False

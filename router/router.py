@@ -36,6 +36,7 @@ from router.demux import demux_output, stream_responses
 from router.dispatch import Dispatcher
 from router.metrics import RouterMetrics
 from router.migrations import Mover
+from router.mux import StreamMux
 from router.placement import Decision, Placement, PlacementRequest, fits_anywhere_ever
 from router.prefix_index import PrefixIndex
 from router.prompts import prompt_ids
@@ -138,16 +139,21 @@ class Router(WorkerLinkHandler):
             if self.prefix_index.apply(worker_id, [block_event(e) for e in msg.block_events.events]):
                 self.link.send(worker_id, pb.RouterCommand(request_snapshot=pb.RequestSnapshot()))
         elif kind == "block_snapshot":
-            self.prefix_index.load_snapshot(worker_id, msg.block_snapshot.seq, msg.block_snapshot.hashes)
+            snap = msg.block_snapshot
+            tiers = {t: h for t, h in (("host", snap.host_hashes), ("disk", snap.disk_hashes)) if h}
+            self.prefix_index.load_snapshot(worker_id, snap.seq, snap.hashes, tiers)
 
     # ---- requests ----------------------------------------------------------------------------------
-    def submit(self, request: spb.GenerateRequest, time_remaining_s: float | None = None) -> RouterRequest:
+    def submit(
+        self, request: spb.GenerateRequest, time_remaining_s: float | None = None, mux: StreamMux | None = None
+    ) -> RouterRequest:
         """Validate and place or queue a request.
 
         Args:
             request: the client's request.
             time_remaining_s: seconds left of the client's deadline (None: no deadline); a request
                 is queued only if it is projected to start within it.
+            mux: the multiplexed stream it arrived on (its responses go there; None: its own stream).
 
         Raises:
             RouterError: with the status to return (INVALID_ARGUMENT, ALREADY_EXISTS, UNAVAILABLE,
@@ -168,6 +174,8 @@ class Router(WorkerLinkHandler):
         hashes = tuple(hash_blocks(ids, self.block_size, cache_extra(self.model_id, request.tenant or None)))
         num_blocks = blocks_for(len(ids), self.block_size)
         r = RouterRequest(rid, ids, params, request.priority, request.tenant, hashes, num_blocks)
+        if mux is not None:
+            r.responses = mux.slot(rid)
         views = self.table.views()
         if not any(v.healthy for v in views):
             raise RouterError(grpc.StatusCode.UNAVAILABLE, "no healthy worker")
@@ -283,6 +291,9 @@ class Router(WorkerLinkHandler):
         r = self.dispatcher.current(out.request_id)
         if r is None:
             self.dispatcher.stop_stray(worker_id, out)
+            return
+        if worker_id not in r.dispatch_workers:
+            self.dispatcher.foreign(worker_id, out, r)
             return
         entry = self.table.get(worker_id)
         if entry is not None and r.worker_rid in entry.in_flight:

@@ -24,7 +24,9 @@ same Router.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import hmac
 import logging
 import time
 import uuid
@@ -40,18 +42,25 @@ from grpc_reflection.v1alpha import reflection
 from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import serving_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router import metrics
-from router.auth import BearerAuthInterceptor
+from router.auth import CallerAuthInterceptor
 from router.config import RouterConfig
 from router.health import HealthPublisher
 from router.http_api import HttpApiServer
+from router.limits import Bounds, LimitExceeded, client_of_peer
+from router.mux import StreamMux
+from router.request import RouterRequest
 from router.router import Router, RouterError
 from router.supervision import WorkerSupervision
+from router.tenancy import KeyRing, Principal, Tenancy
+from router.worker_auth import WorkerLinkGate
 from workers.core.identity import WorkerIdentity
 from workers.core.tls import read_pem
+from workers.core.worker_credential import new_worker_key
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_WATCH_INTERVAL_MS = 500
+WATCH_SNAPSHOT_S = 0.025  # NOTE: half the shortest watch interval (50 ms): a watcher sees no staler data
 DEFAULT_READY_TIMEOUT_S = 60.0
 
 
@@ -133,7 +142,13 @@ def add_kvserve_servicer(servicer: serving_pb2_grpc.KVServeServicer, server: grp
         request_class = getattr(spb, m.input_type.name)
         response_class = getattr(spb, m.output_type.name)
         method = getattr(servicer, m.name)
-        if m.server_streaming:
+        if m.client_streaming:
+            handler = grpc.stream_stream_rpc_method_handler(
+                _guard_stream(method, m.name),
+                request_deserializer=_lenient_deserializer(request_class),
+                response_serializer=response_class.SerializeToString,
+            )
+        elif m.server_streaming:
             handler = grpc.unary_stream_rpc_method_handler(
                 _guard_stream(method, m.name),
                 request_deserializer=_lenient_deserializer(request_class),
@@ -159,11 +174,15 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
             (also bounded by the call's own deadline) before UNAVAILABLE.
     """
 
-    def __init__(self, router: Router, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S) -> None:
+    def __init__(
+        self, router: Router, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S, bounds: Bounds | None = None
+    ) -> None:
         if not ready_timeout_s >= 0:
             raise ValueError(f"ready_timeout_s must be >= 0, got {ready_timeout_s}")
         self.router = router
         self.ready_timeout_s = ready_timeout_s
+        self.bounds = bounds or Bounds(router)
+        self._snapshot: tuple[float, spb.ClusterStatus] | None = None
 
     async def _wait_until_ready(self, context: grpc.aio.ServicerContext) -> None:
         """Wait for the first worker's Hello, at most ``ready_timeout_s`` and the call's deadline;
@@ -182,13 +201,18 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
         self, request: spb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[spb.GenerateResponse]:
         await self._wait_until_ready(context)
+        who = self._principal(context)
         try:
-            r = self.router.submit(request, context.time_remaining())
+            (r,) = await self.bounds.submit_all(
+                client_of_peer(context.peer()), [request], context.time_remaining, who
+            )
         except RouterError as e:
             await _abort(context, e)
             return
         try:
             async for response in self.router.stream(r):
+                if who is not None:  # the id as the tenant knows it
+                    response.request_id = self.bounds.tenancy.unscoped_id(who, response.request_id)  # type: ignore[union-attr]
                 yield response
         except RouterError as e:
             await _abort(context, e)
@@ -197,8 +221,100 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
             if not r.finished:
                 self.router.cancel(r)
 
+    async def GenerateStream(  # noqa: N802 - gRPC method name
+        self, requests: AsyncIterator[spb.GenerateStreamRequest | Undecodable], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[spb.GenerateBatch]:
+        """Many requests over one stream, answered by one ``GenerateBatch`` per wake-up (router/mux.py).
+
+        Ends when the client closed its side and every request it sent has ended; a request refused or
+        ended abnormally gets a ``RequestError``, not the stream's status. A message that cannot be
+        answered by id (undecodable, no request_id, an id in use on the stream) ends the stream
+        INVALID_ARGUMENT. Closing, cancelling or ending the stream cancels every request still running
+        on it (their blocks are freed)."""
+        await self._wait_until_ready(context)
+        mux = StreamMux()
+        live: dict[str, RouterRequest] = {}
+        who = self._principal(context)
+        caller = (client_of_peer(context.peer()), who)
+        reader = asyncio.get_running_loop().create_task(self._read_stream(requests, mux, live, caller))
+        try:
+            while True:
+                batch = await mux.next_batch()
+                if who is not None:  # the ids as the tenant knows them
+                    tenancy = self.bounds.tenancy
+                    for item in (*batch.responses, *batch.errors):
+                        item.request_id = tenancy.unscoped_id(who, item.request_id)  # type: ignore[union-attr]
+                for resp in batch.responses:
+                    if resp.finish_reason:
+                        live.pop(resp.request_id, None)
+                for err in batch.errors:
+                    live.pop(err.request_id, None)
+                if batch.responses or batch.errors:
+                    yield batch
+                if reader.done():
+                    reader.result()  # NOTE: re-raises what stopped the reader (a bad message: the stream's status)
+                    if not live:
+                        return
+        except RouterError as e:
+            await _abort(context, e)
+        finally:
+            reader.cancel()
+            for r in live.values():
+                if not r.finished:
+                    self.router.cancel(r)
+
+    async def _read_stream(
+        self,
+        requests: AsyncIterator[Any],
+        mux: StreamMux,
+        live: dict[str, RouterRequest],
+        caller: tuple[str, Principal | None],
+    ) -> None:
+        try:
+            await self._read_requests(requests, mux, live, caller)
+        finally:
+            mux.wake()  # NOTE: the writer then sees the reader done (the client closed its side, or failed)
+
+    async def _read_requests(
+        self,
+        requests: AsyncIterator[Any],
+        mux: StreamMux,
+        live: dict[str, RouterRequest],
+        caller: tuple[str, Principal | None],
+    ) -> None:
+        client, who = caller
+        async for msg in requests:
+            if isinstance(msg, Undecodable):
+                raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable {msg.message_type}: {msg.error}")
+            if msg.WhichOneof("kind") == "cancel_request_id":
+                r = live.get(msg.cancel_request_id)
+                if r is not None and not r.finished:
+                    self.router.cancel(r)
+                    mux.put(r.request_id, RouterError(grpc.StatusCode.CANCELLED, "cancelled by the client"))
+                continue
+            rid = msg.generate.request_id
+            if not rid or rid in live:
+                # NOTE: the stream's status, not a RequestError: an answer to this request could not be
+                # told from one to the request that holds the id.
+                why = "missing" if not rid else f"{rid!r} already in use on this stream"
+                raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"request_id {why}: GenerateStream requests need ids of their own")  # fmt: skip
+            try:
+                # NOTE: the same bounds, tokenization off the loop and tenancy as Generate.
+                (live[rid],) = await self.bounds.submit_all(client, [msg.generate], who=who, mux=mux)
+            except RouterError as e:
+                # NOTE: keyed as the router keys the request's responses (scoped), unscoped on the way out.
+                mux.put(rid if who is None else self.bounds.tenancy.scoped_id(who, rid), e)  # type: ignore[union-attr]
+
     async def Abort(self, request: spb.AbortRequest, context: grpc.aio.ServicerContext) -> spb.AbortResponse:  # noqa: N802
-        return spb.AbortResponse(found=self.router.abort(request.request_id))
+        who = self._principal(context)
+        rid = request.request_id
+        if who is not None:  # NOTE: only the caller's tenant's requests are in its reach
+            rid = self.bounds.tenancy.scoped_id(who, rid)  # type: ignore[union-attr]
+        return spb.AbortResponse(found=self.router.abort(rid))
+
+    def _principal(self, context: grpc.aio.ServicerContext) -> Principal | None:
+        return self.bounds.principal(dict(context.invocation_metadata() or ()).get("authorization"))
 
     async def GetClusterStatus(  # noqa: N802
         self, request: spb.ClusterStatusRequest, context: grpc.aio.ServicerContext
@@ -209,9 +325,22 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
         self, request: spb.WatchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[spb.ClusterStatus]:
         interval = max(request.interval_ms or DEFAULT_WATCH_INTERVAL_MS, 50) / 1000
-        while True:
-            yield self.router.cluster_status()
-            await asyncio.sleep(interval)
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(self.bounds.watchers.hold())
+            except LimitExceeded as e:
+                await context.abort(e.code, str(e))
+            while True:
+                yield self._shared_status()
+                await asyncio.sleep(interval)
+
+    def _shared_status(self) -> spb.ClusterStatus:
+        """One snapshot per ``WATCH_SNAPSHOT_S`` for every watcher: N watchers cost one build, not N
+        (each build walks the request table), so they cannot crowd the loop."""
+        now = time.monotonic()
+        if self._snapshot is None or now - self._snapshot[0] >= WATCH_SNAPSHOT_S:
+            self._snapshot = (now, self.router.cluster_status())
+        return self._snapshot[1]
 
 
 async def _abort(context: grpc.aio.ServicerContext, e: RouterError) -> None:
@@ -221,10 +350,16 @@ async def _abort(context: grpc.aio.ServicerContext, e: RouterError) -> None:
 
 
 def build_server(
-    router: Router, config: RouterConfig, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S
+    router: Router,
+    config: RouterConfig,
+    gate: WorkerLinkGate,
+    bounds: Bounds,
+    ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
 ) -> tuple[grpc.aio.Server, int]:
     """The gRPC server with every service registered and its port bound (not started).
 
+    Client calls are authenticated by ``CallerAuthInterceptor`` (router/auth.py), WorkerLink streams
+    by ``gate`` (router/worker_auth.py), which hands accepted ones to ``router.link``.
     The health service starts NOT_SERVING; ``RouterService.start`` keeps it in step with the
     workers (``router/health.py``).
     """
@@ -233,10 +368,10 @@ def build_server(
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
-    interceptors = [BearerAuthInterceptor(config.auth_token)] if config.auth_token else []
-    server = grpc.aio.server(interceptors=interceptors, options=options)
-    add_kvserve_servicer(KVServeServicer(router, ready_timeout_s), server)
-    worker_pb2_grpc.add_WorkerLinkServicer_to_server(router.link, server)
+    keys = bounds.tenancy.keys if bounds.tenancy is not None else None
+    server = grpc.aio.server(interceptors=[CallerAuthInterceptor(config.auth_token, keys)], options=options)
+    add_kvserve_servicer(KVServeServicer(router, ready_timeout_s, bounds), server)
+    worker_pb2_grpc.add_WorkerLinkServicer_to_server(gate, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (
@@ -274,11 +409,15 @@ class RouterService:
         metrics_port: int | None = None,
         http_port: int | None = None,
         ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+        worker_key: str | None = None,
     ) -> None:
         """
         Args:
             metrics_port: Prometheus ``/metrics`` (None = off).
             http_port: the OpenAI-compatible HTTP API (None = off, 0 = a free port: see ``http_port()``).
+            worker_key: the cluster's worker key (``workers/core/worker_credential.py``), from the
+                launcher, which issues each worker's credential from it. None: a fresh one no
+                worker holds, so no WorkerLink is accepted (a router without workers, in tests).
         """
         from workers.text.chat_template import ChatTemplate
         from workers.text.tokenizer import load_tokenizer
@@ -288,6 +427,9 @@ class RouterService:
         tokenizer = load_tokenizer(config.model) if config.model else None
         template = ChatTemplate.from_dir(config.model) if config.model else None
         self.router = Router(config, tokenizer=tokenizer, chat_template=template)
+        self.gate = WorkerLinkGate(self.router.link, worker_key or new_worker_key())
+        tenancy = Tenancy(KeyRing.load(config.auth_keys)) if config.auth_keys else None
+        self.bounds = Bounds(self.router, tenancy=tenancy)
         self.metrics_port = metrics_port
         self.port = 0
         self._http_port = http_port
@@ -300,7 +442,7 @@ class RouterService:
     async def start(self) -> str:
         """Start serving; returns the bound ``host:port``. Readiness answers NOT_SERVING until a
         worker can serve (and again whenever none can); liveness answers SERVING."""
-        server, self.port = build_server(self.router, self.config, self.ready_timeout_s)
+        server, self.port = build_server(self.router, self.config, self.gate, self.bounds, self.ready_timeout_s)
         self.health = HealthPublisher(self.router, server._kvserve_health)  # type: ignore[attr-defined]
         await self.health.start()
         await server.start()
@@ -312,10 +454,12 @@ class RouterService:
         metrics.ROUTER_QUEUE_BLOCKS.set_function(lambda: self.router.queue.num_blocks)
         metrics.ROUTER_PROJECTED_WAIT.set_function(self._projected_wait_s)
         if self.metrics_port is not None:
-            metrics.start_metrics_server(self.metrics_port, self.config.host)
+            metrics.start_metrics_server(self.metrics_port, self.config.host, self._metrics_authorized())
         if self._http_port is not None:
             # NOTE: on this loop, beside grpc.aio: one Router, one request table, no extra hop.
-            self._http = HttpApiServer(self.router, self.config.host, self._http_port, self.config.auth_token)
+            c = self.config
+            tls = (c.tls_cert, c.tls_key, c.tls_client_ca) if c.tls_cert and c.tls_key else None
+            self._http = HttpApiServer(self.router, c.host, self._http_port, c.auth_token, self.bounds, tls)
             try:
                 self._http_port = await self._http.start()
             except BaseException:
@@ -324,15 +468,36 @@ class RouterService:
         logger.info("router serving on %s:%d", self.config.host, self.port)
         return f"{self.config.host}:{self.port}"
 
+    def _metrics_authorized(self) -> Callable[[str], bool] | None:
+        """The scrape check of ``router.metrics_auth`` (None: /metrics open)."""
+        token, tenancy = self.config.auth_token, self.bounds.tenancy
+        if not self.config.metrics_auth:
+            return None
+        expected = f"Bearer {token}".encode() if token else None
+
+        def authorized(header: str) -> bool:
+            got = header.encode("latin-1", "replace")
+            if expected is not None and hmac.compare_digest(got, expected):
+                return True
+            return tenancy is not None and tenancy.principal(got) is not None
+
+        return authorized
+
     def _projected_wait_s(self) -> float:
         wait = self.router.queue.projected_wait_s()
         return float("nan") if wait is None else wait
+
+    async def expect_workers(self, worker_ids: list[str]) -> None:
+        """Let these workers' WorkerLinks in (their credentials must still be valid); the launcher
+        calls this before it starts them, as their Hello may come before ``add_worker``."""
+        self.gate.expect(worker_ids)
 
     async def add_worker(
         self, worker_id: str, handle: Any, identity: WorkerIdentity, supervision: WorkerSupervision | None = None
     ) -> None:
         """Register a worker; ``supervision`` carries its restarts and retirement over from a
         previous router (``router/supervision.py``): a retired worker stays retired."""
+        self.gate.expect([worker_id])
         self.router.add_worker(worker_id, handle, identity, supervision)
         entry = self.router.table[worker_id]
         metrics.REPORT_AGE.labels(worker_id).set_function(
@@ -388,6 +553,7 @@ class RouterService:
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
+        self.bounds.close()
 
 
 def router_actor_class():

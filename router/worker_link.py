@@ -137,11 +137,14 @@ def _copy(cmd: pb.RouterCommand) -> pb.RouterCommand:
     return out
 
 
+_TIERS = {pb.TIER_DEVICE: "device", pb.TIER_HOST: "host", pb.TIER_DISK: "disk"}
+
+
 def block_event(e: pb.BlockEvent) -> BlockEvent:
     """A WorkerLink block event as the prefix index's dataclass (workers/core/kv_events.py)."""
     kind = e.WhichOneof("kind")
     if kind == "stored":
-        return BlockStored(e.seq, tuple(e.stored.hashes))
+        return BlockStored(e.seq, tuple(e.stored.hashes), _TIERS[e.stored.tier])
     if kind == "removed":
-        return BlockRemoved(e.seq, tuple(e.removed.hashes))
+        return BlockRemoved(e.seq, tuple(e.removed.hashes), _TIERS[e.removed.tier])
     return AllBlocksCleared(e.seq)

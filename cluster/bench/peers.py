@@ -113,11 +113,18 @@ def resolve_peer(name: str, peer_python: str | None, peer_script: str | None) ->
 class PeerProcess:
     """A loaded peer engine; ``run()`` times one pass. Use as a context manager (it ends the process)."""
 
-    def __init__(self, python: str, script: Path, model: str, prompt_ids: list[list[int]], max_tokens: int) -> None:
+    def __init__(
+        self, python: str, script: Path, model: str, prompt_ids: list[list[int]], max_tokens: int,
+        engine: dict | None = None,
+    ) -> None:  # fmt: skip
+        """``engine``: settings the peer must apply as ours has them (``{"max_num_seqs": 8}``), or refuse."""
         self._dir = tempfile.TemporaryDirectory(prefix="kvserve-peer-")
         work = Path(self._dir.name)
         prompts_file = work / "prompts.json"
-        prompts_file.write_text(json.dumps({"prompt_token_ids": prompt_ids, "max_tokens": max_tokens}))
+        spec: dict = {"prompt_token_ids": prompt_ids, "max_tokens": max_tokens}
+        if engine:
+            spec["engine"] = engine
+        prompts_file.write_text(json.dumps(spec))
         self.log_path = work / "peer.log"
         self._log = self.log_path.open("w")
         self.command = peer_command(python, script, model, prompts_file)

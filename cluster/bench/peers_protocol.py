@@ -6,7 +6,10 @@ import only the standard library, its engine and this module (stdlib only; the s
 line starting with ``PREFIX`` (everything else the peer prints, e.g. its engine's logs, is ignored):
 
 1. runner: ``PEER_PYTHON SCRIPT --model DIR --prompts FILE`` where FILE is
-   ``{"prompt_token_ids": [[...], ...], "max_tokens": N}`` (greedy, ignore_eos, fp32);
+   ``{"prompt_token_ids": [[...], ...], "max_tokens": N}`` (greedy, ignore_eos, fp32), plus, when the
+   bench sets any, ``"engine": {"max_num_seqs": S}`` (at most S requests running at once, as our
+   engine runs them: the served batch sizes); a peer that cannot apply a setting exits with an error
+   naming it, so that no figure is silently taken at a different batch;
 2. peer: loads the model, warms up, prints ``PREFIX READY {"engine": NAME, "version": V}``;
 3. runner: writes ``run`` on the peer's stdin; peer: runs every prompt once and prints
    ``PREFIX RESULT {"seconds": S, "token_ids": [[...], ...]}`` (input order, wall time of the pass);
@@ -21,6 +24,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 PREFIX = "KVSERVE_PEER"
 READY = "READY"
@@ -33,15 +37,31 @@ def emit(kind: str, payload: dict) -> None:
     print(f"{PREFIX} {kind} {json.dumps(payload)}", flush=True)
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[str, list[list[int]], int]:
-    """``(model dir, prompt token-id lists, max tokens)`` from a peer script's command line."""
+@dataclass(frozen=True)
+class PeerSpec:
+    """What a peer runs: the model, the prompts, the output length and engine settings (step 1)."""
+
+    model: str
+    prompt_ids: list[list[int]]
+    max_tokens: int
+    engine: dict = field(default_factory=dict)  # e.g. {"max_num_seqs": 8}
+
+
+def load_spec(argv: list[str] | None = None) -> PeerSpec:
+    """The ``PeerSpec`` of a peer script's command line."""
     p = argparse.ArgumentParser(description="a kvserve bench peer (see cluster/bench/peers_protocol.py)")
     p.add_argument("--model", required=True)
     p.add_argument("--prompts", required=True)
     args = p.parse_args(argv)
     with open(args.prompts) as f:
         spec = json.load(f)
-    return args.model, spec["prompt_token_ids"], int(spec["max_tokens"])
+    return PeerSpec(args.model, spec["prompt_token_ids"], int(spec["max_tokens"]), dict(spec.get("engine") or {}))
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[str, list[list[int]], int]:
+    """``(model dir, prompt token-id lists, max tokens)``: ``load_spec`` for a peer without engine settings."""
+    spec = load_spec(argv)
+    return spec.model, spec.prompt_ids, spec.max_tokens
 
 
 def serve(engine: str, version: str, generate: Callable[[], list[list[int]]]) -> None:

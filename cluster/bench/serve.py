@@ -151,6 +151,8 @@ async def drive(
                         usage={w.worker_id: pool_usage(w.used_blocks, w.total_blocks)
                                for w in st.workers},
                         waiting={w.worker_id: w.num_waiting for w in st.workers},
+                        tier_hit_rates={w.worker_id: (w.prefix_cache_host_hit_rate, w.prefix_cache_disk_hit_rate)
+                                        for w in st.workers},
                     )
                 )  # fmt: skip
             except grpc.RpcError as e:

@@ -12,6 +12,10 @@ Definitions (the ``vllm bench serve`` ones where they exist):
 * ``split_groups``: of the prefix groups (shared-prefix group, multi-turn user) with two or more
   completed requests, the share served by more than one worker (each split recomputes the prefix).
 * ``peak_queue``: the most requests the router's admission queue held in any status poll.
+* ``host_hit_rate`` / ``disk_hit_rate``: the share of prompt tokens loaded from the node's host /
+  disk tier (docs/architecture.md §3a), from the last status poll: each worker's own rate over its
+  lifetime (the run's, with ``--launch``), weighted by its share of the completed requests. The rest
+  of ``hit_rate`` is device (pool) hits.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class StatusSample:
     queue_requests: int
     usage: dict[str, float]
     waiting: dict[str, int]
+    tier_hit_rates: dict[str, tuple[float, float]] = field(default_factory=dict)  # worker -> (host, disk)
 
 
 @dataclass
@@ -128,6 +133,8 @@ ROWS: tuple[tuple[str, str, str], ...] = (
     *((f"{m}_{s}_ms", f"{m.upper()} {s} (ms)", "{:.1f}") for m in LATENCIES for s in STATS),
     ("hit_rate", "prefix hit rate", "{:.3f}"),
     ("hit_of_ideal", "hit rate / possible", "{:.3f}"),
+    ("host_hit_rate", "  of which host tier", "{:.3f}"),
+    ("disk_hit_rate", "  of which disk tier", "{:.3f}"),
     ("max_share_ratio", "max worker share / mean", "{:.2f}"),
     ("split_groups", "prefix groups split over workers", "{:.2f}"),
     ("worker_shares", "worker request shares", "{}"),
@@ -182,6 +189,9 @@ def summarize(run: RunResult, slo: Slo) -> dict[str, Any]:
     out["swaps"] = sum(r.swaps for r in run.records)
     out["migrations"] = sum(r.migrations for r in run.records)
     out["peak_queue"] = max((s.queue_requests for s in run.samples), default=0)
+    last = run.samples[-1].tier_hit_rates if run.samples else {}
+    for i, key in enumerate(("host_hit_rate", "disk_hit_rate")):
+        out[key] = sum(out["worker_shares"].get(w, 0.0) * rates[i] for w, rates in last.items())
     return out
 
 

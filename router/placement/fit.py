@@ -10,6 +10,10 @@ Block arithmetic, per worker ``w`` (block_size ``bs``):
 * ``ready``: of those, the leading blocks cached *now* (``PrefixMatch.cached``; a plain int is
   taken as all cached now). A pending prefix is still being computed: a request placed now
   computes and holds its own copy, so the room check counts only ``ready`` blocks as hits.
+* ``tier_saved``: the prompt blocks after ``cached`` that w's node holds in its host or disk tier
+  (``PrefixMatch.host`` / ``.disk``), each worth its tier's measured credit
+  (``WorkerView.host_credit``: ``1 - load/recompute``), in prefill blocks. Loaded blocks land in
+  fresh blocks, so they are part of ``need``.
 * ``need = prompt_blocks - ready + decode_reserve_blocks``: what the placement promises.
 * ``available = free + cached_evictable - min(idle_hits, cached_evictable) - blocks_in_flight
   - blocks_migrating_in`` (``room_for``)
@@ -42,6 +46,7 @@ class Fit:
         need: blocks the placement takes there (the router promises exactly these).
         available: room there before the placement.
         usage_after: fraction of the pool committed after the placement, 0..1.
+        tier_saved: prefill blocks the node's host/disk tiers save there (module doc).
     """
 
     prompt_blocks: int
@@ -49,6 +54,7 @@ class Fit:
     need: int
     available: int
     usage_after: float
+    tier_saved: float = 0.0
 
 
 def prefix_match(hits: int) -> PrefixMatch:
@@ -64,16 +70,21 @@ def fit(request: PlacementRequest, worker: WorkerView, prefix_hits: PrefixHits) 
     n_tokens, hashes = request.num_prompt_tokens, request.block_hashes
     prompt_blocks = blocks_for(n_tokens, bs)
     cached = ready = idle = 0
+    tier_saved = 0.0
     if hashes:
         match = prefix_match(prefix_hits(worker.worker_id, hashes))
-        cached = max(0, min(match, len(hashes), (n_tokens - 1) // bs))
+        cap = min(len(hashes), (n_tokens - 1) // bs)
+        cached = max(0, min(match, cap))
         ready = min(cached, match.cached)
         idle = min(ready, match.idle)
+        host = max(0, min(match.host, cap - cached))
+        disk = max(0, min(match.disk, cap - cached - host))
+        tier_saved = host * worker.host_credit + disk * worker.disk_credit
     need = prompt_blocks - ready + request.decode_reserve_blocks
     available = room_for(worker, idle)
     if need > available:
         return None
-    return Fit(prompt_blocks, cached, need, available, min(1.0, (total - available + need) / total))
+    return Fit(prompt_blocks, cached, need, available, min(1.0, (total - available + need) / total), tier_saved)
 
 
 def room_for(worker: WorkerView, idle_hits: int) -> int:

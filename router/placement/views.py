@@ -21,6 +21,9 @@ class PrefixMatch(int):
     * ``idle``: of ``cached``, those with no live placement on the worker holding them, i.e. (as
       far as the router knows) in its evictable pool: a request reuses them, so they are not also
       free room for its new blocks (router/placement.py ``room_for``).
+    * ``host``, ``disk``: the blocks right after the match that the worker's node holds in its host
+      tier, then those (after the host run) in its disk tier (docs/architecture.md §3a): the worker
+      loads them into fresh blocks instead of computing them, at the cost its reports measure.
 
     NOTE: an int subclass so that ``affinity`` keeps the ``PrefixHits`` contract
     (``(worker_id, hashes) -> int``) every caller relies on.
@@ -31,13 +34,18 @@ class PrefixMatch(int):
 
     cached: int
     idle: int
+    host: int
+    disk: int
 
-    def __new__(cls, value: int, cached: int, idle: int) -> PrefixMatch:
-        if not 0 <= idle <= cached <= value:
-            raise ValueError(f"need 0 <= idle <= cached <= matched, got {idle}, {cached}, {value}")
+    def __new__(cls, value: int, cached: int, idle: int, host: int = 0, disk: int = 0) -> PrefixMatch:
+        if not 0 <= idle <= cached <= value or min(host, disk) < 0:
+            raise ValueError(f"need 0 <= idle <= cached <= matched and tier runs >= 0, got {idle}, {cached}, "
+                             f"{value}, {host}, {disk}")  # fmt: skip
         match = super().__new__(cls, value)
         match.cached = cached
         match.idle = idle
+        match.host = host
+        match.disk = disk
         return match
 
 
@@ -78,6 +86,10 @@ class WorkerView:
             reflect yet (router/rebalance.py ``MigrationLedger``).
         blocks_migrating_out: blocks of requests migrated away that the last report still counts.
         swap_blocks: host swap space, in blocks (0 = the worker cannot swap).
+        host_credit: what loading one block from the node's host tier saves there, as a fraction of
+            computing it: ``1 - load/recompute`` as the worker measured it (0 = no tier, unmeasured,
+            or loading does not pay).
+        disk_credit: the same for the disk tier.
 
     Raises:
         ValueError: non-positive block_size or a negative count.
@@ -97,6 +109,8 @@ class WorkerView:
     blocks_migrating_in: int = 0
     blocks_migrating_out: int = 0
     swap_blocks: int = 0
+    host_credit: float = 0.0
+    disk_credit: float = 0.0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:

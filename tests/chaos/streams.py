@@ -39,6 +39,7 @@ class Stream:
     req: spb.GenerateRequest
     timeout: float = 180.0
     first_tokens: int = 3  # ``started`` is set once this many tokens arrived
+    metadata: tuple[tuple[str, str], ...] = ()  # e.g. the bearer token of a cluster with --auth-token
     tokens: list[int] = field(default_factory=list)
     worker_ids: list[str] = field(default_factory=list)
     times: list[float] = field(default_factory=list)  # monotonic arrival of each response
@@ -57,7 +58,9 @@ class Stream:
     def _run(self) -> None:
         try:
             with grpc.insecure_channel(self.address) as ch:
-                for resp in serving_pb2_grpc.KVServeStub(ch).Generate(self.req, timeout=self.timeout):
+                for resp in serving_pb2_grpc.KVServeStub(ch).Generate(
+                    self.req, timeout=self.timeout, metadata=self.metadata
+                ):
                     self.tokens.extend(resp.token_ids)
                     self.worker_ids.append(resp.worker_id)
                     self.times.append(time.monotonic())

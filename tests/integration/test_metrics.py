@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import serving_pb2_grpc
 from router.config import RouterConfig
+from workers.core.sizes import pool_usage
 from workers.engine.config import EngineConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -140,7 +141,8 @@ def test_gauges_equal_worker_state(cluster, stub, traffic) -> None:  # noqa: ANN
         assert value(samples, "kvserve:kv_blocks_cached_evictable", worker=w) == s.cached_evictable_blocks
         assert s.cached_evictable_blocks == st.cached_evictable_blocks
         assert s.free_blocks + s.used_blocks + s.cached_evictable_blocks == s.total_blocks
-        assert value(samples, "kvserve:kv_cache_usage_perc", worker=w) == pytest.approx(s.usage) == st.usage
+        usage = pool_usage(s.used_blocks, s.total_blocks)
+        assert value(samples, "kvserve:kv_cache_usage_perc", worker=w) == pytest.approx(usage) == st.usage
         assert value(samples, "kvserve:kv_swap_blocks_used", worker=w) == s.swap_blocks_total - s.swap_blocks_free
         assert value(samples, "kvserve:num_requests_running", worker=w) == s.num_running == st.num_running == 0
         assert value(samples, "kvserve:num_requests_waiting", worker=w) == s.num_waiting == st.num_waiting
@@ -177,17 +179,18 @@ def test_counters_count_what_happened(cluster, stub, traffic) -> None:  # noqa: 
     for w, s in stats.items():
         h = value(samples, "kvserve:prefix_cache_hits_total", worker=w)
         q = value(samples, "kvserve:prefix_cache_queries_total", worker=w)
-        assert (h, q) == (s.prefix_hit_tokens, s.prefix_query_tokens), w
+        assert (h, q) == (s.prefix_cache_hit_tokens_total, s.prefix_cache_query_tokens_total), w
         hits, queries = hits + h, queries + q
     cached = sum(r.usage.cached_tokens for r in traffic)
     assert hits >= cached > 0, "the shared prefix was served from the cache"
     assert queries >= hits
-    preemptions = sum(s.num_preemptions for s in stats.values())
+    preemptions = sum(s.num_preemptions_total for s in stats.values())
     assert preemptions > 0, "one worker runs >= 4 requests: 4 shared + 4 x 9 blocks > 32, someone was preempted"
     assert preemptions == sum(w.num_preemptions_total for w in status.workers)
     exported = sum(v for (name, _), v in samples.items() if name == "kvserve:num_preemptions_total")
     assert exported == preemptions
-    assert value(samples, "kvserve:num_preemptions_total", mode="swap") == sum(s.num_swaps for s in stats.values())
+    swaps = sum(s.num_swaps_total for s in stats.values())
+    assert value(samples, "kvserve:num_preemptions_total", mode="swap") == swaps
     assert sum(r.num_preemptions for r in traffic) == preemptions, "every preemption hit one of these requests"
     assert value(samples, "kvserve:num_migrations_total") == 0
     assert value(samples, "kvserve:admission_rejections_total", reason="invalid") == 1

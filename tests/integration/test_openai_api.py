@@ -349,3 +349,43 @@ def test_grpc_chat_refusals_name_the_field(grpc_client):
         grpc_client.generate_all(messages=[("user", "a"), ("robot", "b")], max_tokens=1)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert e.value.details().startswith("prompt.messages[1].role:")
+
+
+def _models_before_any_worker(config: RouterConfig) -> tuple[list[str], int]:
+    """``/v1/models`` of a router that has no worker yet (as a client sees it while workers start),
+    and the status of a completion sent then."""
+    import asyncio
+
+    from router.server import RouterService
+
+    async def ask() -> tuple[list[str], int]:
+        service = RouterService(config, http_port=0, ready_timeout_s=0.0)
+        await service.start()
+        try:
+            url = f"http://127.0.0.1:{await service.http_port()}/v1"
+            headers = {"Authorization": f"Bearer {TOKEN}"}
+            async with httpx.AsyncClient(timeout=RPC_TIMEOUT, headers=headers) as http:
+                models = (await http.get(url + "/models")).json()["data"]
+                early = await http.post(url + "/completions", json={"model": models[0]["id"], "prompt": "hi"})
+            return [m["id"] for m in models], early.status_code
+        finally:
+            await service.stop()
+
+    return asyncio.run(ask())
+
+
+@pytest.mark.usefixtures("idle_after")
+def test_model_listed_before_the_workers_are_ready_is_the_one_that_generates(oai, cluster, tiny_llama_dir):
+    """A client that reads the model list at start-up (vllm bench serve, UIs, SDK wrappers) gets the
+    name it will generate with: fixed from the start (default the --model argument), not a
+    placeholder until the workers say hello. The short name (the last path component) works too."""
+    config = RouterConfig(port=0, model=str(tiny_llama_dir), auth_token=TOKEN)
+    early, status = _models_before_any_worker(config)
+    assert early == [str(tiny_llama_dir)]
+    assert status == 503  # no worker yet: unavailable, not "no such model"
+    assert [m.id for m in oai.models.list().data] == early
+    for name in (early[0], tiny_llama_dir.name):
+        out = oai.completions.create(model=name, prompt="hello", max_tokens=2, temperature=0)
+        assert out.choices[0].finish_reason in ("length", "stop") and out.model == early[0]
+    named, _ = _models_before_any_worker(RouterConfig(port=0, model=str(tiny_llama_dir), served_model_name="tiny"))
+    assert named == ["tiny"]

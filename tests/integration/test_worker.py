@@ -211,7 +211,7 @@ def test_pressure_reports_block_events_and_liveness(cluster: Cluster) -> None:
     for field in ("total_blocks", "free_blocks", "used_blocks", "cached_evictable_blocks", "swap_blocks_total",
                   "swap_blocks_free", "num_running", "num_waiting", "num_swapped", "decode_steps"):  # fmt: skip
         assert getattr(last, field) == getattr(stats, field), (field, last, stats)
-    assert last.num_preemptions_total == stats.num_preemptions and last.worker_id == "wA"
+    assert last.num_preemptions_total == stats.num_preemptions_total and last.worker_id == "wA"
 
     for wid in ("wA", "wB"):
         reports = router.pressure(wid)
@@ -262,10 +262,10 @@ def test_swap_under_tiny_pool(cluster: Cluster, reference, tiny_llama_dir: Path)
     assert any(r.swap_blocks_free < r.swap_blocks_total for r in reports)
     assert max(o.num_swaps for r in rids for o in router.outputs(r)) > 0
     stats = cluster.stats("wS")
-    assert stats.num_swaps > 0 and stats.num_swaps == stats.num_preemptions
+    assert stats.num_swaps_total > 0 and stats.num_swaps_total == stats.num_preemptions_total
     _assert_pool_at_rest(cluster, "wS")
     last = router.wait_for(lambda: _last_pressure(router, "wS", used=0), timeout=5, what="wS's final report")
-    assert last.num_swaps_total == stats.num_swaps and last.swap_blocks_free == last.swap_blocks_total
+    assert last.num_swaps_total == stats.num_swaps_total and last.swap_blocks_free == last.swap_blocks_total
 
     # The same workload in-process, with the KV copies counted and timed (CPU "device" <-> host).
     llm = LLM.from_config(_swap_config(tiny_llama_dir))
@@ -275,7 +275,7 @@ def test_swap_under_tiny_pool(cluster: Cluster, reference, tiny_llama_dir: Path)
     assert acc["out"] > 0 and acc["in"] == acc["out"]
     block_bytes = bytes_per_block(llm.engine.model_config, BLOCK_SIZE, llm.engine.dtype)
     print(
-        f"\n[swap] wS: {stats.num_swaps} swap preemptions; in-process replay: {acc['out']} blocks out "
+        f"\n[swap] wS: {stats.num_swaps_total} swap preemptions; in-process replay: {acc['out']} blocks out "
         f"({acc['t_out'] * 1e6 / acc['out']:.1f} us/block), {acc['in']} blocks in "
         f"({acc['t_in'] * 1e6 / acc['in']:.1f} us/block), {block_bytes} B/block"
     )

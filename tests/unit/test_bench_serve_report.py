@@ -53,6 +53,15 @@ def test_summarize_figures() -> None:
     assert s["peak_queue"] == 5
     assert s["split_groups"] == pytest.approx(1.0)  # one group (prompts end 2, 4, 6), served by both workers
     assert all(key in s for key, _, _ in ROWS)
+    assert s["host_hit_rate"] == 0.0  # the last poll says nothing about tiers
+
+
+def test_tier_hit_rates_weight_each_worker_by_its_share() -> None:
+    run = _run()
+    run.samples.append(StatusSample(0.5, 0, {}, {}, {"worker-0": (0.3, 0.0), "worker-1": (0.6, 0.1)}))
+    s = summarize(run, Slo())
+    assert s["host_hit_rate"] == pytest.approx(2 / 3 * 0.3 + 1 / 3 * 0.6)
+    assert s["disk_hit_rate"] == pytest.approx(1 / 3 * 0.1)
 
 
 def test_table_has_every_row_and_ratio_columns() -> None:

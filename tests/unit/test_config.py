@@ -114,7 +114,7 @@ def test_empty_file_needs_model(tmp_path: Path) -> None:
         ("router: {max_queue_requests: -1}", r"router\.max_queue_requests: must be >= 0"),
         ("router: {stale_report_s: 0}", r"router\.stale_report_s: must be positive"),
         ("worker: {router_address: 'h:1'}", r"worker\.router_address: not allowed .*the launcher sets it"),
-        ("worker: {auth_token: t}", r"worker\.auth_token: not allowed .*'router\.auth_token'"),
+        ("worker: {credential: c}", r"worker\.credential: not allowed .*the launcher sets it"),
         ("worker: {stall_timeout_s: 0}", r"worker\.stall_timeout_s: must be positive"),
         ("worker: {pressure_interval_ms: -5}", r"worker\.pressure_interval_ms: must be >= 0"),
         ("workers: 0", r"workers: must be a positive integer or 'auto'"),

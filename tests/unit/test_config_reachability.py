@@ -23,7 +23,8 @@ def _serve_flags() -> dict[str, tuple[str | None, str]]:
 
 # Valid non-default values for free-text fields whose check would refuse a path.
 SAMPLES = {"device": "cpu", "dtype": "float16", "kv_cache_memory": "1GiB", "address": "auto", "workers": 3,
-           "high_watermark": 0.95, "low_watermark": 0.5}  # fmt: skip
+           "high_watermark": 0.95, "low_watermark": 0.5, "host_cache_memory": "1GiB",
+           "disk_cache_size": "2GiB"}  # fmt: skip
 
 
 def _sample_value(f: dataclasses.Field) -> object:
@@ -64,6 +65,8 @@ def test_every_field_reachable_from_serve_flags_and_yaml(section: str | None) ->
         data = {"model": "/m", section: {name: value}}
         if section == "router" and name in ("tls_cert", "tls_key", "tls_client_ca"):
             data[section] = {"tls_cert": "/c", "tls_key": "/k", name: value}
+        if section == "router" and name == "metrics_auth":
+            data[section] = {"auth_token": "t", name: value}  # it needs the client API's auth
         if section == "engine" and name == "preemption_mode" and value == "swap":
             data[section]["swap_space"] = 1.0
         cfg = ClusterConfig.from_dict(data)
@@ -84,6 +87,8 @@ def test_serve_flag_reaches_its_field(section: str) -> None:
         argv = ["serve", "--model", "/m"]
         if section == "router" and name in ("tls_cert", "tls_key", "tls_client_ca"):
             argv += ["--tls-cert", "/c", "--tls-key", "/k"]  # a pair; the flag under test overrides its half
+        if section == "router" and name == "metrics_auth":
+            argv += ["--auth-token", "t"]
         argv += [flag] if isinstance(value, bool) else [flag, str(value)]
         if section == "engine" and name == "preemption_mode" and value == "swap":
             argv += ["--swap-space", "1"]

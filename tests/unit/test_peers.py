@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -148,7 +149,9 @@ def test_bench_alternates_with_a_fake_peer(
     log = (tmp_path / "fake.log").read_text().splitlines()
     start = json.loads(log[0])
     assert start["argv"][0::2] == ["--model", "--prompts"] and start["argv"][1] == str(model_dir)
-    assert start["spec"] == {"prompt_token_ids": prompts("tiny")[0][:3], "max_tokens": 4}
+    # the peer runs at most as many requests at once as ours (the engine's default: 256)
+    assert start["spec"] == {
+        "prompt_token_ids": prompts("tiny")[0][:3], "max_tokens": 4, "engine": {"max_num_seqs": 256}}  # fmt: skip
     assert log[1:] == ["run", "run"]  # one peer pass per round, after the peer loaded
 
 
@@ -161,6 +164,32 @@ def test_text_output_prints_the_side_by_side_table(
     out = capsys.readouterr().out
     assert "| workload | kvserve tok/s | fake tok/s | kvserve / fake |" in out
     assert "| tiny |" in out and "| 6.0 (6.0) |" in out
+
+
+def test_served_batch_size_reaches_the_peer_and_labels_the_row(
+    model_dir: Path, raw_fake: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--max-num-seqs 2`` (a served batch size): both engines run at most 2 requests at once."""
+    argv = _bench(model_dir, "--runs", "1", "--max-num-seqs", "2", "--peer", "fake", "--peer-python", sys.executable,
+                  "--peer-script", str(raw_fake))  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| tiny, max_num_seqs=2 |" in out
+    assert re.search(r"peak running requests\s*│\s*2\s*│", out), out  # ours ran 2 at once, not 3
+    spec = json.loads((tmp_path / "fake.log").read_text().splitlines()[0])["spec"]
+    assert spec["engine"] == {"max_num_seqs": 2}
+
+
+def test_peer_scripts_refuse_settings_they_cannot_apply(tmp_path: Path) -> None:
+    """The HF peer cannot cap its running requests: a cap that binds is an error, not a silent full batch."""
+    for name in ("peers_hf.py", "peers_vllm.py", "peers_protocol.py"):
+        shutil.copy(Path(peers.__file__).with_name(name), tmp_path / name)
+    with pytest.raises(peers.PeerError, match="hf peer: cannot apply engine settings"):
+        with peers.PeerProcess(sys.executable, tmp_path / "peers_hf.py", "m", [[5], [6], [7]], 3, {"max_num_seqs": 2}):
+            pass
+    with pytest.raises(peers.PeerError, match=r"vllm peer: cannot apply engine settings \['block_size'\]"):
+        with peers.PeerProcess(sys.executable, tmp_path / "peers_vllm.py", "m", [[5]], 3, {"block_size": 4}):
+            pass
 
 
 @pytest.mark.parametrize(("mode", "message"), [("die", "cannot load the model"), ("short", "expected token ids for 3")])

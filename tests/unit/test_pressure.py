@@ -35,3 +35,12 @@ def test_reset_makes_the_next_report_due() -> None:
 def test_bad_watermarks_rejected() -> None:
     with pytest.raises(ValueError, match="low_watermark"):
         PressurePolicy(high_watermark=0.5, low_watermark=0.7)
+
+
+def test_wait_until_a_held_back_change_is_due() -> None:
+    """A change inside the rate limit is due when the interval ends, not an idle interval later."""
+    p = PressurePolicy(interval_s=0.05, idle_interval_s=1.0, high_watermark=0.9, low_watermark=0.7)
+    p.sent(0.0, r(0.5, 1))
+    assert p.wait_s(0.01, r(0.5, 2)) == pytest.approx(0.04)  # changed: the rest of the rate interval
+    assert p.wait_s(0.01, r(0.5, 1)) == pytest.approx(0.99)  # unchanged: the idle report
+    assert p.wait_s(0.06, r(0.5, 2)) == 0.0

@@ -18,6 +18,7 @@ def _router() -> tuple[Router, RouterRequest]:
     router.add_worker("a", None, _identity("a"))
     router.add_worker("b", None, _identity("b"))
     r = RouterRequest("r", [1, 2, 3], SamplingParams(max_tokens=8), 0, "", (), 1, worker_id="a", worker_rid="r")
+    r.dispatch_workers = {"a", "b"}  # on a, migrating to b (the Mover adds b from the import on)
     router.requests["r"] = r
     router.dispatcher.by_worker_rid["r"] = r  # outputs name the dispatch's worker-side id
     return router, r

@@ -232,3 +232,42 @@ def test_a_queued_request_past_its_deadline_leaves_the_queue_deadline_exceeded()
         assert len(router.queue) == 0 and not any(w.added() for w in workers.values())
 
     _run(test)
+
+
+def test_outputs_count_only_from_the_worker_the_dispatch_is_on(caplog) -> None:
+    """A worker (a compromised one, or one confused about its requests) cannot write into a stream
+    placed on another: its outputs for that dispatch are dropped, logged once per worker."""
+
+    async def test() -> None:
+        router, _ = _router()
+        r = router.submit(_req(max_tokens=3))
+        await _settle()
+        on, other = r.worker_id, ("b" if r.worker_id == "a" else "a")
+        assert on is not None and r.dispatch_workers == {on}
+        with caplog.at_level("WARNING", logger="router.dispatch"):
+            router._on_output(other, _out(r.worker_rid, [66, 66], 2))
+            router._on_output(other, _out(r.worker_rid, [66, 66, 66], 3, finish="length"))
+        assert _drain(r.responses) == [] and not r.finished
+        assert sum("sent output for" in m for m in caplog.messages) == 1
+        router._on_output(on, _out(r.worker_rid, [10, 11], 2))
+        router._on_output(on, _out(r.worker_rid, [12], 3, finish="length"))
+        got = _drain(r.responses)
+        assert [t for resp in got for t in resp.token_ids] == [10, 11, 12]
+        assert {resp.worker_id for resp in got} == {on}
+
+    _run(test)
+
+
+def test_a_report_names_the_sending_worker_whatever_it_claims() -> None:
+    """Metric labels come from the authenticated link, not from the worker's own words."""
+
+    async def test() -> None:
+        router, _ = _router()
+        claimed = "b" * 200
+        router.on_message("a", pb.WorkerMessage(seq=1, pressure=pb.PressureReport(
+            worker_id=claimed, seq=1, total_blocks=32, free_blocks=7, used_blocks=25)))  # fmt: skip
+        assert router.workers["a"].report.worker_id == "a"
+        assert REGISTRY.get_sample_value("kvserve:kv_blocks_free", {"worker": "a"}) == 7
+        assert REGISTRY.get_sample_value("kvserve:kv_blocks_free", {"worker": claimed}) is None
+
+    _run(test)

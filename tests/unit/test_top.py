@@ -68,7 +68,8 @@ def test_every_worker_and_its_state_is_shown() -> None:
         worker_0={"used_blocks": 30, "cached_evictable_blocks": 6, "free_blocks": 12, "num_running": 3,
                   "num_waiting": 2, "num_swapped": 1, "swap_blocks_total": 64, "swap_blocks_free": 60,
                   "node_id": "a" * 56, "prefix_cache_hit_rate": 0.25, "step_latency_ms": 12.5,
-                  "last_report_age_s": 0.3},
+                  "last_report_age_s": 0.3, "host_cache_bytes_capacity": 1000, "host_cache_bytes_used": 400,
+                  "prefix_cache_host_hit_rate": 0.5},
         worker_1={"used_blocks": 0, "free_blocks": 48, "healthy": False, "last_report_age_s": -1.0,
                   "node_id": "b" * 56},
     )  # fmt: skip
@@ -82,6 +83,7 @@ def test_every_worker_and_its_state_is_shown() -> None:
     assert (cells["used"], cells["evict"], cells["free"], cells["use%"]) == ("30", "6", "12", "62%")
     assert (cells["swap"], cells["run"], cells["wait"], cells["swp"]) == ("4/64", "3", "2", "1")
     assert (cells["hit%"], cells["step_ms"], cells["age_s"]) == ("25%", "12.5", "0.3")
+    assert cells["host"] == "40%/50%"  # the node's host tier: 40 % full, half the prompt tokens loaded from it
     down = row(text, "worker-1")
     assert down[1] == "✗" and down[-1] == "never", "an unhealthy worker is marked, a never-reported one says so"
 
@@ -123,7 +125,7 @@ def test_narrow_layout_keeps_the_essentials() -> None:
         assert name in cols
     assert bar >= 10
     full, bar_full = _layout(None, 30)
-    assert len(full) == 16 and bar_full == 30
+    assert len(full) == 17 and bar_full == 30
 
 
 def test_no_workers() -> None:

@@ -63,6 +63,9 @@ class BlockPool:
         self._event_seq = 0
         self._events: list[BlockEvent] = []
         self.record_events = True
+        # The tiered cache (docs/architecture.md §3a) copies evicted blocks out before they are reused.
+        self.record_evictions = False
+        self._evicted: list[tuple[int, int]] = []
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -125,6 +128,8 @@ class BlockPool:
                 del self._cached[h]
                 self._num_evictable -= 1
                 evicted.append(h)
+                if self.record_evictions:
+                    self._evicted.append((b, h))
             self.ref_cnt[b] = 1
             out.append(b)
         self._num_used += n
@@ -175,11 +180,24 @@ class BlockPool:
             self._events.append(AllBlocksCleared(self._event_seq))
         return True
 
+    def drain_evicted(self) -> list[tuple[int, int]]:
+        """(block id, hash) of every cached block ``allocate`` evicted since the last drain (only while
+        ``record_evictions``). The blocks still hold their KV until the caller lets anything write them."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
+
     # ---- events --------------------------------------------------------------------------
-    def _emit(self, kind: type[BlockStored] | type[BlockRemoved], hashes: tuple[int, ...]) -> None:
+    def _emit(
+        self, kind: type[BlockStored] | type[BlockRemoved], hashes: tuple[int, ...], tier: str = "device"
+    ) -> None:
         self._event_seq += 1
         if self.record_events:
-            self._events.append(kind(self._event_seq, hashes))
+            self._events.append(kind(self._event_seq, hashes, tier))
+
+    def emit_tier_event(self, kind: type[BlockStored] | type[BlockRemoved], hashes: tuple[int, ...], tier: str) -> None:
+        """An event of a host or disk tier, numbered in this pool's sequence: one ordered stream per worker."""
+        if hashes:
+            self._emit(kind, hashes, tier)
 
     @property
     def event_seq(self) -> int:

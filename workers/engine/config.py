@@ -15,6 +15,7 @@ from workers.core.sizes import KV_CACHE_DTYPES, parse_bytes
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 ALLOCATORS = ("paged", "contiguous")
 RESERVES = ("max_model_len", "max_tokens")
+TIER_LOADS = ("auto", "always")
 
 WATERMARK = Check(lambda v: 0.0 <= v < 1.0, "must be in [0, 1)")
 _UTILIZATION = Check(lambda v: 0.0 < v <= 1.0, "must be in (0, 1]")
@@ -60,6 +61,18 @@ class EngineConfig:
         "max_model_len", help="contiguous allocator: reserve max_model_len or prompt + max_tokens", choices=RESERVES
     )
     model_id: str = knob("", help="part of the prefix-cache hash (default: the model path)")
+    # Tiered prefix cache (docs/architecture.md §3a): evicted prefix blocks spill to a node-shared host
+    # tier (files in shared memory) and on to local disk; any worker of the node loads them back.
+    host_cache_memory: str | int = knob(
+        "0", help="host tier budget per node (shared by its workers), e.g. 4GiB; 0 = off"
+    )
+    host_cache_dir: str = knob("", help="host tier directory (default: /dev/shm/kvserve-<model layout digest>)")
+    disk_cache_dir: str = knob("", help="disk tier directory (blocks leaving the host tier); empty = off")
+    disk_cache_size: str | int = knob("16GiB", help="disk tier budget, e.g. 64GiB")
+    tier_load: str = knob(
+        "auto", help="auto: load a tier block only when measured faster than recomputing it; always: whenever found",
+        choices=TIER_LOADS,
+    )
 
     def __post_init__(self) -> None:
         validate(self)
@@ -67,12 +80,32 @@ class EngineConfig:
             parse_bytes(self.kv_cache_memory)
         except ValueError as e:
             raise ValueError(f"kv_cache_memory: {e}") from None
+        for name in ("host_cache_memory", "disk_cache_size"):
+            try:
+                parse_bytes(getattr(self, name))
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
+        if self.tiers_enabled and not (self.enable_prefix_caching and self.allocator == "paged"):
+            raise ValueError("host_cache_memory / disk_cache_dir need prefix caching and the paged allocator")
         if self.preemption_mode == "swap" and self.swap_space == 0:
             raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of host memory)")
 
     @property
     def kv_cache_bytes(self) -> int:
         return parse_bytes(self.kv_cache_memory)
+
+    @property
+    def host_cache_bytes(self) -> int:
+        return parse_bytes(self.host_cache_memory)
+
+    @property
+    def disk_cache_bytes(self) -> int:
+        return parse_bytes(self.disk_cache_size) if self.disk_cache_dir else 0
+
+    @property
+    def tiers_enabled(self) -> bool:
+        """Whether evicted prefix blocks spill to a host or disk tier."""
+        return self.host_cache_bytes > 0 or bool(self.disk_cache_dir)
 
     @property
     def swap_bytes(self) -> int:

@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import logging
 import operator
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -30,6 +31,8 @@ from workers.engine.request import Request
 from workers.engine.sampler import Sampler, make_token_rng
 from workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from workers.engine.stop_checker import advance_output
+from workers.engine.tier_cost import TierCostModel
+from workers.engine.tiered_cache import TieredCache
 from workers.host import cpu_features
 from workers.models.loader import load_model
 from workers.models.model_config import ModelConfig, parse_dtype
@@ -87,6 +90,37 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.exporting: dict[str, Request] = {}  # paused by export_request, awaiting finish_export
         self.num_steps = 0
+        self.tier_cost = TierCostModel(config.block_size)
+        self.tiers: TieredCache | None = None
+        if config.tiers_enabled:
+            self.tiers = TieredCache(config, self.kv_cache, self.pool, self.model_id, self.tier_cost)
+            self.scheduler.tier = self.tiers
+            self._probe_tier_costs()
+
+    @torch.inference_mode()
+    def _probe_tier_costs(self) -> None:
+        """Measure, on this model and machine, a block's recompute (a prefill of a few blocks in a scratch
+        cache) and its load from each tier, so the first request already gets the right choice."""
+        assert self.tiers is not None
+        bs = self.config.block_size
+        blocks = max(1, min(4, self.max_model_len // bs))
+        scratch = KVCache(self.model_config, blocks, bs, self.kv_dtype, self.device)
+        runner = ModelRunner(self.model, scratch, Sampler())
+        vocab = self.model_config.vocab_size
+        for _ in range(2):  # the first run warms up (allocations, kernel choice); the second is measured
+            probe = Request("__tier_probe__", [i % vocab for i in range(1, blocks * bs + 1)],
+                            SamplingParams(max_tokens=1, temperature=0.0))  # fmt: skip
+            probe.block_table = list(range(blocks))
+            t0 = time.perf_counter()
+            runner.execute(SchedulerOutput(scheduled=[(probe, blocks * bs)]))
+            seconds = time.perf_counter() - t0
+        del scratch
+        self.tier_cost.record_prefill(blocks * bs, seconds)
+        self.tiers.probe(block_id=0)  # the pool is empty: block 0 holds nothing yet
+        c = self.tier_cost
+        logger.info("tier cost model: recompute %.3f ms/block; %s", 1e3 * (c.recompute_s_per_block() or 0.0),
+                    ", ".join(f"{t} load {1e3 * s:.3f} ms/block (ratio {c.ratio(t):.3f})"
+                              for t, s in c.load_s_per_block.items()))  # fmt: skip
 
     def _num_blocks(self, block_bytes: int) -> int:
         c = self.config
@@ -245,6 +279,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batch. Returns news for every request that produced a token or finished."""
         scheduled = self.scheduler.schedule()
+        if self.tiers is not None:  # blocks this schedule evicted: out to the tiers before anything rewrites them
+            self.tiers.spill_evicted()
+        self.publish_tier_events()
         # Swaps before the forward (a block swapped out now may be rewritten by it), and even in a
         # step that runs nothing: a preemption can swap out every running request, and a copy not
         # made now is lost, leaving garbage to swap back in (and to cache under a hash).
@@ -252,10 +289,20 @@ class LLMEngine:
         self.kv_cache.swap_in(scheduled.swap_in)
         if scheduled.is_empty:
             return []
+        t0 = time.perf_counter()
         sampled = self.runner.execute(scheduled)
+        if self.tiers is not None:
+            self._measure_prefill(scheduled, time.perf_counter() - t0)
         grew = self.scheduler.update(scheduled, sampled)
         self.num_steps += 1
         return [self._on_new_token(req) for req in grew]
+
+    def _measure_prefill(self, scheduled: SchedulerOutput, seconds: float) -> None:
+        """Feed the tier cost model with a step that was mostly prefill (a decode token is far cheaper
+        than a prompt token in a long chunk, so mixed steps would understate recompute)."""
+        prefill = sum(n for _, n in scheduled.scheduled if n > 1)
+        if prefill >= self.config.block_size and 2 * prefill >= scheduled.num_batched_tokens:
+            self.tier_cost.record_prefill(scheduled.num_batched_tokens, seconds)
 
     def _on_new_token(self, req: Request) -> RequestOutput:
         token = req.output_token_ids[-1]
@@ -380,11 +427,26 @@ class LLMEngine:
             blocks = self.scheduler.admit_imported(req, state.num_computed_tokens)
             if blocks is None:
                 return None
+            if self.tiers is not None:  # the fresh blocks may have been evicted just now
+                self.tiers.spill_evicted()
             self.kv_cache.write_blocks(blocks[: state.kv_blocks[0].shape[1]], state.kv_blocks, state.kv_scales)
         else:
             self.scheduler.add(req)
         self.requests[req.request_id] = req
         return True
+
+    def publish_tier_events(self) -> None:
+        """Move the tier writer's events (host/disk stored, removed) into the pool's event stream."""
+        if self.tiers is not None:
+            self.tiers.publish_events()
+
+    def close(self) -> None:
+        """Finish pending tier writes and stop their thread (the engine stays usable without spills)."""
+        if self.tiers is not None:
+            self.tiers.close()
+            self.pool.record_evictions = False
+            self.scheduler.tier = None
+            self.tiers = None
 
     def check_integrity(self) -> None:
         """Pool invariants plus ref counts == block-table references (tests call this every step)."""

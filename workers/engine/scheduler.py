@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from workers.core.block_hash import cache_extra
 from workers.core.knobs import POSITIVE, knob, same_as, validate
@@ -85,6 +86,14 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+class PrefixTier(Protocol):
+    """Where blocks missing from the pool may still be found (the host and disk tiers: ``TieredCache``)."""
+
+    def load(self, block_hashes: Sequence[int], block_ids: Sequence[int]) -> list[str]:
+        """Load the longest found run of ``block_hashes`` into ``block_ids``; the tier of each loaded block."""
+        ...
+
+
 def _importance(req: Request) -> tuple[int, float]:
     """Sort key: most important first (higher priority, then earlier arrival)."""
     return (-req.priority, req.arrival_time)
@@ -111,8 +120,10 @@ class Scheduler:
         self.swapped: list[Request] = []
         self.num_preemptions = {"recompute": 0, "swap": 0}
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
-        self.prefix_hits = 0  # of which found cached
+        self.prefix_hits = 0  # of which found cached in the pool
         self.prefill_tokens = 0  # tokens computed before a request's newest one (prompt, recompute, replay)
+        self.tier: PrefixTier | None = None  # the host/disk tiers, when the engine has them
+        self.tier_hits: dict[str, int] = {"host": 0, "disk": 0}  # prompt tokens loaded from each tier
 
     # ---- queues --------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -352,6 +363,11 @@ class Scheduler:
             self.pool.touch(hits)
             blocks = self.pool.allocate(need)
             assert blocks is not None
+            # A miss in the pool may be a hit in a tier: the next blocks of the chain load into fresh
+            # blocks and count as computed; their hashes are registered after the step, as computed ones.
+            loaded = self.tier.load(req.block_hashes[len(hits) :], blocks) if self.tier is not None else []
+            num_pool_hit_tokens = num_hit_tokens
+            num_hit_tokens += len(loaded) * bs
             req.block_table = hits + blocks
             req.num_cached_blocks = len(hits)
             # A full hit still runs the last token for its logits; its K/V is already cached.
@@ -360,7 +376,9 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit_tokens
                 self.prefix_queries += req.num_prompt_tokens
-                self.prefix_hits += min(num_hit_tokens, req.num_prompt_tokens)
+                self.prefix_hits += min(num_pool_hit_tokens, req.num_prompt_tokens)
+                for i, tier in enumerate(loaded):
+                    self.tier_hits[tier] += max(0, min(bs, req.num_prompt_tokens - num_pool_hit_tokens - i * bs))
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)

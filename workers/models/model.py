@@ -8,6 +8,7 @@ projections to oneDNN (``Linear``) and greedy rows skip the fp32 logits (``Scree
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -19,7 +20,10 @@ from kernels.reference import apply_rope
 from workers.engine.attention_metadata import AttentionMetadata
 from workers.host import cpu_features
 from workers.host.host_tuning import env_switch
+from workers.host.path_choice import fastest
 from workers.models.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 
 class Linear(nn.Linear):
@@ -262,6 +266,8 @@ class CausalLM(nn.Module):
         self._screen: ScreenedArgmax | None = None
         self._lm_head_packed: torch.Tensor | None = None  # oneDNN-packed LM head where no screen runs
         self._lm_head_cpu: torch.Tensor | None = None  # the C++ kernels' packed LM head (cpu_backend.pack_weight)
+        # Where both exact greedy heads apply: timed batch size -> whether the screen won there (measured).
+        self._screen_wins: dict[int, bool] | None = None
 
     def forward(
         self,
@@ -284,7 +290,7 @@ class CausalLM(nn.Module):
     def greedy_tokens(self, hidden: torch.Tensor) -> list[int]:
         """``compute_logits(hidden).argmax(-1)`` (ties -> lowest id)."""
         hidden = self.norm(hidden)
-        if self._screen is not None:
+        if self._screen is not None and self._screen_pays(hidden.shape[0]):
             tokens = self._screen(hidden)
             if tokens is not None:
                 return tokens.tolist()
@@ -313,13 +319,51 @@ class CausalLM(nn.Module):
             layers = f"oneDNN packed below {Linear.DENSE_FROM_ROWS} rows, MKL from there"
         else:
             layers = "torch default"
-        if self._screen is not None:
+        if self._screen is not None and self._screen_wins is not None:
+            head = f"measured per batch size: {self._screen_wins} (True = bf16 screen, else kvserve packed)"
+        elif self._screen is not None:
             head = f"{self._screen.__class__.__name__} (bf16 screen)"
         elif self._lm_head_cpu is not None:
             head = "kvserve packed"
         else:
             head = "oneDNN packed" if self._lm_head_packed is not None else "torch default"
         return f"projections: {layers}; LM head: {head}"
+
+    # Greedy batch sizes at which the two exact LM heads are timed: a server's per-worker batch, an offline one.
+    HEAD_TIMING_ROWS = (8, 64)
+
+    def _choose_greedy_head(self, weight: torch.Tensor) -> None:
+        """Both exact greedy LM heads apply (the bf16 screen and the C++ packed GEMM's argmax): time them
+        at ``HEAD_TIMING_ROWS`` and keep what wins, per batch size (workers/host/path_choice.py). A head
+        that wins nowhere is dropped (its packed copy would only cost memory)."""
+        screen, packed = self._screen, cpu_backend.pack_weight(weight)
+        assert screen is not None
+        vocab = self.config.vocab_size
+        generator = torch.Generator().manual_seed(0)
+        wins = {}
+        for rows in self.HEAD_TIMING_ROWS:
+            hidden = torch.randn(rows, weight.shape[1], generator=generator)
+            winner, times = fastest({
+                "kvserve": lambda h=hidden: cpu_backend.lm_head_argmax(h, packed, vocab),
+                "screen": lambda h=hidden: screen(h),
+            })  # fmt: skip
+            wins[rows] = winner
+            logger.info("greedy LM head at %d rows: kvserve %.2f ms, bf16 screen %.2f ms", rows,
+                        times["kvserve"] * 1e3, times["screen"] * 1e3)  # fmt: skip
+        if all(w == "screen" for w in wins.values()):
+            return
+        self._lm_head_cpu = packed
+        if all(w == "kvserve" for w in wins.values()):
+            self._screen = None
+        else:
+            self._screen_wins = {rows: w == "screen" for rows, w in wins.items()}
+
+    def _screen_pays(self, rows: int) -> bool:
+        """Whether the screen won at the timed batch size nearest ``rows`` (always, where it was not timed)."""
+        if self._screen_wins is None:
+            return True
+        nearest = min(self._screen_wins, key=lambda timed: abs(math.log2(timed) - math.log2(max(rows, 1))))
+        return self._screen_wins[nearest]
 
     def pack_for_cpu(self) -> bool:
         """Repack the layers' projections for oneDNN (see ``Linear``) and set up the greedy screen
@@ -333,7 +377,9 @@ class CausalLM(nn.Module):
         self._onednn = True
         self._screen = ScreenedArgmax.build(self._lm_head_weight())
         weight = self._lm_head_weight().detach()
-        if self._screen is None and cpu_backend.packed_gemm_available(weight):
+        if self._screen is not None and cpu_backend.packed_gemm_available(weight):
+            self._choose_greedy_head(weight)
+        elif self._screen is None and cpu_backend.packed_gemm_available(weight):
             # NOTE: the C++ LM head (kernels/csrc/cpu_ops.cpp) beats oneDNN's packed GEMM on its shapes,
             # and its argmax never writes the logits: AVX2-only Zen 3, 2 threads, greedy 64 x 256 x 32000
             # at 173 GFLOP/s against 129 for oneDNN + argmax (64 x 576 x 49152: 172 against 134). The

@@ -8,7 +8,9 @@ UTF-8 character.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,6 +142,44 @@ class Tokenizer:
             assert self.bos_token_id is not None  # checked in __init__
             ids.insert(0, self.bos_token_id)
         return ids
+
+    @functools.cached_property
+    def added_tokens(self) -> dict[str, int]:
+        """Every added token (special or not: ``<|im_start|>``, ``<s>``, ``<think>``...) by its text."""
+        return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.content}
+
+    @functools.cached_property
+    def added_token_pattern(self) -> re.Pattern[str] | None:
+        """One regex matching any added token's text (longest first), None when there is none."""
+        texts = sorted(self.added_tokens, key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, texts))) if texts else None
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """``encode(text, add_special_tokens=False)`` and each id's ``(start, end)`` characters in ``text``."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of ``text`` as plain text: no added token is matched, so ``"<|im_end|>"`` in
+        it becomes the ids of its characters (``decode`` gives the text back), never the control id.
+
+        Raises:
+            ValueError: the model's own vocabulary turned part of it into an added token's id
+                (no byte-level BPE does; a guard, so a control id never slips through).
+        """
+        ids = self._plain.encode(text, add_special_tokens=False).ids
+        added = set(self.added_tokens.values())
+        if any(i in added for i in ids):
+            raise ValueError("text cannot be tokenized without a control token")
+        return ids
+
+    @functools.cached_property
+    def _plain(self) -> tokenizers.Tokenizer:
+        # NOTE: the same normalizer, pre-tokenizer and model, with the added vocabulary (which
+        # tokenizers matches before anything else) emptied.
+        spec = json.loads(self._tok.to_str())
+        spec["added_tokens"] = []
+        return tokenizers.Tokenizer.from_str(json.dumps(spec))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``. Ids outside the tokenizer's vocabulary (a model's padded vocab rows,

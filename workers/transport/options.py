@@ -23,7 +23,7 @@ class WorkerOptions:
     """
 
     router_address: str | None = knob(None, help="host:port of the router's WorkerLink (None = no link)", cli=False)
-    auth_token: str | None = knob(None, help="bearer token for the WorkerLink", cli=False)
+    credential: str | None = knob(None, help="this worker's WorkerLink credential (the launcher issues it)", cli=False)
     tls_ca: str | None = knob(None, help="PEM: trust this CA for the router's certificate")
     tls_cert: str | None = knob(None, help="PEM: client certificate (mTLS)")
     tls_key: str | None = knob(None, help="PEM: client key (mTLS)")

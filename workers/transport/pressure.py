@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import copyreg
 from dataclasses import dataclass
 
 from protos.kvserve.v1 import worker_pb2 as pb
 from workers.core.sizes import pool_usage
+
+
+def report_from_bytes(data: bytes) -> pb.PressureReport:
+    return pb.PressureReport.FromString(data)
+
+
+# NOTE: generated messages name their module by the proto package (kvserve.v1.worker_pb2), which is not
+# importable as such, so pickle (Ray's return values: ``Worker.stats``) cannot find the class by name.
+copyreg.pickle(pb.PressureReport, lambda m: (report_from_bytes, (m.SerializeToString(),)))
 
 
 def report_usage(report: pb.PressureReport) -> float:
@@ -55,6 +65,15 @@ class PressurePolicy:
         if _counts(report) != self._last_counts and elapsed >= self.interval_s:
             return True
         return elapsed >= self.idle_interval_s
+
+    def wait_s(self, now: float, report: pb.PressureReport) -> float:
+        """Seconds until ``due`` turns true for ``report`` if nothing else changes (0: due now)."""
+        if self.due(now, report):
+            return 0.0
+        elapsed = now - self._last_time
+        if _counts(report) != self._last_counts:
+            return max(0.0, self.interval_s - elapsed)
+        return max(0.0, self.idle_interval_s - elapsed)
 
     def reset(self) -> None:
         """Forget the last report: the next ``due`` is true (a new router connection knows nothing yet)."""

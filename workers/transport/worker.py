@@ -30,6 +30,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
 from workers.engine.migration import MigrationState
 from workers.engine.outputs import RequestOutput
+from workers.engine.tiered_cache import TierReport
 from workers.transport.options import WorkerOptions
 from workers.transport.outbox import Outbox
 from workers.transport.pressure import PressurePolicy
@@ -74,7 +75,7 @@ class WorkerCore:
                 hello=self._hello,
                 on_connect=lambda: self._submit(self._on_connect),
                 on_command=self._on_command,
-                auth_token=o.auth_token,
+                credential=o.credential,
                 credentials=channel_credentials(o.tls_ca, o.tls_cert, o.tls_key),
             )
 
@@ -90,6 +91,8 @@ class WorkerCore:
         if self.link is not None:
             self.link.stop()
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.engine.close()  # the engine thread is done with it: pending tier writes finish
 
     # ---- API for any thread (Ray methods) ------------------------------------------------------
     def add_request(self, request: WorkerRequest) -> None:
@@ -133,7 +136,7 @@ class WorkerCore:
 
         return self._call(import_)
 
-    def pressure(self) -> pb.PressureReport:
+    def stats(self) -> pb.PressureReport:
         """The worker's pressure as of its last step (what its last report said, or would say)."""
         return self._report
 
@@ -216,7 +219,12 @@ class WorkerCore:
                 else:
                     self._busy = not self._inbox.empty()
                     self._publish([])
-                    self._wake.wait(timeout=self.options.idle_report_s / 2)
+                    # NOTE: a change the rate limit held back (the last request just finished) is reported
+                    # as soon as the limit allows, not an idle interval later: placement and migration
+                    # read it (a worker that looks busy for half a second is passed over).
+                    timeout = self.options.idle_report_s / 2
+                    pending = self._pressure.wait_s(time.monotonic(), self._report)
+                    self._wake.wait(timeout=min(timeout, pending) if pending > 0 else timeout)
                     # NOTE: idle is not a stall: without this, the first command after a long idle
                     # spell (or any add_request racing check_health) looks stalled at once.
                     self._last_progress = time.monotonic()
@@ -247,6 +255,7 @@ class WorkerCore:
         The step's messages go to the outbox together (``Outbox.put_step``), which folds them into the
         previous step's while the link has not sent those yet."""
         step_outputs = _step_outputs(self.engine.num_steps, outputs) if outputs else None
+        self.engine.publish_tier_events()  # spills finished while idle reach the router too
         events = self.engine.pool.drain_events()
         block_events = pb.BlockEvents(events=[_event_proto(e) for e in events]) if events else None
         self._report = report = self._pressure_report()
@@ -288,6 +297,7 @@ class WorkerCore:
             num_imports_total=self._num_imports,
             num_exports_total=self._num_exports,
             prefill_tokens_total=sched.prefill_tokens,
+            **_tier_fields(e.tiers.report(sched.tier_hits) if e.tiers is not None else TierReport()),
         )
 
     def _abort(self, request_id: str) -> bool:
@@ -310,7 +320,9 @@ class WorkerCore:
         pool = self.engine.pool
         # Pending events are older than the snapshot; ship them first so seqs stay ordered.
         self._publish([])
-        snapshot = pb.BlockSnapshot(seq=pool.event_seq, hashes=pool.cached_hashes())
+        tiers = self.engine.tiers.tier_hashes() if self.engine.tiers is not None else {}
+        snapshot = pb.BlockSnapshot(seq=pool.event_seq, hashes=pool.cached_hashes(),
+                                    host_hashes=tiers.get("host", []), disk_hashes=tiers.get("disk", []))  # fmt: skip
         self.outbox.put(pb.WorkerMessage(block_snapshot=snapshot))
 
     # ---- router commands (WorkerLink thread -> inbox) ---------------------------------------------
@@ -368,11 +380,33 @@ def _step_outputs(step: int, outputs: list[RequestOutput]) -> pb.StepOutputs:
     )
 
 
+_TIER_PROTO = {"device": pb.TIER_DEVICE, "host": pb.TIER_HOST, "disk": pb.TIER_DISK}
+
+
+def _tier_fields(t: TierReport) -> dict[str, float]:
+    """The PressureReport fields of the tiered prefix cache."""
+    return {
+        "host_cache_bytes_used": t.host_bytes_used,
+        "host_cache_bytes_capacity": t.host_bytes_capacity,
+        "disk_cache_bytes_used": t.disk_bytes_used,
+        "disk_cache_bytes_capacity": t.disk_bytes_capacity,
+        "host_load_ratio": t.host_load_ratio,
+        "disk_load_ratio": t.disk_load_ratio,
+        "recompute_ms_per_block": t.recompute_ms_per_block,
+        "prefix_cache_host_hit_tokens_total": t.host_hit_tokens,
+        "prefix_cache_disk_hit_tokens_total": t.disk_hit_tokens,
+        "tier_bytes_written_total": t.bytes_written,
+        "tier_bytes_loaded_total": t.bytes_loaded,
+        "tier_load_seconds_total": t.load_seconds,
+        "tier_spills_dropped_total": t.spills_dropped,
+    }
+
+
 def _event_proto(e: BlockEvent) -> pb.BlockEvent:
     if isinstance(e, BlockStored):
-        return pb.BlockEvent(seq=e.seq, stored=pb.BlockStored(hashes=e.hashes))
+        return pb.BlockEvent(seq=e.seq, stored=pb.BlockStored(hashes=e.hashes, tier=_TIER_PROTO[e.tier]))
     if isinstance(e, BlockRemoved):
-        return pb.BlockEvent(seq=e.seq, removed=pb.BlockRemoved(hashes=e.hashes))
+        return pb.BlockEvent(seq=e.seq, removed=pb.BlockRemoved(hashes=e.hashes, tier=_TIER_PROTO[e.tier]))
     assert isinstance(e, AllBlocksCleared)
     return pb.BlockEvent(seq=e.seq, cleared=pb.AllBlocksCleared())
 
@@ -423,8 +457,8 @@ class Worker:
     def import_request(self, state: MigrationState) -> bool | None:
         return self.core.import_request(state)
 
-    def pressure(self) -> pb.PressureReport:
-        return self.core.pressure()
+    def stats(self) -> pb.PressureReport:
+        return self.core.stats()
 
     def check_health(self) -> None:
         self.core.check_health()

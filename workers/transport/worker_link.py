@@ -17,6 +17,7 @@ import grpc
 from protos.kvserve.v1 import worker_pb2 as pb
 from protos.kvserve.v1 import worker_pb2_grpc
 from workers.core.tls import read_pem
+from workers.core.worker_credential import WORKER_CREDENTIAL_HEADER
 from workers.transport.outbox import Outbox
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,8 @@ class WorkerLinkClient:
         hello: builds this connection's Hello (called on every connect).
         on_connect: called after a (re)connect, e.g. to queue a block snapshot.
         on_command: receives every RouterCommand with a command set (already de-duplicated).
-        auth_token: sent as ``authorization: Bearer <token>``.
+        credential: this worker's credential (``workers/core/worker_credential.py``), sent as
+            ``kvserve-worker-credential`` metadata; the router refuses a WorkerLink without it.
     """
 
     def __init__(
@@ -61,7 +63,7 @@ class WorkerLinkClient:
         hello: Callable[[], pb.Hello],
         on_connect: Callable[[], None],
         on_command: Callable[[pb.RouterCommand], None],
-        auth_token: str | None = None,
+        credential: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         max_backoff_s: float = 2.0,
     ) -> None:
@@ -70,7 +72,7 @@ class WorkerLinkClient:
         self._hello = hello
         self._on_connect = on_connect
         self._on_command = on_command
-        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        self._metadata = ((WORKER_CREDENTIAL_HEADER, credential),) if credential else ()
         self._credentials = credentials
         self._max_backoff = max_backoff_s
         self._stop = threading.Event()
@@ -108,8 +110,8 @@ class WorkerLinkClient:
                 backoff = 0.05
             except grpc.RpcError as e:
                 code = e.code() if hasattr(e, "code") else None
-                if code == grpc.StatusCode.UNAUTHENTICATED:
-                    logger.error("router %s rejected this worker's credentials", self.address)
+                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                    logger.error("router %s refused this worker: %s", self.address, e.details())
                 elif not self._stop.is_set():
                     logger.info("WorkerLink to %s broken (%s); reconnecting in %.2fs", self.address, code, backoff)
             except grpc.FutureTimeoutError:

@@ -108,6 +108,34 @@ class GenerateResponse(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., worker_id: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., num_swaps: _Optional[int] = ..., num_migrations: _Optional[int] = ..., num_replays: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
+class GenerateStreamRequest(_message.Message):
+    __slots__ = ("generate", "cancel_request_id")
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    generate: GenerateRequest
+    cancel_request_id: str
+    def __init__(self, generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel_request_id: _Optional[str] = ...) -> None: ...
+
+class GenerateBatch(_message.Message):
+    __slots__ = ("responses", "errors")
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[GenerateResponse]
+    errors: _containers.RepeatedCompositeFieldContainer[RequestError]
+    def __init__(self, responses: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ...) -> None: ...
+
+class RequestError(_message.Message):
+    __slots__ = ("request_id", "code", "message", "retry_after_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    code: int
+    message: str
+    retry_after_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
+
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -151,7 +179,7 @@ class ClusterStatus(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., router: _Optional[_Union[RouterStatus, _Mapping]] = ..., timestamp_ms: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "healthy", "total_blocks", "free_blocks", "used_blocks", "cached_evictable_blocks", "usage", "num_running", "num_waiting", "num_swapped", "swap_blocks_total", "swap_blocks_free", "num_preemptions_total", "num_migrations_total", "last_report_age_s", "blocks_in_flight", "decode_steps", "step_latency_ms", "prefix_cache_hit_rate", "model_id", "node_id", "state", "restarts_total")
+    __slots__ = ("worker_id", "healthy", "total_blocks", "free_blocks", "used_blocks", "cached_evictable_blocks", "usage", "num_running", "num_waiting", "num_swapped", "swap_blocks_total", "swap_blocks_free", "num_preemptions_total", "num_migrations_total", "last_report_age_s", "blocks_in_flight", "decode_steps", "step_latency_ms", "prefix_cache_hit_rate", "model_id", "node_id", "state", "restarts_total", "host_cache_bytes_used", "host_cache_bytes_capacity", "prefix_cache_host_hit_rate", "prefix_cache_disk_hit_rate", "host_load_ratio")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +203,11 @@ class WorkerStatus(_message.Message):
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    HOST_CACHE_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    HOST_CACHE_BYTES_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HOST_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_DISK_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    HOST_LOAD_RATIO_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     healthy: bool
     total_blocks: int
@@ -198,7 +231,12 @@ class WorkerStatus(_message.Message):
     node_id: str
     state: str
     restarts_total: int
-    def __init__(self, worker_id: _Optional[str] = ..., healthy: _Optional[bool] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_evictable_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., num_preemptions_total: _Optional[int] = ..., num_migrations_total: _Optional[int] = ..., last_report_age_s: _Optional[float] = ..., blocks_in_flight: _Optional[int] = ..., decode_steps: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., model_id: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[str] = ..., restarts_total: _Optional[int] = ...) -> None: ...
+    host_cache_bytes_used: int
+    host_cache_bytes_capacity: int
+    prefix_cache_host_hit_rate: float
+    prefix_cache_disk_hit_rate: float
+    host_load_ratio: float
+    def __init__(self, worker_id: _Optional[str] = ..., healthy: _Optional[bool] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_evictable_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., num_preemptions_total: _Optional[int] = ..., num_migrations_total: _Optional[int] = ..., last_report_age_s: _Optional[float] = ..., blocks_in_flight: _Optional[int] = ..., decode_steps: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., model_id: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[str] = ..., restarts_total: _Optional[int] = ..., host_cache_bytes_used: _Optional[int] = ..., host_cache_bytes_capacity: _Optional[int] = ..., prefix_cache_host_hit_rate: _Optional[float] = ..., prefix_cache_disk_hit_rate: _Optional[float] = ..., host_load_ratio: _Optional[float] = ...) -> None: ...
 
 class RouterStatus(_message.Message):
     __slots__ = ("queue_requests", "queue_blocks", "max_queue_requests", "max_queue_blocks", "admission_state", "rejections_total", "requests_in_flight", "projected_wait_s", "replays_total", "high_watermark", "low_watermark")

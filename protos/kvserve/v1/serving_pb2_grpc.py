@@ -39,6 +39,11 @@ class KVServeStub:
                 request_serializer=kvserve_dot_v1_dot_serving__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=kvserve_dot_v1_dot_serving__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/kvserve.v1.KVServe/GenerateStream',
+                request_serializer=kvserve_dot_v1_dot_serving__pb2.GenerateStreamRequest.SerializeToString,
+                response_deserializer=kvserve_dot_v1_dot_serving__pb2.GenerateBatch.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/kvserve.v1.KVServe/Abort',
                 request_serializer=kvserve_dot_v1_dot_serving__pb2.AbortRequest.SerializeToString,
@@ -61,6 +66,16 @@ class KVServeServicer:
 
     def Generate(self, request, context):
         """Streams token ids and text deltas; the last message carries finish_reason and usage.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStream(self, request_iterator, context):
+        """Many requests over one stream (a frontend, a batch client): each GenerateRequest must carry its own
+        request_id; the router answers with one GenerateBatch per worker step holding every request's new
+        tokens (the client unbatches them by request_id), so the router pays one message per step, not one
+        per request. A request that ends abnormally gets a RequestError; closing the stream cancels the rest.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -92,6 +107,11 @@ def add_KVServeServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=kvserve_dot_v1_dot_serving__pb2.GenerateRequest.FromString,
                     response_serializer=kvserve_dot_v1_dot_serving__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=kvserve_dot_v1_dot_serving__pb2.GenerateStreamRequest.FromString,
+                    response_serializer=kvserve_dot_v1_dot_serving__pb2.GenerateBatch.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -136,6 +156,33 @@ class KVServe:
             '/kvserve.v1.KVServe/Generate',
             kvserve_dot_v1_dot_serving__pb2.GenerateRequest.SerializeToString,
             kvserve_dot_v1_dot_serving__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvserve.v1.KVServe/GenerateStream',
+            kvserve_dot_v1_dot_serving__pb2.GenerateStreamRequest.SerializeToString,
+            kvserve_dot_v1_dot_serving__pb2.GenerateBatch.FromString,
             options,
             channel_credentials,
             insecure,

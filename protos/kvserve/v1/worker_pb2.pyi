@@ -9,6 +9,15 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_DEVICE: _ClassVar[Tier]
+    TIER_HOST: _ClassVar[Tier]
+    TIER_DISK: _ClassVar[Tier]
+TIER_DEVICE: Tier
+TIER_HOST: Tier
+TIER_DISK: Tier
+
 class WorkerMessage(_message.Message):
     __slots__ = ("seq", "hello", "step_outputs", "pressure", "block_events", "block_snapshot", "ack")
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -90,7 +99,7 @@ class RequestOutput(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_swaps: _Optional[int] = ..., error: _Optional[str] = ..., num_output_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_serving_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class PressureReport(_message.Message):
-    __slots__ = ("worker_id", "seq", "total_blocks", "free_blocks", "used_blocks", "cached_evictable_blocks", "swap_blocks_total", "swap_blocks_free", "num_running", "num_waiting", "num_swapped", "tokens_in_flight", "decode_steps", "step_latency_ms", "num_preemptions_total", "prefix_cache_query_tokens_total", "prefix_cache_hit_tokens_total", "num_swaps_total", "num_imports_total", "num_exports_total", "prefill_tokens_total")
+    __slots__ = ("worker_id", "seq", "total_blocks", "free_blocks", "used_blocks", "cached_evictable_blocks", "swap_blocks_total", "swap_blocks_free", "num_running", "num_waiting", "num_swapped", "tokens_in_flight", "decode_steps", "step_latency_ms", "num_preemptions_total", "prefix_cache_query_tokens_total", "prefix_cache_hit_tokens_total", "num_swaps_total", "num_imports_total", "num_exports_total", "prefill_tokens_total", "host_cache_bytes_used", "host_cache_bytes_capacity", "disk_cache_bytes_used", "disk_cache_bytes_capacity", "host_load_ratio", "disk_load_ratio", "recompute_ms_per_block", "prefix_cache_host_hit_tokens_total", "prefix_cache_disk_hit_tokens_total", "tier_bytes_written_total", "tier_bytes_loaded_total", "tier_load_seconds_total", "tier_spills_dropped_total")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +121,19 @@ class PressureReport(_message.Message):
     NUM_IMPORTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_EXPORTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    HOST_CACHE_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    HOST_CACHE_BYTES_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    DISK_CACHE_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    DISK_CACHE_BYTES_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    HOST_LOAD_RATIO_FIELD_NUMBER: _ClassVar[int]
+    DISK_LOAD_RATIO_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_MS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HOST_HIT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_DISK_HIT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TIER_BYTES_WRITTEN_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TIER_BYTES_LOADED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TIER_LOAD_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TIER_SPILLS_DROPPED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     seq: int
     total_blocks: int
@@ -133,7 +155,20 @@ class PressureReport(_message.Message):
     num_imports_total: int
     num_exports_total: int
     prefill_tokens_total: int
-    def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_evictable_blocks: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., decode_steps: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., num_preemptions_total: _Optional[int] = ..., prefix_cache_query_tokens_total: _Optional[int] = ..., prefix_cache_hit_tokens_total: _Optional[int] = ..., num_swaps_total: _Optional[int] = ..., num_imports_total: _Optional[int] = ..., num_exports_total: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ...) -> None: ...
+    host_cache_bytes_used: int
+    host_cache_bytes_capacity: int
+    disk_cache_bytes_used: int
+    disk_cache_bytes_capacity: int
+    host_load_ratio: float
+    disk_load_ratio: float
+    recompute_ms_per_block: float
+    prefix_cache_host_hit_tokens_total: int
+    prefix_cache_disk_hit_tokens_total: int
+    tier_bytes_written_total: int
+    tier_bytes_loaded_total: int
+    tier_load_seconds_total: float
+    tier_spills_dropped_total: int
+    def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_evictable_blocks: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., decode_steps: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., num_preemptions_total: _Optional[int] = ..., prefix_cache_query_tokens_total: _Optional[int] = ..., prefix_cache_hit_tokens_total: _Optional[int] = ..., num_swaps_total: _Optional[int] = ..., num_imports_total: _Optional[int] = ..., num_exports_total: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., host_cache_bytes_used: _Optional[int] = ..., host_cache_bytes_capacity: _Optional[int] = ..., disk_cache_bytes_used: _Optional[int] = ..., disk_cache_bytes_capacity: _Optional[int] = ..., host_load_ratio: _Optional[float] = ..., disk_load_ratio: _Optional[float] = ..., recompute_ms_per_block: _Optional[float] = ..., prefix_cache_host_hit_tokens_total: _Optional[int] = ..., prefix_cache_disk_hit_tokens_total: _Optional[int] = ..., tier_bytes_written_total: _Optional[int] = ..., tier_bytes_loaded_total: _Optional[int] = ..., tier_load_seconds_total: _Optional[float] = ..., tier_spills_dropped_total: _Optional[int] = ...) -> None: ...
 
 class BlockEvents(_message.Message):
     __slots__ = ("events",)
@@ -154,28 +189,36 @@ class BlockEvent(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
 
 class BlockStored(_message.Message):
-    __slots__ = ("hashes",)
+    __slots__ = ("hashes", "tier")
     HASHES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    tier: Tier
+    def __init__(self, hashes: _Optional[_Iterable[int]] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class BlockRemoved(_message.Message):
-    __slots__ = ("hashes",)
+    __slots__ = ("hashes", "tier")
     HASHES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    tier: Tier
+    def __init__(self, hashes: _Optional[_Iterable[int]] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class AllBlocksCleared(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class BlockSnapshot(_message.Message):
-    __slots__ = ("seq", "hashes")
+    __slots__ = ("seq", "hashes", "host_hashes", "disk_hashes")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
+    HOST_HASHES_FIELD_NUMBER: _ClassVar[int]
+    DISK_HASHES_FIELD_NUMBER: _ClassVar[int]
     seq: int
     hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq: _Optional[int] = ..., hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    host_hashes: _containers.RepeatedScalarFieldContainer[int]
+    disk_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq: _Optional[int] = ..., hashes: _Optional[_Iterable[int]] = ..., host_hashes: _Optional[_Iterable[int]] = ..., disk_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommandAck(_message.Message):
     __slots__ = ("command_seq", "request_id", "ok", "error")

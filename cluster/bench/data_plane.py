@@ -1,0 +1,255 @@
+"""`kvserve bench data-plane`: how many streamed tokens the serving path carries, and what each costs
+the router, with simulated workers (cluster/bench/sim_worker.py: the real WorkerLink, tokens on a
+clock, no model).
+
+It starts a local Ray, the real router actor and ``--workers`` simulated workers, then runs
+``--streams`` concurrent client streams through the real client API (gRPC ``Generate`` or the HTTP API's
+SSE ``/v1/completions``), each for ``--max-tokens`` tokens, and reports:
+
+* ``streamed_tokens_per_s``: tokens the clients received over the window from the first request sent
+  to the last stream finished;
+* ``router_cpu_us_per_token``: the router process's CPU time (user + system, from ``/proc``) over that
+  window, divided by the tokens streamed;
+* ``added_itl_p50_ms`` / ``added_itl_p99_ms``: per step message, arrival at the client minus the
+  worker's emission time (carried in ``text_delta``; one clock on one machine), i.e. the latency the
+  serving path adds to each token;
+* ``router_rss_mb``: the router's resident memory at the end.
+
+``--protocol grpc-mux`` sends every stream over one ``GenerateStream`` (router/mux.py): the router then
+sends one message per worker step for all of them and the client unbatches by request id.
+
+A sweep is a list of values for ``--streams`` / ``--workers`` / ``--tokens-per-step`` (every
+combination); the clients run in this process, so on a small machine they compete with the router for
+cores: the per-token CPU figure is the router's own either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+_PROMPT = list(range(1, 17))
+
+
+@dataclass(frozen=True)
+class PlanePoint:
+    """One setting of the sweep and what it measured."""
+
+    workers: int
+    streams: int
+    tokens_per_step: int
+    step_ms: float
+    protocol: str
+    streamed_tokens: int
+    window_s: float
+    streamed_tokens_per_s: float
+    router_cpu_s: float
+    router_cpu_us_per_token: float
+    added_itl_p50_ms: float
+    added_itl_p99_ms: float
+    router_rss_mb: float
+    failed_streams: int
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) by nearest rank; NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def stamps_latency_ms(text: str, arrival_ns: int) -> list[float]:
+    """Added latency of each step carried in one response's ``text`` (``"<ns>;<ns>;"``), in ms."""
+    return [(arrival_ns - int(s)) / 1e6 for s in text.split(";") if s]
+
+
+async def _grpc_stream(stub: Any, max_tokens: int, lat: list[float]) -> int:
+    from protos.kvserve.v1 import serving_pb2 as spb
+
+    request = spb.GenerateRequest(
+        token_ids=spb.TokenIds(ids=_PROMPT), sampling=spb.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    )
+    tokens = 0
+    async for resp in stub.Generate(request, timeout=600):
+        lat.extend(stamps_latency_ms(resp.text_delta, time.monotonic_ns()))
+        tokens += len(resp.token_ids)
+    return tokens
+
+
+async def _grpc_mux(stub: Any, streams: int, max_tokens: int, lat: list[float]) -> list[int | BaseException]:
+    """Every request on one ``GenerateStream``, unbatched here by request id."""
+    from protos.kvserve.v1 import serving_pb2 as spb
+
+    sampling = spb.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    tokens = dict.fromkeys((f"r{i}" for i in range(streams)), 0)
+
+    async def requests():  # noqa: ANN202 - an async generator of messages
+        for rid in tokens:
+            yield spb.GenerateStreamRequest(generate=spb.GenerateRequest(
+                request_id=rid, token_ids=spb.TokenIds(ids=_PROMPT), sampling=sampling))  # fmt: skip
+
+    failed: dict[str, BaseException] = {}
+    async for batch in stub.GenerateStream(requests(), timeout=600):
+        now = time.monotonic_ns()
+        for resp in batch.responses:
+            lat.extend(stamps_latency_ms(resp.text_delta, now))
+            tokens[resp.request_id] += len(resp.token_ids)
+        for err in batch.errors:
+            failed[err.request_id] = RuntimeError(f"{err.request_id}: code {err.code}: {err.message}")
+    return [failed.get(rid, n) for rid, n in tokens.items()]
+
+
+async def _http_stream(http: Any, url: str, max_tokens: int, lat: list[float]) -> int:
+    body = {"model": "sim", "prompt": _PROMPT, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "return_token_ids": True}  # fmt: skip
+    tokens = 0
+    async with http.stream("POST", url, json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices", ()):
+                lat.extend(stamps_latency_ms(choice.get("text", ""), time.monotonic_ns()))
+                tokens += len(choice.get("token_ids") or ())
+    return tokens
+
+
+async def _drive(
+    address: str, http_url: str | None, streams: int, max_tokens: int, mux: bool = False
+) -> tuple[int, float, list, int]:
+    """Run ``streams`` concurrent streams; (tokens, window seconds, added latencies, failed streams)."""
+    import grpc
+    import httpx
+
+    from protos.kvserve.v1 import serving_pb2_grpc
+
+    lat: list[float] = []
+    t0 = time.monotonic()
+    if http_url is None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = serving_pb2_grpc.KVServeStub(channel)
+            if mux:
+                results = await _grpc_mux(stub, streams, max_tokens, lat)
+            else:
+                results = await asyncio.gather(*(_grpc_stream(stub, max_tokens, lat) for _ in range(streams)),
+                                               return_exceptions=True)  # fmt: skip
+    else:
+        limits = httpx.Limits(max_connections=streams, max_keepalive_connections=streams)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+            results = await asyncio.gather(*(_http_stream(http, http_url, max_tokens, lat) for _ in range(streams)),
+                                           return_exceptions=True)  # fmt: skip
+    window = time.monotonic() - t0
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        print(f"data-plane: {len(failed)} of {streams} streams failed, first: {failed[0]!r}", file=sys.stderr)
+    return sum(r for r in results if isinstance(r, int)), window, lat, len(failed)
+
+
+def _proc_cpu_s(pid: int) -> float:
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def measure(workers: int, streams: int, tokens_per_step: int, step_ms: float, max_tokens: int,
+            protocol: str) -> PlanePoint:  # fmt: skip
+    """One point: a fresh router and simulated workers, ``streams`` streams through them."""
+    import psutil
+    import ray
+
+    from cluster.bench.sim_worker import SimSpec, sim_worker_actor_class
+    from cluster.launch import _register_workers, _start_router, worker_options_for
+    from router.config import RouterConfig
+    from workers.core.worker_credential import new_worker_key
+    from workers.transport.options import WorkerOptions
+
+    config = RouterConfig(port=0, max_queue_requests=max(1024, streams), max_buffered_responses=1 << 16)
+    key = new_worker_key()
+    router, http_port = _start_router(config, None, None, 0 if protocol == "http" else None, key)
+    handles: dict[str, Any] = {}
+    try:
+        address = ray.get(router.address.remote())
+        spec = SimSpec(step_ms=step_ms, tokens_per_step=tokens_per_step)
+        actor = sim_worker_actor_class()
+        ids = [f"worker-{i}" for i in range(workers)]
+        ray.get(router.expect_workers.remote(ids))
+        handles = {w: actor.remote(w, worker_options_for(WorkerOptions(), w, key, address), spec) for w in ids}
+        _register_workers(router, handles, 60.0)
+        pid = ray.get(router.pid.remote())
+        http_url = f"http://127.0.0.1:{http_port}/v1/completions" if protocol == "http" else None
+        cpu0 = _proc_cpu_s(pid)
+        mux = protocol == "grpc-mux"
+        tokens, window, lat, failed = asyncio.run(_drive(address, http_url, streams, max_tokens, mux))
+        cpu = _proc_cpu_s(pid) - cpu0
+        rss = psutil.Process(pid).memory_info().rss / 2**20
+    finally:
+        for h in handles.values():
+            ray.kill(h)
+        ray.kill(router)
+    return PlanePoint(
+        workers, streams, tokens_per_step, step_ms, protocol, tokens, window, tokens / window if window else 0.0,
+        cpu, cpu / tokens * 1e6 if tokens else float("nan"), percentile(lat, 0.5), percentile(lat, 0.99), rss,
+        failed,
+    )  # fmt: skip
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", type=_ints, default=[2], help="simulated workers (a comma list sweeps)")
+    p.add_argument("--streams", type=_ints, default=[64], help="concurrent client streams (a comma list sweeps)")
+    p.add_argument("--tokens-per-step", type=_ints, default=[1], help="tokens each stream gets per worker step")
+    p.add_argument("--step-ms", type=float, default=20.0, help="the simulated workers' step time")
+    p.add_argument("--max-tokens", type=int, default=200, help="tokens per stream")
+    p.add_argument("--protocol", choices=("grpc", "grpc-mux", "http"), default="grpc",
+                   help="the client API: a gRPC Generate per stream, every stream on one GenerateStream (one "
+                        "message per worker step, unbatched by the client), or HTTP/SSE")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="one JSON object per point instead of the table")
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+
+    from cluster.launch import init_ray
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # NOTE: one INFO line per stream otherwise
+
+    owns_ray = init_ray(None)
+    points = []
+    try:
+        for w, s, k in itertools.product(args.workers, args.streams, args.tokens_per_step):
+            point = measure(w, s, k, args.step_ms, args.max_tokens, args.protocol)
+            points.append(point)
+            if args.json:
+                print(json.dumps(asdict(point)), flush=True)
+    finally:
+        if owns_ray:
+            import ray
+
+            ray.shutdown()
+    if not args.json:
+        print(format_table(points))
+    return 1 if any(p.failed_streams for p in points) else 0
+
+
+def format_table(points: list[PlanePoint]) -> str:
+    head = ("| proto | workers | streams | tok/step | step ms | streamed tok/s | router CPU µs/tok | added ITL p50 / "
+            "p99 ms | router RSS MB |\n|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    rows = [
+        f"| {p.protocol} | {p.workers} | {p.streams} | {p.tokens_per_step} | {p.step_ms:g} | "
+        f"{p.streamed_tokens_per_s:,.0f} | {p.router_cpu_us_per_token:.1f} | "
+        f"{p.added_itl_p50_ms:.1f} / {p.added_itl_p99_ms:.1f} | {p.router_rss_mb:.0f} |"
+        for p in points
+    ]
+    return "\n".join([head, *rows])

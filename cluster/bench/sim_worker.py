@@ -1,0 +1,149 @@
+"""A simulated worker for the data-plane benchmark: the real worker's Ray methods and WorkerLink, with
+tokens emitted on a clock instead of by a model (no torch).
+
+Every ``step_ms`` it emits ``tokens_per_step`` tokens for each running request (one ``StepOutputs``
+for all of them, then a pressure report, through the real ``Outbox`` and ``WorkerLinkClient``), until
+the request's ``max_tokens``. Each output's ``text_delta`` carries the step's emission time
+(``time.monotonic_ns()``, system-wide on Linux), so a client on the same machine measures the latency
+the serving path adds to every token.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+from protos.kvserve.v1 import worker_pb2 as pb
+from workers.core.identity import WorkerIdentity
+from workers.core.request import WorkerRequest
+from workers.transport.options import WorkerOptions
+from workers.transport.outbox import Outbox
+from workers.transport.worker_link import WorkerLinkClient, channel_credentials
+
+
+@dataclass(frozen=True)
+class SimSpec:
+    """What a simulated worker looks like and how fast it emits.
+
+    Raises:
+        ValueError: a non-positive size or rate.
+    """
+
+    step_ms: float = 20.0
+    tokens_per_step: int = 1
+    total_blocks: int = 1 << 16
+    block_size: int = 16
+    max_model_len: int = 1 << 16
+    vocab_size: int = 32000
+
+    def __post_init__(self) -> None:
+        for name in ("step_ms", "tokens_per_step", "total_blocks", "block_size", "max_model_len", "vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass
+class _Running:
+    request: WorkerRequest
+    emitted: int = 0
+
+
+class SimWorker:
+    """The methods the router calls on a worker (``ready``, ``add_request``, ``check_health``, ...)."""
+
+    def __init__(self, worker_id: str, options: WorkerOptions, spec: SimSpec) -> None:
+        self.worker_id, self.options, self.spec = worker_id, options, spec
+        self.incarnation = uuid.uuid4().hex
+        self.outbox = Outbox()
+        self._lock = threading.Lock()
+        self._running: dict[str, _Running] = {}
+        self._steps = 0
+        self._stop = threading.Event()
+        self.link = WorkerLinkClient(
+            options.router_address or "",
+            self.outbox,
+            hello=lambda: self.identity().to_hello(self.incarnation),
+            on_connect=lambda: None,
+            on_command=self._on_command,
+            credential=options.credential,
+            credentials=channel_credentials(options.tls_ca, options.tls_cert, options.tls_key),
+        )
+        self.link.start()
+        self._thread = threading.Thread(target=self._run, name="sim-engine", daemon=True)
+        self._thread.start()
+
+    def identity(self) -> WorkerIdentity:
+        s = self.spec
+        return WorkerIdentity(self.worker_id, "sim", s.block_size, s.total_blocks, s.max_model_len, s.vocab_size)
+
+    def ready(self) -> WorkerIdentity:
+        return self.identity()
+
+    def add_request(self, request: WorkerRequest) -> None:
+        with self._lock:
+            self._running[request.request_id] = _Running(request, len(request.resume_output_ids))
+
+    def check_health(self) -> None:
+        if not self._thread.is_alive():
+            raise RuntimeError(f"simulated worker {self.worker_id}: its step thread died")
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.link.stop()
+
+    def _on_command(self, cmd: pb.RouterCommand) -> None:
+        kind = cmd.WhichOneof("command")
+        rid = cmd.abort.request_id if kind == "abort" else ""
+        with self._lock:
+            ok = self._running.pop(rid, None) is not None if kind == "abort" else kind == "request_snapshot"
+        if kind == "request_snapshot":
+            self.outbox.put(pb.WorkerMessage(block_snapshot=pb.BlockSnapshot()))
+        self.outbox.put(pb.WorkerMessage(ack=pb.CommandAck(command_seq=cmd.seq, request_id=rid, ok=ok)))
+
+    def _run(self) -> None:
+        period = self.spec.step_ms / 1000
+        next_step = time.monotonic()
+        while not self._stop.is_set():
+            next_step += period
+            self._stop.wait(max(0.0, next_step - time.monotonic()))
+            self._step()
+
+    def _step(self) -> None:
+        k = self.spec.tokens_per_step
+        stamp = f"{time.monotonic_ns()};"  # NOTE: ";" keeps stamps apart when responses merge
+        outputs = []
+        with self._lock:
+            for rid, run in list(self._running.items()):
+                n = min(k, run.request.params.max_tokens - run.emitted)
+                run.emitted += n
+                done = run.emitted >= run.request.params.max_tokens
+                outputs.append(pb.RequestOutput(
+                    request_id=rid, new_token_ids=[(run.emitted + i) % self.spec.vocab_size for i in range(n)],
+                    text_delta=stamp, finish_reason="length" if done else "", num_output_tokens=run.emitted,
+                    num_prompt_tokens=len(run.request.prompt),
+                ))  # fmt: skip
+                if done:
+                    del self._running[rid]
+            running = len(self._running)
+        self._steps += 1
+        step = pb.StepOutputs(decode_step=self._steps, outputs=outputs) if outputs else None
+        report = pb.PressureReport(worker_id=self.worker_id, total_blocks=self.spec.total_blocks,
+                                   free_blocks=self.spec.total_blocks, num_running=running,
+                                   decode_steps=self._steps, step_latency_ms=self.spec.step_ms)  # fmt: skip
+        report.seq = self._steps
+        self.outbox.put_step(step, None, report)
+
+
+def sim_worker_actor_class():
+    """``ray.remote(SimWorker)`` (Ray is imported only here)."""
+    import ray
+
+    return ray.remote(num_cpus=0, max_concurrency=64)(SimWorker)

@@ -1,0 +1,165 @@
+"""Hostile sizes (issue 25, finding 4) against a real ``kvserve serve`` with its HTTP API: each is
+refused with the limit it broke named, and a normal stream running meanwhile keeps its pace.
+
+Attacks: a 16 MiB body (HTTP and gRPC), 10^5 prompts in one completion call, 10^6 stop ids (HTTP
+and gRPC), logprobs x max_tokens beyond the bound, 1,000 WatchBlockPressure streams at once.
+Before the bounds: 2,000 prompts x n=16 held a 4-token request 19.3 s instead of 0.38 s.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from protos.kvserve.v1 import serving_pb2 as spb
+from protos.kvserve.v1 import serving_pb2_grpc
+from tests.chaos.conftest import ServedCluster, serve_cluster, stop_cluster
+from tests.chaos.streams import prompt, request
+from tests.integration.test_serve import HTTP_LINE
+
+VICTIM_TOKENS = 192
+WATCHERS = 1000
+MAX_PRESSURE_WATCHERS = 64  # the default (router/config.py)
+HTTP_TIMEOUT = 60.0
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_dir: Path) -> Iterator[tuple[ServedCluster, str]]:
+    served = serve_cluster(tiny_llama_dir, "--http-port", "0")
+    try:
+        url = served.proc.wait_for_line(HTTP_LINE, timeout=30).group(1)  # http://host:port/v1
+        yield served, url
+    finally:
+        stop_cluster(served)
+
+
+def _victim_itl(address: str) -> float:
+    """Mean inter-token latency (s) of one greedy stream, from its first token to its last."""
+    times: list[float] = []
+    tokens = 0
+    with grpc.insecure_channel(address) as ch:
+        for resp in serving_pb2_grpc.KVServeStub(ch).Generate(request(prompt(3, 24), VICTIM_TOKENS), timeout=180):
+            if resp.token_ids:
+                times.append(time.monotonic())
+                tokens += len(resp.token_ids)
+    assert tokens == VICTIM_TOKENS
+    return (times[-1] - times[0]) / (tokens - 1)
+
+
+# ---- the attacks: each returns what it got ---------------------------------------------------------------
+def _http(url: str, body: bytes) -> tuple[int, str]:
+    r = httpx.post(f"{url}/completions", content=body, headers={"content-type": "application/json"},
+                   timeout=HTTP_TIMEOUT)  # fmt: skip
+    return r.status_code, r.text
+
+
+def _grpc_generate(address: str, req: spb.GenerateRequest) -> tuple[grpc.StatusCode, str]:
+    with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
+        try:
+            for _ in serving_pb2_grpc.KVServeStub(ch).Generate(req, timeout=HTTP_TIMEOUT):
+                pass
+        except grpc.RpcError as e:
+            return e.code(), e.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+def _attacks(address: str, url: str) -> dict[str, tuple[Callable[[], tuple], tuple]]:
+    """name -> (attack, (expected status, text the refusal must contain)); payloads built up front."""
+    huge_text = json.dumps({"prompt": "a" * (16 << 20), "max_tokens": 1}).encode()
+    many_prompts = json.dumps({"prompt": ["hello"] * 100_000, "max_tokens": 1}).encode()
+    many_stops_http = json.dumps({"prompt": "hello", "max_tokens": 1, "stop_token_ids": [5] * 1_000_000}).encode()
+    stops = request(prompt(5), 1)
+    stops.sampling.stop_token_ids.extend([5] * 1_000_000)
+    huge = spb.GenerateRequest(text="a" * (16 << 20))
+    logprobs = request(prompt(6), 4000)
+    logprobs.sampling.logprobs = 20
+    return {
+        "HTTP 16 MiB body": (lambda: _http(url, huge_text), (413, "max_http_body_bytes")),
+        "HTTP 10^5 prompts": (lambda: _http(url, many_prompts), (400, "max_choices_per_request")),
+        "HTTP 10^6 stop ids": (lambda: _http(url, many_stops_http), (400, "max_stop_token_ids")),
+        "gRPC 10^6 stop ids": (
+            lambda: _grpc_generate(address, stops), (grpc.StatusCode.INVALID_ARGUMENT, "max_stop_token_ids")
+        ),
+        # NOTE: grpc itself refuses a message over max_message_bytes (16 MiB), before any handler.
+        "gRPC 16 MiB body": (lambda: _grpc_generate(address, huge), (grpc.StatusCode.RESOURCE_EXHAUSTED, "")),
+        "gRPC logprobs x tokens": (
+            lambda: _grpc_generate(address, logprobs), (grpc.StatusCode.INVALID_ARGUMENT, "max_logprob_tokens")
+        ),
+    }
+
+
+class Watchers:
+    """``WATCHERS`` WatchBlockPressure streams on one channel, held open until ``close``."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.insecure_channel(address)
+        stub = serving_pb2_grpc.KVServeStub(self.channel)
+        self.calls = [stub.WatchBlockPressure(spb.WatchRequest(interval_ms=50), timeout=120) for _ in range(WATCHERS)]
+        self.ok = 0
+        self.refused: list[str] = []
+        self.codes: set[grpc.StatusCode] = set()
+
+    def first_messages(self) -> None:
+        for call in self.calls:
+            try:
+                next(call)
+                self.ok += 1
+            except grpc.RpcError as e:
+                self.codes.add(e.code())
+                self.refused.append(e.details() or "")
+
+    def close(self) -> None:
+        for call in self.calls:
+            call.cancel()
+        self.channel.close()
+
+
+def test_hostile_sizes_are_refused_by_name_and_a_normal_stream_keeps_pace(cluster) -> None:
+    served, url = cluster
+    address = served.address
+    attacks = _attacks(address, url)
+    # NOTE: the victim reads its stream in a process of its own: in this one, the attackers' client
+    # threads would take the GIL from it and the test would measure itself, not the router.
+    victim_process = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    victim_itl = lambda: victim_process.submit(_victim_itl, address).result(timeout=300)  # noqa: E731
+    idle = [victim_itl()]
+
+    results: dict[str, tuple] = {}
+    watchers = Watchers(address)
+    threads = [threading.Thread(target=watchers.first_messages, daemon=True)]
+    for name, (attack, _) in attacks.items():
+        threads.append(threading.Thread(target=lambda n=name, a=attack: results.__setitem__(n, a()), daemon=True))
+    itl: list[float] = []
+    victim = threading.Thread(target=lambda: itl.append(victim_itl()), daemon=True)
+    victim.start()
+    for t in threads:
+        t.start()
+    for t in [*threads, victim]:
+        t.join(300)
+    try:
+        assert watchers.ok == MAX_PRESSURE_WATCHERS, (watchers.ok, watchers.codes)
+        assert watchers.codes == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+        assert all("max_pressure_watchers" in d for d in watchers.refused)
+    finally:
+        watchers.close()
+    for name, (_, (status, text)) in attacks.items():
+        got_status, got_text = results[name]
+        assert got_status == status, (name, got_status, got_text[:300])
+        assert text in got_text, (name, got_text[:300])
+
+    idle.append(victim_itl())
+    idle.append(victim_itl())
+    victim_process.shutdown()
+    reference = statistics.median(idle)
+    print(f"victim mean ITL: idle {[f'{x * 1000:.1f}' for x in idle]} ms, under attack {itl[0] * 1000:.1f} ms")
+    assert itl and itl[0] <= 2 * reference, f"ITL under attack {itl[0]:.4f}s vs idle {reference:.4f}s"

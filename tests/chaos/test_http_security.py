@@ -1,0 +1,82 @@
+"""The router's HTTP surfaces (README "Security"), in-process: the API over TLS with the gRPC
+port's certificate options (HTTPS verified against the test CA, plain HTTP refused, a client
+certificate required with ``tls_client_ca``), and ``/metrics`` behind the client API's auth with
+``metrics_auth``."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import Awaitable, Callable
+
+import httpx
+import pytest
+
+from router.config import RouterConfig
+from router.server import RouterService
+from tests.integration.test_router import make_pki
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+def run(config: RouterConfig, test: Callable[[str], Awaitable[None]], metrics_port: int | None = None) -> None:
+    async def main() -> None:
+        service = RouterService(config, metrics_port=metrics_port, http_port=0, ready_timeout_s=0.2)
+        await service.start()
+        try:
+            await test(f"127.0.0.1:{await service.http_port()}")
+        finally:
+            await service.stop(grace=0)
+
+    asyncio.run(main())
+
+
+def _context(ca: str, cert: str | None = None, key: str | None = None) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=ca)
+    if cert:
+        ctx.load_cert_chain(cert, key)
+    return ctx
+
+
+def test_https_with_the_grpc_certificate(pki: dict[str, str]) -> None:
+    async def test(address: str) -> None:
+        async with httpx.AsyncClient(verify=_context(pki["ca"]), timeout=10) as c:
+            r = await c.get(f"https://{address}/health")
+            assert r.status_code == 503  # served over TLS (no worker yet)
+        async with httpx.AsyncClient(timeout=10) as c:
+            with pytest.raises(httpx.HTTPError):
+                await c.get(f"http://{address}/health")
+
+    run(RouterConfig(port=0, tls_cert=pki["server_cert"], tls_key=pki["server_key"]), test)
+
+
+def test_mtls_requires_a_client_certificate(pki: dict[str, str]) -> None:
+    async def test(address: str) -> None:
+        async with httpx.AsyncClient(verify=_context(pki["ca"]), timeout=10) as c:
+            with pytest.raises(httpx.HTTPError):
+                await c.get(f"https://{address}/health")
+        with_cert = _context(pki["ca"], pki["client_cert"], pki["client_key"])
+        async with httpx.AsyncClient(verify=with_cert, timeout=10) as c:
+            assert (await c.get(f"https://{address}/health")).status_code == 503
+
+    config = RouterConfig(port=0, tls_cert=pki["server_cert"], tls_key=pki["server_key"], tls_client_ca=pki["ca"])
+    run(config, test)
+
+
+def test_metrics_behind_the_client_apis_auth() -> None:
+    from cluster.launch import _free_port
+
+    port = _free_port("127.0.0.1")
+    url = f"http://127.0.0.1:{port}/metrics"
+
+    async def test(address: str) -> None:
+        async with httpx.AsyncClient(timeout=10) as c:
+            for headers in ({}, {"authorization": "Bearer wrong"}):
+                assert (await c.get(url, headers=headers)).status_code == 401
+            r = await c.get(url, headers={"authorization": "Bearer metrics-token"})
+            assert r.status_code == 200 and "kvserve:" in r.text
+
+    run(RouterConfig(port=0, auth_token="metrics-token", metrics_auth=True), test, metrics_port=port)
