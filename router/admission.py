@@ -27,8 +27,10 @@ counts what ``pop_ready`` took off the queue over the last ``drain_window_s``. N
 only when running work completes and frees blocks, so under saturation the rate is the cluster's
 real completion rate, and a burst of arrivals cannot inflate it (direct placements are not
 pops); when the queue is only briefly used it under-estimates capacity, which errs on refusing.
-With no drain observed (a cold start, or nothing finished for a whole window) there is no rate
-to project with, and a cold cluster is exactly when clients burst, so admission does not guess:
+With no drain observed (a cold start, or nothing finished for a whole window), or fewer than
+``MIN_TRUSTED_DRAINS`` pops in the window (a rate from the first few completions after a start,
+over the queue's whole age, badly under-estimates capacity), there is no rate to trust, and a
+cold cluster is exactly when clients burst, so admission does not guess:
 it refuses only what *provably* cannot start in time (``ColdCapacity``, from what is known: the
 fastest recent engine step, the serving pools and their free blocks, the work queued ahead). A
 queued request needs the blocks of everything ahead of it plus its own; those beyond the free
@@ -68,6 +70,11 @@ class QueueItem(Protocol):
 
 
 T = TypeVar("T", bound=QueueItem)
+
+
+# A drain rate measured from fewer pops than this (within the window) is not trusted for refusing:
+# with a ``ColdCapacity`` admission stays cold (provable refusals only) until then.
+MIN_TRUSTED_DRAINS = 8
 
 
 class RejectReason(str, enum.Enum):
@@ -287,7 +294,9 @@ class AdmissionQueue(Generic[T]):
         if reason is None:
             if deadline is not None and deadline <= now:
                 reason = RejectReason.WAIT_EXCEEDS_DEADLINE
-            elif wait is None:
+            elif wait is None or (len(self._drains) < MIN_TRUSTED_DRAINS and self.cold_capacity is not None):
+                # NOTE: cold: no rate, or one from a handful of pops over an arbitrary span (the
+                # first completions after a start), which would refuse what can start in time.
                 wait = self._cold_lower_bound_s(item)
                 if wait is None:
                     if self._requests_ahead(item.priority) > 0:

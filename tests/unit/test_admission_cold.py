@@ -62,3 +62,19 @@ def test_what_provably_cannot_start_in_time_is_still_refused() -> None:
     assert queue.admit(_Item("in-time", 10), deadline=clock() + 7.0) is None
     huge = queue.admit(_Item("huge", 400))  # 460 blocks: 46 s at least, beyond max_wait_s
     assert huge is not None and huge.reason is RejectReason.WAIT_EXCEEDS_MAX
+
+
+def test_a_rate_from_a_handful_of_drains_does_not_refuse_while_cold() -> None:
+    """The first completions after a start, spread over the queue's age, give a tiny rate; with a
+    ColdCapacity admission stays cold (provable refusals only) until the rate rests on enough pops."""
+    clock = _Clock()
+    cap = ColdCapacity(step_s=0.01, pool_blocks=128, free_blocks=0)
+    queue: AdmissionQueue[_Item] = AdmissionQueue(1024, 1 << 20, clock=clock, cold_capacity=lambda: cap)
+    for i in range(3):
+        assert queue.admit(_Item(f"q{i}", 6)) is None
+    clock.t += 29.0  # a slow start: 2 pops in 29 s
+    assert len(list(queue.pop_ready(lambda item: item.request_id in ("q0", "q1")))) == 2
+    # The untrusted rate (2 pops in 29 s) projects 29 s for one more, far beyond a 20 s deadline.
+    assert queue.projected_wait_s(6) is not None and queue.projected_wait_s(6) > 20
+    refusals = [queue.admit(_Item(f"r{i}", 6), deadline=clock() + 20) for i in range(40)]
+    assert refusals == [None] * 40
