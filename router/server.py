@@ -236,7 +236,7 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
         live: dict[str, RouterRequest] = {}
         who = self._principal(context)
         caller = (client_of_peer(context.peer()), who)
-        reader = asyncio.get_running_loop().create_task(self._read_stream(requests, mux, live, caller))
+        reader = asyncio.get_running_loop().create_task(self._read_requests(requests, mux, live, caller))
         try:
             while True:
                 batch = await mux.next_batch()
@@ -263,18 +263,6 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
                 if not r.finished:
                     self.router.cancel(r)
 
-    async def _read_stream(
-        self,
-        requests: AsyncIterator[Any],
-        mux: StreamMux,
-        live: dict[str, RouterRequest],
-        caller: tuple[str, Principal | None],
-    ) -> None:
-        try:
-            await self._read_requests(requests, mux, live, caller)
-        finally:
-            mux.wake()  # NOTE: the writer then sees the reader done (the client closed its side, or failed)
-
     async def _read_requests(
         self,
         requests: AsyncIterator[Any],
@@ -283,28 +271,31 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
         caller: tuple[str, Principal | None],
     ) -> None:
         client, who = caller
-        async for msg in requests:
-            if isinstance(msg, Undecodable):
-                raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable {msg.message_type}: {msg.error}")
-            if msg.WhichOneof("kind") == "cancel_request_id":
-                r = live.get(msg.cancel_request_id)
-                if r is not None and not r.finished:
-                    self.router.cancel(r)
-                    mux.put(r.request_id, RouterError(grpc.StatusCode.CANCELLED, "cancelled by the client"))
-                continue
-            rid = msg.generate.request_id
-            if not rid or rid in live:
-                # NOTE: the stream's status, not a RequestError: an answer to this request could not be
-                # told from one to the request that holds the id.
-                why = "missing" if not rid else f"{rid!r} already in use on this stream"
-                raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"request_id {why}: GenerateStream requests need ids of their own")  # fmt: skip
-            try:
-                # NOTE: the same bounds, tokenization off the loop and tenancy as Generate.
-                (live[rid],) = await self.bounds.submit_all(client, [msg.generate], who=who, mux=mux)
-            except RouterError as e:
-                # NOTE: keyed as the router keys the request's responses (scoped), unscoped on the way out.
-                mux.put(rid if who is None else self.bounds.tenancy.scoped_id(who, rid), e)  # type: ignore[union-attr]
+        try:
+            async for msg in requests:
+                if isinstance(msg, Undecodable):
+                    raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable {msg.message_type}: {msg.error}")
+                if msg.WhichOneof("kind") == "cancel_request_id":
+                    r = live.get(msg.cancel_request_id)
+                    if r is not None and not r.finished:
+                        self.router.cancel(r)
+                        mux.put(r.request_id, RouterError(grpc.StatusCode.CANCELLED, "cancelled by the client"))
+                    continue
+                rid = msg.generate.request_id
+                if not rid or rid in live:
+                    # NOTE: the stream's status, not a RequestError: an answer to this request could not be
+                    # told from one to the request that holds the id.
+                    why = "missing" if not rid else f"{rid!r} already in use on this stream"
+                    raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
+                                      f"request_id {why}: GenerateStream requests need ids of their own")  # fmt: skip
+                try:
+                    # NOTE: the same bounds, tokenization off the loop and tenancy as Generate.
+                    (live[rid],) = await self.bounds.submit_all(client, [msg.generate], who=who, mux=mux)
+                except RouterError as e:
+                    # NOTE: keyed as the router keys the request's responses (scoped), unscoped on the way out.
+                    mux.put(rid if who is None else self.bounds.tenancy.scoped_id(who, rid), e)  # type: ignore[union-attr]
+        finally:
+            mux.wake()  # NOTE: the writer then sees the reader done (the client closed its side, or failed)
 
     async def Abort(self, request: spb.AbortRequest, context: grpc.aio.ServicerContext) -> spb.AbortResponse:  # noqa: N802
         who = self._principal(context)

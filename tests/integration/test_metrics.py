@@ -5,6 +5,7 @@ deploy/grafana/kvserve.json and deploy/prometheus/alerts.yml."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -298,6 +299,17 @@ def test_prometheus_scrapes_the_cluster(prometheus: int) -> None:
     assert float(generated[0]["value"][1]) == (len(PROMPTS) + 1) * MAX_TOKENS
 
 
+# NOTE: this cluster runs without KV tiers (their counters would change the exact counts above), so the
+# tier panels have no series here: they are checked for valid PromQL here and for exported names in
+# tests/unit/test_deploy.py; tests/unit/test_tier_metrics.py checks what the tier metrics say.
+_TIER_METRICS = ("kvserve:tier_", "kvserve:prefix_cache_tier_")
+
+
+def _tiers_only(expr: str) -> bool:
+    names = set(re.findall(r"kvserve:[a-zA-Z0-9_:]+", expr)) - {"kvserve:prefix_cache_queries_total"}
+    return bool(names) and all(n.startswith(_TIER_METRICS) for n in names)
+
+
 @needs_prometheus
 @pytest.mark.parametrize("source", ["dashboard", "alerts"])
 def test_every_deploy_expression_evaluates(prometheus: int, source: str) -> None:
@@ -311,7 +323,7 @@ def test_every_deploy_expression_evaluates(prometheus: int, source: str) -> None
             body = json.loads(e.read() or b"{}")
         if body.get("status") != "success":
             failures.append(f"{expr}: {body.get('error', body)}")
-        elif source == "dashboard" and not body["data"]["result"]:
+        elif source == "dashboard" and not body["data"]["result"] and not _tiers_only(expr):
             failures.append(f"{expr}: no series (a metric name that the cluster does not export?)")
     assert failures == []
 
