@@ -11,11 +11,25 @@
 * ``abort(request_id)`` -> whether the router knew the request; its stream then ends CANCELLED.
 * ``status()`` -> ``ClusterStatus``; ``watch(interval_ms)`` -> a stream of them.
 
-A Generate refused with RESOURCE_EXHAUSTED (router queue full) is retried after the time the
-router's ``retry-after-ms`` trailer asks for (exponential backoff when it sends none), at most
-``max_attempts`` attempts in all, only while no response of that stream has arrived (so a retry
-can never duplicate tokens) and only while the wait fits ``max_retry_wait_s`` and the call's
-deadline. Every other error is raised as the ``grpc.RpcError`` the call ended with.
+Retries (``GenerateRetry``), only while no response of that stream has arrived (so a retry can
+never duplicate tokens), at most ``max_attempts`` attempts in all, and only while the wait fits
+``max_retry_wait_s`` and the call's deadline:
+
+* RESOURCE_EXHAUSTED (router queue full): after the time the router's ``retry-after-ms`` trailer
+  asks for (exponential backoff when it sends none).
+* UNAVAILABLE (the router died or restarts, no worker can serve yet, the connection broke): after
+  an exponential backoff, and the retry waits for the channel to connect again
+  (``wait_for_ready``) within the deadline, so a router restart costs one attempt, not all of them.
+
+After the first response, every error is raised as the ``grpc.RpcError`` the call ended with,
+UNAVAILABLE included: the router holds no durable state, so a stream cut by its death cannot be
+resumed by the client library (resending would repeat tokens the caller already has). A caller
+that wants to go on resubmits; greedy and seeded requests produce the same tokens again, so it can
+skip the ones it already has. Every other error is raised at once.
+
+Deadlines: every call has one. ``timeout=None`` (the default, per client or per call) means
+``DEFAULT_GENERATE_TIMEOUT_S`` for a Generate (covering its retries) and ``DEFAULT_CALL_TIMEOUT_S``
+for the unary calls; ``watch`` alone runs until cancelled unless given one.
 
 ``generate_remote`` runs ``kvserve generate --server HOST:PORT``.
 """
@@ -44,6 +58,12 @@ AUTH_TOKEN_ENV = "KVSERVE_AUTH_TOKEN"
 DEFAULT_MAX_ATTEMPTS = 5
 DEFAULT_MAX_RETRY_WAIT_S = 30.0  # the router's retry-after ceiling
 DEFAULT_BACKOFF_S = 0.1  # first wait when the router sends no retry-after-ms, doubled per attempt
+MAX_UNAVAILABLE_BACKOFF_S = 2.0  # the longest wait before retrying an UNAVAILABLE Generate
+# NOTE: no call waits forever for a router that will never answer. A Generate's default covers a
+# long generation (thousands of tokens on a loaded GPU); the unary calls answer from router tables.
+DEFAULT_GENERATE_TIMEOUT_S = 600.0
+DEFAULT_CALL_TIMEOUT_S = 30.0
+RETRIED_CODES = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 MAX_MESSAGE_BYTES = 16 << 20
 REMOTE_MAX_CONCURRENCY = 256
 
@@ -167,32 +187,46 @@ def retry_after_s(error: grpc.RpcError) -> float | None:
 
 
 class GenerateRetry:
-    """Retry bookkeeping of one Generate: attempts, backoff, deadline (the policy of the module doc)."""
+    """Retry bookkeeping of one Generate: attempts, backoff, deadline (the policy of the module doc).
+
+    Args:
+        max_attempts: attempts in all (the first included).
+        max_wait_s: never wait longer than this before one retry.
+        timeout: the whole Generate's deadline in seconds, retries included (None: none).
+    """
 
     def __init__(self, max_attempts: int, max_wait_s: float, timeout: float | None) -> None:
         self.max_attempts = max(1, max_attempts)
         self.max_wait_s = max_wait_s
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.attempts = 0
+        # The next attempt should wait for the channel to connect (the last one found no router).
+        self.wait_for_ready = False
 
     def remaining(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
     def wait_for(self, error: grpc.RpcError, received: bool, cancelled: bool) -> float | None:
         """Seconds to wait before retrying after ``error``; None = give up (raise it)."""
-        if received or cancelled or error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        code = error.code()
+        if received or cancelled or code not in RETRIED_CODES:
             return None
         if self.attempts >= self.max_attempts:
             return None
-        hint = retry_after_s(error)
-        wait = hint if hint is not None else DEFAULT_BACKOFF_S * 2 ** (self.attempts - 1)
+        backoff = DEFAULT_BACKOFF_S * 2 ** (self.attempts - 1)
+        if code == grpc.StatusCode.UNAVAILABLE:
+            wait = min(backoff, MAX_UNAVAILABLE_BACKOFF_S)
+        else:
+            hint = retry_after_s(error)
+            wait = hint if hint is not None else backoff
         # NOTE: up to 10% later than asked, so clients refused together do not return together.
         wait *= 1.0 + 0.1 * random.random()
         remaining = self.remaining()
         if wait > self.max_wait_s or (remaining is not None and wait >= remaining):
             return None
-        logger.info("router queue full; retrying in %.2fs (attempt %d of %d)", wait, self.attempts + 1,
-                    self.max_attempts)  # fmt: skip
+        self.wait_for_ready = code == grpc.StatusCode.UNAVAILABLE
+        logger.info("router answered %s; retrying in %.2fs (attempt %d of %d)", code.name, wait,
+                    self.attempts + 1, self.max_attempts)  # fmt: skip
         return wait
 
 
@@ -226,7 +260,10 @@ class GenerateStream(Iterator[spb.GenerateResponse]):
                     raise StopIteration
                 self._retry.attempts += 1
                 self._call = self._client._stub.Generate(
-                    self._request, timeout=self._retry.remaining(), metadata=self._client._metadata
+                    self._request,
+                    timeout=self._retry.remaining(),
+                    metadata=self._client._metadata,
+                    wait_for_ready=self._retry.wait_for_ready,
                 )
             try:
                 response = next(self._call)
@@ -280,8 +317,11 @@ class _ClientBase:
         self._channel = open_channel(self._channels, address, tls_ca, tls_cert, tls_key, tls_server_name)
         self._stub = serving_pb2_grpc.KVServeStub(self._channel)
 
-    def _timeout(self, timeout: float | None) -> float | None:
-        return self.timeout if timeout is None else timeout
+    def _timeout(self, timeout: float | None, default: float = DEFAULT_CALL_TIMEOUT_S) -> float:
+        """The deadline of a call: its own, else the client's, else ``default`` (never none)."""
+        if timeout is not None:
+            return timeout
+        return self.timeout if self.timeout is not None else default
 
 
 class KVServeClient(_ClientBase):
@@ -293,15 +333,17 @@ class KVServeClient(_ClientBase):
         tls_ca: PEM CA of the router's certificate; giving it (or a client cert) switches to TLS.
         tls_cert, tls_key: this client's PEM certificate and key (mTLS).
         timeout: default deadline in seconds of every call (per call override: ``timeout=``);
-            a Generate's deadline covers its retries.
-        max_attempts: Generate attempts in all when the router answers RESOURCE_EXHAUSTED.
+            a Generate's deadline covers its retries. None: ``DEFAULT_GENERATE_TIMEOUT_S`` for a
+            Generate, ``DEFAULT_CALL_TIMEOUT_S`` for the others (``watch``: none).
+        max_attempts: Generate attempts in all when the router answers RESOURCE_EXHAUSTED or
+            UNAVAILABLE before the first response.
         max_retry_wait_s: give up rather than wait longer than this for one retry.
         tls_server_name: expect this name in the router's certificate instead of the host's.
     """
 
     def generate(self, prompt: Prompt | None = None, *, timeout: float | None = None, **kwargs: Any) -> GenerateStream:
         """Stream one request's responses. Keyword arguments: those of ``build_request``."""
-        return GenerateStream(self, build_request(prompt, **kwargs), self._timeout(timeout))
+        return GenerateStream(self, build_request(prompt, **kwargs), self._timeout(timeout, DEFAULT_GENERATE_TIMEOUT_S))
 
     def generate_all(
         self, prompt: Prompt | None = None, *, timeout: float | None = None, **kwargs: Any
@@ -364,7 +406,10 @@ class AsyncGenerateStream(AsyncIterator[spb.GenerateResponse]):
                     raise StopAsyncIteration
                 self._retry.attempts += 1
                 self._call = self._client._stub.Generate(
-                    self._request, timeout=self._retry.remaining(), metadata=self._client._metadata
+                    self._request,
+                    timeout=self._retry.remaining(),
+                    metadata=self._client._metadata,
+                    wait_for_ready=self._retry.wait_for_ready,
                 )
             try:
                 response = await self._call.read()
@@ -412,7 +457,9 @@ class AsyncKVServeClient(_ClientBase):
         self, prompt: Prompt | None = None, *, timeout: float | None = None, **kwargs: Any
     ) -> AsyncGenerateStream:
         """Stream one request's responses (``async for``). Keyword arguments: ``build_request``'s."""
-        return AsyncGenerateStream(self, build_request(prompt, **kwargs), self._timeout(timeout))
+        return AsyncGenerateStream(
+            self, build_request(prompt, **kwargs), self._timeout(timeout, DEFAULT_GENERATE_TIMEOUT_S)
+        )
 
     async def generate_all(
         self, prompt: Prompt | None = None, *, timeout: float | None = None, **kwargs: Any

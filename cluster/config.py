@@ -53,7 +53,7 @@ ROUTER_ACTOR_NAME = "kvserve-router"
 # Section keys that only the top level (or the launcher) sets.
 _RESERVED = {
     "engine": {"model": "model"},
-    "router": {"model": "model", "host": "host", "port": "port"},
+    "router": {"model": "model", "host": "host", "port": "port", "stall_timeout_s": "worker.stall_timeout_s"},
     "worker": {"router_address": None, "credential": None},
 }
 _SECTIONS = {"engine": EngineConfig, "router": RouterConfig, "worker": WorkerOptions}
@@ -156,9 +156,11 @@ class ClusterConfig:
             raise ValueError(f"engine.model ({self.engine.model!r}) differs from model ({self.model!r})")
         # The top level is the one source of model/host/port.
         object.__setattr__(self, "engine", dataclasses.replace(self.engine, model=self.model))
-        object.__setattr__(
-            self, "router", dataclasses.replace(self.router, model=self.model, host=self.host, port=self.port)
+        # The liveness rule's stall timeout is one knob for workers and router (worker.stall_timeout_s).
+        router = dataclasses.replace(
+            self.router, model=self.model, host=self.host, port=self.port, stall_timeout_s=self.worker.stall_timeout_s
         )
+        object.__setattr__(self, "router", router)
 
     # ---- loading ---------------------------------------------------------------------------
     @classmethod
@@ -268,7 +270,9 @@ def _build_section(name: str, value: Any, top_level: Mapping[str, Any]) -> Any:
     for key, v in value.items():
         if key in _RESERVED[name]:
             where = _RESERVED[name][key]
-            hint = f"set it at the top level as '{where}'" if where else "the launcher sets it"
+            hint = "the launcher sets it"
+            if where:
+                hint = f"set it as '{where}'" if "." in where else f"set it at the top level as '{where}'"
             raise ValueError(f"{name}.{key}: not allowed in this section ({hint})")
         if key not in fields:
             known = ", ".join(sorted(k for k in fields if k not in _RESERVED[name]))

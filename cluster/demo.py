@@ -220,13 +220,13 @@ def _send(stub, req: DemoRequest, on_tokens, delay_s: float = 0.0, on_text=None)
         time.sleep(delay_s)
     t0 = time.monotonic()
     result = RequestResult(req, started=t0)
-    # NOTE: the client's retry policy (cluster/client.py): an overloaded router says when to come back;
-    # only RESOURCE_EXHAUSTED, and only before any token arrived, so nothing is duplicated.
+    # NOTE: the client's retry policy (cluster/client.py): an overloaded router says when to come back,
+    # an unavailable one is waited for; only before any token arrived, so nothing is duplicated.
     retry = GenerateRetry(DEMO_MAX_ATTEMPTS, DEFAULT_MAX_RETRY_WAIT_S, DEMO_TIMEOUT_S)
     while True:
         retry.attempts += 1
         try:
-            _stream(stub, req, result, on_tokens, on_text, retry.remaining())
+            _stream(stub, req, result, on_tokens, on_text, retry.remaining(), retry.wait_for_ready)
             break
         except grpc.RpcError as e:
             result.error = f"{e.code().name}: {e.details()}"
@@ -238,9 +238,11 @@ def _send(stub, req: DemoRequest, on_tokens, delay_s: float = 0.0, on_text=None)
     return result
 
 
-def _stream(stub, req: DemoRequest, result: RequestResult, on_tokens, on_text, timeout: float | None) -> None:  # noqa: ANN001
+def _stream(  # noqa: ANN001
+    stub, req: DemoRequest, result: RequestResult, on_tokens, on_text, timeout: float | None, wait_for_ready: bool
+) -> None:
     """One Generate call into ``result``; raises grpc.RpcError."""
-    for resp in stub.Generate(_grpc_request(req), timeout=timeout):
+    for resp in stub.Generate(_grpc_request(req), timeout=timeout, wait_for_ready=wait_for_ready):
         if resp.token_ids:
             result.tokens += len(resp.token_ids)
             on_tokens(len(resp.token_ids))

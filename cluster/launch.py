@@ -10,13 +10,19 @@ Supervision (README "Failure behaviour"): worker actors have Ray ``max_restarts=
 killed worker's process again with the same arguments, and its new incarnation says Hello to the
 router, which takes it back with an empty pool (or retires it if it crash-loops: the router kills
 it with ``no_restart``). The router actor is restarted by ``kvserve serve``
-(``Cluster.restart_router``), on the same port, and re-registers the workers, which reconnect on
-their own.
+(``Cluster.poll_router`` finds it dead or unresponsive, ``Cluster.restart_router`` replaces it) on
+the same port. The new router gets every worker with its supervision record (restarts,
+retirement: ``router/supervision.py``, kept here from the last poll) and without a call to the
+worker that could block (its identity is the one it gave at start-up, refreshed if it answers
+within ``WORKER_PROBE_TIMEOUT_S``); a retired worker stays retired, an unreachable one is taken
+back when its WorkerLink reconnects. A router restart never stops a worker, and every Ray call on
+this path has a timeout.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import socket
 import time
@@ -25,11 +31,26 @@ from pathlib import Path
 from typing import Any
 
 from router.config import RouterConfig
+from router.supervision import WorkerSupervision
+from workers.core.identity import WorkerIdentity
 from workers.core.worker_credential import issue_worker_credential, new_worker_key
 from workers.engine.config import EngineConfig
 from workers.transport.options import WorkerOptions
 
 logger = logging.getLogger(__name__)
+
+ROUTER_CALL_TIMEOUT_S = 30.0  # a router call that answers from its tables (register, poll)
+ROUTER_START_TIMEOUT_S = 120.0  # a new router actor's process start and bind, on a loaded node
+WORKER_PROBE_TIMEOUT_S = 5.0  # a worker's ready() when re-registering it with a new router
+RECONNECT_WAIT_S = 60.0  # how long a restart waits for the workers' WorkerLinks before serving on
+
+
+class RouterPoll(enum.Enum):
+    """What one liveness poll of the router actor found."""
+
+    ALIVE = "alive"
+    DEAD = "dead"  # the actor is gone (Ray says so)
+    UNRESPONSIVE = "unresponsive"  # the call timed out: alive to Ray, but not answering
 
 
 def init_ray(address: str | None, num_cpus: int | None = None, **kwargs: Any) -> bool:
@@ -70,30 +91,71 @@ class Cluster:
     router_config: RouterConfig | None = None  # as started (its port the bound one), for a restart
     router_name: str | None = None
     router_restarts: int = 0
+    identities: dict[str, WorkerIdentity] = field(default_factory=dict)  # as each worker last told us
+    supervision: dict[str, WorkerSupervision] = field(default_factory=dict)  # from the last poll
     # NOTE: the cluster's worker key: the router verifies worker credentials with it, and a
     # restarted router needs the same one (the workers keep theirs). Never given to a worker.
     worker_key: str = field(default="", repr=False)
     _stopped: bool = field(default=False, repr=False)
 
-    def restart_router(self, ready_timeout_s: float = 300.0) -> None:
-        """Start a new router actor (same name, same port) after the old one died, register the
-        workers with it and wait for their WorkerLinks (they reconnect with backoff).
+    def poll_router(self, timeout_s: float = ROUTER_CALL_TIMEOUT_S) -> RouterPoll:
+        """One liveness poll of the router; when it answers, keep its supervision records (for
+        the next router, should this one die)."""
+        import ray
+
+        try:
+            self.supervision.update(ray.get(self.router.supervision.remote(), timeout=timeout_s))
+        except ray.exceptions.RayActorError:
+            return RouterPoll.DEAD
+        except ray.exceptions.GetTimeoutError:
+            return RouterPoll.UNRESPONSIVE
+        return RouterPoll.ALIVE
+
+    def restart_router(self, reconnect_timeout_s: float = RECONNECT_WAIT_S) -> list[str]:
+        """Replace a dead or unresponsive router: a new actor (same name, same port) that gets
+        every worker with its supervision record; then wait (at most ``reconnect_timeout_s``) for
+        the WorkerLinks of the workers not retired. Touches no worker beyond a bounded ``ready``.
+
+        Returns:
+            The workers not retired whose WorkerLink did not reconnect in time (the router takes
+            each back when it does; a missing one is logged, never fatal).
 
         Raises:
-            Exception: the new router did not start, or the workers did not reconnect in time.
+            Exception: the new router did not start (the caller tries again later; the workers
+                keep running meanwhile).
         """
         import ray
 
         assert self.router_config is not None
         try:
-            ray.kill(self.router)  # NOTE: frees the name should the old one linger half-dead
+            ray.kill(self.router)  # NOTE: frees the name and the port, should the old one linger half-dead
         except Exception:  # noqa: BLE001 - already gone
             pass
-        self.router, _ = _start_router(
+        router, _ = _start_router(
             self.router_config, self.metrics_port, self.router_name, self.http_port, self.worker_key
         )
-        _register_workers(self.router, self.workers, ready_timeout_s)
+        self.router = router
+        ray.get(router.expect_workers.remote(list(self.workers)), timeout=ROUTER_CALL_TIMEOUT_S)
         self.router_restarts += 1
+        fresh, gone = _probe_workers(self.workers, WORKER_PROBE_TIMEOUT_S)
+        self.identities.update(fresh)
+        for worker_id in gone:
+            self.supervision[worker_id] = _retired(self.supervision.get(worker_id))
+        for worker_id, handle in self.workers.items():
+            record = self.supervision.get(worker_id)
+            ray.get(router.add_worker.remote(worker_id, handle, self.identities[worker_id], record),
+                    timeout=ROUTER_CALL_TIMEOUT_S)  # fmt: skip
+        expected = [w for w in self.workers if not (w in self.supervision and self.supervision[w].retired)]
+        try:
+            ray.get(router.wait_for_workers.remote(expected, reconnect_timeout_s),
+                    timeout=reconnect_timeout_s + ROUTER_CALL_TIMEOUT_S)  # fmt: skip
+            return []
+        except Exception:  # noqa: BLE001 - some never reconnected (yet): serve on without them
+            connected = set(ray.get(router.connected_workers.remote(), timeout=ROUTER_CALL_TIMEOUT_S))
+            missing = [w for w in expected if w not in connected]
+            logger.warning("router restarted; WorkerLinks not back after %.0fs (taken back when they are): %s",
+                           reconnect_timeout_s, ", ".join(missing))  # fmt: skip
+            return missing
 
     def shutdown(self) -> None:
         """Stop workers and router (and Ray, if this process started it). Idempotent."""
@@ -175,7 +237,7 @@ def start_cluster(
         if owns_ray:
             ray.shutdown()
         raise
-    router_address = ray.get(router.address.remote())
+    router_address = ray.get(router.address.remote(), timeout=ROUTER_CALL_TIMEOUT_S)
     bound_config = dataclasses.replace(router_config, port=int(router_address.rsplit(":", 1)[1]))
     link_address = router_address
     if router_config.host in ("0.0.0.0", "::"):
@@ -203,14 +265,14 @@ def start_cluster(
     try:
         if pg is not None:
             ray.get(pg.ready(), timeout=ready_timeout_s)
-        _register_workers(router, workers, ready_timeout_s)
+        identities = _register_workers(router, workers, ready_timeout_s)
     except BaseException:
         Cluster(router, workers, router_address, metrics_port, owns_ray, pg).shutdown()
         raise
     logger.info("cluster up in %.1fs: router %s, %d workers", time.monotonic() - t0, router_address, num_workers)
     return Cluster(
         router, workers, router_address, metrics_port, owns_ray, pg, http_port, bound_config, name,
-        worker_key=worker_key,
+        identities=identities, worker_key=worker_key,
     )  # fmt: skip
 
 
@@ -242,23 +304,60 @@ def _start_router(
         opts.update(name=name, lifetime="detached", get_if_exists=False)
     router = router_actor_class().options(**opts).remote(config, metrics_port, http_port, worker_key=worker_key)
     try:
-        ray.get(router.start.remote())
-        http_port = ray.get(router.http_port.remote())
+        ray.get(router.start.remote(), timeout=ROUTER_START_TIMEOUT_S)
+        http_port = ray.get(router.http_port.remote(), timeout=ROUTER_CALL_TIMEOUT_S)
     except BaseException:  # e.g. the port is taken: leave no (detached) router behind
         ray.kill(router)
         raise
     return router, http_port
 
 
-def _register_workers(router: Any, workers: dict[str, Any], timeout_s: float) -> None:
-    """Register every worker (its identity from ``ready``) and wait for its WorkerLink."""
+def _register_workers(router: Any, workers: dict[str, Any], timeout_s: float) -> dict[str, WorkerIdentity]:
+    """Register every worker (its identity from ``ready``) and wait for its WorkerLink; returns
+    the identities."""
     import ray
 
-    ray.get(router.expect_workers.remote(list(workers)))
+    ray.get(router.expect_workers.remote(list(workers)), timeout=ROUTER_CALL_TIMEOUT_S)
     infos = ray.get([w.ready.remote() for w in workers.values()], timeout=timeout_s)
     for (worker_id, handle), info in zip(workers.items(), infos, strict=True):
-        ray.get(router.add_worker.remote(worker_id, handle, info))
-    ray.get(router.wait_for_workers.remote(list(workers), timeout_s))
+        ray.get(router.add_worker.remote(worker_id, handle, info), timeout=ROUTER_CALL_TIMEOUT_S)
+    ray.get(router.wait_for_workers.remote(list(workers), timeout_s), timeout=timeout_s + ROUTER_CALL_TIMEOUT_S)
+    return dict(zip(workers, infos, strict=True))
+
+
+def _probe_workers(workers: dict[str, Any], timeout_s: float) -> tuple[dict[str, WorkerIdentity], set[str]]:
+    """Ask every worker's ``ready`` at once, for at most ``timeout_s``.
+
+    Returns:
+        The identities of those that answered, and the workers whose actor is dead for good.
+        NOTE: worker actors have ``max_restarts=-1``, so Ray restarts any dead one, except one the
+        router killed with ``no_restart`` (retired); one that is restarting, hung or slow is in
+        neither set (its last known identity stands).
+    """
+    import ray
+
+    refs = {w.ready.remote(): worker_id for worker_id, w in workers.items()}
+    done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    identities: dict[str, WorkerIdentity] = {}
+    gone: set[str] = set()
+    for ref in done:
+        try:
+            identities[refs[ref]] = ray.get(ref, timeout=0)
+        except ray.exceptions.ActorDiedError:
+            gone.add(refs[ref])
+        except Exception:  # noqa: BLE001 - unavailable for now (restarting): taken back when it says Hello
+            logger.debug("%s did not answer ready()", refs[ref], exc_info=True)
+    return identities, gone
+
+
+def _retired(record: WorkerSupervision | None) -> WorkerSupervision:
+    """The record of a worker found dead for good, i.e. retired by the dead router after the
+    launcher's last poll: at least one restart more than the record knew (the one that retired it)."""
+    if record is None:
+        return WorkerSupervision(restarts_total=1, retired=True, taken_at=time.time())
+    if record.retired:
+        return record
+    return dataclasses.replace(record, restarts_total=record.restarts_total + 1, retired=True)
 
 
 def _free_port(host: str) -> int:

@@ -97,6 +97,50 @@ def config_from_args(args: argparse.Namespace):
     return ClusterConfig.load(args.config, overrides_from_args(args))
 
 
+ROUTER_POLL_TIMEOUT_S = 10.0  # one liveness poll of the router (it answers from its tables)
+ROUTER_UNRESPONSIVE_POLLS = 3  # consecutive timed-out polls before an alive router is replaced
+RESTART_RETRY_S = 2.0  # wait before trying again when a new router failed to start
+
+
+def supervise_router(cluster: Any, out: Any, poll_s: float) -> None:
+    """Poll the router until interrupted; replace it when it dies or stops answering.
+
+    NOTE: nothing here stops the cluster: a router that died, hangs or fails to restart is
+    replaced (again, after ``RESTART_RETRY_S``) while the workers keep running; clients of the
+    dead router get UNAVAILABLE and retry (cluster/client.py). Only SIGINT/SIGTERM end serve.
+    """
+    from cluster.launch import RouterPoll
+
+    unresponsive = 0
+    while True:
+        time.sleep(poll_s)
+        poll = cluster.poll_router(ROUTER_POLL_TIMEOUT_S)
+        if poll is RouterPoll.ALIVE:
+            unresponsive = 0
+            continue
+        if poll is RouterPoll.UNRESPONSIVE:
+            unresponsive += 1
+            if unresponsive < ROUTER_UNRESPONSIVE_POLLS:
+                continue
+            logger.warning("router did not answer %d polls of %.0fs; replacing it", unresponsive,
+                           ROUTER_POLL_TIMEOUT_S)  # fmt: skip
+        else:
+            logger.warning("router died; restarting it")
+        try:
+            missing = cluster.restart_router()
+        except Exception as e:  # noqa: BLE001 - try again: the workers are fine meanwhile
+            logger.error("router restart failed (%s); trying again in %.0fs", e, RESTART_RETRY_S)
+            time.sleep(RESTART_RETRY_S)
+            continue
+        unresponsive = 0
+        retired = sorted(w for w, record in cluster.supervision.items() if record.retired)
+        note = f"; retired: {', '.join(retired)}" if retired else ""
+        note += f"; not reconnected yet: {', '.join(missing)}" if missing else ""
+        print(f"kvserve: router restarted ({cluster.router_restarts}); API listening on {cluster.address}{note}",
+              file=out)  # fmt: skip
+        out.flush()
+
+
 def serve(cfg, *, out=None, poll_s: float = 0.5) -> int:  # noqa: ANN001 - ClusterConfig
     """Run a cluster for ``cfg`` until SIGINT/SIGTERM. Returns the exit status."""
     import ray
@@ -140,24 +184,7 @@ def serve(cfg, *, out=None, poll_s: float = 0.5) -> int:  # noqa: ANN001 - Clust
                 scheme = "https" if cfg.router.tls_cert else "http"
                 print(f"kvserve: OpenAI-compatible HTTP API on {scheme}://{cfg.host}:{cluster.http_port}/v1", file=out)
             out.flush()
-            failures = 0
-            while True:
-                time.sleep(poll_s)
-                try:
-                    ray.get(cluster.router.address.remote(), timeout=30)
-                    failures = 0
-                except ray.exceptions.RayActorError as e:
-                    # NOTE: the router died (its clients got UNAVAILABLE as their connections
-                    # broke): start a new one on the same port; the workers reconnect to it.
-                    logger.warning("router died (%s); restarting it", type(e).__name__)
-                    cluster.restart_router(cfg.ready_timeout_s)
-                    print(f"kvserve: router restarted ({cluster.router_restarts}); API listening on "
-                          f"{cluster.address}", file=out)  # fmt: skip
-                    out.flush()
-                except ray.exceptions.GetTimeoutError:  # alive but unresponsive: let a supervisor restart us
-                    failures += 1
-                    if failures >= 3:
-                        raise
+            supervise_router(cluster, out, poll_s)
         except KeyboardInterrupt as e:
             logger.info("%s: shutting down", e.args[0] if e.args else "SIGINT")
         except Exception as e:  # noqa: BLE001 - reported, then everything is stopped

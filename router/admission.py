@@ -27,10 +27,21 @@ counts what ``pop_ready`` took off the queue over the last ``drain_window_s``. N
 only when running work completes and frees blocks, so under saturation the rate is the cluster's
 real completion rate, and a burst of arrivals cannot inflate it (direct placements are not
 pops); when the queue is only briefly used it under-estimates capacity, which errs on refusing.
-With no drain observed (a cold start, or nothing finished for a whole window) the wait is
-unknown: only a request with nobody ahead of it is queued (it will be the first to start), the
-others are refused with the "unknown" retry hint. Queued requests whose deadline passes are
-taken out by ``expired`` without ever reaching a worker.
+With no drain observed (a cold start, or nothing finished for a whole window), or fewer than
+``MIN_TRUSTED_DRAINS`` pops in the window (a rate from the first few completions after a start,
+over the queue's whole age, badly under-estimates capacity), there is no rate to trust, and a
+cold cluster is exactly when clients burst, so admission does not guess:
+it refuses only what *provably* cannot start in time (``ColdCapacity``, from what is known: the
+fastest recent engine step, the serving pools and their free blocks, the work queued ahead). A
+queued request needs the blocks of everything ahead of it plus its own; those beyond the free
+blocks must be freed by running work, and a whole pool's turnover takes at least one engine step
+(a request must run a step before it can finish and free its blocks), so it cannot start before
+``ceil(excess blocks / pool blocks)`` steps (0 before any step was measured: nothing bounds it
+then). Only a request whose deadline (or ``max_wait_s``) falls before that lower bound is refused;
+the rest are queued within the bounds. Without a ``ColdCapacity`` (no serving pool) the wait is
+unknown: only a request with nobody ahead of it is queued, the others are refused with the
+"unknown" retry hint.
+Queued requests whose deadline passes are taken out by ``expired`` without ever reaching a worker.
 """
 
 from __future__ import annotations
@@ -61,6 +72,11 @@ class QueueItem(Protocol):
 T = TypeVar("T", bound=QueueItem)
 
 
+# A drain rate measured from fewer pops than this (within the window) is not trusted for refusing:
+# with a ``ColdCapacity`` admission stays cold (provable refusals only) until then.
+MIN_TRUSTED_DRAINS = 8
+
+
 class RejectReason(str, enum.Enum):
     """Why an offer was refused; the value is the metric / status label."""
 
@@ -85,6 +101,35 @@ class Refusal:
     reason: RejectReason
     retry_after_ms: int
     projected_wait_s: float | None
+
+
+@dataclass(frozen=True)
+class ColdCapacity:
+    """What is known of the serving workers before any drain is measured (for ``admit``).
+
+    Attributes:
+        step_s: the fastest recent engine step among them, seconds (0 = none measured yet).
+        pool_blocks: the blocks of their pools together.
+        free_blocks: blocks free for new work now (free and evictable, less those promised).
+    """
+
+    step_s: float
+    pool_blocks: int
+    free_blocks: int
+
+    def earliest_start_s(self, blocks_needed: int) -> float | None:
+        """A lower bound on when work needing ``blocks_needed`` blocks (its own and all ahead of it)
+        can start (see the module doc); None when there is no pool to start on.
+
+        NOTE: with no step measured yet (a cluster that never ran one) nothing bounds it from below
+        but 0: a burst at a cluster that just started is queued, not refused.
+        """
+        if self.pool_blocks <= 0:
+            return None
+        excess = blocks_needed - self.free_blocks
+        if excess <= 0:
+            return 0.0
+        return math.ceil(excess / self.pool_blocks) * self.step_s
 
 
 class AdmissionState(str, enum.Enum):
@@ -134,6 +179,8 @@ class AdmissionQueue(Generic[T]):
         drain_window_s: how far back ``pop_ready`` drains count towards the drain rate.
         max_wait_s: ``admit`` refuses a request whose projected wait exceeds this.
         unknown_retry_ms: the retry hint when the wait cannot be projected (no drain observed).
+        cold_capacity: what is known of the workers, for admission before any drain is observed
+            (module doc); None: refuse what has others ahead of it then.
 
     Raises:
         ValueError: a negative bound or a non-positive window or wait.
@@ -148,6 +195,7 @@ class AdmissionQueue(Generic[T]):
         drain_window_s: float = 30.0,
         max_wait_s: float = 30.0,
         unknown_retry_ms: int = 1_000,
+        cold_capacity: Callable[[], ColdCapacity] | None = None,
     ) -> None:
         if max_requests < 0 or max_blocks < 0:
             raise ValueError(f"queue bounds must be >= 0, got {max_requests=} {max_blocks=}")
@@ -157,6 +205,7 @@ class AdmissionQueue(Generic[T]):
             raise ValueError(f"max_wait_s and unknown_retry_ms must be positive, got {max_wait_s=} {unknown_retry_ms=}")
         self.max_wait_s = max_wait_s
         self.unknown_retry_ms = unknown_retry_ms
+        self.cold_capacity = cold_capacity
         self._deadlines: list[tuple[float, int, str]] = []  # heap of (deadline, tie, request_id)
         self._deadline_of: dict[str, float] = {}
         self._tie = 0
@@ -245,9 +294,17 @@ class AdmissionQueue(Generic[T]):
         if reason is None:
             if deadline is not None and deadline <= now:
                 reason = RejectReason.WAIT_EXCEEDS_DEADLINE
-            elif wait is None:
-                if self._requests_ahead(item.priority) > 0:
-                    reason = RejectReason.WAIT_UNKNOWN
+            elif wait is None or (len(self._drains) < MIN_TRUSTED_DRAINS and self.cold_capacity is not None):
+                # NOTE: cold: no rate, or one from a handful of pops over an arbitrary span (the
+                # first completions after a start), which would refuse what can start in time.
+                wait = self._cold_lower_bound_s(item)
+                if wait is None:
+                    if self._requests_ahead(item.priority) > 0:
+                        reason = RejectReason.WAIT_UNKNOWN
+                elif deadline is not None and wait > deadline - now:
+                    reason = RejectReason.WAIT_EXCEEDS_DEADLINE
+                elif wait > self.max_wait_s:
+                    reason = RejectReason.WAIT_EXCEEDS_MAX
             elif deadline is not None and wait > deadline - now:
                 reason = RejectReason.WAIT_EXCEEDS_DEADLINE
             elif wait > self.max_wait_s:
@@ -267,6 +324,12 @@ class AdmissionQueue(Generic[T]):
         else:
             retry = max(self.retry_after_ms(item.num_blocks), math.ceil(wait * 1000))
         return Refusal(reason, retry, wait)
+
+    def _cold_lower_bound_s(self, item: T) -> float | None:
+        """With no drain observed: the earliest ``item`` could start (``ColdCapacity``), or None."""
+        if self.cold_capacity is None:
+            return None
+        return self.cold_capacity().earliest_start_s(self._blocks_ahead(item.priority) + item.num_blocks)
 
     def expired(self) -> list[T]:
         """Take out, and return, queued items whose deadline (given to ``admit``) has passed.

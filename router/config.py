@@ -58,6 +58,13 @@ class RouterConfig:
         True, help="never preempt running work for a higher-priority request", flag="--no-priority-preemption"
     )
     stale_report_s: float = knob(5.0, help="no pressure report for this long = unhealthy worker", check=POSITIVE)
+    # The liveness rule (router/liveness.py). ``stall_timeout_s`` is the workers' own
+    # (``worker.stall_timeout_s``, ``--worker-stall-timeout-s``): the launcher copies it here.
+    stall_timeout_s: float = knob(5.0, help="a worker with work and no step for this long is down", check=POSITIVE,
+                                  cli=False)  # fmt: skip
+    link_grace_s: float = knob(
+        2.0, help="a worker whose WorkerLink stays down longer than this is down (shorter: it resumes)", check=POSITIVE
+    )
     health_check_interval_s: float = knob(2.0, help="how often worker health is checked", check=POSITIVE)
     migration_limit: int = knob(
         3, help="failover replays per request when its worker dies; then UNAVAILABLE", check=NON_NEGATIVE

@@ -9,6 +9,7 @@ replay, a finished request's id is free at once, and outputs of a previous route
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
@@ -41,6 +42,10 @@ class Dispatcher:
 
     def current(self, worker_rid: str) -> RouterRequest | None:
         return self.by_worker_rid.get(worker_rid)
+
+    def holds_requests(self, worker_id: str) -> bool:
+        """Some request runs on, or is being dispatched to, ``worker_id`` (the liveness rule's "work")."""
+        return any(r.worker_id == worker_id or r.target == worker_id for r in self.router.requests.values())
 
     def forget(self, r: RouterRequest) -> None:
         self.by_worker_rid.pop(r.worker_rid, None)
@@ -83,8 +88,21 @@ class Dispatcher:
         router.metrics.dispatched(time.monotonic() - r.arrival)
         request = WorkerRequest(worker_rid, tuple(r.prompt_ids), r.params, r.priority, r.tenant or None,
                                 tuple(r.output_ids))  # fmt: skip
+        incarnation = entry.incarnation  # evidence from this call concerns this process only
         try:
-            await entry.handle.add_request.remote(request)
+            # NOTE: the worker takes a request between two steps, so an answer slower than its stall
+            # threshold means it is stalled (router/liveness.py): never wait longer.
+            await asyncio.wait_for(entry.handle.add_request.remote(request), router.table.stall_threshold_s(entry))
+        except TimeoutError:
+            entry.in_flight.pop(worker_rid, None)
+            if r.worker_rid != worker_rid or r.finished:
+                return
+            r.target, r.worker_id = None, entry.worker_id
+            threshold = router.table.stall_threshold_s(entry)
+            router.table.give_up(entry, f"add_request did not return in {threshold:.1f}s", incarnation)
+            if r.worker_id == entry.worker_id:  # NOTE: give_up replays it unless it did not apply
+                self.replay(r, entry.worker_id)
+            return
         except Exception as e:  # noqa: BLE001 - Ray wraps the worker's exception
             entry.in_flight.pop(worker_rid, None)
             if r.worker_rid != worker_rid or r.finished:
@@ -95,7 +113,9 @@ class Dispatcher:
                 router.fail(r, grpc.StatusCode.INVALID_ARGUMENT, str(cause))
             elif actor_dead(e):
                 r.worker_id = entry.worker_id
-                router.table.down(entry, f"a call found its actor dead ({type(e).__name__})")
+                router.table.down(entry, f"a call found its actor dead ({type(e).__name__})", incarnation)
+                if r.worker_id == entry.worker_id:  # a later process of it lives: continue elsewhere
+                    self.replay(r, entry.worker_id)
             else:
                 logger.warning("dispatch of %s to %s failed: %r", r.request_id, entry.worker_id, e)
                 entry.healthy = False

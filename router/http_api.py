@@ -1,4 +1,8 @@
-"""OpenAI-compatible HTTP API (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``).
+"""OpenAI-compatible HTTP API (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``) and health.
+
+Health (``router/health.py``, open: probes carry no secret): ``/health`` and ``/health/ready`` answer
+readiness (200 iff some worker can serve now, else 503: the same verdict as gRPC health), and
+``/health/live`` liveness (200 while the router answers at all).
 
 FastAPI + uvicorn, served on the router's own event loop beside ``grpc.aio`` (``HttpApiServer``):
 a request becomes ``GenerateRequest`` protos and goes through the very path a gRPC Generate takes
@@ -54,6 +58,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from protos.kvserve.v1 import serving_pb2 as spb
 from router import http_metrics
 from router.demux import stream_responses
+from router.health import cluster_ready, serving_workers
 from router.limits import Bounds
 from router.router import Router, RouterError, RouterRequest
 
@@ -63,7 +68,7 @@ MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 _INT32_MAX = (1 << 31) - 1
 _UINT32_MAX = (1 << 32) - 1
-_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
+_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/health/ready", "/health/live")
 
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -536,9 +541,15 @@ class OpenAIApi:
         return {"object": "list", "data": [
             {"id": self.model_name(), "object": "model", "created": 0, "owned_by": "kvserve"}]}  # fmt: skip
 
-    async def health(self) -> JSONResponse:
-        healthy = self.router.table.any_serving()
-        return JSONResponse({"status": "ok" if healthy else "no healthy worker"}, status_code=200 if healthy else 503)
+    async def ready(self) -> JSONResponse:
+        """Readiness: 200 iff some worker can serve now (gRPC health's verdict), else 503."""
+        if cluster_ready(self.router):
+            return JSONResponse({"status": "ok", "serving_workers": serving_workers(self.router)})
+        return JSONResponse({"status": "no worker can serve", "serving_workers": 0}, status_code=503)
+
+    async def live(self) -> JSONResponse:
+        """Liveness: the router answers (whatever its workers' state)."""
+        return JSONResponse({"status": "ok"})
 
     def _routes(self) -> None:
         app = self.app
@@ -547,7 +558,9 @@ class OpenAIApi:
         app.post("/v1/completions", dependencies=auth)(self.completions)
         app.post("/v1/chat/completions", dependencies=auth)(self.chat_completions)
         app.get("/v1/models", dependencies=auth)(self.models)
-        app.get("/health")(self.health)
+        app.get("/health")(self.ready)
+        app.get("/health/ready")(self.ready)
+        app.get("/health/live")(self.live)
 
         @app.exception_handler(ApiError)
         async def _api_error(request: Request, e: ApiError) -> JSONResponse:

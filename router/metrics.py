@@ -132,8 +132,8 @@ class RouterMetrics:
     def worker_up(self, worker_id: str, up: bool) -> None:
         WORKER_UP.labels(worker_id).set(1 if up else 0)
 
-    def worker_restarted(self, worker_id: str) -> None:
-        WORKER_RESTARTS.labels(worker_id).inc()
+    def worker_restarted(self, worker_id: str, times: int = 1) -> None:
+        WORKER_RESTARTS.labels(worker_id).inc(times)
 
     def rejected(self, reason: str) -> None:
         REJECTIONS.labels(reason).inc()

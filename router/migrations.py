@@ -5,18 +5,30 @@ Migration is ``export_request`` on the source (it pauses the request at a step b
 back its ``MigrationState``), ``import_request`` on the destination, then ``finish_export(ok)`` on
 the source (frees it, or resumes it if the import did not fit). A worker takes part in one move
 at a time (``busy``).
+
+The invariant (docs/architecture.md section 5): whatever fails, and wherever (either side dying
+or hanging at any phase, the client cancelling mid-move), a move ends with exactly one live copy
+of the request (or none, if it ended), no paused copy left holding blocks, and its stream
+continuing. How: every call is bounded by its worker's stall threshold, and a call that times out
+is a stall (``WorkerTable.give_up``: down, its requests replayed, killed); the request is
+*committed* to the destination (``r.worker_id``) the moment the import succeeds, so from then on
+a death of the source no longer replays it and a death of the destination does; a copy that must
+not live is stopped: the source's paused copy by ``finish_export`` (resumed if the request still
+lives there, freed otherwise), a destination copy nobody will read by an ``Abort`` on its link.
+``fault`` is a test hook called at each phase boundary.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 from protos.kvserve.v1 import worker_pb2 as pb
 from router.pipeline import RequestPipeline
 from router.rebalance import Migration, RunningRequest, WaitingRequest, plan_migration, plan_preemption
-from router.request import RouterRequest
+from router.request import WORKER_UP, RouterRequest
 from router.workers import WorkerState
 from workers.core.sizes import blocks_for
 
@@ -29,6 +41,9 @@ class Mover:
     def __init__(self, router: RequestPipeline) -> None:
         self.router = router
         self.busy: set[str] = set()  # workers in a migration now (source or destination)
+        # Test hook: awaited at each phase boundary ("before_export", "before_import",
+        # "after_import") with the request and the move; it may raise, hang, cancel or kill.
+        self.fault: Callable[[str, RouterRequest, Migration], Awaitable[None]] | None = None
 
     def running(self) -> Iterator[RunningRequest]:
         """The requests on workers, as rebalancing sees them. NOTE: lazy: a pressure report (the hot
@@ -71,22 +86,39 @@ class Mover:
         return await self._migrate(r, move)
 
     async def _migrate(self, r: RouterRequest, move: Migration) -> bool:
-        """Export from ``move.src`` at a step boundary, import into ``move.dst``; resume on the
-        source if it does not fit. The caller has put both workers in ``busy``."""
+        """Export from ``move.src`` at a step boundary, import into ``move.dst``, then free the
+        source's copy; resume on the source if the import did not happen. The caller has put both
+        workers in ``busy``. Keeps the module's invariant on every path."""
         router = self.router
         src, dst = router.table[move.src], router.table[move.dst]
+        rid, src_inc, dst_inc = r.worker_rid, src.incarnation, dst.incarnation
+        exported = committed = False
+        phase = "export"
         try:
-            state = await src.handle.export_request.remote(r.worker_rid)
+            await self._fault("before_export", r, move)
+            state = await self._call(src, src_inc, "export_request", src.handle.export_request.remote(rid))
             if state is None:
+                return False
+            exported = True
+            phase = "import"
+            await self._fault("before_import", r, move)
+            if not self._still_on(r, src.worker_id, rid):  # cancelled, finished or replayed meanwhile
                 return False
             # NOTE: from the import on, the destination's outputs for this dispatch count (they may
             # arrive before this call returns); the source's keep counting (its last ones may too).
             r.dispatch_workers.add(dst.worker_id)
-            ok = await dst.handle.import_request.remote(state)
-            await src.handle.finish_export.remote(r.worker_rid, bool(ok))
+            ok = await self._call(dst, dst_inc, "import_request", dst.handle.import_request.remote(state))
             if not ok:
                 r.dispatch_workers.discard(dst.worker_id)
                 return False
+            phase = "commit"
+            await self._fault("after_import", r, move)
+            if not self._still_on(r, src.worker_id, rid) or dst.state != WORKER_UP:
+                self._abort_on(dst, rid)  # nobody will read that copy
+                r.dispatch_workers.discard(dst.worker_id)
+                return False
+            # Committed: the request lives on dst from now on (a src death no longer replays it).
+            committed = True
             r.worker_id = dst.worker_id
             router.pend(r, dst.worker_id)
             r.migrations += 1
@@ -97,11 +129,52 @@ class Mover:
             logger.info("migrated %s from %s to %s (%d tokens)", r.request_id, src.worker_id, dst.worker_id,
                         state.num_tokens)  # fmt: skip
             return True
-        except Exception:  # noqa: BLE001 - a failed migration leaves the request where it was
-            logger.exception("migration of %s failed", r.request_id)
+        except Exception as e:  # noqa: BLE001 - every failure ends in the invariant (finally)
+            logger.warning("migration of %s from %s to %s failed at %s: %r", r.request_id, move.src, move.dst,
+                           phase, e)  # fmt: skip
+            if phase in ("import", "commit") and not committed:
+                # NOTE: the import landed, or one that timed out still may: nobody reads that copy.
+                self._abort_on(dst, rid)
+                r.dispatch_workers.discard(dst.worker_id)
             return False
         finally:
+            if exported:
+                # Resume the source's copy if the request still lives there; free it otherwise.
+                resume = not committed and self._still_on(r, src.worker_id, rid)
+                await self._finish_export(src, src_inc, rid, migrated=not resume)
             self.busy.difference_update((move.src, move.dst))
+
+    @staticmethod
+    def _still_on(r: RouterRequest, worker_id: str, rid: str) -> bool:
+        """``r`` is alive and still the same dispatch on ``worker_id``."""
+        return not r.finished and not r.cancelled and r.worker_id == worker_id and r.worker_rid == rid
+
+    async def _call(self, entry: WorkerState, incarnation: str, method: str, call: Awaitable[object]) -> object:
+        """Await a migration ``call`` to ``entry`` bounded by its stall threshold; a timeout is a
+        stall (the worker is given up: its requests replayed, its actor killed) and raises
+        TimeoutError."""
+        table = self.router.table
+        threshold = table.stall_threshold_s(entry)
+        try:
+            return await asyncio.wait_for(call, threshold)
+        except TimeoutError:
+            table.give_up(entry, f"{method} did not return in {threshold:.1f}s", incarnation)
+            raise
+
+    async def _finish_export(self, src: WorkerState, incarnation: str, rid: str, migrated: bool) -> None:
+        try:
+            await self._call(src, incarnation, "finish_export", src.handle.finish_export.remote(rid, migrated))
+        except Exception as e:  # noqa: BLE001 - a dead or hung source takes its paused copy with it
+            logger.warning("finish_export(%s, migrated=%s) on %s failed: %r", rid, migrated, src.worker_id, e)
+
+    def _abort_on(self, entry: WorkerState, rid: str) -> None:
+        """Stop a copy of dispatch ``rid`` on ``entry`` (queued on its link: it lands when the
+        worker reads commands again, or dies with the process)."""
+        self.router.link.send(entry.worker_id, pb.RouterCommand(abort=pb.Abort(request_id=rid)))
+
+    async def _fault(self, phase: str, r: RouterRequest, move: Migration) -> None:
+        if self.fault is not None:
+            await self.fault(phase, r, move)
 
     def preempt_for(self, waiting: RouterRequest) -> None:
         """Carry out the preemption ``plan_preemption`` decides for a queued request, if any: the

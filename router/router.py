@@ -9,9 +9,9 @@ workers by Ray calls; what comes back (outputs, pressure, block events) arrives 
 
 Lifecycle of a request: ``submit`` validates and either places it (``dispatch``) or queues it
 (only if it is projected to start within its deadline and ``max_queue_wait_s``) or refuses it
-(RouterError with a gRPC status). ``stream`` yields its responses until the final one. ``cancel``
-(client gone, deadline, Abort) aborts it on its worker, which frees its blocks at the next step
-boundary; the request id is free again at once.
+(RouterError with a gRPC status); its responses stream from ``r.responses`` (router/demux.py
+``stream_responses``). ``cancel`` (client gone, deadline, Abort) aborts it on its worker, which frees its
+blocks at the next step boundary; the request id is free again at once.
 
 Failure handling (README "Failure behaviour"): when the worker table marks a worker down, each
 request it held is replayed (router/dispatch.py), at most ``migration_limit`` times.
@@ -42,6 +42,7 @@ from router.prompts import prompt_ids
 from router.rebalance import MigrationLedger, Watermarks
 from router.request import WORKER_DOWN, WORKER_RETIRED, WORKER_UP, RouterError, RouterRequest
 from router.status import build_cluster_status
+from router.supervision import WorkerSupervision
 from router.validation import ModelLimits, ValidationError, sampling_params, validate_ids
 from router.worker_link import WorkerLinkHandler, WorkerLinkService, block_event
 from router.workers import WorkerState, WorkerTable
@@ -70,8 +71,9 @@ class Router(WorkerLinkHandler):
         self.requests: dict[str, RouterRequest] = {}
         self.replays_total = 0
         self.queue: AdmissionQueue[RouterRequest] = AdmissionQueue(
-            config.max_queue_requests, config.max_queue_blocks, max_wait_s=config.max_queue_wait_s
-        )
+            config.max_queue_requests, config.max_queue_blocks, max_wait_s=config.max_queue_wait_s,
+            cold_capacity=lambda: self.table.cold_capacity(),
+        )  # fmt: skip
         self._expiry: asyncio.TimerHandle | None = None
         self.placement = Placement(config.placement_policy)
         self.prefix_index = PrefixIndex()
@@ -80,7 +82,7 @@ class Router(WorkerLinkHandler):
         self.ledger = MigrationLedger()
         self.dispatcher = Dispatcher(self)
         self.table = WorkerTable(config, self.link, self.prefix_index, self.ledger, self.metrics,
-                                 self.dispatcher.replay_all)  # fmt: skip
+                                 self.dispatcher.replay_all, self.dispatcher.holds_requests)  # fmt: skip
         self.mover = Mover(self)
         self.model_id = ""
         self.block_size = 16
@@ -92,9 +94,11 @@ class Router(WorkerLinkHandler):
         return self.table.entries
 
     # ---- workers ---------------------------------------------------------------------------------
-    def add_worker(self, worker_id: str, handle: Any, identity: WorkerIdentity) -> None:
+    def add_worker(
+        self, worker_id: str, handle: Any, identity: WorkerIdentity, supervision: WorkerSupervision | None = None
+    ) -> None:
         """Register a worker actor (``identity`` = its ``ready()``); see ``WorkerTable.register``."""
-        self.table.register(worker_id, handle, identity)
+        self.table.register(worker_id, handle, identity, supervision)
         self.block_size, self.model_id = identity.block_size, identity.model_id
         if self.limits is None:
             self.limits = ModelLimits(identity.vocab_size, identity.max_model_len, self.config.default_max_tokens)
@@ -113,7 +117,7 @@ class Router(WorkerLinkHandler):
     def on_disconnect(self, worker_id: str) -> None:
         entry = self.table.get(worker_id)
         if entry is not None:
-            self.table.down(entry, "its WorkerLink broke")
+            self.table.link_lost(entry)  # down after the grace period, or at once if its process is gone
 
     def on_message(self, worker_id: str, msg: pb.WorkerMessage) -> None:
         kind = msg.WhichOneof("body")

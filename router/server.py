@@ -11,8 +11,11 @@ unexpected exception is logged once with its traceback and answered INTERNAL wit
 only by the Abort RPC (the client asked); grpc itself ends a call CANCELLED when the client
 cancels it.
 
-Readiness: the health service says NOT_SERVING until a worker has said Hello, then SERVING; a
-Generate that arrives before waits for that (bounded by its deadline and ``ready_timeout_s``).
+Health (``router/health.py``): the standard health service answers readiness for ``""`` and
+``kvserve.v1.KVServe`` (SERVING iff some worker can serve now, in both directions, the same verdict
+as HTTP ``/health``) and liveness for ``kvserve.v1.Liveness`` (SERVING while the router runs). A
+Generate that arrives before any worker said Hello waits for one (bounded by its deadline and
+``ready_timeout_s``).
 
 With an HTTP port, the OpenAI-compatible API (``router/http_api.py``) runs on the same loop and the
 same Router.
@@ -42,11 +45,13 @@ from router import metrics
 from router.auth import CallerAuthInterceptor
 from router.config import RouterConfig
 from router.demux import stream_responses
+from router.health import HealthPublisher
 from router.http_api import HttpApiServer
 from router.limits import Bounds, LimitExceeded, client_of_peer
 from router.mux import StreamMux
 from router.request import RouterRequest
 from router.router import Router, RouterError
+from router.supervision import WorkerSupervision
 from router.tenancy import KeyRing, Principal, Tenancy
 from router.worker_auth import WorkerLinkGate
 from workers.core.identity import WorkerIdentity
@@ -58,7 +63,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_WATCH_INTERVAL_MS = 500
 WATCH_SNAPSHOT_S = 0.025  # NOTE: half the shortest watch interval (50 ms): a watcher sees no staler data
 DEFAULT_READY_TIMEOUT_S = 60.0
-_HEALTH_SERVICES = ("", spb.DESCRIPTOR.services_by_name["KVServe"].full_name)
 
 
 @dataclass(frozen=True)
@@ -348,7 +352,8 @@ def build_server(
 
     Client calls are authenticated by ``CallerAuthInterceptor`` (router/auth.py), WorkerLink streams
     by ``gate`` (router/worker_auth.py), which hands accepted ones to ``router.link``.
-    The health service starts NOT_SERVING; ``RouterService.start`` flips it once a worker is ready.
+    The health service starts NOT_SERVING; ``RouterService.start`` keeps it in step with the
+    workers (``router/health.py``).
     """
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -424,19 +429,19 @@ class RouterService:
         self._server: grpc.aio.Server | None = None
         self._health_task: asyncio.Task | None = None
         self._readiness_task: asyncio.Task | None = None
+        self.health: HealthPublisher | None = None
 
     async def start(self) -> str:
-        """Start serving; returns the bound ``host:port``. Health answers NOT_SERVING until a
-        worker has said Hello."""
+        """Start serving; returns the bound ``host:port``. Readiness answers NOT_SERVING until a
+        worker can serve (and again whenever none can); liveness answers SERVING."""
         server, self.port = build_server(self.router, self.config, self.gate, self.bounds, self.ready_timeout_s)
-        health_servicer = server._kvserve_health  # type: ignore[attr-defined]
-        for name in _HEALTH_SERVICES:
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.health = HealthPublisher(self.router, server._kvserve_health)  # type: ignore[attr-defined]
+        await self.health.start()
         await server.start()
         self._server = server
         loop = asyncio.get_running_loop()
         self._health_task = loop.create_task(self.router.table.health_loop())
-        self._readiness_task = loop.create_task(self._serve_when_ready(health_servicer))
+        self._readiness_task = loop.create_task(self.health.run())
         metrics.ROUTER_QUEUE_REQUESTS.set_function(lambda: self.router.queue.num_requests)
         metrics.ROUTER_QUEUE_BLOCKS.set_function(lambda: self.router.queue.num_blocks)
         metrics.ROUTER_PROJECTED_WAIT.set_function(self._projected_wait_s)
@@ -474,24 +479,31 @@ class RouterService:
         wait = self.router.queue.projected_wait_s()
         return float("nan") if wait is None else wait
 
-    async def _serve_when_ready(self, health_servicer: health.aio.HealthServicer) -> None:
-        await self.router.ready_event().wait()
-        for name in _HEALTH_SERVICES:
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        logger.info("router ready: a worker has said Hello")
-
     async def expect_workers(self, worker_ids: list[str]) -> None:
         """Let these workers' WorkerLinks in (their credentials must still be valid); the launcher
         calls this before it starts them, as their Hello may come before ``add_worker``."""
         self.gate.expect(worker_ids)
 
-    async def add_worker(self, worker_id: str, handle: Any, identity: WorkerIdentity) -> None:
+    async def add_worker(
+        self, worker_id: str, handle: Any, identity: WorkerIdentity, supervision: WorkerSupervision | None = None
+    ) -> None:
+        """Register a worker; ``supervision`` carries its restarts and retirement over from a
+        previous router (``router/supervision.py``): a retired worker stays retired."""
         self.gate.expect([worker_id])
-        self.router.add_worker(worker_id, handle, identity)
+        self.router.add_worker(worker_id, handle, identity, supervision)
         entry = self.router.table[worker_id]
         metrics.REPORT_AGE.labels(worker_id).set_function(
             lambda: time.monotonic() - entry.report_time if entry.report is not None else float("nan")
         )
+
+    async def supervision(self) -> dict[str, WorkerSupervision]:
+        """Every worker's supervision record now (``kvserve serve`` keeps the latest for the next
+        router; also its liveness poll of this router)."""
+        return self.router.table.supervision()
+
+    async def connected_workers(self) -> list[str]:
+        """The registered workers whose WorkerLink is connected now."""
+        return [w for w in self.router.workers if self.router.link.connected(w)]
 
     async def pid(self) -> int:
         """This router's OS process id (chaos tests kill it)."""

@@ -19,18 +19,23 @@ from typing import Any
 
 from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import worker_pb2 as pb
+from router.admission import ColdCapacity
 from router.config import RouterConfig
+from router.liveness import LivenessInputs, down_reason
 from router.metrics import CounterDeltas, RouterMetrics
 from router.placement import WorkerView
 from router.prefix_index import PrefixIndex
 from router.rebalance import MigrationLedger
 from router.request import WORKER_DOWN, WORKER_RETIRED, WORKER_UP
+from router.supervision import WorkerSupervision
 from router.worker_link import WorkerLinkService
 from workers.core.identity import WorkerIdentity
+from workers.core.liveness import EngineDeadError, stall_threshold_s
 from workers.core.sizes import pool_usage
 
 logger = logging.getLogger(__name__)
 
+LIVENESS_TICK_S = 0.25  # how often the liveness rule is applied (pure table reads: cheap)
 _ACTOR_DEAD_ERRORS = ("RayActorError", "ActorDiedError", "ActorUnavailableError")
 
 
@@ -74,6 +79,16 @@ class WorkerState:
     restart_times: deque[float] = field(default_factory=deque)  # monotonic, within the restart window
     restarts_total: int = 0
     totals: dict[str, int] = field(default_factory=dict)  # the last report's running totals
+    # Liveness (router/liveness.py): the last engine progress seen, and when; the slowest step
+    # reported; when its WorkerLink broke (None while connected or not yet known broken).
+    progress: tuple[int, int] = (0, 0)  # (decode_steps, prefill_tokens_total) of the last report
+    progress_time: float = field(default_factory=time.monotonic)
+    slowest_step_s: float = 0.0
+    link_lost_at: float | None = None
+    # The process its current WorkerLink Hello came from. NOTE: evidence from a Ray call (a dead
+    # actor, a timeout) concerns the process the call went to; it must not take down a fresh
+    # incarnation that said Hello meanwhile (``down``/``give_up`` take the call's incarnation).
+    incarnation: str = ""
 
     @property
     def worker_id(self) -> str:
@@ -92,6 +107,19 @@ class WorkerState:
             prev = {}
         self.totals = now
         return {name: now[name] - prev.get(name, 0) for name in _TOTALS}
+
+    def supervision(self) -> WorkerSupervision:
+        """This row's restarts and retirement, for the next router (router/supervision.py)."""
+        return WorkerSupervision.now(self.restarts_total, self.restart_times, self.state == WORKER_RETIRED)
+
+    def restore(self, record: WorkerSupervision) -> None:
+        """Carry a previous router's record into this row: its restart history and retirement."""
+        self.restarts_total = max(self.restarts_total, record.restarts_total)
+        self.restart_times.clear()
+        self.restart_times.extend(record.restart_times())
+        if record.retired:
+            self.state = WORKER_RETIRED
+            self.healthy = False
 
     def view(self, serving: bool, ledger: MigrationLedger) -> WorkerView:
         """What placement and rebalancing see of this worker."""
@@ -169,6 +197,7 @@ class WorkerTable:
         ledger: MigrationLedger,
         metrics: RouterMetrics,
         on_down: Callable[[WorkerState], None],
+        holds_requests: Callable[[str], bool] = lambda worker_id: False,
     ) -> None:
         self.config = config
         self.link = link
@@ -176,8 +205,11 @@ class WorkerTable:
         self.ledger = ledger
         self.metrics = metrics
         self.on_down = on_down
+        self.holds_requests = holds_requests
         self.entries: dict[str, WorkerState] = {}
         self.ready = asyncio.Event()  # set once a registered worker said Hello (readiness)
+        self.kills_total = 0  # actors killed by the liveness rule (Ray restarts them)
+        self._tasks: set[asyncio.Task] = set()
 
     def __getitem__(self, worker_id: str) -> WorkerState:
         return self.entries[worker_id]
@@ -185,8 +217,14 @@ class WorkerTable:
     def get(self, worker_id: str) -> WorkerState | None:
         return self.entries.get(worker_id)
 
-    def register(self, worker_id: str, handle: Any, identity: WorkerIdentity) -> WorkerState:
+    def register(
+        self, worker_id: str, handle: Any, identity: WorkerIdentity, supervision: WorkerSupervision | None = None
+    ) -> WorkerState:
         """Add (or refresh after a router restart) a worker; it serves once its WorkerLink says Hello.
+
+        ``supervision`` carries its restarts and retirement over from a previous router
+        (router/supervision.py): a retired worker stays retired, and its restarts keep counting
+        towards the limit within the window.
 
         Raises:
             ValueError: the identity names another worker, or its block size differs from the cluster's.
@@ -202,12 +240,20 @@ class WorkerTable:
         else:
             entry.handle, entry.identity = handle, identity
         self.prefix_index.set_node(worker_id, identity.node_id)  # its host/disk tiers are its node's
+        if supervision is not None:
+            carried = entry.restarts_total
+            entry.restore(supervision)
+            self.metrics.worker_restarted(worker_id, entry.restarts_total - carried)
         # Its WorkerLink may have said Hello before this registration.
-        connected = self.link.connected(worker_id)
+        connected = self.link.connected(worker_id) and entry.state != WORKER_RETIRED
         self.metrics.worker_up(worker_id, connected)
         if connected:
             self.ready.set()
         return entry
+
+    def supervision(self) -> dict[str, WorkerSupervision]:
+        """Every worker's supervision record now (for the next router, should this one die)."""
+        return {worker_id: entry.supervision() for worker_id, entry in self.entries.items()}
 
     async def wait_connected(self, worker_ids: list[str], timeout: float) -> None:
         """Until every listed worker is registered and has connected its WorkerLink; TimeoutError otherwise."""
@@ -223,6 +269,15 @@ class WorkerTable:
 
     def any_serving(self) -> bool:
         return any(self.serving(e) for e in self.entries.values())
+
+    def cold_capacity(self) -> ColdCapacity:
+        """What admission may rely on before any drain is measured (router/admission.py): the
+        fastest recent step, the pool blocks and the blocks free now of the serving workers."""
+        serving = [e for e in self.entries.values() if self.serving(e)]
+        steps = [e.report.step_latency_ms / 1000 for e in serving if e.report and e.report.step_latency_ms > 0]
+        views = [e.view(True, self.ledger) for e in serving]
+        free = sum(max(v.free_blocks + v.cached_evictable_blocks - v.blocks_in_flight, 0) for v in views)
+        return ColdCapacity(min(steps, default=0.0), sum(v.total_blocks for v in views), free)
 
     def views(self) -> list[WorkerView]:
         return [e.view(self.serving(e), self.ledger) for e in self.entries.values()]
@@ -240,7 +295,11 @@ class WorkerTable:
             return False
         if entry.state == WORKER_RETIRED:
             return False
+        entry.progress_time = time.monotonic()
+        entry.incarnation = hello.incarnation
+        lost_at, entry.link_lost_at = entry.link_lost_at, None
         if restarted:
+            entry.slowest_step_s = 0.0
             # A new process: its pool is empty, our requests there are gone (replayed elsewhere
             # unless its death went unnoticed until now), its counters start from 0 again.
             self.down(entry, "restarted")
@@ -261,13 +320,24 @@ class WorkerTable:
         if was_down or restarted:
             logger.warning("worker %s is up again (restart %d, %d blocks)", worker_id, entry.restarts_total,
                            hello.total_blocks)  # fmt: skip
+        elif lost_at is not None:
+            # NOTE: a blip within the grace period: its requests stayed put, its outbox resends.
+            logger.warning("worker %s: WorkerLink back after %.2fs; its requests continue there", worker_id,
+                           time.monotonic() - lost_at)  # fmt: skip
         else:
             logger.info("worker %s connected (%d blocks)", worker_id, hello.total_blocks)
         return True
 
-    def down(self, entry: WorkerState, why: str) -> None:
+    def down(self, entry: WorkerState, why: str, incarnation: str | None = None) -> None:
         """First sign of a worker's death: mark it down (logged once per state change), forget its
-        pool, and hand it to ``on_down`` (its requests are replayed on the others). Idempotent."""
+        pool, and hand it to ``on_down`` (its requests are replayed on the others). Idempotent.
+
+        ``incarnation``: the process the evidence concerns (a Ray call's target when it was made);
+        evidence about an earlier process than the one now connected is ignored.
+        """
+        if incarnation is not None and incarnation != entry.incarnation:
+            logger.info("worker %s: ignoring stale evidence about an earlier process (%s)", entry.worker_id, why)
+            return
         self.metrics.worker_up(entry.worker_id, False)
         if entry.state == WORKER_UP:
             entry.state = WORKER_DOWN
@@ -279,6 +349,69 @@ class WorkerTable:
         self.prefix_index.remove_worker(entry.worker_id)
         self.ledger.forget(entry.worker_id)
         self.on_down(entry)
+
+    def link_lost(self, entry: WorkerState) -> None:
+        """Its WorkerLink broke: no new work; down if it stays broken past ``link_grace_s``
+        (``check_liveness``) or at once if Ray says the process is gone or was replaced."""
+        if entry.state != WORKER_UP:
+            return
+        entry.link_lost_at = time.monotonic()
+        self.metrics.worker_up(entry.worker_id, False)
+        logger.warning("worker %s: WorkerLink broke; down unless it is back within %.1fs", entry.worker_id,
+                       self.config.link_grace_s)  # fmt: skip
+        self._spawn(self._check_process(entry, self.link.sessions[entry.worker_id].incarnation))
+
+    async def _check_process(self, entry: WorkerState, incarnation: str) -> None:
+        """Whether the process behind a broken link is still the one we knew (bounded by the grace)."""
+        try:
+            now_incarnation = await asyncio.wait_for(entry.handle.incarnation.remote(), self.config.link_grace_s)
+        except TimeoutError:
+            return  # hung or slow: the grace rule decides
+        except Exception as e:  # noqa: BLE001 - Ray errors of many kinds
+            if actor_dead(e) and entry.link_lost_at is not None and entry.state == WORKER_UP:
+                self.down(entry, f"its WorkerLink broke and its actor is gone ({type(e).__name__})", incarnation)
+            return
+        if now_incarnation != incarnation and entry.link_lost_at is not None and entry.state == WORKER_UP:
+            self.down(entry, "its WorkerLink broke and Ray restarted its process", incarnation)
+
+    def check_liveness(self, now: float) -> None:
+        """Apply the liveness rule (router/liveness.py) to every worker that is up."""
+        for entry in list(self.entries.values()):
+            if entry.state != WORKER_UP:
+                continue
+            why = down_reason(LivenessInputs(
+                now=now, busy=self.busy(entry), progress_time=entry.progress_time,
+                slowest_step_s=entry.slowest_step_s, stall_timeout_s=self.config.stall_timeout_s,
+                link_lost_at=entry.link_lost_at, link_grace_s=self.config.link_grace_s,
+            ))  # fmt: skip
+            if why is not None:
+                self.give_up(entry, why)
+
+    def busy(self, entry: WorkerState) -> bool:
+        """It has work: requests placed there, dispatches in flight, or work in its last report."""
+        r = entry.report
+        reported = r is not None and r.num_running + r.num_waiting + r.num_swapped > 0
+        return bool(entry.in_flight) or reported or self.holds_requests(entry.worker_id)
+
+    def stall_threshold_s(self, entry: WorkerState) -> float:
+        """How long a call that needs the worker's engine may take before the worker is stalled."""
+        return stall_threshold_s(self.config.stall_timeout_s, entry.slowest_step_s)
+
+    def give_up(self, entry: WorkerState, why: str, incarnation: str | None = None) -> None:
+        """The liveness rule says ``entry`` is down: replay its requests elsewhere (``down``) and
+        kill its actor so Ray starts a fresh process (counting toward retirement). Idempotent;
+        ``incarnation`` as for ``down``."""
+        if entry.state != WORKER_UP or (incarnation is not None and incarnation != entry.incarnation):
+            return
+        self.down(entry, why)
+        self.kills_total += 1
+        logger.warning("killing worker %s so that Ray restarts it", entry.worker_id)
+        try:
+            import ray
+
+            ray.kill(entry.handle, no_restart=False)
+        except Exception:  # noqa: BLE001 - not a Ray actor (tests) or already gone
+            logger.debug("killing worker %s failed", entry.worker_id, exc_info=True)
 
     def retire(self, entry: WorkerState) -> None:
         """A crash-looping worker stays down: kill its actor for good (no more restarts)."""
@@ -304,7 +437,12 @@ class WorkerTable:
         # NOTE: the series are named by the link's authenticated id, never by what the report says
         # (a worker cannot write another's metrics, nor mint label values).
         report.worker_id = worker_id
-        entry.report, entry.report_time, entry.healthy = report, time.monotonic(), True
+        now = time.monotonic()
+        entry.report, entry.report_time, entry.healthy = report, now, True
+        marker = (report.decode_steps, report.prefill_tokens_total)
+        if marker != entry.progress or report.num_running + report.num_waiting + report.num_swapped == 0:
+            entry.progress, entry.progress_time = marker, now  # it stepped, or it is idle (never stalled)
+        entry.slowest_step_s = max(entry.slowest_step_s, report.step_latency_ms / 1000)
         for rid in entry.started:
             entry.in_flight.pop(rid, None)
         entry.started.clear()
@@ -314,21 +452,43 @@ class WorkerTable:
 
     # ---- health ----------------------------------------------------------------------------------
     async def health_loop(self) -> None:
-        """Probe every worker that is up: a stale report or a failing ``check_health`` makes it
-        unhealthy (no new work), a dead actor makes it down (its requests replayed). Logged once
-        per state change; workers already down wait for their new incarnation's Hello."""
+        """Probe every worker that is up (``probe``, every ``health_check_interval_s``) and apply
+        the liveness rule (``check_liveness``, every ``LIVENESS_TICK_S``) until cancelled.
+
+        NOTE: an exception in one round is logged and the next round runs: health checking must
+        never stop silently.
+        """
+        await asyncio.gather(self._probe_loop(), self._liveness_loop())
+
+    async def _probe_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.health_check_interval_s)
-            await asyncio.gather(*(self.probe(e) for e in list(self.entries.values()) if e.state == WORKER_UP))
+            try:
+                up = [e for e in list(self.entries.values()) if e.state == WORKER_UP]
+                await asyncio.gather(*(self.probe(e) for e in up))
+            except Exception:  # noqa: BLE001 - see health_loop
+                logger.exception("worker health probe round failed")
+
+    async def _liveness_loop(self) -> None:
+        while True:
+            await asyncio.sleep(LIVENESS_TICK_S)
+            try:
+                self.check_liveness(time.monotonic())
+            except Exception:  # noqa: BLE001 - see health_loop
+                logger.exception("liveness check failed")
 
     async def probe(self, entry: WorkerState) -> None:
+        incarnation = entry.incarnation
         stale = entry.report is not None and time.monotonic() - entry.report_time > self.config.stale_report_s
         try:
             await asyncio.wait_for(entry.handle.check_health.remote(), timeout=self.config.stale_report_s)
             problem = f"no pressure report for {self.config.stale_report_s:.0f}s" if stale else None
         except Exception as e:  # noqa: BLE001 - Ray errors of many kinds
             if actor_dead(e):
-                self.down(entry, f"health probe: {type(e).__name__}")
+                self.down(entry, f"health probe: {type(e).__name__}", incarnation)
+                return
+            if isinstance(getattr(e, "cause", e), EngineDeadError):
+                self.give_up(entry, f"its engine thread died ({getattr(e, 'cause', e)})", incarnation)
                 return
             problem = f"health probe failed: {e!r}"
         if entry.state != WORKER_UP:
@@ -339,3 +499,8 @@ class WorkerTable:
             logger.warning("worker %s healthy again", entry.worker_id)
         entry.healthy = problem is None
         self.metrics.worker_up(entry.worker_id, self.serving(entry))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

@@ -105,6 +105,33 @@ class ServedCluster:
         os.kill(pid, signal.SIGKILL)
         return pid
 
+    def hang_worker(self, worker_id: str) -> int:
+        """SIGSTOP the worker's process (alive to the OS and to Ray, never steps again until
+        ``resume_pid``); returns the pid stopped."""
+        pid = self.worker_pid(worker_id)
+        os.kill(pid, signal.SIGSTOP)
+        return pid
+
+    @staticmethod
+    def resume_pid(pid: int) -> bool:
+        """SIGCONT a process stopped by ``hang_worker``; False if it is gone already (killed)."""
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def router_pid(self) -> int:
+        """The OS pid of the router actor (the current one: serve may have restarted it)."""
+        pid = int(self._ask({"op": "router_pid"}))
+        self.proc.note_descendants()
+        assert pid in self.proc.descendants, f"router pid {pid} is not a process serve started"
+        return pid
+
+    def integrity(self) -> dict[str, str | None]:
+        """Every worker's pool integrity check: None (intact) or the error, by worker id."""
+        return self._ask({"op": "integrity"})  # type: ignore[return-value]
+
     def _ask(self, command: dict) -> object:
         if self._probe is None or self._probe.poll() is not None:
             self._probe = subprocess.Popen(

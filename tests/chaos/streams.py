@@ -42,6 +42,7 @@ class Stream:
     metadata: tuple[tuple[str, str], ...] = ()  # e.g. the bearer token of a cluster with --auth-token
     tokens: list[int] = field(default_factory=list)
     worker_ids: list[str] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # monotonic arrival of each response
     final: spb.GenerateResponse | None = None
     code: grpc.StatusCode | None = None
     details: str = ""
@@ -62,6 +63,7 @@ class Stream:
                 ):
                     self.tokens.extend(resp.token_ids)
                     self.worker_ids.append(resp.worker_id)
+                    self.times.append(time.monotonic())
                     if len(self.tokens) >= self.first_tokens:
                         self.started.set()
                     if resp.finish_reason:
@@ -82,6 +84,14 @@ class Stream:
     @property
     def last_worker(self) -> str:
         return self.worker_ids[-1] if self.worker_ids else ""
+
+    def resumed_after(self, t: float, away_from: str) -> float | None:
+        """Seconds from ``t`` to this stream's first response from a worker other than
+        ``away_from`` (None if there is none)."""
+        for at, worker_id in zip(self.times, self.worker_ids, strict=True):
+            if at >= t and worker_id and worker_id != away_from:
+                return at - t
+        return None
 
 
 def run_all(address: str, reqs: list[spb.GenerateRequest], timeout: float = 180.0) -> list[Stream]:

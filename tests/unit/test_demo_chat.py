@@ -82,7 +82,7 @@ class _Stub:
     def __init__(self, failures: list[grpc.RpcError]) -> None:
         self.failures, self.calls = failures, 0
 
-    def Generate(self, request, timeout):  # noqa: ANN001, N802 - the gRPC stub's name
+    def Generate(self, request, timeout, wait_for_ready=False):  # noqa: ANN001, N802 - the gRPC stub's name
         self.calls += 1
         if self.failures:
             raise self.failures.pop(0)

@@ -61,7 +61,7 @@ def _connect(router: Router, worker_id: str, incarnation: str) -> None:
     restarted = bool(s.incarnation) and s.incarnation != incarnation
     s.incarnation = incarnation
     s.queue = asyncio.Queue()
-    router.on_hello(worker_id, pb.Hello(worker_id=worker_id, total_blocks=32), restarted)
+    router.on_hello(worker_id, pb.Hello(worker_id=worker_id, total_blocks=32, incarnation=incarnation), restarted)
 
 
 def _worker_up(worker_id: str) -> float:
@@ -85,7 +85,8 @@ def _run(test: Callable[[], Any]) -> None:
 
 
 async def _settle() -> None:
-    for _ in range(5):
+    # NOTE: enough loop turns for a dispatch under asyncio.wait_for, and a link-loss check, to finish.
+    for _ in range(20):
         await asyncio.sleep(0)
 
 
@@ -146,6 +147,7 @@ def test_beyond_the_migration_limit_the_client_gets_unavailable() -> None:
         second = r.worker_id
         assert second not in (None, first)
         router.on_disconnect(second)
+        await _settle()  # the link-loss check finds its process replaced (the fake says no incarnation)
         (err,) = _drain(r.responses)
         assert isinstance(err, RouterError) and err.code == grpc.StatusCode.UNAVAILABLE
         assert "migration limit 1" in err.message
@@ -170,13 +172,19 @@ def test_a_finished_or_cancelled_id_is_reusable_at_once_and_its_late_outputs_are
     _run(test)
 
 
-def test_a_crash_looping_worker_is_retired() -> None:
+def test_a_crash_looping_worker_is_retired(monkeypatch) -> None:  # noqa: ANN001
+    import ray
+
+    kills: list[tuple[Any, bool]] = []
+    monkeypatch.setattr(ray, "kill", lambda handle, no_restart=True: kills.append((handle, no_restart)))
+
     async def test() -> None:
-        router, _ = _router(worker_restart_limit=1, worker_restart_window_s=600)
+        router, workers = _router(worker_restart_limit=1, worker_restart_window_s=600)
         _connect(router, "a", "inc-2")
         assert router.workers["a"].state == WORKER_UP and router.workers["a"].restarts_total == 1
         _connect(router, "a", "inc-3")
         assert router.workers["a"].state == WORKER_RETIRED
+        assert kills == [(workers["a"], True)], "a retired worker must be killed for good (no_restart)"
         st = router.cluster_status()
         a = next(w for w in st.workers if w.worker_id == "a")
         assert (a.state, a.healthy, a.restarts_total) == ("retired", False, 2)

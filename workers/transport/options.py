@@ -31,7 +31,15 @@ class WorkerOptions:
     idle_report_s: float = knob(1.0, help="pressure report interval when nothing changes, s", check=POSITIVE)
     high_watermark: float = knob(0.9, help="report at once when pool usage crosses this")
     low_watermark: float = knob(0.7, help="report at once when pool usage crosses this")
-    stall_timeout_s: float = knob(30.0, help="engine step slower than this = stalled worker", check=POSITIVE)
+    # NOTE: 5 s: a few seconds above the slowest step we expect by default (~1 s: a full
+    # 8192-token prefill chunk of an 8B model on one GPU; the tiny test models step in ms on a
+    # loaded 2-core box), so a hang is caught and its streams continue within the README's 10 s;
+    # a deployment with slower steps is covered by the threshold growing with the slowest step seen
+    # (workers/core/liveness.py), or raises this.
+    stall_timeout_s: float = knob(
+        5.0, help="no engine step for this long with work pending = stalled worker (killed, work replayed)",
+        check=POSITIVE,
+    )  # fmt: skip
     orphan_timeout_s: float = knob(
         10.0, help="abort every request after this long without a router (its clients are gone)", check=POSITIVE
     )

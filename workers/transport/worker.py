@@ -24,6 +24,7 @@ from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import worker_pb2 as pb
 from workers.core.identity import WorkerIdentity
 from workers.core.kv_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
+from workers.core.liveness import EngineDeadError, EngineStalledError, WorkerError, stall_threshold_s
 from workers.core.request import WorkerRequest
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
@@ -39,10 +40,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _PREEMPT_MODES = {pb.Preempt.RECOMPUTE: "recompute", pb.Preempt.SWAP: "swap", pb.Preempt.MODE_UNSPECIFIED: None}
-
-
-class WorkerError(RuntimeError):
-    """The worker cannot serve: its engine thread died or stalled."""
 
 
 class WorkerCore:
@@ -61,6 +58,7 @@ class WorkerCore:
         )
         self._report_seq = 0
         self._step_latency_ms = 0.0
+        self._slowest_step_s = 0.0  # raises the stall threshold of a slow deployment
         self._last_progress = time.monotonic()
         self._busy = False
         self._decode_steps = 0
@@ -143,13 +141,16 @@ class WorkerCore:
         return self._report
 
     def check_health(self) -> None:
-        """Raise WorkerError if the engine thread died or has not stepped for ``stall_timeout_s``
-        while work is pending."""
+        """Raise EngineDeadError if the engine thread died, EngineStalledError if it has not
+        stepped for its stall threshold (``workers/core/liveness.py``) while work is pending."""
         if self._error is not None or not self._thread.is_alive():
-            raise WorkerError(f"worker {self.worker_id}: engine thread is dead ({self._error!r})")
+            raise EngineDeadError(f"worker {self.worker_id}: engine thread is dead ({self._error!r})")
         stalled = time.monotonic() - self._last_progress
-        if self._busy and stalled > self.options.stall_timeout_s:
-            raise WorkerError(f"worker {self.worker_id}: engine made no progress for {stalled:.1f}s with work pending")
+        threshold = stall_threshold_s(self.options.stall_timeout_s, self._slowest_step_s)
+        if self._busy and stalled > threshold:
+            raise EngineStalledError(
+                f"worker {self.worker_id}: engine made no progress for {stalled:.1f}s with work pending"
+            )
 
     def stall_for_test(self, seconds: float) -> None:
         """Test hook: block the engine thread (as a hung kernel would)."""
@@ -210,6 +211,7 @@ class WorkerCore:
                     t0 = time.perf_counter()
                     outputs = engine.step()
                     self._step_latency_ms = (time.perf_counter() - t0) * 1000
+                    self._slowest_step_s = max(self._slowest_step_s, self._step_latency_ms / 1000)
                     # engine.step() returns news only for requests that sampled a token this step.
                     self._decode_steps += int(bool(outputs))
                     self._last_progress = time.monotonic()
@@ -471,6 +473,11 @@ class Worker:
     def pid(self) -> int:
         """This actor's OS process id (chaos tests kill it; operators correlate it with logs)."""
         return os.getpid()
+
+    def incarnation(self) -> str:
+        """This process's incarnation (its Hello's): the router tells a live process whose link
+        broke from one Ray has restarted."""
+        return self.core.incarnation
 
     def shutdown(self) -> None:
         self.core.stop()

@@ -1,0 +1,80 @@
+"""Admission before any drain is measured (a cold cluster): only what provably cannot start within
+its deadline (or max_wait_s) is refused; the rest of a burst is queued (router/admission.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.admission import AdmissionQueue, ColdCapacity, RejectReason
+
+
+@dataclass
+class _Item:
+    request_id: str
+    num_blocks: int
+    priority: int = 0
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_lower_bound_counts_whole_pool_turnovers_of_one_step_each() -> None:
+    cap = ColdCapacity(step_s=0.5, pool_blocks=100, free_blocks=20)
+    assert cap.earliest_start_s(20) == 0.0  # fits in what is free now
+    assert cap.earliest_start_s(21) == 0.5  # one turnover
+    assert cap.earliest_start_s(220) == 1.0  # 200 beyond the free ones: two
+    assert ColdCapacity(step_s=0.0, pool_blocks=100, free_blocks=0).earliest_start_s(500) == 0.0  # no step yet
+    assert ColdCapacity(step_s=0.5, pool_blocks=0, free_blocks=0).earliest_start_s(5) is None  # no pool
+
+
+def test_a_cold_burst_with_generous_deadlines_is_queued_not_refused() -> None:
+    clock = _Clock()
+    cap = ColdCapacity(step_s=0.01, pool_blocks=128, free_blocks=0)  # full: the first wave placed
+    queue: AdmissionQueue[_Item] = AdmissionQueue(1024, 1 << 20, clock=clock, cold_capacity=lambda: cap)
+    refusals = [queue.admit(_Item(f"r{i}", 6), deadline=clock() + 60) for i in range(64)]  # 3x the pool
+    assert refusals == [None] * 64 and len(queue) == 64
+
+
+def test_without_an_estimate_the_same_burst_is_refused_wait_unknown() -> None:
+    """What the cold estimate changes (the behaviour it replaces)."""
+    clock = _Clock()
+    queue: AdmissionQueue[_Item] = AdmissionQueue(1024, 1 << 20, clock=clock)
+    refusals = [queue.admit(_Item(f"r{i}", 6), deadline=clock() + 60) for i in range(64)]
+    assert refusals[0] is None
+    assert {r.reason for r in refusals[1:] if r is not None} == {RejectReason.WAIT_UNKNOWN}
+
+
+def test_what_provably_cannot_start_in_time_is_still_refused() -> None:
+    clock = _Clock()
+    cap = ColdCapacity(step_s=1.0, pool_blocks=10, free_blocks=0)  # slow steps, a small pool
+    queue: AdmissionQueue[_Item] = AdmissionQueue(1024, 1 << 20, clock=clock, cold_capacity=lambda: cap,
+                                                  max_wait_s=30.0)  # fmt: skip
+    for i in range(5):  # 50 blocks ahead: 5 turnovers of 1 s at least
+        assert queue.admit(_Item(f"q{i}", 10), deadline=clock() + 60) is None
+    late = queue.admit(_Item("late", 10), deadline=clock() + 3.0)  # needs >= 6 s
+    assert late is not None and late.reason is RejectReason.WAIT_EXCEEDS_DEADLINE
+    assert late.projected_wait_s == 6.0 and late.retry_after_ms >= 6000
+    assert queue.admit(_Item("in-time", 10), deadline=clock() + 7.0) is None
+    huge = queue.admit(_Item("huge", 400))  # 460 blocks: 46 s at least, beyond max_wait_s
+    assert huge is not None and huge.reason is RejectReason.WAIT_EXCEEDS_MAX
+
+
+def test_a_rate_from_a_handful_of_drains_does_not_refuse_while_cold() -> None:
+    """The first completions after a start, spread over the queue's age, give a tiny rate; with a
+    ColdCapacity admission stays cold (provable refusals only) until the rate rests on enough pops."""
+    clock = _Clock()
+    cap = ColdCapacity(step_s=0.01, pool_blocks=128, free_blocks=0)
+    queue: AdmissionQueue[_Item] = AdmissionQueue(1024, 1 << 20, clock=clock, cold_capacity=lambda: cap)
+    for i in range(3):
+        assert queue.admit(_Item(f"q{i}", 6)) is None
+    clock.t += 29.0  # a slow start: 2 pops in 29 s
+    assert len(list(queue.pop_ready(lambda item: item.request_id in ("q0", "q1")))) == 2
+    # The untrusted rate (2 pops in 29 s) projects 29 s for one more, far beyond a 20 s deadline.
+    assert queue.projected_wait_s(6) is not None and queue.projected_wait_s(6) > 20
+    refusals = [queue.admit(_Item(f"r{i}", 6), deadline=clock() + 20) for i in range(40)]
+    assert refusals == [None] * 40
