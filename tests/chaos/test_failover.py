@@ -92,9 +92,10 @@ def test_a_cold_burst_of_4x_the_pool_with_generous_deadlines_all_completes(clust
 
 
 def _mixed_requests(n: int, base: int, max_tokens: int) -> list[spb.GenerateRequest]:
-    """Greedy and seeded requests in the order g, s, s, g, g, s, s, g...: however placement
-    alternates between two workers, each gets both kinds."""
-    return [request(prompt(base + i), max_tokens, seed=None if i % 4 in (0, 3) else 1000 + base + i)
+    """Greedy and seeded requests in the order g, g, s, s, g, s, g, s (repeated): whether placement
+    alternates between two workers one by one (ABAB), in pairs (AABB) or mirrored (ABBA), each gets
+    both kinds (g, s, s, g would give one worker only greedy ones under ABBA)."""
+    return [request(prompt(base + i), max_tokens, seed=1000 + base + i if i % 8 in (2, 3, 5, 7) else None)
             for i in range(n)]  # fmt: skip
 
 
