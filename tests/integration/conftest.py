@@ -15,6 +15,10 @@ import pytest
 def ray_session() -> Iterator[None]:
     import ray
 
+    if ray.is_initialized():
+        # NOTE: something earlier in this process started a Ray of its own (Ray starts one with the
+        # machine's 2 CPUs on the first API call it sees): our clusters need the resources below.
+        ray.shutdown()
     if not ray.is_initialized():
         # NOTE: more logical CPUs than cores: workers are mostly idle in tests, and two workers
         # plus a router must fit beside each other on a 2-core machine.
