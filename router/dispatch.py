@@ -89,16 +89,16 @@ class Dispatcher:
         request = WorkerRequest(worker_rid, tuple(r.prompt_ids), r.params, r.priority, r.tenant or None,
                                 tuple(r.output_ids))  # fmt: skip
         incarnation = entry.incarnation  # evidence from this call concerns this process only
+        # NOTE: the worker takes a request between two steps, so an answer slower than its stall
+        # threshold means it is stalled (router/liveness.py): never wait longer.
+        threshold = router.table.stall_threshold_s(entry)
         try:
-            # NOTE: the worker takes a request between two steps, so an answer slower than its stall
-            # threshold means it is stalled (router/liveness.py): never wait longer.
-            await asyncio.wait_for(entry.handle.add_request.remote(request), router.table.stall_threshold_s(entry))
+            await asyncio.wait_for(entry.handle.add_request.remote(request), threshold)
         except TimeoutError:
             entry.in_flight.pop(worker_rid, None)
             if r.worker_rid != worker_rid or r.finished:
                 return
             r.target, r.worker_id = None, entry.worker_id
-            threshold = router.table.stall_threshold_s(entry)
             router.table.give_up(entry, f"add_request did not return in {threshold:.1f}s", incarnation)
             if r.worker_id == entry.worker_id:  # NOTE: give_up replays it unless it did not apply
                 self.replay(r, entry.worker_id)
