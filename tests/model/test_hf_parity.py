@@ -88,6 +88,23 @@ def test_recompute_preemption_matches_hf(model_dir: Path, hf_greedy) -> None:
     assert counts["recompute"] > 0 and counts["swap"] == 0
 
 
+@pytest.mark.parametrize("gemm", ["kvserve", "onednn"])
+def test_each_cpu_gemm_matches_hf(model_dir: Path, hf_greedy, gemm: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whichever projection GEMM the start-up timing picks on a machine (``workers/models/cpu_gemm.py``),
+    tokens are HF's: each forced in turn, with recompute preemption (replayed prompts take prefill rows)."""
+    from kernels import cpu_ext
+
+    if gemm == "kvserve" and not cpu_ext.available():
+        pytest.skip("the C++ kernels are not built here")
+    monkeypatch.setenv("KVSERVE_CPU_GEMM", gemm)
+    ref = hf_greedy(model_dir, MIXED, N)
+    llm = _llm(model_dir, block_size=4, num_gpu_blocks=16)
+    assert llm.engine.runner.model.gemm_choice.packing == gemm
+    outs = _generate(llm, MIXED)
+    _assert_tokens(outs, MIXED, ref)
+    assert llm.engine.scheduler.num_preemptions["recompute"] > 0
+
+
 def test_plain_torch_kernels_match_hf(model_dir: Path, hf_greedy, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fallback where the C++ CPU kernels are not built: the plain-torch reference, with preemption."""
     monkeypatch.setenv("KVSERVE_ATTENTION_BACKEND", "torch")

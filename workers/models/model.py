@@ -21,66 +21,42 @@ from workers.engine.attention_metadata import AttentionMetadata
 from workers.host import cpu_features
 from workers.host.host_tuning import env_switch
 from workers.host.path_choice import fastest
+from workers.models import cpu_gemm
 from workers.models.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose weight can be repacked once for a faster CPU GEMM (``pack_for_cpu``).
-
-    Two packings, by what this process can run:
-
-    - ``kvserve`` (the C++ kernels are built): rows of decode-sized batches (<= ``PACKED_MAX_ROWS``)
-      run kvserve's AVX2 GEMM (``kernels/csrc/cpu_ops.cpp``); on an AVX2-only Zen 3, 2 threads, M = 32-64
-      on SmolLM2/small shapes it ran at 127-195 GFLOP/s against oneDNN's 112-155.
-    - ``onednn``: oneDNN's blocked layout. NOTE: on CPU, torch's default fp32 GEMM (MKL) takes its AVX2
-      path on AMD processors: measured ~110 GFLOP/s per core on a Zen 5, where oneDNN with a pre-packed
-      weight reaches ~250. oneDNN rows are batch-invariant too.
-
-    Larger batches (prefill chunks) run MKL on the plain weight, unpacked per call (one pass over the
-    weight): from ~1k rows it beats both (Zen 3: 163-184 GFLOP/s against oneDNN's 137-160). The packed
-    weight replaces the plain one, so memory does not grow.
-    """
-
-    PACKED_MAX_ROWS = 128
-    DENSE_FROM_ROWS = 1024  # oneDNN packing: from this many rows on, MKL on the plain weight
+    """``nn.Linear`` whose weight can be repacked once for a faster CPU GEMM (``pack_for_cpu``): the
+    packing (kvserve's C++ GEMM or oneDNN's) is chosen by timing on this machine (``cpu_gemm``). The
+    packed weight replaces the plain one, so memory does not grow."""
 
     packing: str | None = None
+    dense_from_rows: int | None = None  # ``onednn``: from this many rows on, MKL on the plain weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packing == "kvserve":
-            if x.shape[0] <= self.PACKED_MAX_ROWS:
-                out = cpu_backend.packed_linear(x, self.weight, self.out_features)
-                return out if self.bias is None else out.add_(self.bias)
-            return nn.functional.linear(x, cpu_backend.unpack_weight(self.weight, self.out_features), self.bias)
-        if self.packing == "onednn":
-            if x.shape[0] >= self.DENSE_FROM_ROWS:
-                return nn.functional.linear(x, self.weight.to_dense(), self.bias)
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return nn.functional.linear(x, self.weight, self.bias)
+        if self.packing is None:
+            return nn.functional.linear(x, self.weight, self.bias)
+        return cpu_gemm.linear(x, self.weight, self.packing, self.out_features, self.bias, self.dense_from_rows)
 
     def plain_weight(self) -> torch.Tensor:  # [out_features, in_features]
         """The weight in its plain layout, whatever the packing (bit-exact)."""
-        if self.packing == "kvserve":
-            return cpu_backend.unpack_weight(self.weight.detach(), self.out_features).contiguous()
-        return self.weight.detach().to_dense() if self.packing == "onednn" else self.weight.detach()
+        if self.packing is None:
+            return self.weight.detach()
+        return cpu_gemm.unpack(self.weight.detach(), self.packing, self.out_features)
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         # A state dict holds plain weights: it can be saved, compared or loaded anywhere.
         super()._save_to_state_dict(destination, prefix, keep_vars)
         destination[prefix + "weight"] = self.plain_weight()
 
-    def pack_for_cpu(self, batch_hint: int = 64) -> None:
-        """Repack the weight for the fastest CPU GEMM available (idempotent)."""
+    def pack_for_cpu(self, choice: cpu_gemm.GemmChoice) -> None:
+        """Repack the weight as ``choice`` says (idempotent)."""
         if self.packing is not None:
             return
-        weight = self.weight.detach()
-        if cpu_backend.packed_gemm_available(weight):
-            self.weight, self.packing = nn.Parameter(cpu_backend.pack_weight(weight), requires_grad=False), "kvserve"
-        else:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
-            self.weight, self.packing = nn.Parameter(packed, requires_grad=False), "onednn"
+        self.weight = nn.Parameter(cpu_gemm.pack(self.weight.detach(), choice.packing), requires_grad=False)
+        self.packing, self.dense_from_rows = choice.packing, choice.dense_from_rows
 
 
 def onednn_linear_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -263,6 +239,7 @@ class CausalLM(nn.Module):
         else:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self._onednn = False  # set by pack_for_cpu
+        self.gemm_choice: cpu_gemm.GemmChoice | None = None  # set by pack_for_cpu
         self._screen: ScreenedArgmax | None = None
         self._lm_head_packed: torch.Tensor | None = None  # oneDNN-packed LM head where no screen runs
         self._lm_head_cpu: torch.Tensor | None = None  # the C++ kernels' packed LM head (cpu_backend.pack_weight)
@@ -312,13 +289,18 @@ class CausalLM(nn.Module):
     def cpu_gemm_summary(self) -> str:
         """Which GEMM the projections and the LM head run (for the log), e.g. ``projections: kvserve
         packed up to 128 rows, MKL above; LM head: kvserve packed``."""
-        packing = {m.packing for m in self.layers.modules() if isinstance(m, Linear)}
-        if packing == {"kvserve"}:
-            layers = f"kvserve packed up to {Linear.PACKED_MAX_ROWS} rows, MKL above"
-        elif packing == {"onednn"}:
-            layers = f"oneDNN packed below {Linear.DENSE_FROM_ROWS} rows, MKL from there"
-        else:
+        choice = self.gemm_choice
+        if choice is None:
             layers = "torch default"
+        elif choice.packing == "kvserve":
+            layers = f"kvserve packed up to {cpu_gemm.PACKED_MAX_ROWS} rows, MKL above"
+        elif choice.dense_from_rows is not None:
+            layers = f"oneDNN packed below {choice.dense_from_rows} rows, MKL from there"
+        else:
+            layers = "oneDNN packed"
+        if choice is not None:
+            timed = ", ".join(f"{k} {v * 1e6:.1f} us/token" for k, v in choice.seconds_per_token.items())
+            layers += f" ({choice.reason}{': ' + timed if timed else ''})"
         if self._screen is not None and self._screen_wins is not None:
             head = f"measured per batch size: {self._screen_wins} (True = bf16 screen, else kvserve packed)"
         elif self._screen is not None:
@@ -368,12 +350,16 @@ class CausalLM(nn.Module):
     def pack_for_cpu(self) -> bool:
         """Repack the layers' projections for oneDNN (see ``Linear``) and set up the greedy screen
         (see ``ScreenedArgmax``). False where oneDNN does not apply."""
+        if self._onednn:  # packed already (a second runner over the same model)
+            return True
         weight = self.embed_tokens.weight
         if not onednn_linear_supported(weight.device, weight.dtype):
             return False
-        for module in self.layers.modules():
-            if isinstance(module, Linear):
-                module.pack_for_cpu()
+        projections = [m for m in self.layers.modules() if isinstance(m, Linear)]
+        first_layer = [m.weight for m in self.layers[0].modules() if isinstance(m, Linear)]
+        self.gemm_choice = cpu_gemm.choose(first_layer)
+        for module in projections:
+            module.pack_for_cpu(self.gemm_choice)
         self._onednn = True
         self._screen = ScreenedArgmax.build(self._lm_head_weight())
         weight = self._lm_head_weight().detach()
