@@ -130,6 +130,8 @@ class Router(WorkerLinkHandler):
             if entry is not None:
                 self._pump()
                 self.mover.rebalance(entry)
+        elif kind == "heartbeat":
+            self.table.heartbeat(worker_id, msg.heartbeat)
         elif kind == "block_events":
             if self.prefix_index.apply(worker_id, [block_event(e) for e in msg.block_events.events]):
                 self.link.send(worker_id, pb.RouterCommand(request_snapshot=pb.RequestSnapshot()))

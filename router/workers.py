@@ -429,6 +429,12 @@ class WorkerTable:
         except Exception:  # noqa: BLE001 - not a Ray actor (tests) or already gone
             logger.debug("killing retired worker %s failed", entry.worker_id, exc_info=True)
 
+    def heartbeat(self, worker_id: str, beat: pb.StepHeartbeat) -> None:
+        """A long step is computing (``workers/core/liveness.py``): progress, not a stall."""
+        entry = self.entries.get(worker_id)
+        if entry is not None:
+            entry.progress_time = time.monotonic()
+
     def reported(self, worker_id: str, report: pb.PressureReport) -> WorkerState | None:
         """Apply a pressure report; the worker's row if it was newer than the last one applied."""
         entry = self.entries.get(worker_id)

@@ -493,6 +493,43 @@ def test_stalled_engine_fails_health_then_recovers(cluster: Cluster, reference) 
     _assert_pool_at_rest(cluster, "wA")
 
 
+@pytest.mark.parametrize("computing", [True, False])
+def test_a_long_step_is_slow_while_it_computes_and_stalled_when_it_does_not(
+    cluster: Cluster, reference, computing: bool
+) -> None:
+    """A 3 s step (stall threshold 1 s): computing, it heartbeats and is never stalled; sleeping, it is.
+
+    NOTE: one worker each: a 3 s step raises its worker's stall threshold to 12 s (4x the slowest step)."""
+    wid = "wA" if computing else "wB"
+    router, a = cluster.router, cluster.actor(wid)
+    rid = f"t6b-{computing}"
+    beats_before = _heartbeats(router, wid)
+    _get(a.slow_step_for_test.remote(3.0, computing))
+    prompt = _prompts(1, 7, 7, seed=9)[0]
+    _get(a.add_request.remote(WorkerRequest(rid, tuple(prompt), GREEDY12)))
+    t0, stalled_at = time.monotonic(), None
+    while not router.finish_reason(rid) and time.monotonic() - t0 < 60:
+        try:
+            _get(a.check_health.remote())
+        except WorkerError as e:
+            assert "no progress" in str(e)
+            stalled_at = stalled_at or time.monotonic() - t0
+        time.sleep(0.1)
+    assert router.wait_finished([rid])[rid] == reference([prompt], GREEDY12)[0]
+    if computing:
+        assert stalled_at is None, f"a computing step was called stalled after {stalled_at:.1f}s"
+        assert _heartbeats(router, wid) > beats_before
+    else:
+        assert stalled_at is not None, "a sleeping step was never called stalled"
+        assert _heartbeats(router, wid) == beats_before
+    _get(a.check_health.remote())
+    _assert_pool_at_rest(cluster, wid)
+
+
+def _heartbeats(router: RecordingRouter, worker_id: str) -> int:
+    return len(router.messages(worker_id, "heartbeat"))
+
+
 # ---- 7. commands for unknown requests ---------------------------------------------------------------
 def test_commands_for_unknown_requests_are_ignored(cluster: Cluster, reference) -> None:
     router = cluster.router

@@ -149,6 +149,25 @@ def test_an_idle_or_stepping_worker_is_never_stalled(kills: list) -> None:
     asyncio.run(test())
 
 
+def test_a_long_step_that_computes_is_not_a_stall_and_silence_after_it_is(kills: list) -> None:
+    async def test() -> None:
+        router, _ = _router()
+        r = router.submit(_req(max_tokens=20))
+        await _settle()
+        w = r.worker_id
+        for _ in range(3):  # a first prefill step computing for 3 x (STALL_S - 1) seconds: heartbeats
+            _stall(router, w, STALL_S - 1)
+            router.on_message(w, pb.WorkerMessage(heartbeat=pb.StepHeartbeat(step_elapsed_s=1.0, step_cpu_s=0.9)))
+            router.table.check_liveness(time.monotonic())
+            assert router.workers[w].state == WORKER_UP and not kills
+        _stall(router, w, STALL_S + 1)  # then nothing: hung after all
+        router.table.check_liveness(time.monotonic())
+        await _settle()
+        assert router.workers[w].state == WORKER_DOWN and len(kills) == 1
+
+    asyncio.run(test())
+
+
 def test_a_link_blip_within_the_grace_resumes_without_replay(kills: list) -> None:
     async def test() -> None:
         router, workers = _router()

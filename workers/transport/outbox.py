@@ -3,7 +3,7 @@
 Every WorkerMessage gets the next sequence number and stays in the log until the router acks a
 seq at or beyond it. After a reconnect the link replays the log from the start; the router drops
 what it already has by seq. So a broken link never loses outputs that were produced.
-Pressure reports are not logged while disconnected: a fresh one follows the reconnect.
+Pressure reports and step heartbeats are not logged while disconnected: a fresh one follows the reconnect.
 
 A step's messages (outputs, block events, pressure: ``put_step``) coalesce with the previous step's
 while the link has not taken those yet: when the router or the link thread falls behind the engine,
@@ -47,7 +47,7 @@ class Outbox:
     def put(self, msg: pb.WorkerMessage) -> int | None:
         """Stamp and log a message; returns its seq (None if dropped: pressure while disconnected)."""
         with self._cond:
-            if not self.connected and msg.WhichOneof("body") == "pressure":
+            if not self.connected and msg.WhichOneof("body") in ("pressure", "heartbeat"):
                 return None
             self._seq += 1
             msg.seq = self._seq

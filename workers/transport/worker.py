@@ -24,7 +24,15 @@ from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import worker_pb2 as pb
 from workers.core.identity import WorkerIdentity
 from workers.core.kv_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
-from workers.core.liveness import EngineDeadError, EngineStalledError, WorkerError, stall_threshold_s
+from workers.core.liveness import (
+    HEARTBEAT_S,
+    EngineDeadError,
+    EngineStalledError,
+    WorkerError,
+    computing,
+    stall_threshold_s,
+    step_ceiling_s,
+)
 from workers.core.request import WorkerRequest
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
@@ -40,6 +48,16 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _PREEMPT_MODES = {pb.Preempt.RECOMPUTE: "recompute", pb.Preempt.SWAP: "swap", pb.Preempt.MODE_UNSPECIFIED: None}
+
+
+def _thread_cpu_s(thread: threading.Thread | None = None) -> float:
+    """CPU seconds ``thread`` (default: the calling one) has used; the process's where Python cannot
+    read another thread's clock (``time.pthread_getcpuclockid`` is POSIX-only)."""
+    if thread is None:
+        return time.thread_time()
+    if thread.ident is None or not hasattr(time, "pthread_getcpuclockid"):
+        return time.process_time()
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
 class WorkerCore:
@@ -67,6 +85,9 @@ class WorkerCore:
         self._report = self._pressure_report()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
+        # (monotonic, process CPU) when the running step began; None between steps (engine thread writes)
+        self._step_began: tuple[float, float] | None = None
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name=f"heartbeat-{worker_id}", daemon=True)
         self.link: WorkerLinkClient | None = None
         if o.router_address:
             self.link = WorkerLinkClient(
@@ -82,6 +103,7 @@ class WorkerCore:
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
+        self._heartbeat.start()
         if self.link is not None:
             self.link.start()
 
@@ -99,6 +121,7 @@ class WorkerCore:
         """Queue a request, or resume one whose worker died (``resume_output_ids``: the output
         tokens its client already has; see ``LLMEngine.add_request``). Raises ValueError (bad
         input) or WorkerError (draining/dead)."""
+
         def add() -> None:
             r = request
             self.engine.add_request(r.request_id, r.prompt if isinstance(r.prompt, str) else list(r.prompt), r.params,
@@ -156,6 +179,25 @@ class WorkerCore:
         """Test hook: block the engine thread (as a hung kernel would)."""
         self._submit(lambda: time.sleep(seconds))
 
+    def slow_step_for_test(self, seconds: float, computing: bool) -> None:
+        """Test hook: the next engine step first spends ``seconds`` computing (a long prefill under a
+        noisy neighbour) or sleeping (a step waiting on something that never comes)."""
+
+        def arm() -> None:
+            step = self.engine.step
+
+            def slow_step() -> Any:
+                self.engine.step = step  # type: ignore[method-assign]
+                end = time.monotonic() + seconds
+                while time.monotonic() < end:
+                    if not computing:
+                        time.sleep(end - time.monotonic())
+                return step()
+
+            self.engine.step = slow_step  # type: ignore[method-assign]
+
+        self._call(arm)
+
     def identity(self) -> WorkerIdentity:
         """Who this worker is and its pool geometry (what its Hello says)."""
         e = self.engine
@@ -209,7 +251,9 @@ class WorkerCore:
                 if engine.has_unfinished_requests():
                     self._busy = True
                     t0 = time.perf_counter()
+                    self._step_began = (time.monotonic(), _thread_cpu_s())
                     outputs = engine.step()
+                    self._step_began = None
                     self._step_latency_ms = (time.perf_counter() - t0) * 1000
                     self._slowest_step_s = max(self._slowest_step_s, self._step_latency_ms / 1000)
                     # engine.step() returns news only for requests that sampled a token this step.
@@ -232,6 +276,33 @@ class WorkerCore:
             self._error = e
             logger.exception("engine thread of worker %s died", self.worker_id)
             raise
+
+    def _heartbeat_loop(self) -> None:
+        """While a step runs past a heartbeat interval and the engine thread computes, that is progress
+        (``workers/core/liveness.py``): count it here and tell the router (``StepHeartbeat``).
+
+        NOTE: the engine thread's own CPU clock, not the process's: Ray's and gRPC's threads keep a
+        process busy enough to look computing while its engine thread sleeps. The engine thread runs
+        its share of every parallel op (OpenMP's calling thread is one of the team)."""
+        last: tuple[float, float] | None = None  # (monotonic, CPU) at the last check of this step
+        # NOTE: well inside the stall threshold, so a beat always lands before it runs out
+        interval = min(HEARTBEAT_S, self.options.stall_timeout_s / 4)
+        while not self._stop.wait(interval):
+            began = self._step_began
+            if began is None:
+                last = None
+                continue
+            now, cpu = time.monotonic(), _thread_cpu_s(self._thread)
+            if last is None or last[0] < began[0]:
+                last = began
+            ceiling = step_ceiling_s(self.options.stall_timeout_s, self._slowest_step_s)
+            computed = computing(cpu - last[1], now - last[0]) and now - began[0] <= ceiling
+            last = (now, cpu)
+            if not computed:
+                continue
+            self._last_progress = now
+            beat = pb.StepHeartbeat(step_elapsed_s=now - began[0], step_cpu_s=cpu - began[1])
+            self.outbox.put(pb.WorkerMessage(heartbeat=beat))
 
     def _abort_orphans(self) -> None:
         """Abort every request once the router has been gone for ``orphan_timeout_s``: their
@@ -469,6 +540,9 @@ class Worker:
 
     def stall_for_test(self, seconds: float) -> None:
         self.core.stall_for_test(seconds)
+
+    def slow_step_for_test(self, seconds: float, computing: bool) -> None:
+        self.core.slow_step_for_test(seconds, computing)
 
     def pid(self) -> int:
         """This actor's OS process id (chaos tests kill it; operators correlate it with logs)."""

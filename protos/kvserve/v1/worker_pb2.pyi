@@ -19,7 +19,7 @@ TIER_HOST: Tier
 TIER_DISK: Tier
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("seq", "hello", "step_outputs", "pressure", "block_events", "block_snapshot", "ack")
+    __slots__ = ("seq", "hello", "step_outputs", "pressure", "block_events", "block_snapshot", "ack", "heartbeat")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
     STEP_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class WorkerMessage(_message.Message):
     BLOCK_EVENTS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     seq: int
     hello: Hello
     step_outputs: StepOutputs
@@ -34,7 +35,16 @@ class WorkerMessage(_message.Message):
     block_events: BlockEvents
     block_snapshot: BlockSnapshot
     ack: CommandAck
-    def __init__(self, seq: _Optional[int] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., step_outputs: _Optional[_Union[StepOutputs, _Mapping]] = ..., pressure: _Optional[_Union[PressureReport, _Mapping]] = ..., block_events: _Optional[_Union[BlockEvents, _Mapping]] = ..., block_snapshot: _Optional[_Union[BlockSnapshot, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ...) -> None: ...
+    heartbeat: StepHeartbeat
+    def __init__(self, seq: _Optional[int] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., step_outputs: _Optional[_Union[StepOutputs, _Mapping]] = ..., pressure: _Optional[_Union[PressureReport, _Mapping]] = ..., block_events: _Optional[_Union[BlockEvents, _Mapping]] = ..., block_snapshot: _Optional[_Union[BlockSnapshot, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., heartbeat: _Optional[_Union[StepHeartbeat, _Mapping]] = ...) -> None: ...
+
+class StepHeartbeat(_message.Message):
+    __slots__ = ("step_elapsed_s", "step_cpu_s")
+    STEP_ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_CPU_S_FIELD_NUMBER: _ClassVar[int]
+    step_elapsed_s: float
+    step_cpu_s: float
+    def __init__(self, step_elapsed_s: _Optional[float] = ..., step_cpu_s: _Optional[float] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("worker_id", "model_id", "block_size", "total_blocks", "swap_blocks", "max_model_len", "node_id", "address", "incarnation", "last_command_seq", "vocab_size", "has_tokenizer")
