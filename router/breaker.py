@@ -28,7 +28,7 @@ class CircuitBreaker:
     """One worker's breaker (see the module docstring); times are ``time.monotonic()`` seconds.
 
     Raises:
-        ValueError: ``threshold < 1``, ``base_s <= 0`` or ``max_s < base_s``.
+        ValueError: ``threshold < 1`` or ``base_s <= 0``. (A ``max_s`` below ``base_s`` caps at ``base_s``.)
     """
 
     threshold: int = 3
@@ -39,8 +39,8 @@ class CircuitBreaker:
     open_until: float | None = None  # set while open or half-open (the backoff's end)
 
     def __post_init__(self) -> None:
-        if self.threshold < 1 or not self.base_s > 0 or self.max_s < self.base_s:
-            raise ValueError(f"need threshold >= 1 and 0 < base_s <= max_s, got {self}")
+        if self.threshold < 1 or not self.base_s > 0:
+            raise ValueError(f"need threshold >= 1 and base_s > 0, got {self}")
 
     def state(self, now: float) -> str:
         if self.open_until is None:
@@ -64,7 +64,7 @@ class CircuitBreaker:
             return None
         if self.open_until is not None and now < self.open_until:
             return None  # already open: a call placed before it opened failed too
-        backoff = min(self.base_s * 2**self.opened, self.max_s)
+        backoff = min(self.base_s * 2**self.opened, max(self.max_s, self.base_s))
         self.opened += 1
         self.open_until = now + backoff
         return backoff

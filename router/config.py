@@ -83,7 +83,8 @@ class RouterConfig:
     )
     breaker_backoff_s: float = knob(1.0, help="first time out of placement once the breaker opens, s", check=POSITIVE)
     breaker_max_backoff_s: float = knob(
-        30.0, help="the breaker's backoff doubles each time it reopens, up to this, s", check=POSITIVE
+        30.0, help="the breaker's backoff doubles each time it reopens, up to this (or breaker_backoff_s), s",
+        check=POSITIVE,
     )
     # Graceful drain (router/drain.py; `kvserve drain`, `kvserve rollout`, SIGTERM to a worker).
     drain_deadline_s: float = knob(
@@ -118,7 +119,5 @@ class RouterConfig:
             raise ValueError("tls_cert and tls_key go together")
         if self.metrics_auth and not (self.auth_token or self.auth_keys):
             raise ValueError("metrics_auth needs auth_token or auth_keys")
-        if self.breaker_max_backoff_s < self.breaker_backoff_s:
-            raise ValueError("breaker_max_backoff_s must be >= breaker_backoff_s")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key")
