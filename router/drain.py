@@ -106,8 +106,9 @@ class Drainer:
         drain = self.drains[worker_id] = Drain(worker_id, deadline_s, reason)
         entry.drain = DrainMark()
         table.metrics.worker_up(worker_id, False)
-        drain.progress.worker_id, drain.progress.reason = worker_id, reason
+        drain.progress.worker_id, drain.progress.reason, drain.progress.phase = worker_id, reason, MOVING
         drain.progress.old_incarnation = entry.incarnation
+        drain.progress.requests_left = len(self._on_worker(worker_id))
         logger.warning("draining worker %s (%s, deadline %.1fs)", worker_id, reason, deadline_s)
         self.router.spawn(self._run(drain, entry))
         return drain

@@ -272,6 +272,9 @@ class WorkerTable:
         connected = self.link.connected(worker_id) and entry.state != WORKER_RETIRED
         self.metrics.worker_up(worker_id, connected)
         if connected:
+            # NOTE: a Hello before the registration was not applied (``hello``): its process is the
+            # link session's.
+            entry.incarnation = entry.incarnation or self.link.sessions[worker_id].incarnation
             self.ready.set()
         return entry
 
