@@ -7,10 +7,10 @@ A drain, as ``Drainer.start`` runs it:
    (no new request, no migration or preemption lands there); status shows it *draining*.
 2. **moving** (bounded by the drain's deadline): each request on it that has streamed a token is
    migrated live (``Mover.migrate``: its KV copied, token-identical); one that has not (nothing to
-   copy yet), one whose add_request is still in flight, one whose migration failed twice, and
-   every one left at the deadline is *handed off*: aborted there and re-placed (or queued first
-   in line) with the tokens already streamed, as a failover replay does, token-identical too, but
-   not counted as a replay (no worker failed).
+   copy yet), one whose add_request is still in flight, one whose migration failed twice, every
+   one left at the deadline, and all of them with ``--no-migration``, is *handed off*: aborted
+   there and re-placed (or queued first in line) with the tokens already streamed, as a failover
+   replay does, token-identical too, but not counted as a replay (no worker failed).
 3. **restarting**: the worker is marked down (so neither the liveness rule nor a probe kills it
    again) and its actor killed with restarts allowed; Ray starts a fresh process.
 4. **done** when the fresh process's Hello arrives (``WorkerTable.hello``: up again, empty pool;
@@ -194,7 +194,7 @@ class Drainer:
             for r in left:
                 # NOTE: nothing streamed yet means no KV worth copying: re-placing it costs only
                 # the prefill it may have begun.
-                stuck = tries.get(r.worker_rid, 0) >= MIGRATION_TRIES
+                stuck = not self.router.config.enable_migration or tries.get(r.worker_rid, 0) >= MIGRATION_TRIES
                 if past_deadline or r.target == wid or r.tokens_received == 0 or stuck:
                     self._hand_off(r, wid)
                     drain.publish(requests_handed_off=drain.progress.requests_handed_off + 1)

@@ -30,7 +30,7 @@ def kills(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, bool]]:
 
 def _setup(**config: Any) -> tuple[Router, dict[str, _Worker]]:
     # NOTE: worker_restart_limit 0: any restart counted toward retirement retires the worker at once.
-    config = {"worker_restart_limit": 0, "enable_migration": False, **config}
+    config = {"worker_restart_limit": 0, **config}
     router = Router(RouterConfig(port=0, **config))
     workers = {w: _Worker() for w in ("a", "b")}
     for w, handle in workers.items():
@@ -144,6 +144,22 @@ def test_a_worker_not_back_in_time_fails_the_drain_and_leaves_placement_to_its_h
         assert router.workers["a"].drain is None and router.workers["a"].state == WORKER_DOWN
         _connect(router, "a", "inc-2")  # later: a crash-free restart, but no drain awaits it any more
         assert router.workers["a"].state == WORKER_RETIRED  # limit 0: counted like any restart
+
+    asyncio.run(test())
+
+
+def test_with_no_migration_every_request_is_handed_off() -> None:
+    async def test() -> None:
+        router, workers = _setup(enable_migration=False)
+        r = router.submit(_req("started", max_tokens=50))
+        await _settle()
+        src = r.worker_id
+        assert src is not None
+        router._on_output(src, _out(r.worker_rid, [10, 11], 2))
+        drain = router.drainer.start(src, 5.0)
+        await _until(lambda: drain.progress.phase == RESTARTING, "moved and restarting")
+        assert r.worker_id != src and not workers[src].calls_of("export_request")
+        assert drain.progress.requests_handed_off == 1 and drain.progress.requests_migrated == 0
 
     asyncio.run(test())
 
