@@ -89,7 +89,7 @@ def describe(p: Any) -> str:
     """One line for a DrainProgress (what the CLI prints)."""
     counts = f"{p.requests_migrated} migrated, {p.requests_handed_off} handed off"
     if p.phase == "moving":
-        return f"{p.worker_id}: draining ({p.reason}): {p.requests_left} requests left; {counts}"
+        return f"{p.worker_id}: draining ({p.reason}): requests left {p.requests_left}; {counts}"
     if p.phase == "restarting":
         return f"{p.worker_id}: requests moved ({counts}); restarting its process (was {p.old_incarnation[:8]})"
     if p.phase == "done":

@@ -62,8 +62,12 @@ class Drain:
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     def publish(self, **fields: object) -> None:
+        """Update the progress and tell the followers, if anything but the elapsed time changed."""
+        before = self.progress.SerializeToString()
         for name, value in fields.items():
             setattr(self.progress, name, value)
+        if self.progress.SerializeToString() == before:
+            return
         self.progress.elapsed_s = time.monotonic() - self.started
         for q in self.followers:
             q.put_nowait(spb.DrainProgress.FromString(self.progress.SerializeToString()))

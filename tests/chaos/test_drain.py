@@ -2,7 +2,7 @@
 the tiny model), with ``--worker-restart-limit 0``: a restart counted as a crash would retire the
 worker at once, so every test also shows that a drain's restart is not one.
 
-* ``kvserve drain`` of the worker holding streams: every stream ends OK with the tokens of an
+* a drain (the Admin RPC of ``kvserve drain``) of the worker holding streams: every stream ends OK with the tokens of an
   undisturbed run (greedy and seeded), moved without a failover replay; the worker comes back
   with a new incarnation and serves.
 * SIGTERM to a worker process is a drain: the same outcome, and status showed it *draining*.
@@ -16,7 +16,6 @@ Figures (drain and rollout durations, requests served meanwhile) are printed for
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import threading
@@ -27,7 +26,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from cluster.drain_cli import describe
 from protos.kvserve.v1 import serving_pb2 as spb
+from protos.kvserve.v1 import serving_pb2_grpc
 from tests.chaos.conftest import ServedCluster, serve_cluster, stop_cluster
 from tests.chaos.streams import Stream, prompt, request, run_all
 from tests.chaos.test_failover import _mixed_requests, _victim_with_both_kinds, _wait_status, _worker
@@ -96,12 +97,19 @@ def test_drain_moves_streams_token_identical_and_the_worker_comes_back(cluster: 
     victim = _victim_with_both_kinds(streams)
     before = _worker(c.status(), victim)
     t0 = time.monotonic()
-    out = _cli(c, "drain", victim, "--deadline-s", "20")
+    # NOTE: the Admin RPC itself (what `kvserve drain` calls), so that the drain begins while the
+    # streams are surely mid-way; the CLI is run below and by the rollout test.
+    with c.channel() as ch:
+        call = serving_pb2_grpc.AdminStub(ch).DrainWorker(
+            spb.DrainRequest(worker_id=victim, deadline_s=20), timeout=BACK_TIMEOUT_S + 60
+        )
+        progress = list(call)
     t_drain = time.monotonic() - t0
-    assert out.returncode == 0, out.stdout + out.stderr
-    done = re.search(rf"{victim}: drained and back in [\d.]+s \((\d+) migrated", out.stdout)
-    assert done is not None, out.stdout
-    assert int(done.group(1)) >= 1, "started streams are moved by live migration, not recomputed"
+    final = progress[-1]
+    assert final.phase == "done", final
+    assert [p.phase for p in progress][:1] == ["moving"] and "restarting" in {p.phase for p in progress}
+    assert final.requests_migrated >= 1, "started streams are moved by live migration, not recomputed"
+    assert final.old_incarnation == before.incarnation != final.new_incarnation
     for s in streams:
         s.wait(240)
     moved = _check_moved_without_replay(streams, reference, victim)
@@ -111,14 +119,20 @@ def test_drain_moves_streams_token_identical_and_the_worker_comes_back(cluster: 
     assert all(s.code == grpc.StatusCode.OK for s in served)
     assert victim in {w for s in served for w in s.worker_ids}, "the drained worker got no request"
     c.wait_idle()
-    print(f"\nFIGURES drain: {len(streams)} streams, {len(moved)} on {victim} moved, 0 replays, all identical; "
-          f"`kvserve drain` took {t_drain:.1f}s (moves + restart + Hello)\n{out.stdout}")  # fmt: skip
+    # The CLI: refusals are clear and exit 1.
+    unknown = _cli(c, "drain", "worker-9")
+    assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr and "worker-9" in unknown.stderr, unknown
+    lines = "\n".join(describe(p) for p in progress)
+    print(f"\nFIGURES drain: {len(streams)} streams, {len(moved)} on {victim} moved "
+          f"({final.requests_migrated} migrated, {final.requests_handed_off} handed off), 0 replays, all identical; "
+          f"the drain took {t_drain:.1f}s (moves + restart + Hello)\n{lines}")  # fmt: skip
 
 
 def test_sigterm_to_a_worker_process_drains_it(cluster: ServedCluster) -> None:
     c = cluster
     reqs = _mixed_requests(8, 300, 96)
     reference = _reference(c, reqs)
+    pids = {w.worker_id: c.worker_pid(w.worker_id) for w in c.status().workers}  # NOTE: asked before the streams
     replays_before = c.status().router.replays_total
     streams = [Stream(c.address, r, first_tokens=3).start() for r in reqs]
     for s in streams:
@@ -126,7 +140,7 @@ def test_sigterm_to_a_worker_process_drains_it(cluster: ServedCluster) -> None:
     victim = _victim_with_both_kinds(streams)
     before = _worker(c.status(), victim)
     t0 = time.monotonic()
-    os.kill(c.worker_pid(victim), signal.SIGTERM)
+    os.kill(pids[victim], signal.SIGTERM)
     _wait_status(c, lambda st: _worker(st, victim).state == "draining", 30, f"{victim} draining after SIGTERM")
     after = _back_with_new_incarnation(c, victim, before)
     t_back = time.monotonic() - t0
