@@ -15,7 +15,8 @@ from router.router import Router
 
 
 class AdminServicer(serving_pb2_grpc.AdminServicer):
-    """The Admin service over one router."""
+    """The Admin service over one router (registered with router/server.py ``add_kvserve_servicer``,
+    which adds the same guards as the client API's: undecodable bytes INVALID_ARGUMENT, a bug INTERNAL)."""
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -34,7 +35,3 @@ class AdminServicer(serving_pb2_grpc.AdminServicer):
             return
         async for progress in self.router.drainer.follow(drain):
             yield progress
-
-
-def add_admin_servicer(router: Router, server: grpc.aio.Server) -> None:
-    serving_pb2_grpc.add_AdminServicer_to_server(AdminServicer(router), server)

@@ -1,7 +1,8 @@
 """Who may drain a worker (``kvserve.v1.Admin``, router/auth.py), over real gRPC against an
 in-process router with fake workers: only an admin credential (an API key flagged ``admin: true``,
 or the bearer token); a tenant's key is PERMISSION_DENIED, a worker credential too (even beside an
-admin key), no credential UNAUTHENTICATED. The admin's drain streams its progress to "done"."""
+admin key), no credential UNAUTHENTICATED. The admin's drain streams its progress to "done"; bytes
+that do not decode are INVALID_ARGUMENT."""
 
 from __future__ import annotations
 
@@ -112,6 +113,12 @@ def test_only_an_admin_credential_may_drain_and_its_drain_streams_to_done(
                         _hello(service, "w0", "inc-2")  # the fresh process says Hello
                 assert phases[-1] == "done" and "moving" in phases, phases
                 assert progress.old_incarnation == "inc-1" and progress.new_incarnation == "inc-2"
+                # Guarded like the client API: bytes that are no DrainRequest are INVALID_ARGUMENT.
+                raw = channel.unary_stream("/kvserve.v1.Admin/DrainWorker")
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    async for _ in raw(b"\xff\xff\xff", metadata=_md(ADMIN_KEY), timeout=TIMEOUT):
+                        pass
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
         finally:
             await service.stop(grace=0)
 
