@@ -144,7 +144,7 @@ class Drainer:
             drain.done.set()
         if outcome is None:
             logger.warning("worker %s drained and back in %.1fs (%d migrated, %d handed off)", drain.worker_id,
-                           drain.progress.elapsed_s, drain.progress.requests_migrated,
+                           time.monotonic() - drain.started, drain.progress.requests_migrated,
                            drain.progress.requests_handed_off)  # fmt: skip
             drain.publish(phase=DONE, requests_left=0)
         else:
