@@ -5,7 +5,8 @@ API key.
 
 ``drain`` prints each change of the drain's progress and its outcome; ``rollout`` drains every
 worker in turn (the next once the previous one is back and serving), e.g. after new weights or
-config were put where the workers load them from. Exit status: 0 done, 1 the router refused or a
+config were put where the workers load them from; it skips retired workers and those down at its
+start (they restart by themselves). Exit status: 0 done, 1 the router refused or a
 drain failed (the message says why), 2 bad arguments or TLS files.
 """
 
@@ -129,10 +130,13 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     def body(admin: _Admin) -> int:
         t0 = time.monotonic()
         workers = list(admin.status().workers)
-        todo = [w.worker_id for w in workers if w.state != "retired"]
-        skipped = [w.worker_id for w in workers if w.state == "retired"]
-        if skipped:
-            print(f"skipping retired workers: {', '.join(skipped)}")
+        # NOTE: a worker that is down restarts by itself (Ray), loading what a drain's restart
+        # would load; a retired one stays down until serve is restarted.
+        todo = [w.worker_id for w in workers if w.state not in ("retired", "down")]
+        for state in ("retired", "down"):
+            skipped = [w.worker_id for w in workers if w.state == state]
+            if skipped:
+                print(f"skipping {state} workers: {', '.join(skipped)}")
         print(f"rolling out {len(todo)} workers one at a time: {', '.join(todo)}", flush=True)
         for worker_id in todo:
             final = admin.drain(worker_id, args.deadline_s)
