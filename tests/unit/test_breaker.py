@@ -5,6 +5,7 @@ backoff (no flapping with the health probes), and one success closes the breaker
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -108,5 +109,45 @@ def test_reopening_without_a_success_doubles_the_time_out_of_placement() -> None
         # NOTE: it reopened after ``first`` (the half-open trial came later), for 0.4 s from then.
         assert a.breaker.open_until - first >= 0.4, "the second backoff is twice the first"
         assert not router.table.serving(a)
+
+    asyncio.run(test())
+
+
+class _RefusingImports(_FailingWorker):
+    """Exports fine; ``import_request`` raises (a live worker that refuses migrations)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in ("import_request", "export_request"):
+            return super().__getattr__(name)
+
+        class _M:
+            def remote(self, *args: Any, **kwargs: Any) -> asyncio.Future:
+                fut = asyncio.get_running_loop().create_future()
+                if name == "import_request":
+                    fut.set_exception(RuntimeError("import refused"))
+                else:
+                    fut.set_result(SimpleNamespace(num_tokens=8))
+                return fut
+
+        return _M()
+
+
+def test_failed_migration_imports_count_toward_the_destinations_breaker() -> None:
+    async def test() -> None:
+        router = Router(RouterConfig(port=0, breaker_failures=2, breaker_backoff_s=5, enable_migration=False))
+        workers = {"a": _RefusingImports(), "b": _RefusingImports()}
+        for w, handle in workers.items():
+            router.add_worker(w, handle, _identity(w))
+            _connect(router, w, "inc-1")
+        r = router.submit(_req("m0"))
+        await _settle()
+        src = r.worker_id
+        assert src is not None
+        dst = "b" if src == "a" else "a"
+        assert not await router.mover.migrate(r.request_id, dst)
+        assert router.table.serving(router.workers[dst]), "one failure: still closed"
+        assert not await router.mover.migrate(r.request_id, dst)
+        assert not router.table.serving(router.workers[dst]), "two failed imports must open dst's breaker"
+        assert r.worker_id == src and router.table.serving(router.workers[src])
 
     asyncio.run(test())
