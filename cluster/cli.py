@@ -1,5 +1,6 @@
 """The ``kvserve`` command line: ``model`` and ``generate`` here; ``serve``, ``demo``, ``status``, ``top``,
-``bench`` and ``plan`` in their own modules, each registering its subcommands (``register(subparsers)``).
+``drain``, ``rollout``, ``bench`` and ``plan`` in their own modules, each registering its subcommands
+(``register(subparsers)``).
 Every command is declared in ``COMMANDS`` and built only when chosen (``cluster.lazy_subcommands``)."""
 
 from __future__ import annotations
@@ -194,6 +195,8 @@ COMMANDS = {
     "demo": "local cluster + chat workload (SmolLM2, or a random model) + live view + summary",
     "status": "per-worker KV block pressure of a running cluster",
     "top": "live view of a cluster's KV block pressure",
+    "drain": "drain one worker of a running cluster: move its requests away, restart it, take it back",
+    "rollout": "drain and restart every worker of a running cluster, one at a time",
     "bench": "benchmarks: offline engine, served cluster, router, kernels",
     "plan": "KV memory per token/request/users, and how many users fit",
 }
@@ -204,6 +207,7 @@ _LOADERS = (
     (("serve", "demo"), module_loader("cluster.serve_cli")),
     (("status",), module_loader("cluster.remote_cli")),
     (("top",), module_loader("cluster.top")),
+    (("drain", "rollout"), module_loader("cluster.drain_cli")),
     (("bench",), module_loader("cluster.bench.cli")),
     (("plan",), module_loader("cluster.plan")),
 )

@@ -8,6 +8,11 @@
 - ``kvserve.v1.KVServe`` (the client API): the bearer token or an API key when either is
   configured (UNAUTHENTICATED otherwise); never a worker credential (PERMISSION_DENIED), so a
   worker's credential leaks no client access.
+- ``kvserve.v1.Admin`` (operator actions: drain, rollout): an *admin* credential when client auth
+  is configured: the bearer token (the operator's one secret in the simple mode) or an API key
+  flagged ``admin: true`` in the key file; any other key is PERMISSION_DENIED (a tenant cannot
+  restart the cluster's workers), a worker credential too, no credential UNAUTHENTICATED. Without
+  any client auth the port is open to whoever reaches it (loopback by default), Admin included.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from workers.core.worker_credential import WORKER_CREDENTIAL_HEADER
 
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 WORKER_LINK_PREFIX = "/kvserve.v1.WorkerLink/"
+ADMIN_PREFIX = "/kvserve.v1.Admin/"
 
 
 def denied(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
@@ -75,7 +81,11 @@ class CallerAuthInterceptor(grpc.aio.ServerInterceptor):
         # NOTE: constant-time compare, so the token cannot be guessed byte by byte from timings.
         if self._expected is not None and hmac.compare_digest(got, self._expected):
             return handler
-        if self._keys is not None and self._keys.lookup(got) is not None:
+        found = self._keys.lookup(got) if self._keys is not None else None
+        if found is not None:
+            if method.startswith(ADMIN_PREFIX) and not found[1].admin:
+                return denied(handler, grpc.StatusCode.PERMISSION_DENIED,
+                              "operator actions need an admin key (admin: true in the key file)")  # fmt: skip
             return handler
         return denied(
             handler,

@@ -76,6 +76,24 @@ class RouterConfig:
         3, help="restarts of one worker within worker_restart_window_s before it stays down", check=NON_NEGATIVE
     )
     worker_restart_window_s: float = knob(300.0, help="window of worker_restart_limit, s", check=POSITIVE)
+    # Circuit breaking (router/breaker.py): consecutive failed dispatches take a worker out of placement.
+    breaker_failures: int = knob(
+        3, help="consecutive failed dispatches (add_request, migration import) that open a worker's breaker",
+        check=POSITIVE,
+    )
+    breaker_backoff_s: float = knob(1.0, help="first time out of placement once the breaker opens, s", check=POSITIVE)
+    breaker_max_backoff_s: float = knob(
+        30.0, help="the breaker's backoff doubles each time it reopens, up to this (or breaker_backoff_s), s",
+        check=POSITIVE,
+    )
+    # Graceful drain (router/drain.py; `kvserve drain`, `kvserve rollout`, SIGTERM to a worker).
+    drain_deadline_s: float = knob(
+        30.0, help="longest a drained worker's requests may take to move away (a drain that gives none)",
+        check=POSITIVE,
+    )
+    drain_restart_timeout_s: float = knob(
+        300.0, help="longest a drained worker may take to come back (restart, model load, Hello)", check=POSITIVE
+    )
     # Input bounds (router/limits.py, README "Security"): one client cannot stall the router's loop.
     max_http_body_bytes: int = knob(8 << 20, help="largest HTTP request body (413 beyond)", check=POSITIVE)
     max_choices_per_request: int = knob(

@@ -118,9 +118,10 @@ class Dispatcher:
                     self.replay(r, entry.worker_id)
             else:
                 logger.warning("dispatch of %s to %s failed: %r", r.request_id, entry.worker_id, e)
-                entry.healthy = False
+                router.table.dispatch_failed(entry, repr(cause))  # its circuit breaker (router/breaker.py)
                 router.fail(r, grpc.StatusCode.UNAVAILABLE, f"worker {entry.worker_id} failed: {cause}")
             return
+        router.table.dispatch_ok(entry)
         if r.worker_rid != worker_rid:  # superseded while the call was in flight: stop this one
             router.link.send(entry.worker_id, pb.RouterCommand(abort=pb.Abort(request_id=worker_rid)))
             return

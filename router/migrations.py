@@ -29,7 +29,7 @@ from protos.kvserve.v1 import worker_pb2 as pb
 from router.pipeline import RequestPipeline
 from router.rebalance import Migration, RunningRequest, WaitingRequest, plan_migration, plan_preemption
 from router.request import WORKER_UP, RouterRequest
-from router.workers import WorkerState
+from router.workers import WorkerState, actor_dead
 from workers.core.sizes import blocks_for
 
 logger = logging.getLogger(__name__)
@@ -107,7 +107,13 @@ class Mover:
             # NOTE: from the import on, the destination's outputs for this dispatch count (they may
             # arrive before this call returns); the source's keep counting (its last ones may too).
             r.dispatch_workers.add(dst.worker_id)
-            ok = await self._call(dst, dst_inc, "import_request", dst.handle.import_request.remote(state))
+            try:
+                ok = await self._call(dst, dst_inc, "import_request", dst.handle.import_request.remote(state))
+            except Exception as e:  # noqa: BLE001 - counted by dst's circuit breaker, then handled below
+                if not isinstance(e, TimeoutError) and not actor_dead(e):
+                    router.table.dispatch_failed(dst, f"import_request: {e!r}")
+                raise
+            router.table.dispatch_ok(dst)
             if not ok:
                 r.dispatch_workers.discard(dst.worker_id)
                 return False

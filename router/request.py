@@ -14,6 +14,9 @@ from workers.core.sampling_params import SamplingParams
 
 # A worker's state at the router (ClusterStatus.workers[].state).
 WORKER_UP, WORKER_DOWN, WORKER_RETIRED = "up", "down", "retired"
+# Shown (status only) while a drain runs, from its start until the restarted process is back; the
+# table's own state stays up/down underneath (router/drain.py).
+WORKER_DRAINING = "draining"
 
 
 class RouterError(Exception):

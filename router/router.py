@@ -33,6 +33,7 @@ from router.admission import AdmissionQueue, RejectReason
 from router.config import RouterConfig
 from router.demux import demux_output
 from router.dispatch import Dispatcher
+from router.drain import Drainer
 from router.metrics import RouterMetrics
 from router.migrations import Mover
 from router.mux import StreamMux
@@ -84,6 +85,7 @@ class Router(WorkerLinkHandler):
         self.table = WorkerTable(config, self.link, self.prefix_index, self.ledger, self.metrics,
                                  self.dispatcher.replay_all, self.dispatcher.holds_requests)  # fmt: skip
         self.mover = Mover(self)
+        self.drainer = Drainer(self)
         self.model_id = ""
         self.block_size = 16
         self.watermarks = Watermarks(config.high_watermark, config.low_watermark)
@@ -135,10 +137,19 @@ class Router(WorkerLinkHandler):
         elif kind == "block_events":
             if self.prefix_index.apply(worker_id, [block_event(e) for e in msg.block_events.events]):
                 self.link.send(worker_id, pb.RouterCommand(request_snapshot=pb.RequestSnapshot()))
+        elif kind == "drain_me":
+            self._drain_requested(worker_id, msg.drain_me.reason or "the worker asked")
         elif kind == "block_snapshot":
             snap = msg.block_snapshot
             tiers = {t: h for t, h in (("host", snap.host_hashes), ("disk", snap.disk_hashes)) if h}
             self.prefix_index.load_snapshot(worker_id, snap.seq, snap.hashes, tiers)
+
+    def _drain_requested(self, worker_id: str, reason: str) -> None:
+        """A worker asked to be drained (SIGTERM): as ``kvserve drain`` with the default deadline."""
+        try:
+            self.drainer.start(worker_id, None, reason)
+        except RouterError as e:
+            logger.error("worker %s asked to be drained (%s): refused: %s", worker_id, reason, e.message)
 
     # ---- requests ----------------------------------------------------------------------------------
     def submit(
@@ -240,6 +251,14 @@ class Router(WorkerLinkHandler):
         # NOTE: affinity counts prefixes placed but not yet reported stored, so same-prefix requests that
         # arrive close together follow each other instead of being placed by load alone.
         return self.placement.decide(self._shape(r), self.table.views(), self.prefix_index.affinity)
+
+    def decide(self, r: RouterRequest) -> Decision | None:
+        """Where placement would put ``r`` now (None: nowhere has room); nothing is dispatched."""
+        return self._decide(r)
+
+    def pump(self) -> None:
+        """Place queued requests that fit now."""
+        self._pump()
 
     def place(self, r: RouterRequest) -> bool:
         decision = self._decide(r)

@@ -42,6 +42,7 @@ from grpc_reflection.v1alpha import reflection
 from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import serving_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router import metrics
+from router.admin_api import AdminServicer
 from router.auth import CallerAuthInterceptor
 from router.config import RouterConfig
 from router.demux import stream_responses
@@ -135,9 +136,10 @@ def _guard_stream(method: Callable[..., AsyncIterator[Any]], name: str) -> Calla
     return guarded
 
 
-def add_kvserve_servicer(servicer: serving_pb2_grpc.KVServeServicer, server: grpc.aio.Server) -> None:
-    """``add_KVServeServicer_to_server`` with lenient deserializers and every method guarded."""
-    service = spb.DESCRIPTOR.services_by_name["KVServe"]
+def add_kvserve_servicer(servicer: Any, server: grpc.aio.Server, service_name: str = "KVServe") -> None:
+    """``add_KVServeServicer_to_server`` (or that of another service of serving.proto, e.g.
+    ``Admin``) with lenient deserializers and every method guarded."""
+    service = spb.DESCRIPTOR.services_by_name[service_name]
     handlers = {}
     for m in service.methods:
         request_class = getattr(spb, m.input_type.name)
@@ -363,11 +365,13 @@ def build_server(
     keys = bounds.tenancy.keys if bounds.tenancy is not None else None
     server = grpc.aio.server(interceptors=[CallerAuthInterceptor(config.auth_token, keys)], options=options)
     add_kvserve_servicer(KVServeServicer(router, ready_timeout_s, bounds), server)
+    add_kvserve_servicer(AdminServicer(router), server, "Admin")
     worker_pb2_grpc.add_WorkerLinkServicer_to_server(gate, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (
         spb.DESCRIPTOR.services_by_name["KVServe"].full_name,
+        spb.DESCRIPTOR.services_by_name["Admin"].full_name,
         worker_pb2.DESCRIPTOR.services_by_name["WorkerLink"].full_name,
         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
         reflection.SERVICE_NAME,

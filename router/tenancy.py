@@ -8,6 +8,7 @@ The key file (YAML or JSON) lists keys by their SHA-256, never in the clear::
         max_priority: 5           # optional, default 0
         requests_per_minute: 600  # optional, default unlimited
         tokens_per_minute: 200000 # optional: prompt + max_tokens of the requests admitted
+        admin: true               # optional, default false: may call the Admin service (drain, rollout)
 
 A caller presents its key as ``authorization: Bearer <key>`` (gRPC and HTTP alike). Its key's
 tenant then decides, whatever the request says:
@@ -43,7 +44,7 @@ from router.request import RouterError
 
 _TENANT = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-_KEY_FIELDS = {"sha256", "tenant", "max_priority", "requests_per_minute", "tokens_per_minute"}
+_KEY_FIELDS = {"sha256", "tenant", "max_priority", "requests_per_minute", "tokens_per_minute", "admin"}
 SCOPE_SEPARATOR = ":"
 
 
@@ -55,6 +56,7 @@ class ApiKey:
     max_priority: int = 0
     requests_per_minute: float | None = None
     tokens_per_minute: float | None = None
+    admin: bool = False  # may call the operator actions (kvserve.v1.Admin: drain, rollout)
 
 
 def hash_key(key: str) -> str:
@@ -103,7 +105,10 @@ class KeyRing:
             max_priority = e.get("max_priority", 0)
             if isinstance(max_priority, bool) or not isinstance(max_priority, int):
                 raise ValueError(f"{where}.max_priority: an integer, got {max_priority!r}")
-            keys[digest] = ApiKey(tenant, max_priority, **limits)
+            admin = e.get("admin", False)
+            if not isinstance(admin, bool):
+                raise ValueError(f"{where}.admin: true or false, got {admin!r}")
+            keys[digest] = ApiKey(tenant, max_priority, **limits, admin=admin)
         return cls(keys)
 
     def lookup(self, authorization: str | bytes | None) -> tuple[str, ApiKey] | None:

@@ -4,7 +4,10 @@ down, retire, health probes), apart from the request pipeline (router/router.py)
 States (``ClusterStatus.workers[].state``): *up* (serving once healthy and its link is connected),
 *down* (dead or restarting: its requests were handed to ``on_down`` to replay) and *retired* (it
 restarted more than ``worker_restart_limit`` times within ``worker_restart_window_s``: killed for
-good, said once). Everything runs on the router's event loop.
+good, said once). Status shows *draining* while a drain (router/drain.py) runs on a worker: it
+takes no new work, and the restart that ends the drain does not count toward retirement. A worker
+whose circuit breaker is open (router/breaker.py) takes no new work either. Everything runs on the
+router's event loop.
 """
 
 from __future__ import annotations
@@ -20,13 +23,14 @@ from typing import Any
 from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import worker_pb2 as pb
 from router.admission import ColdCapacity
+from router.breaker import CircuitBreaker
 from router.config import RouterConfig
 from router.liveness import LivenessInputs, down_reason
 from router.metrics import CounterDeltas, RouterMetrics
 from router.placement import WorkerView
 from router.prefix_index import PrefixIndex
 from router.rebalance import MigrationLedger
-from router.request import WORKER_DOWN, WORKER_RETIRED, WORKER_UP
+from router.request import WORKER_DOWN, WORKER_DRAINING, WORKER_RETIRED, WORKER_UP
 from router.supervision import WorkerSupervision
 from router.worker_link import WorkerLinkService
 from workers.core.identity import WorkerIdentity
@@ -55,6 +59,21 @@ def _credit(load_ratio: float) -> float:
     """What a tier hit saves, as a fraction of a recompute: ``1 - load/recompute`` as the worker
     measured it (docs/architecture.md §3a); 0 when unmeasured (0.0 in the report) or loading loses."""
     return max(0.0, 1.0 - load_ratio) if load_ratio > 0 else 0.0
+
+
+@dataclass
+class DrainMark:
+    """A drain in progress on a worker (router/drain.py runs it; the table only reads it).
+
+    Attributes:
+        killed_incarnation: set once the drain killed that process: the next new incarnation's
+            Hello is the drain's restart (not counted toward retirement) and sets ``back``.
+        back: set when that Hello arrived (the worker is up again with a fresh process).
+    """
+
+    killed_incarnation: str | None = None
+    back: asyncio.Event = field(default_factory=asyncio.Event)
+    new_incarnation: str = ""
 
 
 @dataclass
@@ -89,6 +108,8 @@ class WorkerState:
     # actor, a timeout) concerns the process the call went to; it must not take down a fresh
     # incarnation that said Hello meanwhile (``down``/``give_up`` take the call's incarnation).
     incarnation: str = ""
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    drain: DrainMark | None = None
 
     @property
     def worker_id(self) -> str:
@@ -149,7 +170,8 @@ class WorkerState:
         w = spb.WorkerStatus(
             worker_id=self.worker_id,
             healthy=serving,
-            state=self.state,
+            state=WORKER_DRAINING if self.drain is not None and self.state != WORKER_RETIRED else self.state,
+            incarnation=self.incarnation,
             restarts_total=self.restarts_total,
             total_blocks=ident.total_blocks,
             num_migrations_total=self.migrations_out,
@@ -236,7 +258,9 @@ class WorkerTable:
             raise ValueError(f"worker {worker_id}: block size {identity.block_size} != cluster's {sizes.pop()}")
         entry = self.entries.get(worker_id)
         if entry is None:
-            entry = self.entries[worker_id] = WorkerState(identity, handle)
+            c = self.config
+            breaker = CircuitBreaker(c.breaker_failures, c.breaker_backoff_s, c.breaker_max_backoff_s)
+            entry = self.entries[worker_id] = WorkerState(identity, handle, breaker=breaker)
         else:
             entry.handle, entry.identity = handle, identity
         self.prefix_index.set_node(worker_id, identity.node_id)  # its host/disk tiers are its node's
@@ -248,6 +272,9 @@ class WorkerTable:
         connected = self.link.connected(worker_id) and entry.state != WORKER_RETIRED
         self.metrics.worker_up(worker_id, connected)
         if connected:
+            # NOTE: a Hello before the registration was not applied (``hello``): its process is the
+            # link session's.
+            entry.incarnation = entry.incarnation or self.link.sessions[worker_id].incarnation
             self.ready.set()
         return entry
 
@@ -264,8 +291,15 @@ class WorkerTable:
             await asyncio.sleep(0.05)
 
     def serving(self, entry: WorkerState) -> bool:
-        """Whether ``entry`` takes requests now: up, healthy and its WorkerLink connected."""
-        return entry.state == WORKER_UP and entry.healthy and self.link.connected(entry.worker_id)
+        """Whether ``entry`` takes requests now: up, healthy, its WorkerLink connected, not
+        draining and its circuit breaker not open."""
+        return (
+            entry.state == WORKER_UP
+            and entry.healthy
+            and entry.drain is None
+            and entry.breaker.allows(time.monotonic())
+            and self.link.connected(entry.worker_id)
+        )
 
     def any_serving(self) -> bool:
         return any(self.serving(e) for e in self.entries.values())
@@ -305,8 +339,16 @@ class WorkerTable:
             self.down(entry, "restarted")
             entry.restarts_total += 1
             self.metrics.worker_restarted(worker_id)
+            entry.breaker.success()  # a fresh process starts with a closed breaker
             now = time.monotonic()
-            entry.restart_times.append(now)
+            drain = entry.drain
+            if drain is not None and drain.killed_incarnation is not None:
+                # NOTE: the restart a drain asked for (router/drain.py) is no crash: it does not
+                # count toward retirement.
+                drain.new_incarnation = hello.incarnation
+                drain.back.set()
+            else:
+                entry.restart_times.append(now)
             while entry.restart_times and now - entry.restart_times[0] > self.config.worker_restart_window_s:
                 entry.restart_times.popleft()
             if len(entry.restart_times) > self.config.worker_restart_limit:
@@ -434,6 +476,21 @@ class WorkerTable:
         entry = self.entries.get(worker_id)
         if entry is not None:
             entry.progress_time = time.monotonic()
+
+    def dispatch_ok(self, entry: WorkerState) -> None:
+        """A dispatch to ``entry`` (``add_request``, a migration's import) succeeded: its breaker closes."""
+        if entry.breaker.success():
+            logger.warning("worker %s: a dispatch succeeded; its circuit breaker is closed", entry.worker_id)
+            self.metrics.worker_up(entry.worker_id, self.serving(entry))
+
+    def dispatch_failed(self, entry: WorkerState, why: str) -> None:
+        """A dispatch to ``entry`` failed while the worker lives (its breaker counts it, and opens
+        after ``breaker_failures`` in a row: out of placement for the backoff)."""
+        backoff = entry.breaker.failure(time.monotonic())
+        if backoff is not None:
+            logger.warning("worker %s: %d dispatches failed in a row (last: %s); out of placement for %.1fs "
+                           "(circuit breaker open)", entry.worker_id, entry.breaker.failures, why, backoff)  # fmt: skip
+            self.metrics.worker_up(entry.worker_id, False)
 
     def reported(self, worker_id: str, report: pb.PressureReport) -> WorkerState | None:
         """Apply a pressure report; the worker's row if it was newer than the last one applied."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import signal
 import threading
 import time
 import uuid
@@ -381,6 +382,13 @@ class WorkerCore:
     def _hello(self) -> pb.Hello:
         return self.identity().to_hello(self.incarnation)
 
+    def request_drain(self, reason: str) -> None:
+        """Ask the router to drain this worker (its requests moved away, then this process
+        restarted: router/drain.py). Rides the outbox, so a router that is away gets it when the
+        link is back. Any thread."""
+        logger.warning("worker %s: %s: asking the router to drain this worker", self.worker_id, reason)
+        self.outbox.put(pb.WorkerMessage(drain_me=pb.DrainMe(reason=reason)))
+
     def _on_connect(self) -> None:
         """A (re)connected router gets current pressure and the block snapshot at once, not after
         the next change or idle interval (a restarted router starts from nothing)."""
@@ -503,6 +511,29 @@ class Worker:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.core = WorkerCore(worker_id, engine_config, options)
         self.core.start()
+        self._drain_on_sigterm()
+
+    def _drain_on_sigterm(self) -> None:
+        """SIGTERM = drain this worker (README "Failure behaviour").
+
+        NOTE: Ray's own handler in an actor process raises SystemExit: the process dies as a
+        system error, Ray restarts it, and the router sees a crash (its requests replayed, the
+        restart counted toward retirement). Instead the first SIGTERM asks the router to drain
+        this worker, which restarts the process itself once its requests moved away; Ray's
+        handler is put back, so a second SIGTERM exits at once. Ray runs an actor's ``__init__``
+        on the process's main thread, the only one that may set a handler (checked).
+        """
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("worker %s: not on the main thread: SIGTERM keeps Ray's default", self.core.worker_id)
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            signal.signal(signal.SIGTERM, previous)
+            # NOTE: off the signal handler: it interrupts the main thread wherever it is.
+            threading.Thread(target=self.core.request_drain, args=("SIGTERM",), daemon=True).start()
+
+        signal.signal(signal.SIGTERM, on_sigterm)
 
     def ready(self) -> WorkerIdentity:
         """Identity and sizes (what the WorkerLink Hello says), once the engine is up."""

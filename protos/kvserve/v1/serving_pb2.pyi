@@ -25,6 +25,36 @@ class GenerateRequest(_message.Message):
     tenant: str
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
+class DrainRequest(_message.Message):
+    __slots__ = ("worker_id", "deadline_s")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    deadline_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+
+class DrainProgress(_message.Message):
+    __slots__ = ("worker_id", "phase", "requests_left", "requests_migrated", "requests_handed_off", "elapsed_s", "old_incarnation", "new_incarnation", "reason")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_LEFT_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_MIGRATED_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_HANDED_OFF_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    OLD_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    NEW_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    phase: str
+    requests_left: int
+    requests_migrated: int
+    requests_handed_off: int
+    elapsed_s: float
+    old_incarnation: str
+    new_incarnation: str
+    reason: str
+    def __init__(self, worker_id: _Optional[str] = ..., phase: _Optional[str] = ..., requests_left: _Optional[int] = ..., requests_migrated: _Optional[int] = ..., requests_handed_off: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., old_incarnation: _Optional[str] = ..., new_incarnation: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
     IDS_FIELD_NUMBER: _ClassVar[int]
@@ -179,7 +209,7 @@ class ClusterStatus(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., router: _Optional[_Union[RouterStatus, _Mapping]] = ..., timestamp_ms: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "healthy", "total_blocks", "free_blocks", "used_blocks", "cached_evictable_blocks", "usage", "num_running", "num_waiting", "num_swapped", "swap_blocks_total", "swap_blocks_free", "num_preemptions_total", "num_migrations_total", "last_report_age_s", "blocks_in_flight", "decode_steps", "step_latency_ms", "prefix_cache_hit_rate", "model_id", "node_id", "state", "restarts_total", "host_cache_bytes_used", "host_cache_bytes_capacity", "prefix_cache_host_hit_rate", "prefix_cache_disk_hit_rate", "host_load_ratio")
+    __slots__ = ("worker_id", "healthy", "total_blocks", "free_blocks", "used_blocks", "cached_evictable_blocks", "usage", "num_running", "num_waiting", "num_swapped", "swap_blocks_total", "swap_blocks_free", "num_preemptions_total", "num_migrations_total", "last_report_age_s", "blocks_in_flight", "decode_steps", "step_latency_ms", "prefix_cache_hit_rate", "model_id", "node_id", "state", "restarts_total", "host_cache_bytes_used", "host_cache_bytes_capacity", "prefix_cache_host_hit_rate", "prefix_cache_disk_hit_rate", "host_load_ratio", "incarnation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +238,7 @@ class WorkerStatus(_message.Message):
     PREFIX_CACHE_HOST_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_DISK_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     HOST_LOAD_RATIO_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     healthy: bool
     total_blocks: int
@@ -236,7 +267,8 @@ class WorkerStatus(_message.Message):
     prefix_cache_host_hit_rate: float
     prefix_cache_disk_hit_rate: float
     host_load_ratio: float
-    def __init__(self, worker_id: _Optional[str] = ..., healthy: _Optional[bool] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_evictable_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., num_preemptions_total: _Optional[int] = ..., num_migrations_total: _Optional[int] = ..., last_report_age_s: _Optional[float] = ..., blocks_in_flight: _Optional[int] = ..., decode_steps: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., model_id: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[str] = ..., restarts_total: _Optional[int] = ..., host_cache_bytes_used: _Optional[int] = ..., host_cache_bytes_capacity: _Optional[int] = ..., prefix_cache_host_hit_rate: _Optional[float] = ..., prefix_cache_disk_hit_rate: _Optional[float] = ..., host_load_ratio: _Optional[float] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, worker_id: _Optional[str] = ..., healthy: _Optional[bool] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_evictable_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., num_preemptions_total: _Optional[int] = ..., num_migrations_total: _Optional[int] = ..., last_report_age_s: _Optional[float] = ..., blocks_in_flight: _Optional[int] = ..., decode_steps: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., model_id: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[str] = ..., restarts_total: _Optional[int] = ..., host_cache_bytes_used: _Optional[int] = ..., host_cache_bytes_capacity: _Optional[int] = ..., prefix_cache_host_hit_rate: _Optional[float] = ..., prefix_cache_disk_hit_rate: _Optional[float] = ..., host_load_ratio: _Optional[float] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class RouterStatus(_message.Message):
     __slots__ = ("queue_requests", "queue_blocks", "max_queue_requests", "max_queue_blocks", "admission_state", "rejections_total", "requests_in_flight", "projected_wait_s", "replays_total", "high_watermark", "low_watermark")

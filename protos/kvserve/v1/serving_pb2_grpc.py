@@ -273,3 +273,92 @@ class KVServe:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class AdminStub:
+    """Operator actions (README "Operating a cluster"). With client auth on (--auth-token or
+    --auth-keys) they need an admin credential: the bearer token, or an API key flagged
+    `admin: true`; a tenant's key gets PERMISSION_DENIED, a worker credential too.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.DrainWorker = channel.unary_stream(
+                '/kvserve.v1.Admin/DrainWorker',
+                request_serializer=kvserve_dot_v1_dot_serving__pb2.DrainRequest.SerializeToString,
+                response_deserializer=kvserve_dot_v1_dot_serving__pb2.DrainProgress.FromString,
+                _registered_method=True)
+
+
+class AdminServicer:
+    """Operator actions (README "Operating a cluster"). With client auth on (--auth-token or
+    --auth-keys) they need an admin credential: the bearer token, or an API key flagged
+    `admin: true`; a tenant's key gets PERMISSION_DENIED, a worker credential too.
+    """
+
+    def DrainWorker(self, request, context):
+        """Drain one worker: out of placement at once, its requests migrated live (token-identical) or,
+        failing that or at the deadline, handed off (replayed elsewhere, also token-identical); then
+        its process is restarted and it is taken back when its new incarnation says Hello. Streams the
+        drain's progress; the last message has phase "done" or "failed". A drain runs on in the router
+        if the caller goes away; asking again for a worker that is draining follows that drain.
+        NOT_FOUND            no such worker
+        FAILED_PRECONDITION  the worker is down or retired, or no other worker serves (the last
+        serving worker is never drained: nothing could take its requests)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'DrainWorker': grpc.unary_stream_rpc_method_handler(
+                    servicer.DrainWorker,
+                    request_deserializer=kvserve_dot_v1_dot_serving__pb2.DrainRequest.FromString,
+                    response_serializer=kvserve_dot_v1_dot_serving__pb2.DrainProgress.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvserve.v1.Admin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvserve.v1.Admin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Admin:
+    """Operator actions (README "Operating a cluster"). With client auth on (--auth-token or
+    --auth-keys) they need an admin credential: the bearer token, or an API key flagged
+    `admin: true`; a tenant's key gets PERMISSION_DENIED, a worker credential too.
+    """
+
+    @staticmethod
+    def DrainWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvserve.v1.Admin/DrainWorker',
+            kvserve_dot_v1_dot_serving__pb2.DrainRequest.SerializeToString,
+            kvserve_dot_v1_dot_serving__pb2.DrainProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

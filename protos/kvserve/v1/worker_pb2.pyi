@@ -19,7 +19,7 @@ TIER_HOST: Tier
 TIER_DISK: Tier
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("seq", "hello", "step_outputs", "pressure", "block_events", "block_snapshot", "ack", "heartbeat")
+    __slots__ = ("seq", "hello", "step_outputs", "pressure", "block_events", "block_snapshot", "ack", "drain_me", "heartbeat")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
     STEP_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class WorkerMessage(_message.Message):
     BLOCK_EVENTS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_ME_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     seq: int
     hello: Hello
@@ -35,8 +36,15 @@ class WorkerMessage(_message.Message):
     block_events: BlockEvents
     block_snapshot: BlockSnapshot
     ack: CommandAck
+    drain_me: DrainMe
     heartbeat: StepHeartbeat
-    def __init__(self, seq: _Optional[int] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., step_outputs: _Optional[_Union[StepOutputs, _Mapping]] = ..., pressure: _Optional[_Union[PressureReport, _Mapping]] = ..., block_events: _Optional[_Union[BlockEvents, _Mapping]] = ..., block_snapshot: _Optional[_Union[BlockSnapshot, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., heartbeat: _Optional[_Union[StepHeartbeat, _Mapping]] = ...) -> None: ...
+    def __init__(self, seq: _Optional[int] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., step_outputs: _Optional[_Union[StepOutputs, _Mapping]] = ..., pressure: _Optional[_Union[PressureReport, _Mapping]] = ..., block_events: _Optional[_Union[BlockEvents, _Mapping]] = ..., block_snapshot: _Optional[_Union[BlockSnapshot, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., drain_me: _Optional[_Union[DrainMe, _Mapping]] = ..., heartbeat: _Optional[_Union[StepHeartbeat, _Mapping]] = ...) -> None: ...
+
+class DrainMe(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class StepHeartbeat(_message.Message):
     __slots__ = ("step_elapsed_s", "step_cpu_s")
