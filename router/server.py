@@ -47,6 +47,7 @@ from router.config import RouterConfig
 from router.demux import stream_responses
 from router.health import HealthPublisher
 from router.http_api import HttpApiServer
+from router.keepalive import server_keepalive_options
 from router.limits import Bounds, LimitExceeded, client_of_peer
 from router.mux import StreamMux
 from router.request import RouterRequest
@@ -359,6 +360,7 @@ def build_server(
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
+        *server_keepalive_options(config),
     ]
     keys = bounds.tenancy.keys if bounds.tenancy is not None else None
     server = grpc.aio.server(interceptors=[CallerAuthInterceptor(config.auth_token, keys)], options=options)
