@@ -521,6 +521,11 @@ class RouterService:
         """Run a worker's block-pool integrity check (raises on a broken invariant; tests)."""
         await self.router.table[worker_id].handle.check_integrity.remote()
 
+    async def partition_worker_link_for_test(self, worker_id: str, seconds: float) -> int:
+        """Test hook (chaos tests, through Ray only): the worker drops its WorkerLink for ``seconds``
+        (``Worker.partition_link_for_test``); returns its link's connects before."""
+        return int(await self.router.table[worker_id].handle.partition_link_for_test.remote(seconds))
+
     async def wait_for_workers(self, worker_ids: list[str], timeout: float = 120.0) -> None:
         await self.router.wait_for_workers(worker_ids, timeout)
 

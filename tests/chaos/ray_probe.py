@@ -5,6 +5,8 @@ Usage: ``python -m tests.chaos.ray_probe GCS_ADDRESS``; then write lines:
 ``{"op": "pid", "worker_id": "worker-0"}`` -> ``{"ok": true, "value": 12345}``
 ``{"op": "integrity"}`` -> ``{"ok": true, "value": {"worker-0": null, ...}}`` (error text or null)
 ``{"op": "router_pid"}`` -> ``{"ok": true, "value": 12345}``
+``{"op": "partition", "worker_id": "worker-0", "seconds": 1.0}`` -> the worker drops its WorkerLink
+for that long (``Worker.partition_link_for_test``)
 The router actor is looked up by name for every command (``serve`` may have restarted it).
 Errors come back as ``{"ok": false, "error": "..."}``; EOF on stdin ends the process.
 """
@@ -49,6 +51,9 @@ def main(gcs_address: str) -> None:
                 value = ray.get(router.pid.remote(), timeout=TIMEOUT_S)
             elif cmd["op"] == "pid":
                 value = ray.get(router.worker_pid.remote(cmd["worker_id"]), timeout=TIMEOUT_S)
+            elif cmd["op"] == "partition":
+                value = ray.get(router.partition_worker_link_for_test.remote(cmd["worker_id"], cmd["seconds"]),
+                                timeout=TIMEOUT_S)  # fmt: skip
             elif cmd["op"] == "integrity":
                 value = _integrity(router)
             else:
