@@ -138,9 +138,10 @@ class ServedCluster:
         assert pid in self.proc.descendants, f"router pid {pid} is not a process serve started"
         return pid
 
-    def integrity(self) -> dict[str, str | None]:
-        """Every worker's pool integrity check: None (intact) or the error, by worker id."""
-        return self._ask({"op": "integrity"})  # type: ignore[return-value]
+    def integrity(self, worker_ids: list[str] | None = None) -> dict[str, str | None]:
+        """Every worker's (or those named) pool integrity check: None (intact) or the error, by worker id."""
+        command: dict = {"op": "integrity"} if worker_ids is None else {"op": "integrity", "worker_ids": worker_ids}
+        return self._ask(command)  # type: ignore[return-value]
 
     def _ask(self, command: dict) -> object:
         if self._probe is None or self._probe.poll() is not None:
@@ -184,7 +185,8 @@ class ServedCluster:
 
 def _pump_lines(stream: IO[str], sink: queue.Queue[str | None]) -> None:
     for line in stream:
-        sink.put(line)
+        if line.startswith("{"):  # NOTE: Ray may print to stdout too (e.g. when a node dies)
+            sink.put(line)
     sink.put(None)  # EOF: the probe exited
 
 
