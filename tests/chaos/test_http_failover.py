@@ -162,7 +162,8 @@ def test_http_sse_streams_continue_through_a_worker_kill_and_wrong_keys_stay_out
     t_restart = time.monotonic() - t_kill
     c.wait_idle()
     print(f"\nFIGURES HTTP SSE through a worker kill (API keys on): streams {len(streams)} (completions + chat), "
-          f"on the dead worker {running[victim]}, replayed {replays}, identical text and ids {len(streams)}/"
+          f"running on the dead worker per its last report {running[victim]}, replayed {replays}, identical text "
+          f"and ids {len(streams)}/"
           f"{len(streams)}; wrong/missing key refused 401 (gRPC UNAUTHENTICATED) "
           f"{'while streams were failing over' if refused_during else 'after the streams ended'}; "
           f"{victim} back up {t_restart:.1f}s after the kill (restarts {_worker(back, victim).restarts_total}); "
