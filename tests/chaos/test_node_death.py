@@ -9,9 +9,9 @@ bundle has nowhere to go (Ray reschedules the bundles of a dead node once some n
 when node B starts again (a new ``ray start --address``: a new node to Ray), Ray places the bundle
 there and restarts the actor in it: the worker comes back and serves.
 
-NOTE: with room on node A (``--cpus-per-worker 1`` here) Ray reschedules the bundle there as soon
-as its GCS declares node B dead (about 15 s with Ray's default health checks) and the worker comes
-back on node A; it does not move back when node B returns (README "Failure behaviour").
+With room on node A (``--cpus-per-worker 1``) Ray reschedules the bundle there as soon as its GCS
+declares node B dead (15-20 s with Ray's default health checks) and the worker comes back on node
+A; it does not move back when node B returns (README "Failure behaviour").
 """
 
 from __future__ import annotations
@@ -127,10 +127,11 @@ def local_ray() -> Iterator[LocalRay]:
         ray_nodes.stop()
 
 
-def _serve(ray_nodes: LocalRay, model_dir: Path) -> ServedCluster:
+def _serve(ray_nodes: LocalRay, model_dir: Path, cpus_per_worker: int) -> ServedCluster:
     proc = Proc(
         kvserve_argv(
-            "serve", "--address", ray_nodes.address, "--workers", "2", "--spread", "--cpus-per-worker", "2",
+            "serve", "--address", ray_nodes.address, "--workers", "2", "--spread",
+            "--cpus-per-worker", str(cpus_per_worker),
             "--port", "0", "--metrics-port", "off", "--model", str(model_dir), "--device", "cpu",
             "--num-gpu-blocks", "64", "--ready-timeout", "180",
         ),
@@ -172,10 +173,13 @@ def _wait_nodes(ray_nodes: LocalRay, n: int, timeout: float) -> None:
         time.sleep(0.5)  # NOTE: polling `ray status` (a subprocess), not waiting for a race
 
 
-def test_node_death_streams_continue_on_the_other_node_and_the_worker_returns_with_the_node(
-    local_ray: LocalRay, tiny_llama_dir: Path
+@pytest.mark.parametrize("room_on_a", [False, True], ids=["no-room-on-node-a", "room-on-node-a"])
+def test_node_death_streams_continue_on_the_other_node_and_the_worker_returns(
+    local_ray: LocalRay, tiny_llama_dir: Path, room_on_a: bool
 ) -> None:
-    c = _serve(local_ray, tiny_llama_dir)
+    """Without room on node A (2-CPU workers on 2-CPU nodes) the worker returns with node B; with
+    room (1-CPU workers) it returns on node A once Ray declares node B dead, and stays there."""
+    c = _serve(local_ray, tiny_llama_dir, cpus_per_worker=1 if room_on_a else 2)
     try:
         node_b = local_ray.nodes[1]
         pids = {w: _pid_of(c, w) for w in ("worker-0", "worker-1")}
@@ -211,28 +215,41 @@ def test_node_death_streams_continue_on_the_other_node_and_the_worker_returns_wi
         _wait_status(c, _worker_idle(survivor), 60, f"{survivor} idle")
         assert c.integrity([survivor]) == {survivor: None}
 
-        # Ray's GCS declares node B dead (its health checks); the bundle has no room on node A.
+        def restarted(st: spb.ClusterStatus) -> bool:
+            w = _worker(st, victim)
+            return w.state == "up" and w.healthy and w.restarts_total > _worker(before, victim).restarts_total
+
+        # Ray's GCS declares node B dead (its health checks), then reschedules its bundle.
         _wait_nodes(local_ray, 1, 120)
         t_gcs = time.monotonic() - t_kill
-        assert _worker(c.status(), victim).state != "up", "the worker came back with no node to run on"
-
-        t_node = time.monotonic()
-        new_b = local_ray.start_node_b()
-        back = _wait_status(
-            c, lambda st: (w := _worker(st, victim)).state == "up" and w.healthy
-            and w.restarts_total > _worker(before, victim).restarts_total, BACK_TIMEOUT_S, f"{victim} back",
-        )  # fmt: skip
-        t_back = time.monotonic() - t_node
-        assert _pid_of(c, victim) in _under(new_b), "the worker did not come back on the new node B"
+        if room_on_a:
+            back = _wait_status(c, restarted, BACK_TIMEOUT_S, f"{victim} back on node A")
+            t_back = time.monotonic() - t_kill
+            pid = _pid_of(c, victim)
+            assert pid in _under(local_ray.nodes[0]), "the worker did not come back on node A"
+            local_ray.start_node_b()
+            st = c.status()
+            assert _worker(st, victim).state == "up" and _pid_of(c, victim) == pid, "it moved when node B returned"
+            where = "on node A after the kill"
+        else:
+            assert _worker(c.status(), victim).state != "up", "the worker came back with no node to run on"
+            t_node = time.monotonic()
+            new_b = local_ray.start_node_b()
+            back = _wait_status(c, restarted, BACK_TIMEOUT_S, f"{victim} back")
+            t_back = time.monotonic() - t_node
+            assert _pid_of(c, victim) in _under(new_b), "the worker did not come back on the new node B"
+            where = "after `ray start` of the new node B"
         after = run_all(c.address, [request(prompt(50 + i), 8) for i in range(4)])
         assert all(s.code == grpc.StatusCode.OK for s in after)
         assert {w for s in after for w in s.worker_ids} == {"worker-0", "worker-1"}, "both workers serve again"
         c.wait_idle()
         identical = sum(s.tokens == r.tokens for s, r in zip(streams, reference, strict=True))
-        print(f"\nFIGURES node death: streams {len(streams)}, on node B {len(moved)}, continued {len(moved)} on "
+        room = "room" if room_on_a else "no room"
+        print(f"\nFIGURES node death ({room} on node A): streams {len(streams)}, on node B {len(moved)}, continued "
+              f"{len(moved)} on "
               f"node A (slowest {max(resumed):.2f}s after the kill), identical {identical}/{len(streams)}; {victim} "
               f"down {t_detect:.2f}s after the kill; Ray declared node B dead {t_gcs:.1f}s after it; {victim} "
-              f"back {t_back:.1f}s after `ray start` of the new node B (restarts "
+              f"back {t_back:.1f}s {where} (restarts "
               f"{_worker(back, victim).restarts_total}); blocks leaked on node A 0")  # fmt: skip
     finally:
         stop_cluster(c)
