@@ -248,17 +248,21 @@ class AdmissionQueue(Generic[T]):
     def offer(self, item: T, *, fits_ever: bool = True, first: bool = False) -> bool:
         """Queue ``item`` if the bounds allow; count the reason if not.
 
-        ``first`` puts it at the head of its priority class (a failover replay: it was admitted
-        long ago and its client is mid-stream).
+        ``first`` puts it at the head of its priority class, past the queue's bounds (a failover
+        replay: it was admitted long ago, its client is mid-stream, and refusing it now would end
+        a stream the cluster accepted; the bounds only refuse newcomers). NOTE: so the bounds can
+        be exceeded by at most the requests of the workers that died, which were running already.
 
         Returns:
             True if queued; False if refused (``check`` gives the reason; ``rejections_total``
-            counts it).
+            counts it; never for ``first`` unless it can never fit).
 
         Raises:
             ValueError: as ``check``.
         """
         reason = self.check(item, fits_ever=fits_ever)
+        if first and reason in (RejectReason.QUEUE_FULL_REQUESTS, RejectReason.QUEUE_FULL_BLOCKS):
+            reason = None
         if reason is not None:
             self._rejections[reason] += 1
             return False

@@ -65,6 +65,19 @@ class RouterConfig:
     link_grace_s: float = knob(
         2.0, help="a worker whose WorkerLink stays down longer than this is down (shorter: it resumes)", check=POSITIVE
     )
+    # NOTE: keepalive on the router's gRPC server: a client or worker whose TCP peer vanished
+    # without a FIN or RST (its host lost power, a partition) is noticed within time + timeout,
+    # and its stream ends (a WorkerLink: the link-grace rule takes over; a client: its request is
+    # cancelled and its blocks freed). The interval is well above the cost of a ping and below the
+    # idle timeouts of common load balancers and NATs (~60 s and up).
+    keepalive_s: float = knob(10.0, help="ping a silent gRPC peer (client or worker) after this long", check=POSITIVE)
+    keepalive_timeout_s: float = knob(
+        5.0, help="close a gRPC connection whose peer has not answered a ping within this", check=POSITIVE
+    )
+    http_default_timeout_s: float = knob(
+        600.0, help="deadline of an HTTP request (the OpenAI API has none of its own): then it ends with a "
+                    "timeout error, its blocks freed", check=POSITIVE,
+    )  # fmt: skip
     health_check_interval_s: float = knob(2.0, help="how often worker health is checked", check=POSITIVE)
     migration_limit: int = knob(
         3, help="failover replays per request when its worker dies; then UNAVAILABLE", check=NON_NEGATIVE

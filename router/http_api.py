@@ -380,15 +380,41 @@ class OpenAIApi:
             raise ApiError(404, f"model {model!r} does not exist; this server serves {self.model_name()!r}",
                            "not_found_error", "model")  # fmt: skip
 
-    async def _submit(self, request: Request, requests: list[spb.GenerateRequest], chat: bool) -> list[RouterRequest]:
+    async def _submit(
+        self, request: Request, requests: list[spb.GenerateRequest], chat: bool
+    ) -> tuple[list[RouterRequest], asyncio.TimerHandle]:
         """Admit every choice's request, or none (the ones already admitted are cancelled);
-        prompts are tokenized off the loop, and the bounds of router/limits.py apply."""
+        prompts are tokenized off the loop, and the bounds of router/limits.py apply.
+
+        Every HTTP request gets the server's deadline (``http_default_timeout_s``: the OpenAI API
+        gives a client no way to send one): admission and the queue honour it as a gRPC
+        deadline, and once it passes the requests still running end DEADLINE_EXCEEDED, aborted on
+        their workers (``_expire``), whether or not the client is still there."""
         client = request.client.host if request.client else ""
         who = self.bounds.principal(request.headers.get("authorization"))
+        timeout_s = self.router.config.http_default_timeout_s
+        deadline = time.monotonic() + timeout_s
         try:
-            return await self.bounds.submit_all(client, requests, who=who)
+            admitted = await self.bounds.submit_all(client, requests, lambda: deadline - time.monotonic(), who=who)
         except RouterError as e:
             raise api_error(e, chat) from e
+        # NOTE: the caller cancels the timer when the response ends (it holds the requests).
+        timer = asyncio.get_running_loop().call_later(
+            max(deadline - time.monotonic(), 0.0), self._expire, admitted, timeout_s
+        )
+        return admitted, timer
+
+    def _expire(self, admitted: list[RouterRequest], timeout_s: float) -> None:
+        """The HTTP deadline passed: end what still runs with DEADLINE_EXCEEDED and abort it on its
+        worker (its blocks are freed at the worker's next step)."""
+        for r in admitted:
+            if not r.finished:
+                self.router.cancel(r)
+                r.responses.put_nowait(RouterError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"request {r.request_id} did not finish within the server's HTTP deadline of {timeout_s:g}s "
+                    "(--http-default-timeout-s)",
+                ))  # fmt: skip
 
     def _check_choices(self, num_prompts: int, n: int) -> None:
         """prompts x n before any request is built (each becomes a router request)."""
@@ -443,7 +469,7 @@ class OpenAIApi:
         return await self._generate(request, body, chat_requests(body), chat=True)
 
     async def _generate(self, request: Request, body: Any, requests: list[spb.GenerateRequest], chat: bool) -> Any:
-        admitted = await self._submit(request, requests, chat)
+        admitted, timer = await self._submit(request, requests, chat)
         head = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
             "created": int(time.time()),
@@ -452,7 +478,7 @@ class OpenAIApi:
         k = _top_logprobs(body, chat)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = self._stream(admitted, head, body.n, chat, k, include_usage, body.return_token_ids)
+            events = self._stream(admitted, head, body.n, chat, k, include_usage, body.return_token_ids, timer)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         collect = asyncio.ensure_future(self._collect(admitted, head, body.n, chat, k, body.return_token_ids))
         gone = asyncio.ensure_future(_until_disconnect(request))
@@ -467,6 +493,7 @@ class OpenAIApi:
                 raise api_error(e, chat) from e
         finally:
             gone.cancel()
+            timer.cancel()
             self._cancel_unfinished(admitted)
 
     async def _collect(
@@ -497,7 +524,8 @@ class OpenAIApi:
         return {**head, "object": obj, "choices": out, "usage": _usage(choices, n)}
 
     async def _stream(self, admitted: list[RouterRequest], head: dict, n: int, chat: bool, k: int,
-                      include_usage: bool, return_ids: bool) -> AsyncIterator[str]:  # fmt: skip
+                      include_usage: bool, return_ids: bool,
+                      timer: asyncio.TimerHandle) -> AsyncIterator[str]:  # fmt: skip
         """Server-sent events; the client going away cancels this generator, which cancels the requests."""
         obj = "chat.completion.chunk" if chat else "text_completion"
         choices = [_Choice(i) for i in range(len(admitted))]
@@ -534,6 +562,7 @@ class OpenAIApi:
         except RouterError as e:
             yield _sse(api_error(e, chat).body())
         finally:
+            timer.cancel()
             self._cancel_unfinished(admitted)
         yield "data: [DONE]\n\n"
 

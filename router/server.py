@@ -48,6 +48,7 @@ from router.config import RouterConfig
 from router.demux import stream_responses
 from router.health import HealthPublisher
 from router.http_api import HttpApiServer
+from router.keepalive import server_keepalive_options
 from router.limits import Bounds, LimitExceeded, client_of_peer
 from router.mux import StreamMux
 from router.request import RouterRequest
@@ -361,6 +362,7 @@ def build_server(
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
+        *server_keepalive_options(config),
     ]
     keys = bounds.tenancy.keys if bounds.tenancy is not None else None
     server = grpc.aio.server(interceptors=[CallerAuthInterceptor(config.auth_token, keys)], options=options)
@@ -522,6 +524,11 @@ class RouterService:
     async def check_worker_integrity(self, worker_id: str) -> None:
         """Run a worker's block-pool integrity check (raises on a broken invariant; tests)."""
         await self.router.table[worker_id].handle.check_integrity.remote()
+
+    async def partition_worker_link_for_test(self, worker_id: str, seconds: float) -> int:
+        """Test hook (chaos tests, through Ray only): the worker drops its WorkerLink for ``seconds``
+        (``Worker.partition_link_for_test``); returns its link's connects before."""
+        return int(await self.router.table[worker_id].handle.partition_link_for_test.remote(seconds))
 
     async def wait_for_workers(self, worker_ids: list[str], timeout: float = 120.0) -> None:
         await self.router.wait_for_workers(worker_ids, timeout)

@@ -48,6 +48,8 @@ class ServedCluster:
     address: str
     model_dir: Path
     gcs_address: str
+    num_workers: int = NUM_WORKERS
+    metadata: tuple[tuple[str, str], ...] = ()  # e.g. an API key, for a cluster with --auth-keys
     _probe: subprocess.Popen | None = field(default=None, repr=False)
     _replies: queue.Queue[str | None] = field(default_factory=queue.Queue, repr=False)
 
@@ -57,11 +59,13 @@ class ServedCluster:
 
     def status(self) -> spb.ClusterStatus:
         with self.channel() as ch:
-            return serving_pb2_grpc.KVServeStub(ch).GetClusterStatus(spb.ClusterStatusRequest(), timeout=30)
+            return serving_pb2_grpc.KVServeStub(ch).GetClusterStatus(
+                spb.ClusterStatusRequest(), timeout=30, metadata=self.metadata
+            )
 
     def generate(self, request: spb.GenerateRequest, timeout: float = 120.0) -> list[spb.GenerateResponse]:
         with self.channel() as ch:
-            return list(serving_pb2_grpc.KVServeStub(ch).Generate(request, timeout=timeout))
+            return list(serving_pb2_grpc.KVServeStub(ch).Generate(request, timeout=timeout, metadata=self.metadata))
 
     def wait_idle(self, timeout: float = 60.0) -> spb.ClusterStatus:
         """Until every worker is healthy and reports 0 used blocks and nothing running, waiting or
@@ -74,11 +78,11 @@ class ServedCluster:
         last: spb.ClusterStatus | None = None
         with self.channel() as ch:
             watch = serving_pb2_grpc.KVServeStub(ch).WatchBlockPressure(
-                spb.WatchRequest(interval_ms=200), timeout=timeout
+                spb.WatchRequest(interval_ms=200), timeout=timeout, metadata=self.metadata
             )
             try:
                 for last in watch:
-                    if _idle(last):
+                    if _idle(last, self.num_workers):
                         break
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -121,6 +125,12 @@ class ServedCluster:
             return False
         return True
 
+    def partition_link(self, worker_id: str, seconds: float) -> int:
+        """The worker drops its WorkerLink from its side for ``seconds`` (its process lives and
+        keeps stepping: a network partition; ``Worker.partition_link_for_test``); returns how
+        many times its link had connected before (``seconds`` 0: only that)."""
+        return int(self._ask({"op": "partition", "worker_id": worker_id, "seconds": seconds}))  # type: ignore[arg-type]
+
     def router_pid(self) -> int:
         """The OS pid of the router actor (the current one: serve may have restarted it)."""
         pid = int(self._ask({"op": "router_pid"}))
@@ -128,9 +138,10 @@ class ServedCluster:
         assert pid in self.proc.descendants, f"router pid {pid} is not a process serve started"
         return pid
 
-    def integrity(self) -> dict[str, str | None]:
-        """Every worker's pool integrity check: None (intact) or the error, by worker id."""
-        return self._ask({"op": "integrity"})  # type: ignore[return-value]
+    def integrity(self, worker_ids: list[str] | None = None) -> dict[str, str | None]:
+        """Every worker's (or those named) pool integrity check: None (intact) or the error, by worker id."""
+        command: dict = {"op": "integrity"} if worker_ids is None else {"op": "integrity", "worker_ids": worker_ids}
+        return self._ask(command)  # type: ignore[return-value]
 
     def _ask(self, command: dict) -> object:
         if self._probe is None or self._probe.poll() is not None:
@@ -174,14 +185,15 @@ class ServedCluster:
 
 def _pump_lines(stream: IO[str], sink: queue.Queue[str | None]) -> None:
     for line in stream:
-        sink.put(line)
+        if line.startswith("{"):  # NOTE: Ray may print to stdout too (e.g. when a node dies)
+            sink.put(line)
     sink.put(None)  # EOF: the probe exited
 
 
-def _idle(status: spb.ClusterStatus) -> bool:
+def _idle(status: spb.ClusterStatus, num_workers: int = NUM_WORKERS) -> bool:
     r = status.router
     return (
-        len(status.workers) == NUM_WORKERS
+        len(status.workers) == num_workers
         and all(
             w.healthy and w.used_blocks == 0 and w.num_running == 0 and w.num_waiting == 0 and w.num_swapped == 0
             for w in status.workers
@@ -203,11 +215,14 @@ def _gcs_address(proc: Proc) -> str:
     raise AssertionError("no process serve started names its GCS address (--gcs-address)")
 
 
-def serve_cluster(model_dir: Path, *extra_args: str) -> ServedCluster:
-    """Start ``kvserve serve`` and wait for its API line (the caller must ``stop_cluster``)."""
+def serve_cluster(
+    model_dir: Path, *extra_args: str, num_workers: int = NUM_WORKERS, metadata: tuple[tuple[str, str], ...] = ()
+) -> ServedCluster:
+    """Start ``kvserve serve`` and wait for its API line (the caller must ``stop_cluster``).
+    ``metadata`` goes with the fixture's own calls (status, wait_idle): an API key with --auth-keys."""
     proc = Proc(
         kvserve_argv(
-            "serve", "--model", str(model_dir), "--workers", str(NUM_WORKERS), "--port", "0",
+            "serve", "--model", str(model_dir), "--workers", str(num_workers), "--port", "0",
             "--metrics-port", "off", "--device", "cpu", "--num-gpu-blocks", str(NUM_BLOCKS), *extra_args,
         ),
         # NOTE: Ray's token auth off for this loopback-only cluster, so the probe can join it
@@ -216,7 +231,7 @@ def serve_cluster(model_dir: Path, *extra_args: str) -> ServedCluster:
     )  # fmt: skip
     try:
         address = proc.wait_for_line(API_LINE, timeout=START_TIMEOUT_S).group(1)
-        return ServedCluster(proc, address, model_dir, _gcs_address(proc))
+        return ServedCluster(proc, address, model_dir, _gcs_address(proc), num_workers, metadata)
     except BaseException:
         proc.kill_tree()
         raise

@@ -3,8 +3,11 @@ about it on stdin/stdout, one JSON line per command (so chaos tests need no Ray 
 
 Usage: ``python -m tests.chaos.ray_probe GCS_ADDRESS``; then write lines:
 ``{"op": "pid", "worker_id": "worker-0"}`` -> ``{"ok": true, "value": 12345}``
-``{"op": "integrity"}`` -> ``{"ok": true, "value": {"worker-0": null, ...}}`` (error text or null)
+``{"op": "integrity"}`` -> ``{"ok": true, "value": {"worker-0": null, ...}}`` (error text or null;
+``"worker_ids": [...]`` checks only those)
 ``{"op": "router_pid"}`` -> ``{"ok": true, "value": 12345}``
+``{"op": "partition", "worker_id": "worker-0", "seconds": 1.0}`` -> the worker drops its WorkerLink
+for that long (``Worker.partition_link_for_test``)
 The router actor is looked up by name for every command (``serve`` may have restarted it).
 Errors come back as ``{"ok": false, "error": "..."}``; EOF on stdin ends the process.
 """
@@ -22,13 +25,15 @@ from cluster.config import RAY_NAMESPACE, ROUTER_ACTOR_NAME
 TIMEOUT_S = 60.0
 
 
-def _integrity(router: ray.actor.ActorHandle) -> dict[str, str | None]:
+def _integrity(router: ray.actor.ActorHandle, worker_ids: list[str] | None = None) -> dict[str, str | None]:
     status_bytes = ray.get(router.cluster_status.remote(), timeout=TIMEOUT_S)
     from protos.kvserve.v1 import serving_pb2 as spb
 
     status = spb.ClusterStatus.FromString(status_bytes)
     out: dict[str, str | None] = {}
     for w in status.workers:
+        if worker_ids is not None and w.worker_id not in worker_ids:
+            continue
         try:
             ray.get(router.check_worker_integrity.remote(w.worker_id), timeout=TIMEOUT_S)
             out[w.worker_id] = None
@@ -49,8 +54,11 @@ def main(gcs_address: str) -> None:
                 value = ray.get(router.pid.remote(), timeout=TIMEOUT_S)
             elif cmd["op"] == "pid":
                 value = ray.get(router.worker_pid.remote(cmd["worker_id"]), timeout=TIMEOUT_S)
+            elif cmd["op"] == "partition":
+                value = ray.get(router.partition_worker_link_for_test.remote(cmd["worker_id"], cmd["seconds"]),
+                                timeout=TIMEOUT_S)  # fmt: skip
             elif cmd["op"] == "integrity":
-                value = _integrity(router)
+                value = _integrity(router, cmd.get("worker_ids"))
             else:
                 raise ValueError(f"unknown op {cmd['op']!r}")
             print(json.dumps({"ok": True, "value": value}), flush=True)

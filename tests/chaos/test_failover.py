@@ -45,7 +45,9 @@ def _wait_status(c: ServedCluster, ok, timeout: float, what: str) -> spb.Cluster
     """Follow WatchBlockPressure until ``ok(status)``; AssertionError after ``timeout``."""
     last = None
     with c.channel() as ch:
-        watch = serving_pb2_grpc.KVServeStub(ch).WatchBlockPressure(spb.WatchRequest(interval_ms=100), timeout=timeout)
+        watch = serving_pb2_grpc.KVServeStub(ch).WatchBlockPressure(
+            spb.WatchRequest(interval_ms=100), timeout=timeout, metadata=c.metadata
+        )
         try:
             for last in watch:
                 if ok(last):

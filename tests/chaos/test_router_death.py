@@ -18,7 +18,7 @@ import pytest
 
 from tests.chaos.conftest import ServedCluster, serve_cluster, stop_cluster
 from tests.chaos.streams import Stream, prompt, request, run_all
-from tests.chaos.test_failover import RESTART_TIMEOUT_S, _router_pid, _wait_status, _worker
+from tests.chaos.test_failover import RESTART_TIMEOUT_S, _held_at, _router_pid, _wait_status, _worker
 
 ROUTER_RESTARTED = re.compile(r"router restarted \(1\)")
 
@@ -34,15 +34,21 @@ def cluster(tiny_llama_dir: Path) -> Iterator[ServedCluster]:
 
 def test_migration_limit_0_only_the_dead_workers_clients_get_unavailable(cluster: ServedCluster) -> None:
     c = cluster
+    # NOTE: the pids first (the probe process starts on first use, seconds on a loaded box), so the
+    # kill lands while the streams run.
+    pids = {w.worker_id: c.worker_pid(w.worker_id) for w in c.status().workers}
     streams = [Stream(c.address, request(prompt(400 + i), 200), first_tokens=3).start() for i in range(4)]
     for s in streams:
         assert s.started.wait(120)
     holders = {s.req.request_id or str(i): s.last_worker for i, s in enumerate(streams)}
     victim = max(set(holders.values()), key=list(holders.values()).count)
-    on_victim = [s for s in streams if s.last_worker == victim]
-    c.kill_worker(victim)
+    t_kill = time.monotonic()
+    os.kill(pids[victim], signal.SIGKILL)
     for s in streams:
         s.wait(240)
+    # Those its worker held when it died (one that had ended already was not affected).
+    on_victim = [s for s in streams if _held_at(s, t_kill) == victim and (s.ended_at or 0) >= t_kill]
+    assert on_victim, "no stream was on the killed worker when it died"
     for s in streams:
         if s in on_victim:
             assert s.code == grpc.StatusCode.UNAVAILABLE, (s.code, s.details)

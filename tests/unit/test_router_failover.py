@@ -271,3 +271,37 @@ def test_a_report_names_the_sending_worker_whatever_it_claims() -> None:
         assert REGISTRY.get_sample_value("kvserve:kv_blocks_free", {"worker": claimed}) is None
 
     _run(test)
+
+
+def test_a_replay_that_meets_a_full_queue_waits_at_the_head_of_its_class() -> None:
+    """The queue's bounds refuse newcomers, not a stream the cluster accepted: a replay whose
+    worker died while every other pool is full and the queue is at its bound queues first in its
+    priority class (not UNAVAILABLE), and is the first placed when blocks free."""
+
+    async def test() -> None:
+        router, workers = _router(max_queue_requests=1)
+        r1 = router.submit(_req("r1"))
+        await _settle()
+        src = r1.worker_id
+        assert src is not None
+        dst = "b" if src == "a" else "a"
+        router._on_output(src, _out(r1.worker_rid, [10, 11], 2))
+        router.workers[dst].report = pb.PressureReport(seq=1, total_blocks=32, free_blocks=0, used_blocks=32)
+        router.workers[src].report = pb.PressureReport(seq=1, total_blocks=32, free_blocks=0, used_blocks=32)
+        r2 = router.submit(_req("r2"))
+        assert [q.request_id for q in router.queue] == ["r2"]  # the queue is at its bound now
+        router.on_disconnect(src)
+        await _settle()
+        assert router.workers[src].state == WORKER_DOWN
+        got = _drain(r1.responses)
+        assert not any(isinstance(g, RouterError) for g in got) and not r1.finished, f"replay refused: {got}"
+        assert [t for g in got for t in g.token_ids] == [10, 11]
+        assert [q.request_id for q in router.queue] == ["r1", "r2"]
+        router.on_message(dst, pb.WorkerMessage(pressure=pb.PressureReport(
+            seq=2, total_blocks=32, free_blocks=32, used_blocks=0)))  # fmt: skip
+        await _settle()
+        ((added, *_), _) = workers[dst].added()[0]
+        assert added.request_id.startswith("r1#") and added.resume_output_ids == (10, 11)
+        assert r1.worker_id == dst and r1.replays == 1 and not r2.finished
+
+    _run(test)
