@@ -5,6 +5,8 @@ Usage: ``python -m tests.chaos.ray_probe GCS_ADDRESS``; then write lines:
 ``{"op": "pid", "worker_id": "worker-0"}`` -> ``{"ok": true, "value": 12345}``
 ``{"op": "integrity"}`` -> ``{"ok": true, "value": {"worker-0": null, ...}}`` (error text or null)
 ``{"op": "router_pid"}`` -> ``{"ok": true, "value": 12345}``
+``{"op": "frontend_pid", "index": 0}`` -> ``{"ok": true, "value": 12345}`` (``--frontends``: waits
+for a restarting frontend to be back)
 The router actor is looked up by name for every command (``serve`` may have restarted it).
 Errors come back as ``{"ok": false, "error": "..."}``; EOF on stdin ends the process.
 """
@@ -18,6 +20,7 @@ import sys
 import ray
 
 from cluster.config import RAY_NAMESPACE, ROUTER_ACTOR_NAME
+from cluster.frontends import FRONTEND_NAME
 
 TIMEOUT_S = 60.0
 
@@ -49,6 +52,9 @@ def main(gcs_address: str) -> None:
                 value = ray.get(router.pid.remote(), timeout=TIMEOUT_S)
             elif cmd["op"] == "pid":
                 value = ray.get(router.worker_pid.remote(cmd["worker_id"]), timeout=TIMEOUT_S)
+            elif cmd["op"] == "frontend_pid":
+                frontend = ray.get_actor(FRONTEND_NAME.format(cmd["index"]))
+                value = ray.get(frontend.pid.remote(), timeout=TIMEOUT_S)
             elif cmd["op"] == "integrity":
                 value = _integrity(router)
             else:
