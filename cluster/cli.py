@@ -196,6 +196,7 @@ COMMANDS = {
     "top": "live view of a cluster's KV block pressure",
     "bench": "benchmarks: offline engine, served cluster, router, kernels",
     "plan": "KV memory per token/request/users, and how many users fit",
+    "frontend": "a stateless frontend: the client gRPC and HTTP APIs, relayed to a router",
 }
 # Loader per group of commands registered together (a module's ``register(subparsers)``).
 _LOADERS = (
@@ -206,6 +207,7 @@ _LOADERS = (
     (("top",), module_loader("cluster.top")),
     (("bench",), module_loader("cluster.bench.cli")),
     (("plan",), module_loader("cluster.plan")),
+    (("frontend",), module_loader("cluster.frontend_cli")),
 )
 
 

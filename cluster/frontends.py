@@ -25,12 +25,13 @@ FRONTEND_START_TIMEOUT_S = 120.0
 FRONTEND_NAME = "kvserve-frontend-{}"
 
 
-def frontend_key() -> str:
+def frontend_key(needed: bool) -> str | None:
     """The cluster's frontend key: ``$KVSERVE_FRONTEND_KEY`` when set (a Kubernetes Secret shared with
-    separately deployed frontends), else a fresh random one."""
+    frontends deployed apart, ``kvserve frontend``), else a fresh random one when this launcher
+    starts frontends itself (``needed``), else None (the router trusts no frontend)."""
     from frontend.server import FRONTEND_KEY_ENV
 
-    return os.environ.get(FRONTEND_KEY_ENV) or os.urandom(32).hex()
+    return os.environ.get(FRONTEND_KEY_ENV) or (os.urandom(32).hex() if needed else None)
 
 
 def start_frontends(

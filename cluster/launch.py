@@ -247,11 +247,9 @@ def start_cluster(
     if metrics_port == 0:
         metrics_port = _free_port(router_config.host)  # the router runs on this node
     worker_key = new_worker_key()
-    fkey = None
-    if frontends:
-        from cluster.frontends import frontend_key
+    from cluster.frontends import frontend_key
 
-        fkey = frontend_key()
+    fkey = frontend_key(needed=frontends > 0)
     try:
         router, router_http = _start_router(
             router_config, metrics_port, name, None if frontends else http_port, worker_key, fkey
