@@ -443,7 +443,9 @@ class OpenAIApi:
                            "authentication_error")  # fmt: skip
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model not in self._model_names():
+        # NOTE: a server that knows no name at all (a frontend started without --model or
+        # --served-model-name) cannot tell a wrong name from a right one: it leaves the check out.
+        if model is not None and any(self.backend.names()) and model not in self._model_names():
             raise ApiError(404, f"model {model!r} does not exist; this server serves {self.model_name()!r}",
                            "not_found_error", "model")  # fmt: skip
 
