@@ -91,8 +91,9 @@ def test_grpc_and_http_through_frontends_equal_the_router_direct(fronted: Fronte
     reqs = [
         spb.GenerateRequest(token_ids=spb.TokenIds(ids=prompt(1)), sampling=greedy),
         spb.GenerateRequest(text="the cache of a router", sampling=greedy),  # tokenized by the frontend
-        spb.GenerateRequest(messages=spb.ChatMessages(messages=[spb.ChatMessage(role="user", content="hi there")]),
-                            sampling=greedy),  # fmt: skip
+        spb.GenerateRequest(
+            messages=spb.ChatMessages(messages=[spb.ChatMessage(role="user", content="hi there")]), sampling=greedy
+        ),  # fmt: skip
     ]
     for req in reqs:
         direct = _stream_tokens(c.address, req)
@@ -158,51 +159,65 @@ def test_worker_sigkill_streams_through_a_frontend_continue_token_identical(fron
     c.wait_idle()
 
 
-def _frontend_of(s: Stream) -> str:
-    return s.initial_metadata.get(FRONTEND_HEADER, "")
+def _connections(address: str, per_frontend: int, limit: int = 32) -> dict[str, list[grpc.Channel]]:
+    """Channels, each its own TCP connection (not the process-wide subchannel pool), grouped by the
+    frontend that serves it (learned from a 1-token Generate's ``kvserve-frontend`` metadata): the
+    kernel spreads connections over the frontends, so open them until each has ``per_frontend``."""
+    by_frontend: dict[str, list[grpc.Channel]] = {}
+    for i in range(limit):
+        ch = grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+        call = serving_pb2_grpc.KVServeStub(ch).Generate(request(prompt(900 + i, 4), 1), timeout=60)
+        assert [r.finish_reason for r in call][-1] == "length"
+        by_frontend.setdefault(dict(call.initial_metadata())[FRONTEND_HEADER], []).append(ch)
+        if len(by_frontend) == 2 and all(len(v) >= per_frontend for v in by_frontend.values()):
+            break
+    assert set(by_frontend) == {"frontend-0", "frontend-1"} and all(
+        len(v) >= per_frontend for v in by_frontend.values()
+    ), {k: len(v) for k, v in by_frontend.items()}
+    return by_frontend
 
 
 def test_frontend_sigkill_ends_its_streams_frees_their_blocks_and_the_port_serves_on(fronted: Fronted) -> None:
     c = fronted.cluster
-    max_tokens = 160
-    streams: list[Stream] = []
-    # NOTE: each stream on a connection of its own; the kernel spreads connections over the two
-    # frontends, so open them until both serve some (a bounded number).
-    for i in range(24):
-        s = Stream(fronted.frontend, request(prompt(600 + i), max_tokens), first_tokens=3, own_connection=True).start()
+    long, short = 400, 40  # NOTE: the dead frontend's requests are long: finishing them would take ~400 steps
+    by_frontend = _connections(fronted.frontend, per_frontend=2)
+    victim, survivor = "frontend-0", "frontend-1"
+    cut = [Stream(fronted.frontend, request(prompt(600 + i), long), channel=ch).start()
+           for i, ch in enumerate(by_frontend[victim][:2])]  # fmt: skip
+    kept = [Stream(fronted.frontend, request(prompt(610 + i), short), channel=ch).start()
+            for i, ch in enumerate(by_frontend[survivor][:2])]  # fmt: skip
+    for s in cut + kept:
         assert s.started.wait(120), "no first tokens"
-        streams.append(s)
-        if len(streams) >= 4 and len({_frontend_of(s) for s in streams}) == 2:
-            break
-    by_frontend = {_frontend_of(s) for s in streams}
-    assert by_frontend == {"frontend-0", "frontend-1"}, by_frontend
-    victim = _frontend_of(streams[-1])  # NOTE: it holds the stream that started last, surely mid-stream
+    steps_before = {w.worker_id: w.decode_steps for w in c.status().workers}
     pid = fronted.frontend_pid(victim)
     t_kill = time.monotonic()
     os.kill(pid, signal.SIGKILL)
-    for s in streams:
+    for s in cut + kept:
         s.wait(240)
+    # The router aborted the dead frontend's requests: idle, every block free, and well before they
+    # could have run to their end (~400 more steps).
+    idle = c.wait_idle()
+    steps = {w.worker_id: w.decode_steps - steps_before[w.worker_id] for w in idle.workers}
+    assert max(steps.values()) < long // 2, steps
 
-    reference = run_all(c.address, [s.req for s in streams])  # the router direct, undisturbed
-    for s, ref in zip(streams, reference, strict=True):
-        assert ref.code == grpc.StatusCode.OK and len(ref.tokens) == max_tokens
-        assert s.ended_at is not None
-        if _frontend_of(s) == victim and s.ended_at > t_kill:
-            assert s.code == grpc.StatusCode.UNAVAILABLE, (s.code, s.details)
-            assert s.tokens == ref.tokens[: len(s.tokens)] and len(s.tokens) < max_tokens
-        else:
-            assert s.code == grpc.StatusCode.OK, (s.code, s.details)
-            assert s.tokens == ref.tokens, "a stream of the surviving frontend differs from the undisturbed run"
-    cut = [s for s in streams if s.code == grpc.StatusCode.UNAVAILABLE]
-    assert streams[-1] in cut, "the victim's last stream was not cut; nothing was tested"
-    # The router aborted the dead frontend's requests: nothing runs, no block is used.
-    c.wait_idle()
+    reference = run_all(c.address, [s.req for s in cut + kept])  # the router direct, undisturbed
+    for s, ref in zip(cut + kept, reference, strict=True):
+        assert ref.code == grpc.StatusCode.OK and len(ref.tokens) == s.req.sampling.max_tokens
+    for s, ref in zip(cut, reference[: len(cut)], strict=True):
+        assert s.code == grpc.StatusCode.UNAVAILABLE, (s.code, s.details)
+        assert s.tokens == ref.tokens[: len(s.tokens)] and len(s.tokens) < long
+    for s, ref in zip(kept, reference[len(cut) :], strict=True):
+        assert s.code == grpc.StatusCode.OK, (s.code, s.details)
+        assert s.tokens == ref.tokens, "a stream of the surviving frontend differs from the undisturbed run"
 
     # The same port serves on at once (the survivor), and Ray brings the dead frontend back.
     (after,) = run_all(fronted.frontend, [request(prompt(700), 16)])
     assert after.code == grpc.StatusCode.OK and after.tokens == run_all(c.address, [after.req])[0].tokens
     new_pid = fronted.frontend_pid(victim)  # NOTE: the probe's call waits for the restarted actor
     assert new_pid != pid
-    print(f"\nFIGURES frontend kill: streams {len(streams)}, cut {len(cut)}, restarted in "
-          f"{time.monotonic() - t_kill:.1f}s")  # fmt: skip
+    print(f"\nFIGURES frontend kill: cut {len(cut)}, kept {len(kept)}, steps after the kill {steps}, "
+          f"restarted within {time.monotonic() - t_kill:.1f}s")  # fmt: skip
+    for channels in by_frontend.values():
+        for ch in channels:
+            ch.close()
     c.wait_idle()
