@@ -182,6 +182,7 @@ def test_frontend_sigkill_ends_its_streams_frees_their_blocks_and_the_port_serve
     long, short = 400, 40  # NOTE: the dead frontend's requests are long: finishing them would take ~400 steps
     by_frontend = _connections(fronted.frontend, per_frontend=2)
     victim, survivor = "frontend-0", "frontend-1"
+    pid = fronted.frontend_pid(victim)  # NOTE: before the streams, so they are killed early on
     cut = [Stream(fronted.frontend, request(prompt(600 + i), long), channel=ch).start()
            for i, ch in enumerate(by_frontend[victim][:2])]  # fmt: skip
     kept = [Stream(fronted.frontend, request(prompt(610 + i), short), channel=ch).start()
@@ -189,7 +190,6 @@ def test_frontend_sigkill_ends_its_streams_frees_their_blocks_and_the_port_serve
     for s in cut + kept:
         assert s.started.wait(120), "no first tokens"
     steps_before = {w.worker_id: w.decode_steps for w in c.status().workers}
-    pid = fronted.frontend_pid(victim)
     t_kill = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     for s in cut + kept:
@@ -198,7 +198,7 @@ def test_frontend_sigkill_ends_its_streams_frees_their_blocks_and_the_port_serve
     # could have run to their end (~400 more steps).
     idle = c.wait_idle()
     steps = {w.worker_id: w.decode_steps - steps_before[w.worker_id] for w in idle.workers}
-    assert max(steps.values()) < long // 2, steps
+    assert max(steps.values()) < long // 4, steps  # NOTE: measured 16-40 aborted, 275-278 not
 
     reference = run_all(c.address, [s.req for s in cut + kept])  # the router direct, undisturbed
     for s, ref in zip(cut + kept, reference, strict=True):
