@@ -32,7 +32,7 @@ from protos.kvserve.v1 import serving_pb2_grpc
 from tests.chaos.conftest import ServedCluster, serve_cluster, stop_cluster
 from tests.chaos.streams import Stream, prompt, request, run_all
 from tests.chaos.test_failover import _assert_moved_kinds, _mixed_requests, _victim_with_both_kinds, _wait_status
-from tests.integration.test_serve import HTTP_LINE
+from tests.integration.test_serve import HTTP_LINE, Proc, clean_env, kvserve_argv
 
 FRONTEND_LINE = re.compile(r"(\d+) frontends serving gRPC kvserve.v1.KVServe on (\S+)")
 FRONTEND_HEADER = "kvserve-frontend"
@@ -220,4 +220,27 @@ def test_frontend_sigkill_ends_its_streams_frees_their_blocks_and_the_port_serve
     for channels in by_frontend.values():
         for ch in channels:
             ch.close()
+    c.wait_idle()
+
+
+PLAIN_FRONTEND_LINE = re.compile(r"frontend plain serving gRPC kvserve.v1.KVServe on (\S+),")
+
+
+def test_kvserve_frontend_as_a_plain_process_relays_to_the_router(fronted: Fronted) -> None:
+    """The deploy entry point (a Kubernetes frontend pod runs it): its own ports, the router's address."""
+    c = fronted.cluster
+    proc = Proc(kvserve_argv("frontend", "--router", c.address, "--model", str(c.model_dir), "--grpc-port", "0",
+                             "--http-port", "0", "--frontend-id", "plain"), clean_env())  # fmt: skip
+    try:
+        address = proc.wait_for_line(PLAIN_FRONTEND_LINE, timeout=120).group(1)
+        http = proc.wait_for_line(HTTP_LINE, timeout=30).group(1)
+        req = spb.GenerateRequest(text="a plain frontend", sampling=spb.SamplingParams(max_tokens=8, ignore_eos=True))
+        assert _stream_tokens(address, req) == _stream_tokens(c.address, req)
+        ids, _ = _sse_tokens(f"{http}/completions", {"prompt": "a plain frontend", "max_tokens": 8, "ignore_eos": True})
+        assert ids == _stream_tokens(c.address, req)[0]
+        proc.popen.send_signal(signal.SIGTERM)
+        assert proc.popen.wait(timeout=30) == 0
+    finally:
+        if proc.popen.poll() is None:
+            proc.kill_tree()
     c.wait_idle()
