@@ -127,7 +127,7 @@ class FrontendServicer(serving_pb2_grpc.KVServeServicer):
                     mux.put(rid, e)
                     continue
                 live[rid] = rr
-                pumps[rid] = asyncio.get_running_loop().create_task(_pump(rr, mux))
+                pumps[rid] = asyncio.get_running_loop().create_task(_pump(rr, mux, self.relay.link.max_buffered))
         finally:
             mux.wake()
 
@@ -160,11 +160,19 @@ class FrontendServicer(serving_pb2_grpc.KVServeServicer):
             await context.abort(e.code(), e.details() or "")
 
 
-async def _pump(rr: RelayedRequest, mux: StreamMux) -> None:
-    """One relayed request's responses into the caller's stream."""
+async def _pump(rr: RelayedRequest, mux: StreamMux, max_buffered: int) -> None:
+    """One relayed request's responses into the caller's stream; a caller that leaves more than
+    ``max_buffered`` of them unsent gets the router's slow-consumer outcome (cancelled, RESOURCE_EXHAUSTED)."""
     with contextlib.suppress(asyncio.CancelledError):
         try:
             async for resp in rr.responses():
+                if mux.unsent(rr.request_id) >= max_buffered:
+                    rr.cancel()
+                    mux.drop(rr.request_id)
+                    mux.put(rr.request_id, RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                                       f"client too slow: over {max_buffered} responses unsent "
+                                                       "(limit max_buffered_responses)"))  # fmt: skip
+                    return
                 mux.put(rr.request_id, resp)
         except RouterError as e:
             mux.put(rr.request_id, e)
