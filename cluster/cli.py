@@ -199,6 +199,7 @@ COMMANDS = {
     "rollout": "drain and restart every worker of a running cluster, one at a time",
     "bench": "benchmarks: offline engine, served cluster, router, kernels",
     "plan": "KV memory per token/request/users, and how many users fit",
+    "frontend": "a stateless frontend: the client gRPC and HTTP APIs, relayed to a router",
 }
 # Loader per group of commands registered together (a module's ``register(subparsers)``).
 _LOADERS = (
@@ -210,6 +211,7 @@ _LOADERS = (
     (("drain", "rollout"), module_loader("cluster.drain_cli")),
     (("bench",), module_loader("cluster.bench.cli")),
     (("plan",), module_loader("cluster.plan")),
+    (("frontend",), module_loader("cluster.frontend_cli")),
 )
 
 

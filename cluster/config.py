@@ -10,6 +10,8 @@ listen) and three sections whose keys are exactly the fields of the frozen confi
     port: 50051                       # gRPC client API + WorkerLink (0 = pick a free port)
     metrics_port: 9400                # Prometheus /metrics on the router host (null = off)
     http_port: null                   # OpenAI-compatible HTTP API (null = off, 0 = a free port)
+    frontends: 0                      # stateless frontends serving the client APIs (0 = the router does)
+    frontend_port: 50052              # their shared gRPC port (SO_REUSEPORT; 0 = a free port)
     cpus_per_worker: 1                # CPU workers: Ray CPUs and torch threads per worker
     spread: false                     # place workers on distinct nodes (placement group, SPREAD)
     ready_timeout_s: 600              # how long to wait for every worker's Hello
@@ -97,6 +99,10 @@ class ClusterConfig:
         metrics_port: Prometheus ``/metrics`` port on the router host; None = off, 0 = pick a free one.
         http_port: the OpenAI-compatible HTTP API's port on the router host; None = off (the
             default: a second API port is a deliberate choice), 0 = pick a free one.
+        frontends: stateless frontend processes on the router's node serving the client gRPC API on
+            ``frontend_port`` and the HTTP API on ``http_port`` (both shared with SO_REUSEPORT),
+            relayed to the router (``frontend/``); 0 = none: the router serves both APIs itself.
+        frontend_port: the frontends' shared gRPC port (0 = pick a free one).
         host: the router's bind address (API, WorkerLink and metrics).
         cpus_per_worker: Ray CPUs (and torch threads) per CPU worker.
         spread: put workers on distinct nodes where possible (placement group, SPREAD).
@@ -120,6 +126,8 @@ class ClusterConfig:
     http_port: int | None = knob(
         None, help="OpenAI-compatible HTTP API port (default: off; 0 = free; off)", parse=_metrics_port_arg
     )
+    frontends: int = knob(0, help="stateless frontend processes serving the client APIs (0 = the router does)")
+    frontend_port: int = knob(50052, help="the frontends' shared gRPC port (0 = pick a free one)")
     host: str = knob("127.0.0.1", help="bind address of the API and metrics")
     cpus_per_worker: int = knob(1, help="Ray CPUs and torch threads per CPU worker")
     spread: bool = knob(False, help="place workers on distinct nodes (placement group SPREAD)")
@@ -136,6 +144,11 @@ class ClusterConfig:
         if self.workers != "auto" and not (_is_int(self.workers) and self.workers > 0):
             raise ValueError(f"workers: must be a positive integer or 'auto', got {self.workers!r}")
         _check_port("port", self.port)
+        _check_port("frontend_port", self.frontend_port)
+        if not (_is_int(self.frontends) and self.frontends >= 0):
+            raise ValueError(f"frontends: must be an integer >= 0, got {self.frontends!r}")
+        if self.frontends and self.router.tls_cert:
+            raise ValueError("frontends: not supported with router.tls_cert yet (terminate TLS in front of them)")
         if self.metrics_port is not None:
             _check_port("metrics_port", self.metrics_port)
         if self.http_port is not None:

@@ -96,6 +96,11 @@ class Cluster:
     # NOTE: the cluster's worker key: the router verifies worker credentials with it, and a
     # restarted router needs the same one (the workers keep theirs). Never given to a worker.
     worker_key: str = field(default="", repr=False)
+    # ``--frontends N`` (cluster/frontends.py): their actors, their shared gRPC port (the HTTP API is
+    # theirs then: ``http_port``), and the key the router trusts them by.
+    frontends: list[Any] = field(default_factory=list)
+    frontend_port: int | None = None
+    frontend_key: str | None = field(default=None, repr=False)
     _stopped: bool = field(default=False, repr=False)
 
     def poll_router(self, timeout_s: float = ROUTER_CALL_TIMEOUT_S) -> RouterPoll:
@@ -131,8 +136,10 @@ class Cluster:
             ray.kill(self.router)  # NOTE: frees the name and the port, should the old one linger half-dead
         except Exception:  # noqa: BLE001 - already gone
             pass
+        # NOTE: with frontends the HTTP API is theirs; they reconnect to the new router on its port.
         router, _ = _start_router(
-            self.router_config, self.metrics_port, self.router_name, self.http_port, self.worker_key
+            self.router_config, self.metrics_port, self.router_name, None if self.frontends else self.http_port,
+            self.worker_key, self.frontend_key,
         )
         self.router = router
         ray.get(router.expect_workers.remote(list(self.workers)), timeout=ROUTER_CALL_TIMEOUT_S)
@@ -164,6 +171,10 @@ class Cluster:
         if self._stopped:
             return
         self._stopped = True
+        if self.frontends:
+            from cluster.frontends import stop_frontends
+
+            stop_frontends(self.frontends)
         for handle in self.workers.values():
             try:
                 ray.get(handle.shutdown.remote(), timeout=10)
@@ -198,6 +209,8 @@ def start_cluster(
     ready_timeout_s: float = 300.0,
     spread: bool = False,
     http_port: int | None = None,
+    frontends: int = 0,
+    frontend_port: int = 0,
 ) -> Cluster:
     """Bring up a serving cluster; returns once every worker's WorkerLink has said Hello.
 
@@ -213,7 +226,10 @@ def start_cluster(
         name: name the router actor (detached) so ``kvserve status`` and a restarted CLI find it.
         spread: place the workers on distinct nodes where possible (placement group, SPREAD).
         http_port: serve the OpenAI-compatible HTTP API here too (None = off, 0 = a free port, see
-            ``Cluster.http_port``).
+            ``Cluster.http_port``); on the frontends when there are any.
+        frontends: stateless frontends serving the client APIs on ``frontend_port`` (shared,
+            0 = a free one) and ``http_port``, relayed to the router (cluster/frontends.py); 0 = none,
+            the router serves both itself.
     """
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -231,8 +247,13 @@ def start_cluster(
     if metrics_port == 0:
         metrics_port = _free_port(router_config.host)  # the router runs on this node
     worker_key = new_worker_key()
+    from cluster.frontends import frontend_key
+
+    fkey = frontend_key(needed=frontends > 0)
     try:
-        router, http_port = _start_router(router_config, metrics_port, name, http_port, worker_key)
+        router, router_http = _start_router(
+            router_config, metrics_port, name, None if frontends else http_port, worker_key, fkey
+        )
     except BaseException:
         if owns_ray:
             ray.shutdown()
@@ -270,10 +291,21 @@ def start_cluster(
         Cluster(router, workers, router_address, metrics_port, owns_ray, pg).shutdown()
         raise
     logger.info("cluster up in %.1fs: router %s, %d workers", time.monotonic() - t0, router_address, num_workers)
-    return Cluster(
-        router, workers, router_address, metrics_port, owns_ray, pg, http_port, bound_config, name,
-        identities=identities, worker_key=worker_key,
+    cluster = Cluster(
+        router, workers, router_address, metrics_port, owns_ray, pg, router_http, bound_config, name,
+        identities=identities, worker_key=worker_key, frontend_key=fkey,
     )  # fmt: skip
+    if frontends:
+        from cluster.frontends import start_frontends
+
+        try:
+            cluster.frontends, cluster.frontend_port, cluster.http_port = start_frontends(
+                frontends, router_config, link_address, frontend_port, http_port, fkey or ""
+            )
+        except BaseException:
+            cluster.shutdown()
+            raise
+    return cluster
 
 
 def worker_options_for(base: WorkerOptions, worker_id: str, worker_key: str, router_address: str) -> WorkerOptions:
@@ -285,7 +317,12 @@ def worker_options_for(base: WorkerOptions, worker_id: str, worker_key: str, rou
 
 
 def _start_router(
-    config: RouterConfig, metrics_port: int | None, name: str | None, http_port: int | None, worker_key: str
+    config: RouterConfig,
+    metrics_port: int | None,
+    name: str | None,
+    http_port: int | None,
+    worker_key: str,
+    frontend_key: str | None = None,
 ) -> tuple[Any, int | None]:
     """Create the router actor on this node (detached and named if ``name``) and start it; returns it
     and its bound HTTP port (None = off).
@@ -302,7 +339,9 @@ def _start_router(
     opts: dict[str, Any] = {"scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)}
     if name:
         opts.update(name=name, lifetime="detached", get_if_exists=False)
-    router = router_actor_class().options(**opts).remote(config, metrics_port, http_port, worker_key=worker_key)
+    router = router_actor_class().options(**opts).remote(
+        config, metrics_port, http_port, worker_key=worker_key, frontend_key=frontend_key
+    )
     try:
         ray.get(router.start.remote(), timeout=ROUTER_START_TIMEOUT_S)
         http_port = ray.get(router.http_port.remote(), timeout=ROUTER_CALL_TIMEOUT_S)

@@ -173,6 +173,8 @@ def serve(cfg, *, out=None, poll_s: float = 0.5) -> int:  # noqa: ANN001 - Clust
                 ready_timeout_s=cfg.ready_timeout_s,
                 spread=cfg.spread,
                 http_port=cfg.http_port,
+                frontends=cfg.frontends,
+                frontend_port=cfg.frontend_port,
             )
             names = ", ".join(cluster.workers)
             print(f"kvserve: API listening on {cluster.address} (gRPC kvserve.v1.KVServe; workers: {names})", file=out)
@@ -180,6 +182,9 @@ def serve(cfg, *, out=None, poll_s: float = 0.5) -> int:  # noqa: ANN001 - Clust
                 print(f"kvserve: metrics listening on http://{cfg.host}:{cluster.metrics_port}/metrics", file=out)
             else:
                 print("kvserve: metrics off", file=out)
+            if cluster.frontends:
+                print(f"kvserve: {len(cluster.frontends)} frontends serving gRPC kvserve.v1.KVServe on "
+                      f"{cfg.host}:{cluster.frontend_port}", file=out)  # fmt: skip
             if cluster.http_port is not None:
                 scheme = "https" if cfg.router.tls_cert else "http"
                 print(f"kvserve: OpenAI-compatible HTTP API on {scheme}://{cfg.host}:{cluster.http_port}/v1", file=out)

@@ -24,6 +24,7 @@ import grpc
 from router.tenancy import KeyRing
 from workers.core.worker_credential import WORKER_CREDENTIAL_HEADER
 
+FRONTEND_CREDENTIAL_HEADER = "kvserve-frontend-credential"
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 WORKER_LINK_PREFIX = "/kvserve.v1.WorkerLink/"
 ADMIN_PREFIX = "/kvserve.v1.Admin/"
@@ -92,3 +93,20 @@ class CallerAuthInterceptor(grpc.aio.ServerInterceptor):
             grpc.StatusCode.UNAUTHENTICATED,
             "missing or wrong bearer token (send 'authorization: Bearer <token>')",
         )
+
+
+def frontend_trusted(metadata: object, frontend_key: str | None) -> bool:
+    """Whether a call carries the cluster's frontend credential (``FRONTEND_CREDENTIAL_HEADER``).
+
+    NOTE: it grants one thing only: the router counts each request a frontend relays on its
+    GenerateStream against the end client the frontend names (``max_streams_per_client``), not
+    against the frontend. It opens no API (the client's own token or key still has to) and is not a
+    worker credential (a separate secret, checked nowhere on WorkerLink), so a frontend can neither
+    widen what a key may do nor pose as a worker.
+    """
+    if not frontend_key:
+        return False
+    got = dict(metadata or ()).get(FRONTEND_CREDENTIAL_HEADER, "")  # type: ignore[call-overload]
+    if isinstance(got, bytes):
+        got = got.decode("latin-1")
+    return hmac.compare_digest(got.encode(), frontend_key.encode())

@@ -4,11 +4,13 @@ Health (``router/health.py``, open: probes carry no secret): ``/health`` and ``/
 readiness (200 iff some worker can serve now, else 503: the same verdict as gRPC health), and
 ``/health/live`` liveness (200 while the router answers at all).
 
-FastAPI + uvicorn, served on the router's own event loop beside ``grpc.aio`` (``HttpApiServer``):
-a request becomes ``GenerateRequest`` protos and goes through the very path a gRPC Generate takes
-(``Router.submit`` validates and admits it into the one request table, ``Router.stream`` yields its
-responses, ``Router.cancel`` frees its blocks). So the HTTP layer checks only JSON types and the
-OpenAI-specific fields (``n``, ``stream_options``, ``top_logprobs``...); ranges are the router's, and
+FastAPI + uvicorn (``HttpApiServer``), over an ``ApiBackend``: ``RouterBackend`` on the router's own
+event loop beside ``grpc.aio`` (``--frontends 0``), or a frontend's relay to the router
+(``frontend/http_backend.py``, ``--frontends N``). Either way a request becomes ``GenerateRequest``
+protos and goes through the very path a gRPC Generate takes (``Router.submit`` validates and admits
+it into the one request table, its responses stream back, a cancel frees its blocks). So the HTTP
+layer checks only JSON types and the OpenAI-specific fields (``n``, ``stream_options``,
+``top_logprobs``...); ranges are the router's, and
 its ``ValidationError`` field is mapped back to the OpenAI parameter name in the error's ``param``.
 
 Status mapping (the gRPC status the router returns -> HTTP): INVALID_ARGUMENT 400,
@@ -46,7 +48,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import grpc
 import uvicorn
@@ -59,8 +61,9 @@ from protos.kvserve.v1 import serving_pb2 as spb
 from router import http_metrics
 from router.demux import stream_responses
 from router.health import cluster_ready, serving_workers
-from router.limits import Bounds
+from router.limits import Bounds, InputLimits
 from router.router import Router, RouterError, RouterRequest
+from router.tenancy import Principal
 
 logger = logging.getLogger(__name__)
 
@@ -338,15 +341,103 @@ def _merge_logprobs(acc: dict[str, Any] | None, new: dict[str, Any], chat: bool)
     return acc
 
 
-# ---- the app --------------------------------------------------------------------------------------------
-class OpenAIApi:
-    """The FastAPI app over one Router. Every handler runs on the router's event loop."""
+# ---- where requests go ------------------------------------------------------------------------------------
+class ApiBackend(Protocol):
+    """What the HTTP API needs of whatever admits and streams its requests (the router in process,
+    or a frontend's relay to it). A handle is one admitted request."""
 
-    def __init__(self, router: Router, auth_token: str | None = None, bounds: Bounds | None = None) -> None:
+    limits: InputLimits
+    tokenizer: Any  # for logprobs' token text (None: ``token_id:N``)
+    keyed: bool  # API keys are configured (router/tenancy.py)
+
+    def principal(self, authorization: str | bytes | None) -> Principal | None: ...
+
+    def names(self) -> tuple[str, ...]:
+        """(served model name, model argument, the workers' model id); any may be empty."""
+        ...
+
+    default_timeout_s: float  # every HTTP request's deadline (``http_default_timeout_s``)
+
+    async def submit(
+        self, client: str, requests: list[spb.GenerateRequest], authorization: str | None, timeout_s: float
+    ) -> list[Any]:
+        """Admit every request or none, each within ``timeout_s`` from now; raises RouterError."""
+        ...
+
+    def expire(self, handle: Any, error: RouterError) -> None:
+        """The request's deadline passed: unless it finished, abort it and end its stream with ``error``."""
+        ...
+
+    def responses(self, handle: Any) -> AsyncIterator[spb.GenerateResponse]:
+        """One request's responses until its final one; RouterError if it ended abnormally."""
+        ...
+
+    def cancel(self, handle: Any) -> None:
+        """Stop the request now unless it finished (its blocks are freed)."""
+        ...
+
+    def ready(self) -> tuple[bool, int | None]:
+        """(some worker can serve now, how many can; None: not known here)."""
+        ...
+
+
+def deadline_error(timeout_s: float) -> RouterError:
+    """How a request that outlived the server's HTTP deadline ends."""
+    return RouterError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                       f"the request did not finish within the server's HTTP deadline of {timeout_s:g}s "
+                       "(--http-default-timeout-s)")  # fmt: skip
+
+
+class RouterBackend:
+    """``ApiBackend`` over the Router in this process (on its event loop)."""
+
+    def __init__(self, router: Router, bounds: Bounds | None = None) -> None:
         self.router = router
         self.bounds = bounds or Bounds(router)
+        self.limits = self.bounds.limits
+        self.tokenizer = router.tokenizer
+        self.keyed = self.bounds.tenancy is not None
+        self.default_timeout_s = router.config.http_default_timeout_s
+
+    def principal(self, authorization: str | bytes | None) -> Principal | None:
+        return self.bounds.principal(authorization)
+
+    def names(self) -> tuple[str, ...]:
+        c = self.router.config
+        return c.served_model_name or "", c.model or "", self.router.model_id
+
+    async def submit(
+        self, client: str, requests: list[spb.GenerateRequest], authorization: str | None, timeout_s: float
+    ) -> list[RouterRequest]:
+        deadline = time.monotonic() + timeout_s
+        return await self.bounds.submit_all(client, requests, lambda: deadline - time.monotonic(),
+                                            who=self.bounds.principal(authorization))  # fmt: skip
+
+    def expire(self, handle: RouterRequest, error: RouterError) -> None:
+        if not handle.finished:
+            self.router.cancel(handle)
+            handle.responses.put_nowait(error)
+
+    def responses(self, handle: RouterRequest) -> AsyncIterator[spb.GenerateResponse]:
+        return stream_responses(handle)
+
+    def cancel(self, handle: RouterRequest) -> None:
+        if not handle.finished:
+            self.router.cancel(handle)
+
+    def ready(self) -> tuple[bool, int | None]:
+        return cluster_ready(self.router), serving_workers(self.router)
+
+
+# ---- the app --------------------------------------------------------------------------------------------
+class OpenAIApi:
+    """The FastAPI app over one ``ApiBackend``. Every handler runs on the backend's event loop."""
+
+    def __init__(self, backend: ApiBackend, auth_token: str | None = None) -> None:
+        self.backend = backend
+        self.limits = backend.limits
         self._expected = f"Bearer {auth_token}".encode() if auth_token else None
-        self._text = _TokenText(router.tokenizer)
+        self._text = _TokenText(backend.tokenizer)
         self.app = FastAPI(title="kvserve OpenAI-compatible API", docs_url=None, redoc_url=None)
         self._routes()
 
@@ -354,21 +445,20 @@ class OpenAIApi:
     def model_name(self) -> str:
         """The served name, fixed from the start (as ``vllm serve --served-model-name``, default the model
         argument): a client that reads ``/v1/models`` before the workers are up gets the name it will use."""
-        c = self.router.config
-        return c.served_model_name or c.model or self.router.model_id or "kvserve"
+        served, model, model_id = self.backend.names()
+        return served or model or model_id or "kvserve"
 
     def _model_names(self) -> set[str]:
         """Names a request may give: the served name, the model argument and the workers' model id, each
         also as its last path component (the short name)."""
-        c = self.router.config
-        names = {n for n in (c.served_model_name, c.model, self.router.model_id) if n} or {"kvserve"}
+        names = {n for n in self.backend.names() if n} or {"kvserve"}
         return names | {Path(n).name for n in names}
 
     def _check_auth(self, request: Request) -> None:
-        if self._expected is None and self.bounds.tenancy is None:
+        if self._expected is None and not self.backend.keyed:
             return
         got = request.headers.get("authorization", "").encode()
-        if self.bounds.principal(got) is not None:
+        if self.backend.principal(got) is not None:
             return  # an API key (router/tenancy.py)
         # NOTE: constant-time compare, as the gRPC interceptor (router/auth.py).
         if self._expected is None or not hmac.compare_digest(got, self._expected):
@@ -376,13 +466,15 @@ class OpenAIApi:
                            "authentication_error")  # fmt: skip
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model not in self._model_names():
+        # NOTE: a server that knows no name at all (a frontend started without --model or
+        # --served-model-name) cannot tell a wrong name from a right one: it leaves the check out.
+        if model is not None and any(self.backend.names()) and model not in self._model_names():
             raise ApiError(404, f"model {model!r} does not exist; this server serves {self.model_name()!r}",
                            "not_found_error", "model")  # fmt: skip
 
     async def _submit(
         self, request: Request, requests: list[spb.GenerateRequest], chat: bool
-    ) -> tuple[list[RouterRequest], asyncio.TimerHandle]:
+    ) -> tuple[list[Any], asyncio.TimerHandle]:
         """Admit every choice's request, or none (the ones already admitted are cancelled);
         prompts are tokenized off the loop, and the bounds of router/limits.py apply.
 
@@ -391,11 +483,10 @@ class OpenAIApi:
         deadline, and once it passes the requests still running end DEADLINE_EXCEEDED, aborted on
         their workers (``_expire``), whether or not the client is still there."""
         client = request.client.host if request.client else ""
-        who = self.bounds.principal(request.headers.get("authorization"))
-        timeout_s = self.router.config.http_default_timeout_s
+        timeout_s = self.backend.default_timeout_s
         deadline = time.monotonic() + timeout_s
         try:
-            admitted = await self.bounds.submit_all(client, requests, lambda: deadline - time.monotonic(), who=who)
+            admitted = await self.backend.submit(client, requests, request.headers.get("authorization"), timeout_s)
         except RouterError as e:
             raise api_error(e, chat) from e
         # NOTE: the caller cancels the timer when the response ends (it holds the requests).
@@ -404,41 +495,34 @@ class OpenAIApi:
         )
         return admitted, timer
 
-    def _expire(self, admitted: list[RouterRequest], timeout_s: float) -> None:
+    def _expire(self, admitted: list[Any], timeout_s: float) -> None:
         """The HTTP deadline passed: end what still runs with DEADLINE_EXCEEDED and abort it on its
         worker (its blocks are freed at the worker's next step)."""
-        for r in admitted:
-            if not r.finished:
-                self.router.cancel(r)
-                r.responses.put_nowait(RouterError(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"request {r.request_id} did not finish within the server's HTTP deadline of {timeout_s:g}s "
-                    "(--http-default-timeout-s)",
-                ))  # fmt: skip
+        for handle in admitted:
+            self.backend.expire(handle, deadline_error(timeout_s))
 
     def _check_choices(self, num_prompts: int, n: int) -> None:
         """prompts x n before any request is built (each becomes a router request)."""
-        limit = self.bounds.limits.max_choices_per_request
+        limit = self.limits.max_choices_per_request
         if num_prompts * n > limit:
             raise _bad("prompt", f"{num_prompts} prompts x n={n} choices, at most {limit} "
                                  "(limit max_choices_per_request)")  # fmt: skip
 
-    def _cancel_unfinished(self, admitted: list[RouterRequest]) -> None:
+    def _cancel_unfinished(self, admitted: list[Any]) -> None:
         for r in admitted:
-            if not r.finished:
-                self.router.cancel(r)
+            self.backend.cancel(r)
 
-    async def _responses(self, admitted: list[RouterRequest]) -> AsyncIterator[tuple[int, spb.GenerateResponse]]:
+    async def _responses(self, admitted: list[Any]) -> AsyncIterator[tuple[int, spb.GenerateResponse]]:
         """Every choice's responses as they come, tagged with the choice index; RouterError if one failed."""
         if len(admitted) == 1:  # NOTE: the common case skips the merge queue (one hop less per token)
-            async for resp in stream_responses(admitted[0]):
+            async for resp in self.backend.responses(admitted[0]):
                 yield 0, resp
             return
         queue: asyncio.Queue[tuple[int, spb.GenerateResponse | RouterError]] = asyncio.Queue()
 
-        async def pump(i: int, r: RouterRequest) -> None:
+        async def pump(i: int, r: Any) -> None:
             try:
-                async for resp in stream_responses(r):
+                async for resp in self.backend.responses(r):
                     queue.put_nowait((i, resp))
             except RouterError as e:
                 queue.put_nowait((i, e))
@@ -497,7 +581,7 @@ class OpenAIApi:
             self._cancel_unfinished(admitted)
 
     async def _collect(
-        self, admitted: list[RouterRequest], head: dict, n: int, chat: bool, k: int, return_ids: bool
+        self, admitted: list[Any], head: dict, n: int, chat: bool, k: int, return_ids: bool
     ) -> dict:
         choices = [_Choice(i) for i in range(len(admitted))]
         logprobs: list[dict[str, Any] | None] = [None] * len(admitted)
@@ -523,7 +607,7 @@ class OpenAIApi:
         obj = "chat.completion" if chat else "text_completion"
         return {**head, "object": obj, "choices": out, "usage": _usage(choices, n)}
 
-    async def _stream(self, admitted: list[RouterRequest], head: dict, n: int, chat: bool, k: int,
+    async def _stream(self, admitted: list[Any], head: dict, n: int, chat: bool, k: int,
                       include_usage: bool, return_ids: bool,
                       timer: asyncio.TimerHandle) -> AsyncIterator[str]:  # fmt: skip
         """Server-sent events; the client going away cancels this generator, which cancels the requests."""
@@ -572,8 +656,9 @@ class OpenAIApi:
 
     async def ready(self) -> JSONResponse:
         """Readiness: 200 iff some worker can serve now (gRPC health's verdict), else 503."""
-        if cluster_ready(self.router):
-            return JSONResponse({"status": "ok", "serving_workers": serving_workers(self.router)})
+        ready, serving = self.backend.ready()
+        if ready:
+            return JSONResponse({"status": "ok", **({"serving_workers": serving} if serving is not None else {})})
         return JSONResponse({"status": "no worker can serve", "serving_workers": 0}, status_code=503)
 
     async def live(self) -> JSONResponse:
@@ -726,23 +811,29 @@ class HttpApiServer:
 
     def __init__(
         self,
-        router: Router,
+        router: Router | ApiBackend,
         host: str,
         port: int,
         auth_token: str | None = None,
         bounds: Bounds | None = None,
         tls: tuple[str, str, str | None] | None = None,
+        reuse_port: bool = False,
     ) -> None:
         """
         Args:
+            router: the Router in this process, or another ``ApiBackend`` (a frontend's relay).
             host, port: where to listen (port 0 = a free one; ``start`` returns it).
             auth_token: require ``Authorization: Bearer <token>`` (all but ``/health``).
             bounds: the input bounds, shared with the gRPC API (router/limits.py).
             tls: ``(cert, key, client CA or None)`` PEM files: HTTPS, and with a client CA client
                 certificates required (the gRPC port's ``tls_cert``/``tls_key``/``tls_client_ca``).
+            reuse_port: bind with ``SO_REUSEPORT``, so several frontend processes share the port
+                (the kernel spreads connections over them; one that dies stops getting new ones).
         """
-        self.api = OpenAIApi(router, auth_token, bounds)
+        backend = RouterBackend(router, bounds) if isinstance(router, Router) else router
+        self.api = OpenAIApi(backend, auth_token)
         self.tls = tls
+        self.reuse_port = reuse_port
         self.host, self.port = host, port
         self._server: _Server | None = None
         self._task: asyncio.Task | None = None
@@ -752,6 +843,8 @@ class HttpApiServer:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if self.reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             sock.bind((self.host, self.port))
         except OSError as e:
@@ -760,7 +853,7 @@ class HttpApiServer:
         self.port = int(sock.getsockname()[1])
         # NOTE: log_config=None: the process's logging stays as it is (uvicorn would install its own).
         config = uvicorn.Config(
-            MetricsMiddleware(BodyLimitMiddleware(self.api.app, self.api.bounds.limits.max_http_body_bytes)),
+            MetricsMiddleware(BodyLimitMiddleware(self.api.app, self.api.limits.max_http_body_bytes)),
             log_config=None, log_level="warning", access_log=False,
             lifespan="off", timeout_graceful_shutdown=1, **self._ssl_options(),
         )  # fmt: skip

@@ -43,7 +43,7 @@ from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import serving_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router import metrics
 from router.admin_api import AdminServicer
-from router.auth import CallerAuthInterceptor
+from router.auth import CallerAuthInterceptor, frontend_trusted
 from router.config import RouterConfig
 from router.demux import stream_responses
 from router.health import HealthPublisher
@@ -179,11 +179,16 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
     """
 
     def __init__(
-        self, router: Router, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S, bounds: Bounds | None = None
+        self,
+        router: Router,
+        ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+        bounds: Bounds | None = None,
+        frontend_key: str | None = None,
     ) -> None:
         if not ready_timeout_s >= 0:
             raise ValueError(f"ready_timeout_s must be >= 0, got {ready_timeout_s}")
         self.router = router
+        self.frontend_key = frontend_key  # a GenerateStream carrying it may name its requests' clients
         self.ready_timeout_s = ready_timeout_s
         self.bounds = bounds or Bounds(router)
         self._snapshot: tuple[float, spb.ClusterStatus] | None = None
@@ -239,7 +244,8 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
         mux = StreamMux()
         live: dict[str, RouterRequest] = {}
         who = self._principal(context)
-        caller = (client_of_peer(context.peer()), who)
+        trusted = frontend_trusted(context.invocation_metadata(), self.frontend_key)
+        caller = (client_of_peer(context.peer()), who, trusted)
         reader = asyncio.get_running_loop().create_task(self._read_requests(requests, mux, live, caller))
         try:
             while True:
@@ -272,9 +278,9 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
         requests: AsyncIterator[Any],
         mux: StreamMux,
         live: dict[str, RouterRequest],
-        caller: tuple[str, Principal | None],
+        caller: tuple[str, Principal | None, bool],
     ) -> None:
-        client, who = caller
+        peer, who, trusted = caller
         try:
             async for msg in requests:
                 if isinstance(msg, Undecodable):
@@ -292,9 +298,13 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
                     why = "missing" if not rid else f"{rid!r} already in use on this stream"
                     raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
                                       f"request_id {why}: GenerateStream requests need ids of their own")  # fmt: skip
+                # NOTE: a frontend relays many clients on one stream: each counts as itself (frontend/).
+                client = msg.client if trusted and msg.client else peer
                 try:
                     # NOTE: the same bounds, tokenization off the loop and tenancy as Generate.
-                    (live[rid],) = await self.bounds.submit_all(client, [msg.generate], who=who, mux=mux)
+                    (live[rid],) = await self.bounds.submit_all(
+                        client, [msg.generate], _time_remaining(msg.timeout_ms), who=who, mux=mux
+                    )
                 except RouterError as e:
                     # NOTE: keyed as the router keys the request's responses (scoped), unscoped on the way out.
                     mux.put(rid if who is None else self.bounds.tenancy.scoped_id(who, rid), e)  # type: ignore[union-attr]
@@ -338,6 +348,14 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
         return self._snapshot[1]
 
 
+def _time_remaining(timeout_ms: int) -> Callable[[], float | None]:
+    """Seconds left of a GenerateStream request's own deadline (``timeout_ms`` from now; 0 = none)."""
+    if not timeout_ms:
+        return lambda: None
+    deadline = time.monotonic() + timeout_ms / 1000
+    return lambda: deadline - time.monotonic()
+
+
 async def _abort(context: grpc.aio.ServicerContext, e: RouterError) -> None:
     if e.trailers:
         context.set_trailing_metadata(e.trailers)
@@ -350,6 +368,7 @@ def build_server(
     gate: WorkerLinkGate,
     bounds: Bounds,
     ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+    frontend_key: str | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """The gRPC server with every service registered and its port bound (not started).
 
@@ -366,7 +385,7 @@ def build_server(
     ]
     keys = bounds.tenancy.keys if bounds.tenancy is not None else None
     server = grpc.aio.server(interceptors=[CallerAuthInterceptor(config.auth_token, keys)], options=options)
-    add_kvserve_servicer(KVServeServicer(router, ready_timeout_s, bounds), server)
+    add_kvserve_servicer(KVServeServicer(router, ready_timeout_s, bounds, frontend_key), server)
     add_kvserve_servicer(AdminServicer(router), server, "Admin")
     worker_pb2_grpc.add_WorkerLinkServicer_to_server(gate, server)
     health_servicer = health.aio.HealthServicer()
@@ -408,6 +427,7 @@ class RouterService:
         http_port: int | None = None,
         ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
         worker_key: str | None = None,
+        frontend_key: str | None = None,
     ) -> None:
         """
         Args:
@@ -416,6 +436,8 @@ class RouterService:
             worker_key: the cluster's worker key (``workers/core/worker_credential.py``), from the
                 launcher, which issues each worker's credential from it. None: a fresh one no
                 worker holds, so no WorkerLink is accepted (a router without workers, in tests).
+            frontend_key: the cluster's frontend key (frontend/): a GenerateStream presenting it
+                may name each request's end client. None: no frontend is trusted.
         """
         from workers.text.chat_template import ChatTemplate
         from workers.text.tokenizer import load_tokenizer
@@ -428,6 +450,7 @@ class RouterService:
         self.gate = WorkerLinkGate(self.router.link, worker_key or new_worker_key())
         tenancy = Tenancy(KeyRing.load(config.auth_keys)) if config.auth_keys else None
         self.bounds = Bounds(self.router, tenancy=tenancy)
+        self.frontend_key = frontend_key
         self.metrics_port = metrics_port
         self.port = 0
         self._http_port = http_port
@@ -440,7 +463,9 @@ class RouterService:
     async def start(self) -> str:
         """Start serving; returns the bound ``host:port``. Readiness answers NOT_SERVING until a
         worker can serve (and again whenever none can); liveness answers SERVING."""
-        server, self.port = build_server(self.router, self.config, self.gate, self.bounds, self.ready_timeout_s)
+        server, self.port = build_server(
+            self.router, self.config, self.gate, self.bounds, self.ready_timeout_s, self.frontend_key
+        )
         self.health = HealthPublisher(self.router, server._kvserve_health)  # type: ignore[attr-defined]
         await self.health.start()
         await server.start()

@@ -15,6 +15,11 @@ SSE ``/v1/completions``), each for ``--max-tokens`` tokens, and reports:
   serving path adds to each token;
 * ``router_rss_mb``: the router's resident memory at the end.
 
+``--frontends N`` puts N stateless frontends (frontend/, the same Ray actors ``kvserve serve --frontends``
+starts) between the clients and the router: the clients call the frontends' shared ports, each
+frontend relays over one GenerateStream, and ``frontend_cpu_us_per_token`` is their CPU time (all
+of them) per streamed token; ``router_cpu_us_per_token`` stays the router process's alone.
+
 ``--protocol grpc-mux`` sends every stream over one ``GenerateStream`` (router/mux.py): the router then
 sends one message per worker step for all of them and the client unbatches by request id.
 
@@ -42,6 +47,7 @@ class PlanePoint:
     """One setting of the sweep and what it measured."""
 
     workers: int
+    frontends: int
     streams: int
     tokens_per_step: int
     step_ms: float
@@ -51,6 +57,7 @@ class PlanePoint:
     streamed_tokens_per_s: float
     router_cpu_s: float
     router_cpu_us_per_token: float
+    frontend_cpu_us_per_token: float
     added_itl_p50_ms: float
     added_itl_p99_ms: float
     router_rss_mb: float
@@ -161,12 +168,13 @@ def _proc_cpu_s(pid: int) -> float:
 
 
 def measure(workers: int, streams: int, tokens_per_step: int, step_ms: float, max_tokens: int,
-            protocol: str) -> PlanePoint:  # fmt: skip
-    """One point: a fresh router and simulated workers, ``streams`` streams through them."""
+            protocol: str, frontends: int = 0) -> PlanePoint:  # fmt: skip
+    """One point: a fresh router and simulated workers (and ``frontends``), ``streams`` streams through them."""
     import psutil
     import ray
 
     from cluster.bench.sim_worker import SimSpec, sim_worker_actor_class
+    from cluster.frontends import start_frontends, stop_frontends
     from cluster.launch import _register_workers, _start_router, worker_options_for
     from router.config import RouterConfig
     from workers.core.worker_credential import new_worker_key
@@ -174,8 +182,11 @@ def measure(workers: int, streams: int, tokens_per_step: int, step_ms: float, ma
 
     config = RouterConfig(port=0, max_queue_requests=max(1024, streams), max_buffered_responses=1 << 16)
     key = new_worker_key()
-    router, http_port = _start_router(config, None, None, 0 if protocol == "http" else None, key)
+    fkey = new_worker_key() if frontends else None
+    http = 0 if protocol == "http" else None
+    router, http_port = _start_router(config, None, None, None if frontends else http, key, fkey)
     handles: dict[str, Any] = {}
+    fronts: list[Any] = []
     try:
         address = ray.get(router.address.remote())
         spec = SimSpec(step_ms=step_ms, tokens_per_step=tokens_per_step)
@@ -184,21 +195,29 @@ def measure(workers: int, streams: int, tokens_per_step: int, step_ms: float, ma
         ray.get(router.expect_workers.remote(ids))
         handles = {w: actor.remote(w, worker_options_for(WorkerOptions(), w, key, address), spec) for w in ids}
         _register_workers(router, handles, 60.0)
+        client_address = address
+        if frontends:
+            fronts, grpc_port, http_port = start_frontends(frontends, config, address, 0, http, fkey or "")
+            client_address = f"127.0.0.1:{grpc_port}"
+        front_pids = [ray.get(f.pid.remote()) for f in fronts]
         pid = ray.get(router.pid.remote())
         http_url = f"http://127.0.0.1:{http_port}/v1/completions" if protocol == "http" else None
-        cpu0 = _proc_cpu_s(pid)
+        cpu0, fcpu0 = _proc_cpu_s(pid), sum(_proc_cpu_s(p) for p in front_pids)
         mux = protocol == "grpc-mux"
-        tokens, window, lat, failed = asyncio.run(_drive(address, http_url, streams, max_tokens, mux))
+        tokens, window, lat, failed = asyncio.run(_drive(client_address, http_url, streams, max_tokens, mux))
         cpu = _proc_cpu_s(pid) - cpu0
+        fcpu = sum(_proc_cpu_s(p) for p in front_pids) - fcpu0
         rss = psutil.Process(pid).memory_info().rss / 2**20
     finally:
+        stop_frontends(fronts)
         for h in handles.values():
             ray.kill(h)
         ray.kill(router)
+    per_token = (lambda s: s / tokens * 1e6) if tokens else (lambda s: float("nan"))
     return PlanePoint(
-        workers, streams, tokens_per_step, step_ms, protocol, tokens, window, tokens / window if window else 0.0,
-        cpu, cpu / tokens * 1e6 if tokens else float("nan"), percentile(lat, 0.5), percentile(lat, 0.99), rss,
-        failed,
+        workers, frontends, streams, tokens_per_step, step_ms, protocol, tokens, window,
+        tokens / window if window else 0.0, cpu, per_token(cpu), per_token(fcpu) if frontends else 0.0,
+        percentile(lat, 0.5), percentile(lat, 0.99), rss, failed,
     )  # fmt: skip
 
 
@@ -215,6 +234,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--protocol", choices=("grpc", "grpc-mux", "http"), default="grpc",
                    help="the client API: a gRPC Generate per stream, every stream on one GenerateStream (one "
                         "message per worker step, unbatched by the client), or HTTP/SSE")  # fmt: skip
+    p.add_argument("--frontends", type=_ints, default=[0],
+                   help="stateless frontends between clients and router (a comma list sweeps; 0 = none)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object per point instead of the table")
 
 
@@ -228,8 +249,8 @@ def run(args: argparse.Namespace) -> int:
     owns_ray = init_ray(None)
     points = []
     try:
-        for w, s, k in itertools.product(args.workers, args.streams, args.tokens_per_step):
-            point = measure(w, s, k, args.step_ms, args.max_tokens, args.protocol)
+        for f, w, s, k in itertools.product(args.frontends, args.workers, args.streams, args.tokens_per_step):
+            point = measure(w, s, k, args.step_ms, args.max_tokens, args.protocol, f)
             points.append(point)
             if args.json:
                 print(json.dumps(asdict(point)), flush=True)
@@ -244,11 +265,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_table(points: list[PlanePoint]) -> str:
-    head = ("| proto | workers | streams | tok/step | step ms | streamed tok/s | router CPU µs/tok | added ITL p50 / "
-            "p99 ms | router RSS MB |\n|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    head = ("| proto | frontends | workers | streams | tok/step | step ms | streamed tok/s | router CPU µs/tok | "
+            "frontends CPU µs/tok | added ITL p50 / p99 ms | router RSS MB |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     rows = [
-        f"| {p.protocol} | {p.workers} | {p.streams} | {p.tokens_per_step} | {p.step_ms:g} | "
-        f"{p.streamed_tokens_per_s:,.0f} | {p.router_cpu_us_per_token:.1f} | "
+        f"| {p.protocol} | {p.frontends} | {p.workers} | {p.streams} | {p.tokens_per_step} | {p.step_ms:g} | "
+        f"{p.streamed_tokens_per_s:,.0f} | {p.router_cpu_us_per_token:.1f} | {p.frontend_cpu_us_per_token:.1f} | "
         f"{p.added_itl_p50_ms:.1f} / {p.added_itl_p99_ms:.1f} | {p.router_rss_mb:.0f} |"
         for p in points
     ]

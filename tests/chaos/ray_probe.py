@@ -8,6 +8,8 @@ Usage: ``python -m tests.chaos.ray_probe GCS_ADDRESS``; then write lines:
 ``{"op": "router_pid"}`` -> ``{"ok": true, "value": 12345}``
 ``{"op": "partition", "worker_id": "worker-0", "seconds": 1.0}`` -> the worker drops its WorkerLink
 for that long (``Worker.partition_link_for_test``)
+``{"op": "frontend_pid", "index": 0}`` -> ``{"ok": true, "value": 12345}`` (``--frontends``: waits
+for a restarting frontend to be back)
 The router actor is looked up by name for every command (``serve`` may have restarted it).
 Errors come back as ``{"ok": false, "error": "..."}``; EOF on stdin ends the process.
 """
@@ -21,6 +23,7 @@ import sys
 import ray
 
 from cluster.config import RAY_NAMESPACE, ROUTER_ACTOR_NAME
+from cluster.frontends import FRONTEND_NAME
 
 TIMEOUT_S = 60.0
 
@@ -57,6 +60,9 @@ def main(gcs_address: str) -> None:
             elif cmd["op"] == "partition":
                 value = ray.get(router.partition_worker_link_for_test.remote(cmd["worker_id"], cmd["seconds"]),
                                 timeout=TIMEOUT_S)  # fmt: skip
+            elif cmd["op"] == "frontend_pid":
+                frontend = ray.get_actor(FRONTEND_NAME.format(cmd["index"]))
+                value = ray.get(frontend.pid.remote(), timeout=TIMEOUT_S)
             elif cmd["op"] == "integrity":
                 value = _integrity(router, cmd.get("worker_ids"))
             else:

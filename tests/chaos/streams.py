@@ -4,6 +4,7 @@ events to synchronise on instead of sleeps, and the router's RSS sampled through
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,6 +41,9 @@ class Stream:
     timeout: float = 180.0
     first_tokens: int = 3  # ``started`` is set once this many tokens arrived
     metadata: tuple[tuple[str, str], ...] = ()  # e.g. the bearer token of a cluster with --auth-token
+    # A channel to call on (kept open: e.g. one connection known to reach one frontend behind a
+    # shared port); None: a channel of its own.
+    channel: grpc.Channel | None = None
     tokens: list[int] = field(default_factory=list)
     worker_ids: list[str] = field(default_factory=list)
     times: list[float] = field(default_factory=list)  # monotonic arrival of each response
@@ -57,7 +61,7 @@ class Stream:
 
     def _run(self) -> None:
         try:
-            with grpc.insecure_channel(self.address) as ch:
+            with contextlib.nullcontext(self.channel) if self.channel else grpc.insecure_channel(self.address) as ch:
                 for resp in serving_pb2_grpc.KVServeStub(ch).Generate(
                     self.req, timeout=self.timeout, metadata=self.metadata
                 ):

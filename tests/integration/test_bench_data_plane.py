@@ -19,10 +19,30 @@ def test_stamps_and_percentiles() -> None:
     assert percentile([5.0, 1.0, 3.0], 0.5) == 3.0 and percentile([5.0, 1.0, 3.0], 0.99) == 5.0
 
 
-@pytest.mark.parametrize("protocol", ["grpc", "http"])
-def test_every_emitted_token_is_streamed_and_counted(protocol: str) -> None:
-    cmd = [sys.executable, "-m", "cluster.cli", "bench", "data-plane", "--workers", "2", "--streams", "6",
-           "--tokens-per-step", "3", "--max-tokens", "20", "--step-ms", "10", "--protocol", protocol, "--json"]
+@pytest.mark.parametrize(("protocol", "frontends"), [("grpc", 0), ("http", 0), ("http", 1)])
+def test_every_emitted_token_is_streamed_and_counted(protocol: str, frontends: int) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "cluster.cli",
+        "bench",
+        "data-plane",
+        "--workers",
+        "2",
+        "--streams",
+        "6",
+        "--tokens-per-step",
+        "3",
+        "--max-tokens",
+        "20",
+        "--step-ms",
+        "10",
+        "--protocol",
+        protocol,
+        "--json",
+        "--frontends",
+        str(frontends),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     (point,) = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
@@ -30,3 +50,4 @@ def test_every_emitted_token_is_streamed_and_counted(protocol: str) -> None:
     assert point["streamed_tokens"] == 6 * 20  # none lost, none duplicated
     assert point["streamed_tokens_per_s"] > 0 and point["router_cpu_us_per_token"] > 0
     assert 0 <= point["added_itl_p50_ms"] <= point["added_itl_p99_ms"]
+    assert point["frontends"] == frontends and (point["frontend_cpu_us_per_token"] > 0) == (frontends > 0)

@@ -70,7 +70,17 @@ def manifest_serve_commands() -> list[tuple[str, list[str]]]:
 
 
 def kuberay_docs() -> dict[str, dict]:
-    return {d["kind"]: d for d in load_all(DEPLOY / "kuberay" / "raycluster.yaml")}
+    """The first document of each kind (the router's Service before the frontends')."""
+    docs: dict[str, dict] = {}
+    for d in load_all(DEPLOY / "kuberay" / "raycluster.yaml"):
+        docs.setdefault(d["kind"], d)
+    return docs
+
+
+def kuberay_doc(kind: str, name: str) -> dict:
+    (doc,) = [d for d in load_all(DEPLOY / "kuberay" / "raycluster.yaml") if (d["kind"], d["metadata"]["name"]) ==
+              (kind, name)]  # fmt: skip
+    return doc
 
 
 # ---- parsing --------------------------------------------------------------------------------
@@ -137,6 +147,35 @@ def test_kuberay_exposes_the_router_ports() -> None:
             assert limits["nvidia.com/gpu"] == requests["nvidia.com/gpu"], "GPU request = limit"
     mounts = {m["mountPath"] for m in head["volumeMounts"]}
     assert "/etc/kvserve" in mounts, "the ConfigMap reaches --config"
+
+
+def test_kuberay_frontends_are_replicas_behind_one_service_dialing_the_router() -> None:
+    from cluster.cli import build_parser as cli_parser
+    from cluster.frontend_cli import settings_from_args
+
+    deployment = kuberay_doc("Deployment", "kvserve-frontend")
+    pod = deployment["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    (line,) = container["args"]
+    argv = shlex.split(line.replace("exec ", "", 1).replace("$(POD_NAME)", "frontend-x"))
+    assert argv[:2] == ["kvserve", "frontend"]
+    args = cli_parser().parse_args(argv[1:])  # SystemExit (a flag the CLI lacks) fails the test
+    settings = settings_from_args(args)
+    assert settings.router_address == "kvserve:50051", "the router's Service and gRPC port"
+    assert (settings.grpc_port, settings.http_port, settings.router.host) == (50052, 8000, "0.0.0.0")
+    assert settings.router.model == yaml.safe_load(kuberay_docs()["ConfigMap"]["data"]["cluster.yaml"])["model"]
+    assert {p["containerPort"] for p in container["ports"]} == {50052, 8000}
+    assert container["readinessProbe"]["grpc"]["port"] == 50052
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    svc = kuberay_doc("Service", "kvserve-frontend")["spec"]
+    assert svc["selector"].items() <= pod["metadata"]["labels"].items()
+    assert {(p["name"], p["port"]) for p in svc["ports"]} == {("grpc", 50052), ("http", 8000)}
+    router = kuberay_doc("Service", "kvserve")
+    assert router["metadata"]["name"] == settings.router_address.split(":")[0]
+    head = kuberay_docs()["RayCluster"]["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    key_env = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in head["env"] if "valueFrom" in e}
+    frontend_env = {e["name"]: e["valueFrom"].get("secretKeyRef", {}).get("name") for e in container["env"]}
+    assert key_env["KVSERVE_FRONTEND_KEY"] == frontend_env["KVSERVE_FRONTEND_KEY"], "one frontend key for both"
 
 
 def test_ray_cluster_launcher_yaml_matches_rays_schema() -> None:

@@ -12,7 +12,7 @@ import time
 
 import httpx
 
-from router.http_api import OpenAIApi
+from router.http_api import OpenAIApi, RouterBackend
 from tests.unit.test_router_failover import _commands, _router
 
 TIMEOUT_S = 0.5
@@ -20,7 +20,7 @@ BOUND_S = 30.0  # the call must end long before this (it would never end without
 
 
 async def _call(router, body: dict) -> tuple[httpx.Response, float]:  # noqa: ANN001
-    api = OpenAIApi(router)
+    api = OpenAIApi(RouterBackend(router))
     transport = httpx.ASGITransport(app=api.app)
     async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
         t0 = time.monotonic()

@@ -1,0 +1,248 @@
+"""``kvserve serve --frontends 2``: the client APIs served by two frontend processes on one shared port
+(SO_REUSEPORT), relayed to the router over one GenerateStream each (frontend/, docs/architecture.md
+section 1). A real serve, the tiny random Llama, 2 CPU workers, real gRPC and HTTP on 127.0.0.1.
+
+* gRPC (token ids, text, chat; Generate and GenerateStream) and HTTP/SSE streaming through the
+  frontends give the greedy tokens the router gives when clients call it directly (``--frontends 0``'s
+  path, on the same cluster).
+* A worker SIGKILLed while streams go through a frontend: every stream continues token-identical
+  (ordering and de-duplication across the replay are the router's, carried unchanged over the mux).
+* A frontend SIGKILLed mid-stream: its streams end UNAVAILABLE with a prefix of the right tokens, the
+  router aborts their requests (no used block is left), the other frontend's streams complete
+  token-identical, a new request on the same port succeeds, and Ray restarts the frontend.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from protos.kvserve.v1 import serving_pb2 as spb
+from protos.kvserve.v1 import serving_pb2_grpc
+from tests.chaos.conftest import ServedCluster, serve_cluster, stop_cluster
+from tests.chaos.streams import Stream, prompt, request, run_all
+from tests.chaos.test_failover import _mixed_requests, _wait_status
+from tests.integration.test_serve import HTTP_LINE, Proc, clean_env, kvserve_argv
+
+FRONTEND_LINE = re.compile(r"(\d+) frontends serving gRPC kvserve.v1.KVServe on (\S+)")
+FRONTEND_HEADER = "kvserve-frontend"
+
+
+@dataclass
+class Fronted:
+    cluster: ServedCluster
+    frontend: str  # the frontends' shared gRPC host:port
+    http: str  # the frontends' shared HTTP base URL (.../v1)
+
+    def frontend_pid(self, frontend_id: str) -> int:
+        index = int(frontend_id.rsplit("-", 1)[1])
+        pid = int(self.cluster._ask({"op": "frontend_pid", "index": index}))
+        self.cluster.proc.note_descendants()
+        assert pid in self.cluster.proc.descendants, f"{frontend_id} pid {pid} is not a process serve started"
+        return pid
+
+
+@pytest.fixture(scope="module")
+def fronted(tiny_llama_dir: Path) -> Iterator[Fronted]:
+    c = serve_cluster(tiny_llama_dir, "--frontends", "2", "--frontend-port", "0", "--http-port", "0")
+    try:
+        m = c.proc.wait_for_line(FRONTEND_LINE, timeout=120)
+        assert m.group(1) == "2"
+        http = c.proc.wait_for_line(HTTP_LINE, timeout=30).group(1)
+        yield Fronted(c, m.group(2), http)
+    finally:
+        stop_cluster(c)
+
+
+def _stream_tokens(address: str, req: spb.GenerateRequest) -> tuple[list[int], str]:
+    with grpc.insecure_channel(address) as ch:
+        responses = list(serving_pb2_grpc.KVServeStub(ch).Generate(req, timeout=120))
+    assert responses[-1].finish_reason
+    return [t for r in responses for t in r.token_ids], "".join(r.text_delta for r in responses)
+
+
+def _sse_tokens(url: str, body: dict) -> tuple[list[int], str]:
+    ids: list[int] = []
+    text = ""
+    with httpx.stream("POST", url, json={**body, "stream": True, "return_token_ids": True}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                ids.extend(choice.get("token_ids") or ())
+                text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+    return ids, text
+
+
+def test_grpc_and_http_through_frontends_equal_the_router_direct(fronted: Fronted) -> None:
+    c, front = fronted.cluster, fronted.frontend
+    greedy = spb.SamplingParams(max_tokens=12, ignore_eos=True)
+    reqs = [
+        spb.GenerateRequest(token_ids=spb.TokenIds(ids=prompt(1)), sampling=greedy),
+        spb.GenerateRequest(text="the cache of a router", sampling=greedy),  # tokenized by the frontend
+        spb.GenerateRequest(
+            messages=spb.ChatMessages(messages=[spb.ChatMessage(role="user", content="hi there")]), sampling=greedy
+        ),  # fmt: skip
+    ]
+    for req in reqs:
+        direct = _stream_tokens(c.address, req)
+        assert len(direct[0]) == 12
+        assert _stream_tokens(front, req) == direct, req.WhichOneof("prompt")
+
+    # GenerateStream through a frontend: one stream, several requests, unbatched by id.
+    async_reqs = [
+        spb.GenerateStreamRequest(generate=spb.GenerateRequest(
+            request_id=f"m{i}", token_ids=spb.TokenIds(ids=prompt(20 + i)), sampling=greedy))
+        for i in range(3)
+    ]  # fmt: skip
+    got: dict[str, list[int]] = {}
+    with grpc.insecure_channel(front) as ch:
+        for batch in serving_pb2_grpc.KVServeStub(ch).GenerateStream(iter(async_reqs), timeout=120):
+            assert not batch.errors, batch.errors
+            for resp in batch.responses:
+                got.setdefault(resp.request_id, []).extend(resp.token_ids)
+    for i, m in enumerate(async_reqs):
+        assert got[f"m{i}"] == _stream_tokens(c.address, m.generate)[0]
+
+    # HTTP/SSE on the frontends' shared port: completion (ids and text prompt) and chat.
+    ids, _ = _sse_tokens(f"{fronted.http}/completions", {"prompt": prompt(1), "max_tokens": 12, "ignore_eos": True})
+    assert ids == _stream_tokens(c.address, reqs[0])[0]
+    ids, _ = _sse_tokens(f"{fronted.http}/completions",
+                         {"prompt": "the cache of a router", "max_tokens": 12, "ignore_eos": True})  # fmt: skip
+    assert ids == _stream_tokens(c.address, reqs[1])[0]
+    ids, text = _sse_tokens(f"{fronted.http}/chat/completions",
+                            {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 12,
+                             "ignore_eos": True})  # fmt: skip
+    assert (ids, text) == _stream_tokens(c.address, reqs[2])
+    # A refusal is the router's, as an HTTP status before any body.
+    r = httpx.post(f"{fronted.http}/completions", json={"prompt": [10**8], "max_tokens": 4}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    c.wait_idle()
+
+
+def test_worker_sigkill_streams_through_a_frontend_continue_token_identical(fronted: Fronted) -> None:
+    c = fronted.cluster
+    max_tokens = 160
+    reqs = _mixed_requests(8, 400, max_tokens)
+    reference = run_all(c.address, reqs)  # the router direct, undisturbed
+    assert all(s.code == grpc.StatusCode.OK and len(s.tokens) == max_tokens for s in reference)
+    c.wait_idle()
+
+    streams = [Stream(fronted.frontend, r, first_tokens=3).start() for r in reqs]
+    for s in streams:
+        assert s.started.wait(120), "no first tokens"
+    # NOTE: the worker holding most streams (whichever kinds it got: placement order through the
+    # frontend's relay is the threads' arrival order, not the failover test's pattern)
+    holders = [s.last_worker for s in streams]
+    victim = max(set(holders), key=holders.count)
+    c.kill_worker(victim)
+    for s in streams:
+        s.wait(240)
+    moved = [s for s in streams if victim in s.worker_ids and len(set(s.worker_ids)) > 1]
+    for s, ref in zip(streams, reference, strict=True):
+        assert s.code == grpc.StatusCode.OK, (s.req.request_id, s.code, s.details)
+        assert s.tokens == ref.tokens, "a stream replayed through a frontend differs from the undisturbed run"
+        assert s.final is not None and s.final.usage.completion_tokens == max_tokens
+        if s in moved:
+            assert s.final.num_replays == 1 and s.final.num_migrations >= 1
+    assert moved, f"no stream was on {victim} when it died; nothing was tested"
+    _wait_status(c, lambda st: all(w.state == "up" and w.healthy for w in st.workers), 240, "workers back up")
+    c.wait_idle()
+
+
+def _connections(address: str, per_frontend: int, limit: int = 32) -> dict[str, list[grpc.Channel]]:
+    """Channels, each its own TCP connection (not the process-wide subchannel pool), grouped by the
+    frontend that serves it (learned from a 1-token Generate's ``kvserve-frontend`` metadata): the
+    kernel spreads connections over the frontends, so open them until each has ``per_frontend``."""
+    by_frontend: dict[str, list[grpc.Channel]] = {}
+    for i in range(limit):
+        ch = grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+        call = serving_pb2_grpc.KVServeStub(ch).Generate(request(prompt(900 + i, 4), 1), timeout=60)
+        assert [r.finish_reason for r in call][-1] == "length"
+        by_frontend.setdefault(dict(call.initial_metadata())[FRONTEND_HEADER], []).append(ch)
+        if len(by_frontend) == 2 and all(len(v) >= per_frontend for v in by_frontend.values()):
+            break
+    assert set(by_frontend) == {"frontend-0", "frontend-1"} and all(
+        len(v) >= per_frontend for v in by_frontend.values()
+    ), {k: len(v) for k, v in by_frontend.items()}
+    return by_frontend
+
+
+def test_frontend_sigkill_ends_its_streams_frees_their_blocks_and_the_port_serves_on(fronted: Fronted) -> None:
+    c = fronted.cluster
+    long, short = 400, 40  # NOTE: the dead frontend's requests are long: finishing them would take ~400 steps
+    by_frontend = _connections(fronted.frontend, per_frontend=2)
+    victim, survivor = "frontend-0", "frontend-1"
+    pid = fronted.frontend_pid(victim)  # NOTE: before the streams, so they are killed early on
+    cut = [Stream(fronted.frontend, request(prompt(600 + i), long), channel=ch).start()
+           for i, ch in enumerate(by_frontend[victim][:2])]  # fmt: skip
+    kept = [Stream(fronted.frontend, request(prompt(610 + i), short), channel=ch).start()
+            for i, ch in enumerate(by_frontend[survivor][:2])]  # fmt: skip
+    for s in cut + kept:
+        assert s.started.wait(120), "no first tokens"
+    steps_before = {w.worker_id: w.decode_steps for w in c.status().workers}
+    t_kill = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    for s in cut + kept:
+        s.wait(240)
+    # The router aborted the dead frontend's requests: idle, every block free, and well before they
+    # could have run to their end (~400 more steps).
+    idle = c.wait_idle()
+    steps = {w.worker_id: w.decode_steps - steps_before[w.worker_id] for w in idle.workers}
+    assert max(steps.values()) < long // 4, steps  # NOTE: measured 16-40 aborted, 275-278 not
+
+    reference = run_all(c.address, [s.req for s in cut + kept])  # the router direct, undisturbed
+    for s, ref in zip(cut + kept, reference, strict=True):
+        assert ref.code == grpc.StatusCode.OK and len(ref.tokens) == s.req.sampling.max_tokens
+    for s, ref in zip(cut, reference[: len(cut)], strict=True):
+        assert s.code == grpc.StatusCode.UNAVAILABLE, (s.code, s.details)
+        assert s.tokens == ref.tokens[: len(s.tokens)] and len(s.tokens) < long
+    for s, ref in zip(kept, reference[len(cut) :], strict=True):
+        assert s.code == grpc.StatusCode.OK, (s.code, s.details)
+        assert s.tokens == ref.tokens, "a stream of the surviving frontend differs from the undisturbed run"
+
+    # The same port serves on at once (the survivor), and Ray brings the dead frontend back.
+    (after,) = run_all(fronted.frontend, [request(prompt(700), 16)])
+    assert after.code == grpc.StatusCode.OK and after.tokens == run_all(c.address, [after.req])[0].tokens
+    new_pid = fronted.frontend_pid(victim)  # NOTE: the probe's call waits for the restarted actor
+    assert new_pid != pid
+    print(f"\nFIGURES frontend kill: cut {len(cut)}, kept {len(kept)}, steps after the kill {steps}, "
+          f"restarted within {time.monotonic() - t_kill:.1f}s")  # fmt: skip
+    for channels in by_frontend.values():
+        for ch in channels:
+            ch.close()
+    c.wait_idle()
+
+
+PLAIN_FRONTEND_LINE = re.compile(r"frontend plain serving gRPC kvserve.v1.KVServe on (\S+),")
+
+
+def test_kvserve_frontend_as_a_plain_process_relays_to_the_router(fronted: Fronted) -> None:
+    """The deploy entry point (a Kubernetes frontend pod runs it): its own ports, the router's address."""
+    c = fronted.cluster
+    proc = Proc(kvserve_argv("frontend", "--router", c.address, "--model", str(c.model_dir), "--grpc-port", "0",
+                             "--http-port", "0", "--frontend-id", "plain"), clean_env())  # fmt: skip
+    try:
+        address = proc.wait_for_line(PLAIN_FRONTEND_LINE, timeout=120).group(1)
+        http = proc.wait_for_line(HTTP_LINE, timeout=30).group(1)
+        req = spb.GenerateRequest(text="a plain frontend", sampling=spb.SamplingParams(max_tokens=8, ignore_eos=True))
+        assert _stream_tokens(address, req) == _stream_tokens(c.address, req)
+        ids, _ = _sse_tokens(f"{http}/completions", {"prompt": "a plain frontend", "max_tokens": 8, "ignore_eos": True})
+        assert ids == _stream_tokens(c.address, req)[0]
+        proc.popen.send_signal(signal.SIGTERM)
+        assert proc.popen.wait(timeout=30) == 0
+    finally:
+        if proc.popen.poll() is None:
+            proc.kill_tree()
+    c.wait_idle()
