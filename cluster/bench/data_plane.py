@@ -34,9 +34,12 @@ import argparse
 import asyncio
 import itertools
 import json
+import signal
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 _PROMPT = list(range(1, 17))
@@ -168,8 +171,10 @@ def _proc_cpu_s(pid: int) -> float:
 
 
 def measure(workers: int, streams: int, tokens_per_step: int, step_ms: float, max_tokens: int,
-            protocol: str, frontends: int = 0) -> PlanePoint:  # fmt: skip
-    """One point: a fresh router and simulated workers (and ``frontends``), ``streams`` streams through them."""
+            protocol: str, frontends: int = 0, py_spy: str | None = None) -> PlanePoint:  # fmt: skip
+    """One point: a fresh router and simulated workers (and ``frontends``), ``streams`` streams through them.
+
+    ``py_spy``: record the router process with py-spy during the streams (collapsed stacks into this file)."""
     import psutil
     import ray
 
@@ -204,7 +209,13 @@ def measure(workers: int, streams: int, tokens_per_step: int, step_ms: float, ma
         http_url = f"http://127.0.0.1:{http_port}/v1/completions" if protocol == "http" else None
         cpu0, fcpu0 = _proc_cpu_s(pid), sum(_proc_cpu_s(p) for p in front_pids)
         mux = protocol == "grpc-mux"
-        tokens, window, lat, failed = asyncio.run(_drive(client_address, http_url, streams, max_tokens, mux))
+        spy = _py_spy(pid, py_spy) if py_spy else None
+        try:
+            tokens, window, lat, failed = asyncio.run(_drive(client_address, http_url, streams, max_tokens, mux))
+        finally:
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)
+                spy.wait(timeout=60)
         cpu = _proc_cpu_s(pid) - cpu0
         fcpu = sum(_proc_cpu_s(p) for p in front_pids) - fcpu0
         rss = psutil.Process(pid).memory_info().rss / 2**20
@@ -219,6 +230,16 @@ def measure(workers: int, streams: int, tokens_per_step: int, step_ms: float, ma
         tokens / window if window else 0.0, cpu, per_token(cpu), per_token(fcpu) if frontends else 0.0,
         percentile(lat, 0.5), percentile(lat, 0.99), rss, failed,
     )  # fmt: skip
+
+
+def _py_spy(pid: int, out: str) -> subprocess.Popen:
+    """``py-spy record`` of ``pid`` into ``out`` until SIGINT (py-spy sits beside this interpreter)."""
+    exe = str(Path(sys.executable).with_name("py-spy"))
+    cmd = [exe, "record", "--pid", str(pid), "--format", "raw", "--threads", "--nonblocking", "--rate", "200",
+           "-o", out]  # fmt: skip
+    spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    time.sleep(1.0)  # NOTE: let py-spy attach before the streams start
+    return spy
 
 
 def _ints(text: str) -> list[int]:
@@ -237,6 +258,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frontends", type=_ints, default=[0],
                    help="stateless frontends between clients and router (a comma list sweeps; 0 = none)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object per point instead of the table")
+    p.add_argument("--py-spy", metavar="OUT", help="record the router with py-spy while the streams run "
+                   "(collapsed stacks; one file per point: OUT.<index>)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -250,7 +273,8 @@ def run(args: argparse.Namespace) -> int:
     points = []
     try:
         for f, w, s, k in itertools.product(args.frontends, args.workers, args.streams, args.tokens_per_step):
-            point = measure(w, s, k, args.step_ms, args.max_tokens, args.protocol, f)
+            spy_out = f"{args.py_spy}.{len(points)}" if args.py_spy else None
+            point = measure(w, s, k, args.step_ms, args.max_tokens, args.protocol, f, spy_out)
             points.append(point)
             if args.json:
                 print(json.dumps(asdict(point)), flush=True)
