@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from router.request import RouterRequest
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Delivery:
     """One step of a request's output stream.
 
@@ -82,7 +82,7 @@ def _start(out: pb.RequestOutput) -> int:
 def _deliver(
     r: RouterRequest, worker_id: str, out: pb.RequestOutput, new: list[int], start: int, now: float
 ) -> list[Delivery]:
-    logprobs = list(out.logprobs)  # empty, or one per new token
+    logprobs = list(out.logprobs) if out.logprobs else []  # empty, or one per new token
     skip = r.tokens_received - start
     if skip > 0:  # already delivered (a replay, or tokens from before a migration)
         if skip >= len(new) and not out.finish_reason:
@@ -101,9 +101,9 @@ def _deliver(
     r.cached_tokens = out.num_cached_tokens
     r.preemptions = max(r.preemptions, out.num_preemptions)
     r.swaps = max(r.swaps, out.num_swaps)
-    resp = spb.GenerateResponse(
-        request_id=r.request_id, token_ids=new, text_delta=out.text_delta, worker_id=worker_id, logprobs=logprobs
-    )
+    resp = spb.GenerateResponse(request_id=r.request_id, token_ids=new, text_delta=out.text_delta, worker_id=worker_id)
+    if logprobs:
+        resp.logprobs.extend(logprobs)
     if not out.finish_reason:
         return [Delivery(resp, len(new), ttft, itl)]
     if r.cancelled and out.finish_reason == "abort":

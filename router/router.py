@@ -124,8 +124,9 @@ class Router(WorkerLinkHandler):
     def on_message(self, worker_id: str, msg: pb.WorkerMessage) -> None:
         kind = msg.WhichOneof("body")
         if kind == "step_outputs":
+            now = time.monotonic()  # NOTE: one clock read per step message, not per token
             for out in msg.step_outputs.outputs:
-                self._on_output(worker_id, out)
+                self._on_output(worker_id, out, now)
             self._pump()
         elif kind == "pressure":
             entry = self.table.reported(worker_id, msg.pressure)
@@ -299,7 +300,7 @@ class Router(WorkerLinkHandler):
         assert r.worker_id is not None
         self.link.send(r.worker_id, pb.RouterCommand(abort=pb.Abort(request_id=r.worker_rid)))
 
-    def _on_output(self, worker_id: str, out: pb.RequestOutput) -> None:
+    def _on_output(self, worker_id: str, out: pb.RequestOutput, now: float | None = None) -> None:
         r = self.dispatcher.current(out.request_id)
         if r is None:
             self.dispatcher.stop_stray(worker_id, out)
@@ -310,7 +311,7 @@ class Router(WorkerLinkHandler):
         entry = self.table.get(worker_id)
         if entry is not None and r.worker_rid in entry.in_flight:
             entry.started.add(r.worker_rid)
-        for d in demux_output(r, worker_id, out, time.monotonic()):
+        for d in demux_output(r, worker_id, out, time.monotonic() if now is None else now):
             self.metrics.streamed(d.time_to_first_token_s, d.inter_token_s, d.num_new_tokens, d.e2e_s)
             if d.finished:
                 self.finish(r)
