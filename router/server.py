@@ -28,6 +28,8 @@ import contextlib
 import functools
 import hmac
 import logging
+import os
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -554,6 +556,28 @@ class RouterService:
         """Test hook (chaos tests, through Ray only): the worker drops its WorkerLink for ``seconds``
         (``Worker.partition_link_for_test``); returns its link's connects before."""
         return int(await self.router.table[worker_id].handle.partition_link_for_test.remote(seconds))
+
+    async def arm_migration_fault_for_test(self, phase: str, action: str, side: str) -> None:
+        """Test hook (chaos tests, through Ray only): at the next migration's ``phase`` boundary
+        (``Mover.fault``: "before_export", "before_import", "after_import"), SIGKILL ("kill") or
+        SIGSTOP ("hang") the process of that move's ``side`` ("src" or "dst") worker, then let the
+        move go on. Only a process in the Ray cluster can call it, as ``partition_worker_link_for_test``."""
+        if phase not in ("before_export", "before_import", "after_import") or action not in ("kill", "hang") \
+                or side not in ("src", "dst"):  # fmt: skip
+            raise ValueError(f"bad fault {phase!r}/{action!r}/{side!r}")
+        mover = self.router.mover
+
+        async def fault(at: str, r: RouterRequest, move: Any) -> None:
+            if at != phase:
+                return
+            mover.fault = None  # once
+            worker_id = move.src if side == "src" else move.dst
+            pid = int(await self.router.table[worker_id].handle.pid.remote())
+            os.kill(pid, signal.SIGKILL if action == "kill" else signal.SIGSTOP)
+            logger.warning("test fault: %s of %s worker %s (pid %d) at %s of %s", action, side, worker_id, pid,
+                           phase, r.request_id)  # fmt: skip
+
+        mover.fault = fault
 
     async def wait_for_workers(self, worker_ids: list[str], timeout: float = 120.0) -> None:
         await self.router.wait_for_workers(worker_ids, timeout)

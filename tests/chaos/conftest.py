@@ -131,6 +131,15 @@ class ServedCluster:
         many times its link had connected before (``seconds`` 0: only that)."""
         return int(self._ask({"op": "partition", "worker_id": worker_id, "seconds": seconds}))  # type: ignore[arg-type]
 
+    def arm_migration_fault(self, phase: str, action: str, side: str) -> None:
+        """At the next migration's ``phase`` boundary the router SIGKILLs ("kill") or SIGSTOPs ("hang")
+        the ``side`` ("src"/"dst") worker's process (``arm_migration_fault_for_test``, through Ray)."""
+        self._ask({"op": "arm_migration_fault", "phase": phase, "action": action, "side": side})
+
+    def migrate(self, request_id: str, dst: str) -> bool:
+        """The router's live migration of ``request_id`` to ``dst``; whether it moved."""
+        return bool(self._ask({"op": "migrate", "request_id": request_id, "dst": dst}))
+
     def router_pid(self) -> int:
         """The OS pid of the router actor (the current one: serve may have restarted it)."""
         pid = int(self._ask({"op": "router_pid"}))

@@ -8,6 +8,9 @@ Usage: ``python -m tests.chaos.ray_probe GCS_ADDRESS``; then write lines:
 ``{"op": "router_pid"}`` -> ``{"ok": true, "value": 12345}``
 ``{"op": "partition", "worker_id": "worker-0", "seconds": 1.0}`` -> the worker drops its WorkerLink
 for that long (``Worker.partition_link_for_test``)
+``{"op": "arm_migration_fault", "phase": "before_import", "action": "kill", "side": "src"}`` -> the next
+migration SIGKILLs (or, "hang", SIGSTOPs) that side's worker at that phase boundary
+``{"op": "migrate", "request_id": "r1", "dst": "worker-1"}`` -> whether the router's live migration moved it
 ``{"op": "frontend_pid", "index": 0}`` -> ``{"ok": true, "value": 12345}`` (``--frontends``: waits
 for a restarting frontend to be back)
 The router actor is looked up by name for every command (``serve`` may have restarted it).
@@ -60,6 +63,11 @@ def main(gcs_address: str) -> None:
             elif cmd["op"] == "partition":
                 value = ray.get(router.partition_worker_link_for_test.remote(cmd["worker_id"], cmd["seconds"]),
                                 timeout=TIMEOUT_S)  # fmt: skip
+            elif cmd["op"] == "arm_migration_fault":
+                value = ray.get(router.arm_migration_fault_for_test.remote(cmd["phase"], cmd["action"], cmd["side"]),
+                                timeout=TIMEOUT_S)  # fmt: skip
+            elif cmd["op"] == "migrate":
+                value = ray.get(router.migrate.remote(cmd["request_id"], cmd["dst"]), timeout=TIMEOUT_S)
             elif cmd["op"] == "frontend_pid":
                 frontend = ray.get_actor(FRONTEND_NAME.format(cmd["index"]))
                 value = ray.get(frontend.pid.remote(), timeout=TIMEOUT_S)
