@@ -22,7 +22,7 @@ import grpc
 from frontend.link import RelayedRequest, RouterLink
 from protos.kvserve.v1 import serving_pb2 as spb
 from router.limits import InputLimits
-from router.prompts import prompt_ids
+from router.prompts import prompt_ids, with_token_ids
 from router.request import RouterError
 from router.validation import ModelLimits, ValidationError
 from workers.text.chat_template import ChatTemplate
@@ -61,11 +61,7 @@ class FrontendPrompts:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
         finally:
             self.pending -= 1
-        out = spb.GenerateRequest()
-        out.CopyFrom(request)
-        out.ClearField("prompt")
-        out.token_ids.ids.extend(ids)
-        return out
+        return with_token_ids(request, ids)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from protos.kvserve.v1 import serving_pb2 as spb
-from router.prompts import prompt_ids
+from router.prompts import prompt_ids, with_token_ids
 from router.request import RouterError, RouterRequest
 from router.tenancy import Principal, Tenancy
 from router.validation import ValidationError
@@ -206,11 +206,7 @@ class PromptPreparer:
             ids = await loop.run_in_executor(self._pool, prompt_ids, request, r.limits, r.tokenizer, r.chat_template)
         finally:
             self.pending -= 1
-        out = spb.GenerateRequest()
-        out.CopyFrom(request)
-        out.ClearField("prompt")
-        out.token_ids.ids.extend(ids)
-        return out
+        return with_token_ids(request, ids)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -53,3 +53,12 @@ def prompt_ids(
         validate_prompt_ids(ids, limits, "prompt.messages")
         return ids
     raise ValidationError("prompt", "set prompt.text, prompt.token_ids or prompt.messages")
+
+
+def with_token_ids(request: spb.GenerateRequest, ids: list[int]) -> spb.GenerateRequest:
+    """A copy of ``request`` whose prompt is ``ids`` (what ``prompt_ids`` made of its text or chat)."""
+    out = spb.GenerateRequest()
+    out.CopyFrom(request)
+    out.ClearField("prompt")
+    out.token_ids.ids.extend(ids)
+    return out
