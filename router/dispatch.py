@@ -15,6 +15,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
+from typing import Any
 
 import grpc
 
@@ -37,7 +38,7 @@ class Dispatcher:
         self.incarnation = uuid.uuid4().hex[:8]
         self._seq = itertools.count(1)
         self.by_worker_rid: dict[str, RouterRequest] = {}  # current dispatches only
-        self._orphans: OrderedDict[str, None] = OrderedDict()  # a previous router's requests, aborted
+        self._orphans: OrderedDict[str, None] = OrderedDict()  # stray dispatch ids already aborted
         self._foreign_logged: set[str] = set()
 
     def current(self, worker_rid: str) -> RouterRequest | None:
@@ -51,10 +52,14 @@ class Dispatcher:
         self.by_worker_rid.pop(r.worker_rid, None)
 
     def stop_stray(self, worker_id: str, out: pb.RequestOutput) -> None:
-        """An output of no current dispatch: an earlier one (aborted, or its worker was given up) is
-        already stopped; an orphan a previous router placed nobody will ever read, so abort it (once)."""
-        tag = out.request_id.rpartition("#")[2]
-        if out.finish_reason or tag.startswith(self.incarnation + ".") or out.request_id in self._orphans:
+        """An output of no current dispatch: nobody will read it, so abort it (once per dispatch id).
+
+        Usually it was stopped already (aborted, or its worker given up) and this is one of its last
+        outputs in flight; but an ``add_request`` that timed out after its request ended (cancelled
+        meanwhile) can still land, and an orphan a previous router placed has nobody at all: without
+        this they would run to ``max_tokens`` holding their blocks. An abort of an id the worker no
+        longer has is a no-op there."""
+        if out.finish_reason or out.request_id in self._orphans:
             return
         self._orphans[out.request_id] = None
         while len(self._orphans) > _MAX_ORPHANS:
@@ -91,13 +96,15 @@ class Dispatcher:
         incarnation = entry.incarnation  # evidence from this call concerns this process only
         # NOTE: the worker takes a request between two steps, so an answer slower than its stall
         # threshold means it is stalled (router/liveness.py): never wait longer.
-        threshold = router.table.stall_threshold_s(entry)
         try:
-            await asyncio.wait_for(entry.handle.add_request.remote(request), threshold)
+            await self._bounded(entry, entry.handle.add_request.remote(request))
         except TimeoutError:
             entry.in_flight.pop(worker_rid, None)
             if r.worker_rid != worker_rid or r.finished:
+                # NOTE: the call may still land: stop that copy (an abort of an unknown id is a no-op)
+                router.link.send(entry.worker_id, pb.RouterCommand(abort=pb.Abort(request_id=worker_rid)))
                 return
+            threshold = router.table.stall_threshold_s(entry)
             r.target, r.worker_id = None, entry.worker_id
             router.table.give_up(entry, f"add_request did not return in {threshold:.1f}s", incarnation)
             if r.worker_id == entry.worker_id:  # NOTE: give_up replays it unless it did not apply
@@ -132,6 +139,23 @@ class Dispatcher:
             router.finish(r)
         elif entry.state != WORKER_UP:  # it died while the call was in flight
             self.replay(r, entry.worker_id)
+
+    async def _bounded(self, entry: WorkerState, call: Any) -> object:
+        """Await a worker ``call`` that runs between two of its steps: TimeoutError once the worker
+        shows no progress (no step, no ``StepHeartbeat``) for its stall threshold while it is pending.
+        A worker that keeps computing a long step (an overloaded CPU) is slow, not hung
+        (workers/core/liveness.py), so the wait goes on while it makes progress."""
+        fut = asyncio.ensure_future(call)
+        since = time.monotonic()
+        while True:
+            threshold = self.router.table.stall_threshold_s(entry)
+            try:
+                return await asyncio.wait_for(asyncio.shield(fut), threshold)
+            except TimeoutError:
+                if entry.state != WORKER_UP or entry.progress_time <= since:
+                    fut.cancel()
+                    raise
+                since = time.monotonic()
 
     def replay_all(self, entry: WorkerState) -> None:
         """``entry`` went down: continue each of its requests elsewhere."""

@@ -18,7 +18,7 @@ from router.config import RouterConfig
 from router.liveness import LivenessInputs, down_reason
 from router.request import WORKER_DOWN, WORKER_RETIRED, WORKER_UP
 from router.router import Router
-from tests.unit.test_router_failover import FakeWorker, _connect, _identity, _out, _req, _settle
+from tests.unit.test_router_failover import FakeWorker, _commands, _connect, _identity, _out, _req, _settle
 from workers.core.liveness import EngineDeadError
 
 STALL_S = 5.0
@@ -35,6 +35,7 @@ class _Worker(FakeWorker):
         self.health_error: BaseException | None = None
         self.health_future: asyncio.Future | None = None  # check_health answers when this does
         self.hang_add_request = False
+        self.pending_adds: list[asyncio.Future] = []
 
     def __getattr__(self, name: str) -> Any:
         method = super().__getattr__(name)
@@ -52,7 +53,8 @@ class _Worker(FakeWorker):
                     fut = asyncio.get_running_loop().create_future()
                     fut.set_exception(outer.health_error)
                 elif name == "add_request" and outer.hang_add_request:
-                    fut = asyncio.get_running_loop().create_future()  # never completes
+                    fut = asyncio.get_running_loop().create_future()  # completes only if the test says so
+                    outer.pending_adds.append(fut)
                 return fut
 
         return _M()
@@ -241,6 +243,44 @@ def test_a_hung_add_request_is_bounded_by_the_stall_threshold(kills: list) -> No
         workers["b" if first == "a" else "a"].hang_add_request = False
         await asyncio.wait_for(_until(lambda: r.worker_id not in (None, first)), timeout=10)
         assert router.workers[first].state == WORKER_DOWN and kills == [(workers[first], False)]
+
+    asyncio.run(test())
+
+
+def test_an_add_request_slower_than_the_threshold_while_the_worker_computes_is_waited_for(kills: list) -> None:
+    async def test() -> None:
+        router, workers = _router(stall_timeout_s=0.2)
+        for w in workers.values():
+            w.hang_add_request = True
+        r = router.submit(_req(max_tokens=20))
+        w = r.target
+        for _ in range(6):  # 0.6 s, three thresholds: a long step that computes, heartbeats all along
+            await asyncio.sleep(0.1)
+            router.on_message(w, pb.WorkerMessage(heartbeat=pb.StepHeartbeat(step_elapsed_s=1.0, step_cpu_s=1.0)))
+            router.table.check_liveness(time.monotonic())
+        assert router.workers[w].state == WORKER_UP and not kills
+        workers[w].pending_adds[0].set_result(None)  # the step ends; the worker takes the request
+        await _until(lambda: r.worker_id == w)
+        assert r.replays == 0 and not kills
+
+    asyncio.run(test())
+
+
+def test_an_add_request_that_lands_after_its_request_ended_is_aborted(kills: list) -> None:
+    async def test() -> None:
+        router, workers = _router(stall_timeout_s=0.2)
+        for w in workers.values():
+            w.hang_add_request = True
+        r = router.submit(_req(max_tokens=20))
+        w, rid = r.target, r.worker_rid
+        router.cancel(r)  # the client left while the call was in flight
+        await asyncio.sleep(0.5)  # the call times out (no progress): nobody reads what it may start
+        assert any(c.abort.request_id == rid for c in _commands(router, w))
+        # and an output of such a dispatch, or of any dispatch no longer current, is aborted once
+        router.link.sessions[w].unapplied.clear()
+        for n in (1, 2):
+            router.on_message(w, pb.WorkerMessage(step_outputs=pb.StepOutputs(outputs=[_out(rid, [5], n)])))
+        assert [c.abort.request_id for c in _commands(router, w)] == [rid]
 
     asyncio.run(test())
 
