@@ -83,19 +83,22 @@ def choose(weights: Sequence[torch.Tensor], repeats: int = 3) -> GemmChoice:
         raise ValueError(f"{ENV_OVERRIDE}=kvserve: the C++ kernels are not available in this process")
     if forced == "kvserve":
         return GemmChoice("kvserve", None, reason=f"{ENV_OVERRIDE}")
-    dense_from = _dense_from_rows(weights, repeats)
     if forced == "onednn" or not kvserve_ok:
-        return GemmChoice("onednn", dense_from, reason=f"{ENV_OVERRIDE}" if forced else "only candidate")
+        reason = f"{ENV_OVERRIDE}" if forced else "only candidate"
+        return GemmChoice("onednn", _dense_from_rows(weights, repeats), reason=reason)
     per_token = {name: 0.0 for name in PACKINGS}
     generator = torch.Generator().manual_seed(0)
     for rows in (DECODE_ROWS, PREFILL_ROWS):
         inputs = [torch.randn(rows, w.shape[1], generator=generator).to(w.dtype) for w in weights]
-        runs = {name: _runner(name, weights, inputs, dense_from) for name in PACKINGS}
+        # NOTE: both row counts are below DENSE_CHECK_ROWS: oneDNN runs them whatever the MKL hand-over
+        runs = {name: _runner(name, weights, inputs, None) for name in PACKINGS}
         _, best = fastest(runs, repeats)
         for name, seconds in best.items():
             per_token[name] += seconds / rows
     winner = min(PACKINGS, key=lambda name: per_token[name])
-    return GemmChoice(winner, dense_from if winner == "onednn" else None, per_token)
+    # The MKL hand-over is timed only where it can apply: a kvserve winner never needs it.
+    dense_from = _dense_from_rows(weights, repeats) if winner == "onednn" else None
+    return GemmChoice(winner, dense_from, per_token)
 
 
 PACKED_MAX_ROWS = 128  # ``kvserve`` packing: the C++ GEMM up to this many rows, MKL (unpacked) above
