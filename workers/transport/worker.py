@@ -51,11 +51,9 @@ T = TypeVar("T")
 _PREEMPT_MODES = {pb.Preempt.RECOMPUTE: "recompute", pb.Preempt.SWAP: "swap", pb.Preempt.MODE_UNSPECIFIED: None}
 
 
-def _thread_cpu_s(thread: threading.Thread | None = None) -> float:
-    """CPU seconds ``thread`` (default: the calling one) has used; the process's where Python cannot
-    read another thread's clock (``time.pthread_getcpuclockid`` is POSIX-only)."""
-    if thread is None:
-        return time.thread_time()
+def _thread_cpu_s(thread: threading.Thread) -> float:
+    """CPU seconds ``thread`` has used; the process's where Python cannot read a thread's clock
+    (``time.pthread_getcpuclockid`` is POSIX-only). Both ends of a delta read it the same way."""
     if thread.ident is None or not hasattr(time, "pthread_getcpuclockid"):
         return time.process_time()
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
@@ -252,7 +250,7 @@ class WorkerCore:
                 if engine.has_unfinished_requests():
                     self._busy = True
                     t0 = time.perf_counter()
-                    self._step_began = (time.monotonic(), _thread_cpu_s())
+                    self._step_began = (time.monotonic(), _thread_cpu_s(self._thread))
                     outputs = engine.step()
                     self._step_began = None
                     self._step_latency_ms = (time.perf_counter() - t0) * 1000
