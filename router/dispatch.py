@@ -40,6 +40,7 @@ class Dispatcher:
         self.by_worker_rid: dict[str, RouterRequest] = {}  # current dispatches only
         self._orphans: OrderedDict[str, None] = OrderedDict()  # stray dispatch ids already aborted
         self._foreign_logged: set[str] = set()
+        self.adding: set[str] = set()  # dispatch ids whose add_request call has not resolved yet
 
     def current(self, worker_rid: str) -> RouterRequest | None:
         return self.by_worker_rid.get(worker_rid)
@@ -84,6 +85,7 @@ class Dispatcher:
         self.by_worker_rid[r.worker_rid] = r
         entry = router.table[worker_id]
         entry.in_flight[r.worker_rid] = promised_blocks
+        self.adding.add(r.worker_rid)
         router.pend(r, worker_id)
         r.target = worker_id
         router.spawn(self._add_request(r, entry, r.worker_rid))
@@ -99,6 +101,7 @@ class Dispatcher:
         try:
             await self._bounded(entry, entry.handle.add_request.remote(request))
         except TimeoutError:
+            self.adding.discard(worker_rid)
             entry.in_flight.pop(worker_rid, None)
             if r.worker_rid != worker_rid or r.finished:
                 # NOTE: the call may still land: stop that copy (an abort of an unknown id is a no-op)
@@ -111,6 +114,7 @@ class Dispatcher:
                 self.replay(r, entry.worker_id)
             return
         except Exception as e:  # noqa: BLE001 - Ray wraps the worker's exception
+            self.adding.discard(worker_rid)
             entry.in_flight.pop(worker_rid, None)
             if r.worker_rid != worker_rid or r.finished:
                 return  # superseded meanwhile (its worker died and it was replayed, or it ended)
@@ -129,16 +133,28 @@ class Dispatcher:
                 router.fail(r, grpc.StatusCode.UNAVAILABLE, f"worker {entry.worker_id} failed: {cause}")
             return
         router.table.dispatch_ok(entry)
-        if r.worker_rid != worker_rid:  # superseded while the call was in flight: stop this one
-            router.link.send(entry.worker_id, pb.RouterCommand(abort=pb.Abort(request_id=worker_rid)))
+        if r.worker_rid != worker_rid or r.finished:
+            # Superseded, or ended (the client left), while the call was in flight: this copy
+            # landed and holds blocks on the worker, so stop it before releasing its promise.
+            await self._abort_landed(entry, worker_rid)
             return
+        self.adding.discard(worker_rid)
         r.target = None
         r.worker_id = entry.worker_id
-        if r.cancelled:  # the client left while the call was in flight
-            router.send_abort(r)
-            router.finish(r)
-        elif entry.state != WORKER_UP:  # it died while the call was in flight
+        if entry.state != WORKER_UP:  # it died while the call was in flight
             self.replay(r, entry.worker_id)
+
+    async def _abort_landed(self, entry: WorkerState, worker_rid: str) -> None:
+        """Abort a dispatch nobody reads any more whose ``add_request`` returned; its promised
+        blocks stay counted (placement, status) until the worker confirms, so the cluster never
+        looks idle while the copy still runs."""
+        try:
+            await self._bounded(entry, entry.handle.abort.remote(worker_rid))
+        except Exception:  # noqa: BLE001 - stalled or dead: the link's abort (or the process's end) stops it
+            self.router.link.send(entry.worker_id, pb.RouterCommand(abort=pb.Abort(request_id=worker_rid)))
+        finally:
+            self.adding.discard(worker_rid)
+            entry.in_flight.pop(worker_rid, None)
 
     async def _bounded(self, entry: WorkerState, call: Any) -> object:
         """Await a worker ``call`` that runs between two of its steps: TimeoutError once the worker

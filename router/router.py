@@ -352,8 +352,9 @@ class Router(WorkerLinkHandler):
             del self.requests[r.request_id]
         self.dispatcher.forget(r)
         self.prefix_index.drop_pending(r.worker_rid)
-        for entry in self.workers.values():
-            entry.in_flight.pop(r.worker_rid, None)
+        if r.worker_rid not in self.dispatcher.adding:  # else the dispatch releases it when its call resolves
+            for entry in self.workers.values():
+                entry.in_flight.pop(r.worker_rid, None)
 
     def fail(self, r: RouterRequest, code: grpc.StatusCode, message: str) -> None:
         if r.finished:

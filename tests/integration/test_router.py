@@ -62,11 +62,14 @@ def used_blocks(client: KVServeClient, worker_id: str) -> int:
 
 
 def wait_idle(client: KVServeClient, cluster, timeout: float = 20.0) -> spb.ClusterStatus:
-    """Until every worker reports no used blocks and nothing running/waiting and the router holds
-    no request; then the workers' own counters and block-pool integrity agree."""
+    """Until every worker reports no used blocks and nothing running/waiting, the router holds
+    no request, and the workers' own counters agree; then every block pool passes its integrity
+    check. NOTE: the workers are asked too because a report can predate an Abort still on the link
+    (the router forgets a cancelled request at once; its worker frees the blocks a step later)."""
     import ray
 
-    last: list[spb.ClusterStatus] = []
+    last: list = []
+    handles = list(cluster.workers.values())
 
     def idle() -> bool:
         st = client.status()
@@ -85,17 +88,20 @@ def wait_idle(client: KVServeClient, cluster, timeout: float = 20.0) -> spb.Clus
             )
             and st.router.requests_in_flight == 0
             and st.router.queue_requests == 0
+            and workers_idle()
         )
+
+    def workers_idle() -> bool:
+        stats = ray.get([h.stats.remote() for h in handles], timeout=30)
+        last[1:] = stats
+        return all(s.used_blocks == 0 and s.num_running == 0 and s.num_waiting == 0 for s in stats)
 
     deadline = time.monotonic() + timeout
     while not idle():
         if time.monotonic() > deadline:
-            pytest.fail(f"cluster not idle after {timeout}s: {last[0] if last else None}")
+            pytest.fail(f"cluster not idle after {timeout}s: {last}")
         time.sleep(0.05)
-    handles = list(cluster.workers.values())
     ray.get([h.check_integrity.remote() for h in handles], timeout=30)
-    for stats in ray.get([h.stats.remote() for h in handles], timeout=30):
-        assert stats.used_blocks == 0 and stats.num_running == 0 and stats.num_waiting == 0, stats
     return last[0]
 
 

@@ -285,6 +285,26 @@ def test_an_add_request_that_lands_after_its_request_ended_is_aborted(kills: lis
     asyncio.run(test())
 
 
+def test_a_dispatch_that_lands_after_its_client_left_holds_its_promise_until_the_worker_aborts_it(kills: list) -> None:
+    async def test() -> None:
+        router, workers = _router()
+        for w in workers.values():
+            w.hang_add_request = True
+        r = router.submit(_req(max_tokens=20))
+        w, rid = r.target, r.worker_rid
+        router.cancel(r)  # the client left while the call was in flight
+        # The call may still land: the cluster must not look idle (status, placement) meanwhile.
+        assert router.workers[w].promised_blocks > 0
+        await _until(lambda: workers[w].pending_adds)
+        workers[w].pending_adds[0].set_result(None)  # it lands
+        await _until(lambda: any(n == "abort" for n, _, _ in workers[w].calls))
+        assert [a for n, a, _ in workers[w].calls if n == "abort"] == [(rid,)]  # confirmed by the worker itself
+        await _settle()
+        assert router.workers[w].promised_blocks == 0 and rid not in router.dispatcher.adding
+
+    asyncio.run(test())
+
+
 async def _until(ok: Any) -> None:
     while not ok():
         await asyncio.sleep(0.01)
