@@ -16,8 +16,11 @@ lower-priority requests can delay it while blocks are scarce; a strict global he
 would instead idle every worker until the big one fits.
 
 Admission that answers in time (``admit``): besides the bounds, a request is queued only if its
-projected start is within its own deadline and ``max_wait_s``; otherwise it is refused at once
-with a ``retry_after_ms`` no shorter than that projection. The projection
+projected start is within ``max_wait_s`` and its projected start plus its expected service time
+(``ServiceTimes``: recent completions, router/service_times.py) is within its own deadline;
+otherwise it is refused at once with a ``retry_after_ms`` no shorter than the projected start.
+NOTE: the service time counts because a deadline covers the whole generation: a request admitted
+to start just before its deadline would fail DEADLINE_EXCEEDED mid-stream instead. The projection
 (``projected_wait_s``) is the work queued ahead of it divided by the recent drain rate:
 
     wait = max((requests ahead + 1) / requests drained per s, (blocks ahead + its blocks) / blocks drained per s)
@@ -31,14 +34,20 @@ With no drain observed (a cold start, or nothing finished for a whole window), o
 ``MIN_TRUSTED_DRAINS`` pops in the window (a rate from the first few completions after a start,
 over the queue's whole age, badly under-estimates capacity), there is no rate to trust, and a
 cold cluster is exactly when clients burst, so admission does not guess:
-it refuses only what *provably* cannot start in time (``ColdCapacity``, from what is known: the
+it refuses only what *provably* (or, once completions are measured, *measurably*) cannot start
+in time (``ColdCapacity``, from what is known: the
 fastest recent engine step, the serving pools and their free blocks, the work queued ahead). A
 queued request needs the blocks of everything ahead of it plus its own; those beyond the free
 blocks must be freed by running work, and a whole pool's turnover takes at least one engine step
 (a request must run a step before it can finish and free its blocks), so it cannot start before
 ``ceil(excess blocks / pool blocks)`` steps (0 before any step was measured: nothing bounds it
-then). Only a request whose deadline (or ``max_wait_s``) falls before that lower bound is refused;
-the rest are queued within the bounds. Without a ``ColdCapacity`` (no serving pool) the wait is
+then). Once a few requests completed (``ServiceTimes``), the start is estimated from them instead
+(``ColdCapacity.estimated_start_s``: the pools hold so many typical requests, turned over once per
+typical service time, and all running and queued work goes first): a burst after a quiet spell
+has no rate to trust yet known request lengths, and is then refused by what the cluster really
+does, not admitted to miss its deadline in the queue. Only a request whose deadline (or
+``max_wait_s``) falls before that start (plus its service time) is refused; the rest are queued
+within the bounds. Without a ``ColdCapacity`` (no serving pool) the wait is
 unknown: only a request with nobody ahead of it is queued, the others are refused with the
 "unknown" retry hint.
 Queued requests whose deadline passes are taken out by ``expired`` without ever reaching a worker.
@@ -54,6 +63,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
+
+from router.service_times import ServiceTimes
 
 
 class QueueItem(Protocol):
@@ -73,7 +84,7 @@ T = TypeVar("T", bound=QueueItem)
 
 
 # A drain rate measured from fewer pops than this (within the window) is not trusted for refusing:
-# with a ``ColdCapacity`` admission stays cold (provable refusals only) until then.
+# with a ``ColdCapacity`` admission stays cold (refusals by ``ColdCapacity`` only) until then.
 MIN_TRUSTED_DRAINS = 8
 
 
@@ -116,6 +127,19 @@ class ColdCapacity:
     step_s: float
     pool_blocks: int
     free_blocks: int
+    running: int = 0
+
+    def estimated_start_s(self, requests_ahead: int, typical_s: float, typical_blocks: int) -> float:
+        """When a newcomer behind ``requests_ahead`` queued ones could start, from measured
+        completions: the pools hold ``pool_blocks // typical_blocks`` typical requests at once and
+        turn them over once per ``typical_s``; everything running and queued ahead goes first.
+
+        NOTE: counting the running ones (``running``): placement admits on prompt blocks, so more
+        may be running than the pools can hold at their longest, and they are ahead of any newcomer.
+        """
+        per_turnover = max(1, self.pool_blocks // max(typical_blocks, 1))
+        excess = self.running + requests_ahead + 1 - per_turnover
+        return 0.0 if excess <= 0 else math.ceil(excess / per_turnover) * typical_s
 
     def earliest_start_s(self, blocks_needed: int) -> float | None:
         """A lower bound on when work needing ``blocks_needed`` blocks (its own and all ahead of it)
@@ -206,6 +230,7 @@ class AdmissionQueue(Generic[T]):
         self.max_wait_s = max_wait_s
         self.unknown_retry_ms = unknown_retry_ms
         self.cold_capacity = cold_capacity
+        self.service = ServiceTimes(clock=clock)  # the router reports each completion to it
         self._deadlines: list[tuple[float, int, str]] = []  # heap of (deadline, tie, request_id)
         self._deadline_of: dict[str, float] = {}
         self._tie = 0
@@ -275,14 +300,19 @@ class AdmissionQueue(Generic[T]):
         self._class_blocks[item.priority] = self._class_blocks.get(item.priority, 0) + item.num_blocks
         return True
 
-    def admit(self, item: T, *, fits_ever: bool = True, deadline: float | None = None) -> Refusal | None:
-        """Queue ``item`` only if it fits the bounds and is projected to start in time.
+    def admit(
+        self, item: T, *, fits_ever: bool = True, deadline: float | None = None, max_tokens: int = 0
+    ) -> Refusal | None:
+        """Queue ``item`` only if it fits the bounds and is projected to start in time, and, with a
+        deadline, to finish by it (its start plus its expected service time, ``self.service``).
 
         Args:
             item: the request record (not yet queued).
             fits_ever: as ``check``.
             deadline: the client's deadline on this queue's clock (monotonic seconds), or None for
                 no deadline; the item leaves the queue through ``expired`` once it passes.
+            max_tokens: the tokens it may still generate (its expected service time scales with
+                them, capped at the typical completion).
 
         Returns:
             None if queued; else the ``Refusal`` (counted in ``rejections_total``). NOTE: a refusal
@@ -295,21 +325,22 @@ class AdmissionQueue(Generic[T]):
         now = self._clock()
         reason = self.check(item, fits_ever=fits_ever)
         wait = self.projected_wait_s(item.num_blocks, item.priority)
+        service = self.service.expected_s(max_tokens) if deadline is not None else 0.0
         if reason is None:
             if deadline is not None and deadline <= now:
                 reason = RejectReason.WAIT_EXCEEDS_DEADLINE
             elif wait is None or (len(self._drains) < MIN_TRUSTED_DRAINS and self.cold_capacity is not None):
                 # NOTE: cold: no rate, or one from a handful of pops over an arbitrary span (the
                 # first completions after a start), which would refuse what can start in time.
-                wait = self._cold_lower_bound_s(item)
+                wait = self._cold_start_s(item)
                 if wait is None:
                     if self._requests_ahead(item.priority) > 0:
                         reason = RejectReason.WAIT_UNKNOWN
-                elif deadline is not None and wait > deadline - now:
+                elif deadline is not None and wait + service > deadline - now:
                     reason = RejectReason.WAIT_EXCEEDS_DEADLINE
                 elif wait > self.max_wait_s:
                     reason = RejectReason.WAIT_EXCEEDS_MAX
-            elif deadline is not None and wait > deadline - now:
+            elif deadline is not None and wait + service > deadline - now:
                 reason = RejectReason.WAIT_EXCEEDS_DEADLINE
             elif wait > self.max_wait_s:
                 reason = RejectReason.WAIT_EXCEEDS_MAX
@@ -329,11 +360,16 @@ class AdmissionQueue(Generic[T]):
             retry = max(self.retry_after_ms(item.num_blocks), math.ceil(wait * 1000))
         return Refusal(reason, retry, wait)
 
-    def _cold_lower_bound_s(self, item: T) -> float | None:
-        """With no drain observed: the earliest ``item`` could start (``ColdCapacity``), or None."""
+    def _cold_start_s(self, item: T) -> float | None:
+        """With no drain rate to trust: when ``item`` could start (``ColdCapacity``), or None."""
         if self.cold_capacity is None:
             return None
-        return self.cold_capacity().earliest_start_s(self._blocks_ahead(item.priority) + item.num_blocks)
+        cap = self.cold_capacity()
+        typical = self.service.typical_s()
+        if typical is not None and cap.pool_blocks > 0:
+            ahead = self._requests_ahead(item.priority)
+            return cap.estimated_start_s(ahead, typical, self.service.typical_blocks())
+        return cap.earliest_start_s(self._blocks_ahead(item.priority) + item.num_blocks)
 
     def expired(self) -> list[T]:
         """Take out, and return, queued items whose deadline (given to ``admit``) has passed.

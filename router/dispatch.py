@@ -88,6 +88,8 @@ class Dispatcher:
         self.adding.add(r.worker_rid)
         router.pend(r, worker_id)
         r.target = worker_id
+        if r.started_at is None:
+            r.started_at = time.monotonic()  # service time (router/service_times.py) counts from here
         router.spawn(self._add_request(r, entry, r.worker_rid))
 
     async def _add_request(self, r: RouterRequest, entry: WorkerState, worker_rid: str) -> None:

@@ -50,6 +50,7 @@ class RouterRequest:
     block_hashes: tuple[int, ...]
     num_blocks: int  # prompt blocks, for queue accounting
     arrival: float = field(default_factory=time.monotonic)
+    started_at: float | None = None  # first dispatch (its service time counts from here)
     responses: asyncio.Queue | Any = field(default_factory=asyncio.Queue)  # or a MuxSlot (router/mux.py)
     worker_id: str | None = None
     target: str | None = None  # placement decided, dispatch pending

@@ -73,7 +73,7 @@ class Router(WorkerLinkHandler):
         self.replays_total = 0
         self.queue: AdmissionQueue[RouterRequest] = AdmissionQueue(
             config.max_queue_requests, config.max_queue_blocks, max_wait_s=config.max_queue_wait_s,
-            cold_capacity=lambda: self.table.cold_capacity(),
+            cold_capacity=lambda: self.table.cold_capacity(running=len(self.requests) - len(self.queue)),
         )  # fmt: skip
         self._expiry: asyncio.TimerHandle | None = None
         self.placement = Placement(config.placement_policy)
@@ -199,7 +199,7 @@ class Router(WorkerLinkHandler):
             self.metrics.admitted(len(ids))
             return r
         deadline = None if time_remaining_s is None else time.monotonic() + max(time_remaining_s, 0.0)
-        refusal = self.queue.admit(r, deadline=deadline)
+        refusal = self.queue.admit(r, deadline=deadline, max_tokens=params.max_tokens)
         if refusal is not None:
             self.metrics.rejected(refusal.reason.value)
             wait = "unknown" if refusal.projected_wait_s is None else f"{refusal.projected_wait_s:.1f} s"
@@ -314,6 +314,9 @@ class Router(WorkerLinkHandler):
         for d in demux_output(r, worker_id, out, time.monotonic() if now is None else now):
             self.metrics.streamed(d.time_to_first_token_s, d.inter_token_s, d.num_new_tokens, d.e2e_s)
             if d.finished:
+                if r.started_at is not None and out.finish_reason in ("length", "stop"):
+                    held = blocks_for(len(r.prompt_ids) + len(r.output_ids), self.block_size)
+                    self.queue.service.observe(time.monotonic() - r.started_at, len(r.output_ids), held)
                 self.finish(r)
             if d.response is None:
                 continue

@@ -78,3 +78,34 @@ def test_a_rate_from_a_handful_of_drains_does_not_refuse_while_cold() -> None:
     assert queue.projected_wait_s(6) is not None and queue.projected_wait_s(6) > 20
     refusals = [queue.admit(_Item(f"r{i}", 6), deadline=clock() + 20) for i in range(40)]
     assert refusals == [None] * 40
+
+def test_once_completions_are_measured_a_cold_burst_is_judged_by_their_service_time() -> None:
+    """Requests of 2 s holding 6 blocks each at their end, pools of 128 blocks: 21 run at once,
+    turned over every 2 s; 42 were placed already (placement admits on prompt blocks). With a 9 s
+    deadline a newcomer must start by 7 s, after at most 3 turnovers: 21 + 3 x 21 = 84 requests,
+    of which 42 run: 42 more are queued; the rest are refused, none admitted to miss its deadline."""
+    clock = _Clock()
+    cap = ColdCapacity(step_s=0.01, pool_blocks=128, free_blocks=0, running=42)
+    queue: AdmissionQueue[_Item] = AdmissionQueue(1024, 1 << 20, clock=clock, cold_capacity=lambda: cap)
+    for _ in range(4):
+        queue.service.observe(2.0, 64, blocks=6)
+    refusals = [queue.admit(_Item(f"r{i}", 2), deadline=clock() + 9.0, max_tokens=64) for i in range(200)]
+    admitted = [i for i, r in enumerate(refusals) if r is None]
+    assert admitted == list(range(42))
+    late = refusals[42]
+    assert late is not None and late.reason is RejectReason.WAIT_EXCEEDS_DEADLINE and late.projected_wait_s == 8.0
+    # Without a deadline the service time does not count (max_wait_s 30 s bounds the start alone).
+    assert queue.admit(_Item("no-deadline", 2)) is None
+
+
+def test_a_request_asking_for_few_tokens_expects_a_short_service() -> None:
+    clock = _Clock()
+    queue: AdmissionQueue[_Item] = AdmissionQueue(1024, 1 << 20, clock=clock)
+    assert queue.service.expected_s(64) == 0.0 and queue.service.typical_s() is None  # nothing measured
+    for s, n in ((2.0, 100), (4.0, 100), (3.0, 100), (1.0, 100)):
+        queue.service.observe(s, n, blocks=8)
+    assert queue.service.typical_s() == 2.5 and queue.service.typical_blocks() == 8
+    assert queue.service.expected_s(10) == 0.25  # 25 ms a token
+    assert queue.service.expected_s(100_000) == 2.5  # a huge max_tokens: the typical completion
+    clock.t += 61.0  # older than the window: forgotten
+    assert queue.service.expected_s(10) == 0.0
