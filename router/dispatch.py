@@ -9,13 +9,11 @@ replay, a finished request's id is free at once, and outputs of a previous route
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import time
 import uuid
 from collections import OrderedDict
-from typing import Any
 
 import grpc
 
@@ -101,7 +99,7 @@ class Dispatcher:
         # NOTE: the worker takes a request between two steps, so an answer slower than its stall
         # threshold means it is stalled (router/liveness.py): never wait longer.
         try:
-            await self._bounded(entry, entry.handle.add_request.remote(request))
+            await self.router.table.bounded(entry, entry.handle.add_request.remote(request))
         except TimeoutError:
             self.adding.discard(worker_rid)
             entry.in_flight.pop(worker_rid, None)
@@ -151,29 +149,12 @@ class Dispatcher:
         blocks stay counted (placement, status) until the worker confirms, so the cluster never
         looks idle while the copy still runs."""
         try:
-            await self._bounded(entry, entry.handle.abort.remote(worker_rid))
+            await self.router.table.bounded(entry, entry.handle.abort.remote(worker_rid))
         except Exception:  # noqa: BLE001 - stalled or dead: the link's abort (or the process's end) stops it
             self.router.link.send(entry.worker_id, pb.RouterCommand(abort=pb.Abort(request_id=worker_rid)))
         finally:
             self.adding.discard(worker_rid)
             entry.in_flight.pop(worker_rid, None)
-
-    async def _bounded(self, entry: WorkerState, call: Any) -> object:
-        """Await a worker ``call`` that runs between two of its steps: TimeoutError once the worker
-        shows no progress (no step, no ``StepHeartbeat``) for its stall threshold while it is pending.
-        A worker that keeps computing a long step (an overloaded CPU) is slow, not hung
-        (workers/core/liveness.py), so the wait goes on while it makes progress."""
-        fut = asyncio.ensure_future(call)
-        since = time.monotonic()
-        while True:
-            threshold = self.router.table.stall_threshold_s(entry)
-            try:
-                return await asyncio.wait_for(asyncio.shield(fut), threshold)
-            except TimeoutError:
-                if entry.state != WORKER_UP or entry.progress_time <= since:
-                    fut.cancel()
-                    raise
-                since = time.monotonic()
 
     def replay_all(self, entry: WorkerState) -> None:
         """``entry`` went down: continue each of its requests elsewhere."""

@@ -81,6 +81,11 @@ TTFT = Histogram("kvserve:time_to_first_token_seconds", "Arrival to first token"
 ITL = Histogram("kvserve:inter_token_latency_seconds", "Time between streamed tokens", buckets=_LATENCY_BUCKETS)
 E2E = Histogram("kvserve:e2e_request_latency_seconds", "Arrival to final token", buckets=_LATENCY_BUCKETS)
 QUEUE_TIME = Histogram("kvserve:request_queue_time_seconds", "Arrival to dispatch", buckets=_LATENCY_BUCKETS)
+LOOP_LAG = Histogram(
+    "kvserve:router_event_loop_lag_seconds",
+    "How late the router's event loop woke a 50 ms timer (router/loop_lag.py): a blocked loop stalls every stream",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+)
 
 # What a worker counted since its previous report: each ``*_total`` field of PressureReport by name
 # (``WorkerState.deltas``), so a new counter needs no code here beyond the line that exports it.

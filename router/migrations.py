@@ -20,7 +20,6 @@ lives there, freed otherwise), a destination copy nobody will read by an ``Abort
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Iterator
@@ -156,15 +155,15 @@ class Mover:
         return not r.finished and not r.cancelled and r.worker_id == worker_id and r.worker_rid == rid
 
     async def _call(self, entry: WorkerState, incarnation: str, method: str, call: Awaitable[object]) -> object:
-        """Await a migration ``call`` to ``entry`` bounded by its stall threshold; a timeout is a
-        stall (the worker is given up: its requests replayed, its actor killed) and raises
-        TimeoutError."""
+        """Await a migration ``call`` to ``entry`` while the worker makes progress
+        (``WorkerTable.bounded``); no progress for its stall threshold is a stall (the worker is
+        given up: its requests replayed, its actor killed) and raises TimeoutError."""
         table = self.router.table
-        threshold = table.stall_threshold_s(entry)
         try:
-            return await asyncio.wait_for(call, threshold)
+            return await table.bounded(entry, call)
         except TimeoutError:
-            table.give_up(entry, f"{method} did not return in {threshold:.1f}s", incarnation)
+            threshold = table.stall_threshold_s(entry)
+            table.give_up(entry, f"{method} did not return in {threshold:.1f}s with no progress", incarnation)
             raise
 
     async def _finish_export(self, src: WorkerState, incarnation: str, rid: str, migrated: bool) -> None:

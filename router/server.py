@@ -52,6 +52,7 @@ from router.health import HealthPublisher
 from router.http_api import HttpApiServer
 from router.keepalive import server_keepalive_options
 from router.limits import Bounds, LimitExceeded, client_of_peer
+from router.loop_lag import watch_loop_lag
 from router.mux import StreamMux
 from router.request import RouterRequest
 from router.router import Router, RouterError
@@ -460,6 +461,7 @@ class RouterService:
         self._server: grpc.aio.Server | None = None
         self._health_task: asyncio.Task | None = None
         self._readiness_task: asyncio.Task | None = None
+        self._lag_task: asyncio.Task | None = None
         self.health: HealthPublisher | None = None
 
     async def start(self) -> str:
@@ -475,6 +477,7 @@ class RouterService:
         loop = asyncio.get_running_loop()
         self._health_task = loop.create_task(self.router.table.health_loop())
         self._readiness_task = loop.create_task(self.health.run())
+        self._lag_task = loop.create_task(watch_loop_lag(metrics.LOOP_LAG.observe))
         metrics.ROUTER_QUEUE_REQUESTS.set_function(lambda: self.router.queue.num_requests)
         metrics.ROUTER_QUEUE_BLOCKS.set_function(lambda: self.router.queue.num_blocks)
         metrics.ROUTER_PROJECTED_WAIT.set_function(self._projected_wait_s)
@@ -596,7 +599,7 @@ class RouterService:
         return self._http_port if self._http is not None else None
 
     async def stop(self, grace: float = 1.0) -> None:
-        for task in (self._health_task, self._readiness_task):
+        for task in (self._health_task, self._readiness_task, self._lag_task):
             if task is not None:
                 task.cancel()
         if self._http is not None:

@@ -440,6 +440,23 @@ class WorkerTable:
         """How long a call that needs the worker's engine may take before the worker is stalled."""
         return stall_threshold_s(self.config.stall_timeout_s, entry.slowest_step_s)
 
+    async def bounded(self, entry: WorkerState, call: Any) -> object:
+        """Await a worker ``call`` that runs between two of its steps (a request's add, a
+        migration's export or import, an abort): TimeoutError once the worker shows no progress (no
+        step, no ``StepHeartbeat``) for its stall threshold while it is pending. A worker that keeps
+        computing a long step (an overloaded CPU) is slow, not hung (workers/core/liveness.py), so
+        the wait goes on while it makes progress."""
+        fut = asyncio.ensure_future(call)
+        since = time.monotonic()
+        while True:
+            try:
+                return await asyncio.wait_for(asyncio.shield(fut), self.stall_threshold_s(entry))
+            except TimeoutError:
+                if entry.state != WORKER_UP or entry.progress_time <= since:
+                    fut.cancel()
+                    raise
+                since = time.monotonic()
+
     def give_up(self, entry: WorkerState, why: str, incarnation: str | None = None) -> None:
         """The liveness rule says ``entry`` is down: replay its requests elsewhere (``down``) and
         kill its actor so Ray starts a fresh process (counting toward retirement). Idempotent;

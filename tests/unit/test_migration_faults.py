@@ -214,3 +214,25 @@ def test_a_fault_raised_at_any_phase_leaves_the_request_on_the_source(phase_to_f
             assert rid in _aborts(router, _dst(src))  # the imported copy is stopped
 
     asyncio.run(test())
+
+
+def test_an_import_slower_than_the_threshold_while_the_destination_computes_is_waited_for(kills: list) -> None:
+    """A destination busy with a long step (it heartbeats: ``StepHeartbeat``) is slow, not hung:
+    the move waits for its import instead of giving it up and replaying its requests."""
+    from protos.kvserve.v1 import worker_pb2 as pb
+
+    async def test() -> None:
+        router, workers, _ = _setup()
+        r = await _running(router)
+        src, dst = r.worker_id, _dst(r.worker_id)
+        workers[dst].behaviour["import_request"] = "hang"
+        move = asyncio.ensure_future(router.mover.migrate(r.request_id, dst))
+        for _ in range(8):  # 0.8 s, well past the 0.3 s threshold, heartbeating all along
+            await asyncio.sleep(0.1)
+            router.on_message(dst, pb.WorkerMessage(heartbeat=pb.StepHeartbeat(step_elapsed_s=1.0, step_cpu_s=1.0)))
+        assert not move.done() and router.workers[dst].state == WORKER_UP and not kills
+        await asyncio.sleep(STALL_S * 3)  # the heartbeats stop: now it is a stall
+        assert not await move
+        assert router.workers[dst].state == WORKER_DOWN and kills == [workers[dst]] and r.worker_id == src
+
+    asyncio.run(test())
