@@ -92,27 +92,47 @@ LOOP_LAG = Histogram(
 CounterDeltas = Mapping[str, int]
 
 
+class _WorkerSeries:
+    """One worker's labelled series of the per-report metrics, looked up once: a report arrives per
+    worker step, and ``labels()`` costs more than the ``set`` it precedes."""
+
+    def __init__(self, w: str) -> None:
+        self.kv_usage, self.total, self.free = KV_USAGE.labels(w), KV_BLOCKS_TOTAL.labels(w), KV_BLOCKS_FREE.labels(w)
+        self.evictable, self.swap_used = KV_BLOCKS_EVICTABLE.labels(w), KV_SWAP_USED.labels(w)
+        self.running, self.waiting, self.swapped = RUNNING.labels(w), WAITING.labels(w), SWAPPED.labels(w)
+        self.report_time = REPORT_TIME.labels(w)
+        self.prefix_queries, self.prefix_hits = PREFIX_QUERIES.labels(w), PREFIX_HITS.labels(w)
+        self.prefill_tokens = PREFILL_TOKENS.labels(w)
+
+
 class RouterMetrics:
     """The router's one writer of metrics: each method is one thing that happened."""
+
+    def __init__(self) -> None:
+        self._series: dict[str, _WorkerSeries] = {}
+        self._recomputes, self._swaps = PREEMPTIONS.labels("recompute"), PREEMPTIONS.labels("swap")
 
     def observe_pressure(self, r: pb.PressureReport, counted: CounterDeltas) -> None:
         """A worker's report: gauges as it says, counters by what it ``counted`` since its last one."""
         w = r.worker_id
-        KV_USAGE.labels(w).set(pool_usage(r.used_blocks, r.total_blocks))
-        KV_BLOCKS_TOTAL.labels(w).set(r.total_blocks)
-        KV_BLOCKS_FREE.labels(w).set(r.free_blocks)
-        KV_BLOCKS_EVICTABLE.labels(w).set(r.cached_evictable_blocks)
-        KV_SWAP_USED.labels(w).set(r.swap_blocks_total - r.swap_blocks_free)
-        RUNNING.labels(w).set(r.num_running)
-        WAITING.labels(w).set(r.num_waiting)
-        SWAPPED.labels(w).set(r.num_swapped)
-        REPORT_TIME.labels(w).set_to_current_time()
+        m = self._series.get(w)
+        if m is None:
+            m = self._series[w] = _WorkerSeries(w)
+        m.kv_usage.set(pool_usage(r.used_blocks, r.total_blocks))
+        m.total.set(r.total_blocks)
+        m.free.set(r.free_blocks)
+        m.evictable.set(r.cached_evictable_blocks)
+        m.swap_used.set(r.swap_blocks_total - r.swap_blocks_free)
+        m.running.set(r.num_running)
+        m.waiting.set(r.num_waiting)
+        m.swapped.set(r.num_swapped)
+        m.report_time.set_to_current_time()
         swaps = counted["num_swaps_total"]
-        PREEMPTIONS.labels("recompute").inc(counted["num_preemptions_total"] - swaps)
-        PREEMPTIONS.labels("swap").inc(swaps)
-        PREFIX_QUERIES.labels(w).inc(counted["prefix_cache_query_tokens_total"])
-        PREFIX_HITS.labels(w).inc(counted["prefix_cache_hit_tokens_total"])
-        PREFILL_TOKENS.labels(w).inc(counted["prefill_tokens_total"])
+        self._recomputes.inc(counted["num_preemptions_total"] - swaps)
+        self._swaps.inc(swaps)
+        m.prefix_queries.inc(counted["prefix_cache_query_tokens_total"])
+        m.prefix_hits.inc(counted["prefix_cache_hit_tokens_total"])
+        m.prefill_tokens.inc(counted["prefill_tokens_total"])
         if r.host_cache_bytes_capacity or r.disk_cache_bytes_capacity:  # a worker with tiers (docs/architecture.md §3a)
             self._observe_tiers(r, counted)
 

@@ -62,7 +62,13 @@ class Mover:
     def rebalance(self, src: WorkerState) -> None:
         """Start the migration off ``src`` that ``plan_migration`` decides, if any."""
         router = self.router
-        if not router.config.enable_migration:
+        if not router.config.enable_migration or src.worker_id in self.busy:
+            return
+        # NOTE: a report arrives per worker step; the rule moves nothing off a worker below the high
+        # watermark, so that common case is told from the source's view alone, without every
+        # worker's view and the list of running requests (plan_migration would only refuse then).
+        view = src.view(router.table.serving(src), router.table.ledger)
+        if not view.reported or view.usage < router.watermarks.high:
             return
         move = plan_migration(src.worker_id, router.table.views(), self.running(), router.watermarks,
                               frozenset(self.busy))  # fmt: skip

@@ -92,7 +92,7 @@ class WorkerLinkGate(worker_pb2_grpc.WorkerLinkServicer):
                 f"the credential of {worker_id!r} cannot say Hello as {first.hello.worker_id[:64]!r}",
             )
         # NOTE: aclosing: when the stream ends, the session's finally (on_disconnect) runs now.
-        async with contextlib.aclosing(self.link.Connect(_prepend(first, it), context)) as commands:
+        async with contextlib.aclosing(self.link.serve(first, it, context)) as commands:
             async for cmd in commands:
                 yield cmd
 
@@ -106,8 +106,3 @@ class WorkerLinkGate(worker_pb2_grpc.WorkerLinkServicer):
             logger.warning("WorkerLink from %s refused (%s): %s", key[0], code.name, why)
         await context.abort(code, f"WorkerLink refused: {why}")
 
-
-async def _prepend(first: pb.WorkerMessage, rest: AsyncIterator[pb.WorkerMessage]) -> AsyncIterator[pb.WorkerMessage]:
-    yield first
-    async for msg in rest:
-        yield msg

@@ -73,7 +73,15 @@ class WorkerLinkService(worker_pb2_grpc.WorkerLinkServicer):
         self, request_iterator: AsyncIterator[pb.WorkerMessage], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.RouterCommand]:
         it = request_iterator.__aiter__()
-        first = await anext(it, None)
+        async for cmd in self.serve(await anext(it, None), it, context):
+            yield cmd
+
+    async def serve(
+        self, first: pb.WorkerMessage | None, it: AsyncIterator[pb.WorkerMessage], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.RouterCommand]:
+        """``Connect`` once its first message was read (the worker-auth layer reads it to check the
+        Hello): the rest of the stream is read straight from gRPC's iterator, with no wrapper
+        generator in between (the link carries a message per worker step)."""
         if first is None or first.WhichOneof("body") != "hello":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first WorkerLink message must be a Hello")
         hello = first.hello
