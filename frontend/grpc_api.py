@@ -24,7 +24,7 @@ from frontend.relay import Relay
 from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import serving_pb2_grpc
 from router.limits import client_of_peer
-from router.mux import StreamMux
+from router.mux import StreamMux, stream_batches
 from router.request import RouterError
 from router.server import Undecodable
 
@@ -79,19 +79,8 @@ class FrontendServicer(serving_pb2_grpc.KVServeServicer):
         caller = (client_of_peer(context.peer()), _authorization(context))
         reader = asyncio.get_running_loop().create_task(self._read_requests(requests, mux, live, pumps, caller))
         try:
-            while True:
-                batch = await mux.next_batch()
-                for resp in batch.responses:
-                    if resp.finish_reason:
-                        live.pop(resp.request_id, None)
-                for err in batch.errors:
-                    live.pop(err.request_id, None)
-                if batch.responses or batch.errors:
-                    yield batch
-                if reader.done():
-                    reader.result()  # NOTE: re-raises what stopped the reader (a bad message: the stream's status)
-                    if not live:
-                        return
+            async for batch in stream_batches(mux, live, reader):
+                yield batch
         except RouterError as e:
             await _abort(context, e)
         finally:

@@ -12,6 +12,8 @@ is what the router's slow-consumer rule (``max_buffered_responses``) reads.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Callable, MutableMapping
+from typing import Any
 
 from protos.kvserve.v1 import serving_pb2 as spb
 from router.demux import merge_responses
@@ -93,3 +95,28 @@ class MuxSlot:
 def error_message(request_id: str, e: RouterError) -> spb.RequestError:
     retry = dict(e.trailers).get("retry-after-ms", "0")
     return spb.RequestError(request_id=request_id, code=e.code.value[0], message=e.message, retry_after_ms=int(retry))
+
+
+async def stream_batches(
+    mux: StreamMux, live: MutableMapping[str, Any], reader: asyncio.Task, rename: Callable[[str], str] | None = None
+) -> AsyncIterator[spb.GenerateBatch]:
+    """A GenerateStream's writer: each batch ``mux`` gathers, until the client closed its side
+    (``reader`` done) and none of its requests is ``live`` any more; ``rename`` maps the ids on the
+    way out (a tenant's scoped ids). Every request a batch ends leaves ``live``. Re-raises what
+    stopped ``reader`` (a bad message: the stream's status)."""
+    while True:
+        batch = await mux.next_batch()
+        if rename is not None:
+            for item in (*batch.responses, *batch.errors):
+                item.request_id = rename(item.request_id)
+        for resp in batch.responses:
+            if resp.finish_reason:
+                live.pop(resp.request_id, None)
+        for err in batch.errors:
+            live.pop(err.request_id, None)
+        if batch.responses or batch.errors:
+            yield batch
+        if reader.done():
+            reader.result()
+            if not live:
+                return

@@ -53,7 +53,7 @@ from router.http_api import HttpApiServer
 from router.keepalive import server_keepalive_options
 from router.limits import Bounds, LimitExceeded, client_of_peer
 from router.loop_lag import watch_loop_lag
-from router.mux import StreamMux
+from router.mux import StreamMux, stream_batches
 from router.request import RouterRequest
 from router.router import Router, RouterError
 from router.supervision import WorkerSupervision
@@ -250,24 +250,11 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
         trusted = frontend_trusted(context.invocation_metadata(), self.frontend_key)
         caller = (client_of_peer(context.peer()), who, trusted)
         reader = asyncio.get_running_loop().create_task(self._read_requests(requests, mux, live, caller))
+        # the ids as the tenant knows them
+        rename = None if who is None else functools.partial(self.bounds.tenancy.unscoped_id, who)  # type: ignore[union-attr]
         try:
-            while True:
-                batch = await mux.next_batch()
-                if who is not None:  # the ids as the tenant knows them
-                    tenancy = self.bounds.tenancy
-                    for item in (*batch.responses, *batch.errors):
-                        item.request_id = tenancy.unscoped_id(who, item.request_id)  # type: ignore[union-attr]
-                for resp in batch.responses:
-                    if resp.finish_reason:
-                        live.pop(resp.request_id, None)
-                for err in batch.errors:
-                    live.pop(err.request_id, None)
-                if batch.responses or batch.errors:
-                    yield batch
-                if reader.done():
-                    reader.result()  # NOTE: re-raises what stopped the reader (a bad message: the stream's status)
-                    if not live:
-                        return
+            async for batch in stream_batches(mux, live, reader, rename):
+                yield batch
         except RouterError as e:
             await _abort(context, e)
         finally:

@@ -6,7 +6,8 @@ section 1). A real serve, the tiny random Llama, 2 CPU workers, real gRPC and HT
   frontends give the greedy tokens the router gives when clients call it directly (``--frontends 0``'s
   path, on the same cluster).
 * A worker SIGKILLed while streams go through a frontend: every stream continues token-identical
-  (ordering and de-duplication across the replay are the router's, carried unchanged over the mux).
+  (ordering and de-duplication across the replay are the router's, carried unchanged over the mux);
+  likewise a worker drained under them (each started stream moved by live migration, no replay).
 * A frontend SIGKILLed mid-stream: its streams end UNAVAILABLE with a prefix of the right tokens, the
   router aborts their requests (no used block is left), the other frontend's streams complete
   token-identical, a new request on the same port succeeds, and Ray restarts the frontend.
@@ -31,6 +32,14 @@ from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import serving_pb2_grpc
 from tests.chaos.conftest import ServedCluster, serve_cluster, stop_cluster
 from tests.chaos.streams import Stream, prompt, request, run_all
+from tests.chaos.test_drain import (
+    BACK_TIMEOUT_S,
+    _back_with_new_incarnation,
+    _busiest,
+    _check_moved_without_replay,
+    _reference,
+    _worker,
+)
 from tests.chaos.test_failover import _mixed_requests, _wait_status
 from tests.integration.test_serve import HTTP_LINE, Proc, clean_env, kvserve_argv
 
@@ -159,6 +168,37 @@ def test_worker_sigkill_streams_through_a_frontend_continue_token_identical(fron
     assert moved, f"no stream was on {victim} when it died; nothing was tested"
     _wait_status(c, lambda st: all(w.state == "up" and w.healthy for w in st.workers), 240, "workers back up")
     c.wait_idle()
+
+
+def test_a_live_migration_of_streams_through_a_frontend_keeps_them_token_identical(fronted: Fronted) -> None:
+    """A live migration (a drain moves every started stream off a worker) under streams relayed by
+    a frontend: each stream continues token-identical, no replay. NOTE: the source is paused at a
+    step boundary before its export, so the destination's first tokens follow its last ones in
+    order here (the router's demux holds and de-duplicates where they would not: resends after a
+    reconnect, replays; tests/unit/test_router_demux.py); this covers the path end to end: the move, the
+    worker change mid-stream, the mux and the frontend's relay. It fails if a moved stream loses,
+    repeats or reorders a token anywhere on that path."""
+    c = fronted.cluster
+    reqs = _mixed_requests(8, 800, 96)
+    reference = _reference(c, reqs)
+    replays_before = c.status().router.replays_total
+    streams = [Stream(fronted.frontend, r, first_tokens=3).start() for r in reqs]
+    for s in streams:
+        assert s.started.wait(120), "no first tokens"
+    victim = _busiest(streams)
+    before = _worker(c.status(), victim)
+    with c.channel() as ch:
+        progress = list(serving_pb2_grpc.AdminStub(ch).DrainWorker(
+            spb.DrainRequest(worker_id=victim, deadline_s=20), timeout=BACK_TIMEOUT_S + 60))  # fmt: skip
+    assert progress[-1].phase == "done" and progress[-1].requests_migrated >= 1, progress[-1]
+    for s in streams:
+        s.wait(240)
+    moved = _check_moved_without_replay(streams, reference, victim)
+    after = _back_with_new_incarnation(c, victim, before)
+    assert after.router.replays_total == replays_before
+    c.wait_idle()
+    print(f"\nFIGURES migration through a frontend: {len(moved)} of {len(streams)} streams moved off {victim} "
+          f"({progress[-1].requests_migrated} migrated), 0 replays, all token-identical")  # fmt: skip
 
 
 def _connections(address: str, per_frontend: int, limit: int = 32) -> dict[str, list[grpc.Channel]]:
