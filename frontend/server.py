@@ -31,7 +31,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from frontend.grpc_api import FrontendServicer
+from frontend.grpc_api import FRONTEND_ID_HEADER, FrontendServicer
 from frontend.http_backend import RelayBackend
 from frontend.link import RouterLink
 from frontend.relay import FrontendPrompts, Relay
@@ -133,7 +133,8 @@ class FrontendServer:
             model_names = (c.served_model_name or "", c.model or "", "")
             backend = RelayBackend(relay, self.tenancy, model_names, self.tokenizer, lambda: self.ready,
                                    default_timeout_s=c.http_default_timeout_s)
-            self._http = HttpApiServer(backend, c.host, s.http_port, c.auth_token, reuse_port=True)
+            self._http = HttpApiServer(backend, c.host, s.http_port, c.auth_token, reuse_port=True,
+                                       served_by=(FRONTEND_ID_HEADER, s.frontend_id))  # fmt: skip
             self.http_port = await self._http.start()
         self._poll = asyncio.get_running_loop().create_task(self._mirror_readiness())
         logger.info("frontend %s serving gRPC on %s:%d%s, relaying to %s", s.frontend_id, c.host, self.grpc_port,

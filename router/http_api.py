@@ -806,6 +806,27 @@ class _Server(uvicorn.Server):
         yield
 
 
+class ServedByMiddleware:
+    """Names the process that answered in a response header (``kvserve-frontend``, as the gRPC API's
+    initial metadata does): behind a shared port, which frontend served a call is otherwise unknown
+    to the client and to whoever reads its logs."""
+
+    def __init__(self, app: Callable, header: bytes, value: str) -> None:
+        self.app, self.header, self.value = app, header, value.encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_named(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), (self.header, self.value)]}
+            await send(message)
+
+        await self.app(scope, receive, send_named)
+
+
 class HttpApiServer:
     """uvicorn serving ``OpenAIApi`` as a task on the current event loop (beside grpc.aio)."""
 
@@ -818,6 +839,7 @@ class HttpApiServer:
         bounds: Bounds | None = None,
         tls: tuple[str, str, str | None] | None = None,
         reuse_port: bool = False,
+        served_by: tuple[str, str] | None = None,
     ) -> None:
         """
         Args:
@@ -829,11 +851,13 @@ class HttpApiServer:
                 certificates required (the gRPC port's ``tls_cert``/``tls_key``/``tls_client_ca``).
             reuse_port: bind with ``SO_REUSEPORT``, so several frontend processes share the port
                 (the kernel spreads connections over them; one that dies stops getting new ones).
+            served_by: ``(header, value)`` added to every response (a frontend's name).
         """
         backend = RouterBackend(router, bounds) if isinstance(router, Router) else router
         self.api = OpenAIApi(backend, auth_token)
         self.tls = tls
         self.reuse_port = reuse_port
+        self.served_by = served_by
         self.host, self.port = host, port
         self._server: _Server | None = None
         self._task: asyncio.Task | None = None
@@ -852,8 +876,11 @@ class HttpApiServer:
             raise OSError(f"cannot bind the HTTP API port at {self.host}:{self.port}: {e}") from e
         self.port = int(sock.getsockname()[1])
         # NOTE: log_config=None: the process's logging stays as it is (uvicorn would install its own).
+        app: Callable = MetricsMiddleware(BodyLimitMiddleware(self.api.app, self.api.limits.max_http_body_bytes))
+        if self.served_by is not None:
+            app = ServedByMiddleware(app, self.served_by[0].encode(), self.served_by[1])
         config = uvicorn.Config(
-            MetricsMiddleware(BodyLimitMiddleware(self.api.app, self.api.limits.max_http_body_bytes)),
+            app,
             log_config=None, log_level="warning", access_log=False,
             lifespan="off", timeout_graceful_shutdown=1, **self._ssl_options(),
         )  # fmt: skip
