@@ -390,3 +390,44 @@ def test_kvserve_frontend_as_a_plain_process_relays_to_the_router(fronted: Front
         if proc.popen.poll() is None:
             proc.kill_tree()
     c.wait_idle()
+
+
+ROUTER_RESTARTED = re.compile(r"router restarted \(1\)")
+
+
+def test_router_death_under_frontends_ends_their_streams_and_they_serve_the_new_router(fronted: Fronted) -> None:
+    """Last in this module (it replaces the router). The router SIGKILLed while streams go through
+    the frontends: every stream ends at once, UNAVAILABLE (gRPC) or closed before ``[DONE]``
+    (HTTP/SSE), never a hang; ``serve`` restarts the router on its port, the workers' orphaned
+    requests are aborted (no used block), and the frontends relay to the new router: new calls on
+    their port succeed, gRPC and HTTP, with the undisturbed tokens."""
+    c = fronted.cluster
+    grpc_streams = [Stream(fronted.frontend, request(prompt(720 + i), 300), first_tokens=3).start() for i in range(3)]
+    http = _SseStream(httpx.Client(), f"{fronted.http}/completions",
+                      {"prompt": prompt(730), "max_tokens": 300, "ignore_eos": True})  # fmt: skip
+    for s in grpc_streams:
+        assert s.started.wait(120), "no first tokens"
+    assert http.started.wait(120) and http.ids, f"no first tokens ({http.error!r})"
+    t_kill = time.monotonic()
+    os.kill(c.router_pid(), signal.SIGKILL)
+    for s in grpc_streams:
+        s.wait(60)
+    assert http.ended.wait(60), "an HTTP stream hangs"
+    assert all(s.code == grpc.StatusCode.UNAVAILABLE for s in grpc_streams), [(s.code, s.details) for s in grpc_streams]
+    assert not http.done and len(http.ids) < 300, "the HTTP stream looked complete"
+    t_ended = max([s.ended_at for s in grpc_streams if s.ended_at is not None] + [http.ended_at or 0.0]) - t_kill
+    assert t_ended < 10.0, f"clients learned of the router's death only after {t_ended:.1f}s"
+
+    c.proc.wait_for_line(ROUTER_RESTARTED, timeout=240)
+    t_restart = time.monotonic() - t_kill
+    c.wait_idle(timeout=120)
+    reqs = [request(prompt(740 + i), 16) for i in range(2)]
+    through = run_all(fronted.frontend, reqs, timeout=120)
+    direct = run_all(c.address, reqs)
+    assert all(s.code == grpc.StatusCode.OK and len(s.tokens) == 16 for s in through), [s.details for s in through]
+    assert [s.tokens for s in through] == [s.tokens for s in direct]
+    ids, _ = _sse_tokens(f"{fronted.http}/completions", {"prompt": prompt(740), "max_tokens": 16, "ignore_eos": True})
+    assert ids == direct[0].tokens
+    c.wait_idle()
+    print(f"\nFIGURES router kill under frontends: {len(grpc_streams)} gRPC + 1 HTTP streams ended within "
+          f"{t_ended:.2f}s; router serving again {t_restart:.1f}s after the kill; frontends relay to it")  # fmt: skip
