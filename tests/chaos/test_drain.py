@@ -21,6 +21,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -86,19 +87,21 @@ def _back_with_new_incarnation(c: ServedCluster, worker_id: str, before: spb.Wor
     return st
 
 
-def test_drain_moves_streams_token_identical_and_the_worker_comes_back(cluster: ServedCluster) -> None:
-    c = cluster
-    reqs = _mixed_requests(8, 0, 96)
+def drain_under_streams(c: ServedCluster, address: str, reqs: list[spb.GenerateRequest]) -> DrainRun:
+    """Stream ``reqs`` through ``address`` (the router, or a frontend), drain the busiest worker
+    once every stream has its first tokens, and check the outcome: every stream OK and identical
+    to an undisturbed run, the moved ones by live migration (no replay), the worker back as a new
+    process."""
     reference = _reference(c, reqs)
     replays_before = c.status().router.replays_total
-    streams = [Stream(c.address, r, first_tokens=3).start() for r in reqs]
+    streams = [Stream(address, r, first_tokens=3).start() for r in reqs]
     for s in streams:
         assert s.started.wait(120), "no first tokens"
     victim = _busiest(streams)
     before = _worker(c.status(), victim)
     t0 = time.monotonic()
     # NOTE: the Admin RPC itself (what `kvserve drain` calls), so that the drain begins while the
-    # streams are surely mid-way; the CLI is run below and by the rollout test.
+    # streams are surely mid-way; the CLI is run by the drain and rollout tests.
     with c.channel() as ch:
         call = serving_pb2_grpc.AdminStub(ch).DrainWorker(
             spb.DrainRequest(worker_id=victim, deadline_s=20), timeout=BACK_TIMEOUT_S + 60
@@ -115,6 +118,23 @@ def test_drain_moves_streams_token_identical_and_the_worker_comes_back(cluster: 
     moved = _check_moved_without_replay(streams, reference, victim)
     after = _back_with_new_incarnation(c, victim, before)
     assert after.router.replays_total == replays_before
+    return DrainRun(streams, moved, victim, progress, t_drain)
+
+
+@dataclass
+class DrainRun:
+    streams: list[Stream]
+    moved: list[Stream]
+    victim: str
+    progress: list[spb.DrainProgress]
+    seconds: float
+
+
+def test_drain_moves_streams_token_identical_and_the_worker_comes_back(cluster: ServedCluster) -> None:
+    c = cluster
+    run = drain_under_streams(c, c.address, _mixed_requests(8, 0, 96))
+    streams, moved, victim, progress, t_drain, final = (run.streams, run.moved, run.victim, run.progress,
+                                                         run.seconds, run.progress[-1])  # fmt: skip
     served = run_all(c.address, [request(prompt(40 + i), 8) for i in range(4)])
     assert all(s.code == grpc.StatusCode.OK for s in served)
     assert victim in {w for s in served for w in s.worker_ids}, "the drained worker got no request"

@@ -22,9 +22,10 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
@@ -34,14 +35,7 @@ from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import serving_pb2_grpc
 from tests.chaos.conftest import ServedCluster, serve_cluster, stop_cluster
 from tests.chaos.streams import Stream, prompt, request, run_all
-from tests.chaos.test_drain import (
-    BACK_TIMEOUT_S,
-    _back_with_new_incarnation,
-    _busiest,
-    _check_moved_without_replay,
-    _reference,
-    _worker,
-)
+from tests.chaos.test_drain import drain_under_streams
 from tests.chaos.test_failover import _mixed_requests, _wait_status
 from tests.integration.test_serve import HTTP_LINE, Proc, clean_env, kvserve_argv
 
@@ -181,44 +175,49 @@ def test_a_live_migration_of_streams_through_a_frontend_keeps_them_token_identic
     worker change mid-stream, the mux and the frontend's relay. It fails if a moved stream loses,
     repeats or reorders a token anywhere on that path."""
     c = fronted.cluster
-    reqs = _mixed_requests(8, 800, 96)
-    reference = _reference(c, reqs)
-    replays_before = c.status().router.replays_total
-    streams = [Stream(fronted.frontend, r, first_tokens=3).start() for r in reqs]
-    for s in streams:
-        assert s.started.wait(120), "no first tokens"
-    victim = _busiest(streams)
-    before = _worker(c.status(), victim)
-    with c.channel() as ch:
-        progress = list(serving_pb2_grpc.AdminStub(ch).DrainWorker(
-            spb.DrainRequest(worker_id=victim, deadline_s=20), timeout=BACK_TIMEOUT_S + 60))  # fmt: skip
-    assert progress[-1].phase == "done" and progress[-1].requests_migrated >= 1, progress[-1]
-    for s in streams:
-        s.wait(240)
-    moved = _check_moved_without_replay(streams, reference, victim)
-    after = _back_with_new_incarnation(c, victim, before)
-    assert after.router.replays_total == replays_before
+    run = drain_under_streams(c, fronted.frontend, _mixed_requests(8, 800, 96))
     c.wait_idle()
-    print(f"\nFIGURES migration through a frontend: {len(moved)} of {len(streams)} streams moved off {victim} "
-          f"({progress[-1].requests_migrated} migrated), 0 replays, all token-identical")  # fmt: skip
+    print(f"\nFIGURES migration through a frontend: {len(run.moved)} of {len(run.streams)} streams moved off "
+          f"{run.victim} ({run.progress[-1].requests_migrated} migrated), 0 replays, all token-identical")  # fmt: skip
 
 
-def _connections(address: str, per_frontend: int, limit: int = 32) -> dict[str, list[grpc.Channel]]:
-    """Channels, each its own TCP connection (not the process-wide subchannel pool), grouped by the
-    frontend that serves it (learned from a 1-token Generate's ``kvserve-frontend`` metadata): the
-    kernel spreads connections over the frontends, so open them until each has ``per_frontend``."""
-    by_frontend: dict[str, list[grpc.Channel]] = {}
-    for i in range(limit):
+def _by_frontend(open_one: Callable[[int], tuple[Any, str]], per_frontend: int,
+                 timeout_s: float = 120.0) -> dict[str, list[Any]]:  # fmt: skip
+    """Connections grouped by the frontend that serves each (``open_one(i)`` opens the i-th and
+    returns it with that frontend's name, closing it itself if not kept): the kernel spreads
+    connections over the frontends, so open them until each has ``per_frontend``. NOTE: until a
+    deadline, not a count: a frontend Ray just restarted (an earlier test's kill) takes new
+    connections only once it has bound the port again; until then the other one gets them all."""
+    groups: dict[str, list[Any]] = {}
+    deadline, i = time.monotonic() + timeout_s, 0
+    while time.monotonic() < deadline and not (
+        len(groups) == 2 and all(len(v) >= per_frontend for v in groups.values())
+    ):
+        conn, frontend_id = open_one(i)
+        i += 1
+        group = groups.setdefault(frontend_id, [])
+        if len(group) < per_frontend:
+            group.append(conn)
+        else:
+            conn.close()
+            time.sleep(0.05)
+    assert set(groups) == {"frontend-0", "frontend-1"} and all(
+        len(v) >= per_frontend for v in groups.values()
+    ), {k: len(v) for k, v in groups.items()}
+    return groups
+
+
+def _connections(address: str, per_frontend: int) -> dict[str, list[grpc.Channel]]:
+    """gRPC channels, each its own TCP connection (not the process-wide subchannel pool), by the
+    frontend named in a 1-token Generate's ``kvserve-frontend`` metadata."""
+
+    def open_one(i: int) -> tuple[grpc.Channel, str]:
         ch = grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
-        call = serving_pb2_grpc.KVServeStub(ch).Generate(request(prompt(900 + i, 4), 1), timeout=60)
+        call = serving_pb2_grpc.KVServeStub(ch).Generate(request(prompt(900 + i % 64, 4), 1), timeout=60)
         assert [r.finish_reason for r in call][-1] == "length"
-        by_frontend.setdefault(dict(call.initial_metadata())[FRONTEND_HEADER], []).append(ch)
-        if len(by_frontend) == 2 and all(len(v) >= per_frontend for v in by_frontend.values()):
-            break
-    assert set(by_frontend) == {"frontend-0", "frontend-1"} and all(
-        len(v) >= per_frontend for v in by_frontend.values()
-    ), {k: len(v) for k, v in by_frontend.items()}
-    return by_frontend
+        return ch, dict(call.initial_metadata())[FRONTEND_HEADER]
+
+    return _by_frontend(open_one, per_frontend)
 
 
 def test_frontend_sigkill_ends_its_streams_frees_their_blocks_and_the_port_serves_on(fronted: Fronted) -> None:
@@ -301,29 +300,17 @@ class _SseStream:
             self.ended.set()
 
 
-def _http_clients(http: str, per_frontend: int, timeout_s: float = 120.0) -> dict[str, list[httpx.Client]]:
-    """Clients with one kept-alive connection each, grouped by the frontend that serves it (its
-    ``kvserve-frontend`` response header); as ``_connections`` for gRPC. NOTE: until a deadline, not
-    a count: a frontend Ray just restarted (an earlier test's kill) takes new connections only once
-    it has bound the port again, and until then the kernel gives them all to the other one."""
-    by_frontend: dict[str, list[httpx.Client]] = {}
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+def _http_clients(http: str, per_frontend: int) -> dict[str, list[httpx.Client]]:
+    """HTTP clients with one kept-alive connection each, by the frontend its ``kvserve-frontend``
+    response header names."""
+
+    def open_one(_: int) -> tuple[httpx.Client, str]:
         client = httpx.Client(limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
         r = client.get(f"{http}/models", timeout=30)
         assert r.status_code == 200, r.text
-        group = by_frontend.setdefault(r.headers[FRONTEND_HEADER], [])
-        if len(group) < per_frontend:
-            group.append(client)
-        else:
-            client.close()
-            time.sleep(0.05)
-        if len(by_frontend) == 2 and all(len(v) >= per_frontend for v in by_frontend.values()):
-            break
-    assert set(by_frontend) == {"frontend-0", "frontend-1"} and all(
-        len(v) >= per_frontend for v in by_frontend.values()
-    ), {k: len(v) for k, v in by_frontend.items()}
-    return by_frontend
+        return client, r.headers[FRONTEND_HEADER]
+
+    return _by_frontend(open_one, per_frontend)
 
 
 def test_frontend_sigkill_ends_its_http_streams_at_once_and_frees_their_blocks(fronted: Fronted) -> None:
