@@ -49,7 +49,7 @@ import grpc
 
 from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import serving_pb2_grpc
-from workers.transport.worker_link import channel_credentials
+from workers.core.tls import channel_credentials
 
 logger = logging.getLogger(__name__)
 

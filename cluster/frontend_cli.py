@@ -46,6 +46,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--http-port", type=_port_or_off, default=8000, help="OpenAI HTTP API port, or off")
     p.add_argument("--frontend-id", default=None, help="this frontend's name (default: the host name)")
     p.add_argument("--auth-keys", default=None, help="API keys file (as the router's --auth-keys)")
+    p.add_argument("--tls-cert", default=None, help="PEM: serve both client ports over TLS with this certificate")
+    p.add_argument("--tls-key", default=None, help="PEM: the key of --tls-cert")
+    p.add_argument("--tls-client-ca", default=None, help="PEM: require client certificates signed by this CA (mTLS)")
+    p.add_argument("--router-ca", default=None,
+                   help="PEM: connect to the router over TLS, trusting this CA for its certificate; under the "
+                        "router's mTLS this frontend presents --tls-cert/--tls-key")  # fmt: skip
     p.set_defaults(func=cmd_frontend)
 
 
@@ -59,10 +65,14 @@ def settings_from_args(args: argparse.Namespace):  # noqa: ANN201 - FrontendSett
         served_model_name=args.served_model_name,
         auth_token=os.environ.get("KVSERVE_AUTH_TOKEN") or None,
         auth_keys=args.auth_keys,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
     )
     key = os.environ.get(FRONTEND_KEY_ENV) or None
+    link_tls = (args.router_ca, args.tls_cert, args.tls_key) if args.router_ca else (None, None, None)
     return FrontendSettings(
-        args.router, router, args.grpc_port, args.http_port, args.frontend_id or socket.gethostname(), key
+        args.router, router, args.grpc_port, args.http_port, args.frontend_id or socket.gethostname(), key, link_tls
     )
 
 
@@ -79,7 +89,8 @@ async def _serve(settings) -> None:  # noqa: ANN001 - FrontendSettings
     print(f"kvserve: frontend {settings.frontend_id} serving gRPC kvserve.v1.KVServe on {host}:{grpc_port}, "
           f"relaying to {settings.router_address}", flush=True)  # fmt: skip
     if http_port is not None:
-        print(f"kvserve: OpenAI-compatible HTTP API on http://{host}:{http_port}/v1", flush=True)
+        scheme = "https" if settings.router.tls_cert else "http"
+        print(f"kvserve: OpenAI-compatible HTTP API on {scheme}://{host}:{http_port}/v1", flush=True)
     try:
         await stop.wait()
     finally:

@@ -35,9 +35,11 @@ def frontend_key(needed: bool) -> str | None:
 
 
 def start_frontends(
-    n: int, router_config: RouterConfig, router_address: str, grpc_port: int, http_port: int | None, key: str
+    n: int, router_config: RouterConfig, router_address: str, grpc_port: int, http_port: int | None, key: str,
+    link_tls: tuple[str | None, str | None, str | None] = (None, None, None),
 ) -> tuple[list[Any], int, int | None]:
-    """Start ``n`` frontends relaying to ``router_address``; returns (handles, gRPC port, HTTP port).
+    """Start ``n`` frontends relaying to ``router_address`` (over TLS with ``link_tls``, as the
+    workers' WorkerLinks: ``FrontendSettings``); returns (handles, gRPC port, HTTP port).
 
     Raises:
         Exception: one did not start (the ones started are killed).
@@ -56,7 +58,8 @@ def start_frontends(
     handles: list[Any] = []
     try:
         for i in range(n):
-            settings = FrontendSettings(router_address, router_config, grpc_port, http_port, f"frontend-{i}", key)
+            settings = FrontendSettings(router_address, router_config, grpc_port, http_port, f"frontend-{i}", key,
+                                        link_tls)  # fmt: skip
             handles.append(actor.options(
                 name=FRONTEND_NAME.format(i), max_restarts=-1, max_task_retries=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),

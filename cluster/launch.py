@@ -300,7 +300,8 @@ def start_cluster(
 
         try:
             cluster.frontends, cluster.frontend_port, cluster.http_port = start_frontends(
-                frontends, router_config, link_address, frontend_port, http_port, fkey or ""
+                frontends, router_config, link_address, frontend_port, http_port, fkey or "",
+                (base.tls_ca, base.tls_cert, base.tls_key),
             )
         except BaseException:
             cluster.shutdown()

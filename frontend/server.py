@@ -43,6 +43,7 @@ from router.http_api import HttpApiServer
 from router.limits import InputLimits
 from router.server import add_kvserve_servicer
 from router.tenancy import KeyRing, Tenancy
+from workers.core.tls import channel_credentials, server_credentials
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,11 @@ class FrontendSettings:
         frontend_id: this frontend's name (``kvserve-frontend`` response metadata, logs).
         frontend_key: the cluster's frontend key (None: the router counts relayed requests against
             this frontend's address instead of each end client's).
+        link_tls: ``(CA of the router's certificate, client cert, client key)`` PEM paths for the
+            connection to the router, as a worker's WorkerLink uses (``ClusterConfig.worker_options``:
+            the router's own certificate as the CA, its key pair under mTLS); all None: plaintext.
+            The client ports serve TLS with ``router.tls_cert``/``tls_key`` (and require client
+            certificates with ``tls_client_ca``) as the router's do.
     """
 
     router_address: str
@@ -72,10 +78,7 @@ class FrontendSettings:
     http_port: int | None = None
     frontend_id: str = "frontend-0"
     frontend_key: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.router.tls_cert:
-            raise ValueError("frontends do not serve TLS yet: run without --frontends, or terminate TLS in front")
+    link_tls: tuple[str | None, str | None, str | None] = (None, None, None)
 
 
 class FrontendServer:
@@ -109,7 +112,9 @@ class FrontendServer:
         s, c = self.settings, self.settings.router
         options = [("grpc.max_receive_message_length", c.max_message_bytes),
                    ("grpc.max_send_message_length", c.max_message_bytes)]  # fmt: skip
-        self._channel = grpc.aio.insecure_channel(s.router_address, options=options)
+        link_credentials = channel_credentials(*s.link_tls)
+        self._channel = (grpc.aio.insecure_channel(s.router_address, options=options) if link_credentials is None
+                         else grpc.aio.secure_channel(s.router_address, link_credentials, options=options))  # fmt: skip
         self._link = RouterLink(self._channel, s.frontend_key, c.max_buffered_responses)
         relay = Relay(self._link, self._prompts, self.limits)
         keys = self.tenancy.keys if self.tenancy is not None else None
@@ -124,7 +129,9 @@ class FrontendServer:
         names = (spb.DESCRIPTOR.services_by_name["KVServe"].full_name,
                  health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)  # fmt: skip
         reflection.enable_server_reflection(names, server)
-        self.grpc_port = server.add_insecure_port(f"{c.host}:{s.grpc_port}")
+        address = f"{c.host}:{s.grpc_port}"
+        self.grpc_port = (server.add_secure_port(address, server_credentials(c.tls_cert, c.tls_key, c.tls_client_ca))
+                          if c.tls_cert else server.add_insecure_port(address))  # fmt: skip
         if self.grpc_port == 0:
             raise OSError(f"cannot bind the frontend's gRPC port at {c.host}:{s.grpc_port}")
         await server.start()
@@ -133,7 +140,8 @@ class FrontendServer:
             model_names = (c.served_model_name or "", c.model or "", "")
             backend = RelayBackend(relay, self.tenancy, model_names, self.tokenizer, lambda: self.ready,
                                    default_timeout_s=c.http_default_timeout_s)
-            self._http = HttpApiServer(backend, c.host, s.http_port, c.auth_token, reuse_port=True,
+            tls = (c.tls_cert, c.tls_key, c.tls_client_ca) if c.tls_cert and c.tls_key else None
+            self._http = HttpApiServer(backend, c.host, s.http_port, c.auth_token, tls=tls, reuse_port=True,
                                        served_by=(FRONTEND_ID_HEADER, s.frontend_id))  # fmt: skip
             self.http_port = await self._http.start()
         self._poll = asyncio.get_running_loop().create_task(self._mirror_readiness())

@@ -60,7 +60,7 @@ from router.supervision import WorkerSupervision
 from router.tenancy import KeyRing, Principal, Tenancy
 from router.worker_auth import WorkerLinkGate
 from workers.core.identity import WorkerIdentity
-from workers.core.tls import read_pem
+from workers.core.tls import server_credentials
 from workers.core.worker_credential import new_worker_key
 
 logger = logging.getLogger(__name__)
@@ -390,11 +390,7 @@ def build_server(
     reflection.enable_server_reflection(names, server)
     address = f"{config.host}:{config.port}"
     if config.tls_cert:
-        creds = grpc.ssl_server_credentials(
-            [(read_pem(config.tls_key), read_pem(config.tls_cert))],
-            root_certificates=read_pem(config.tls_client_ca),
-            require_client_auth=bool(config.tls_client_ca),
-        )
+        creds = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
         port = server.add_secure_port(address, creds)
     else:
         port = server.add_insecure_port(address)

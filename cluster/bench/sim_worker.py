@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from protos.kvserve.v1 import worker_pb2 as pb
 from workers.core.identity import WorkerIdentity
 from workers.core.request import WorkerRequest
+from workers.core.tls import channel_credentials
 from workers.transport.options import WorkerOptions
 from workers.transport.outbox import Outbox
-from workers.transport.worker_link import WorkerLinkClient, channel_credentials
+from workers.transport.worker_link import WorkerLinkClient
 
 
 @dataclass(frozen=True)

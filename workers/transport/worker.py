@@ -35,6 +35,7 @@ from workers.core.liveness import (
     step_ceiling_s,
 )
 from workers.core.request import WorkerRequest
+from workers.core.tls import channel_credentials
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
 from workers.engine.migration import MigrationState
@@ -43,7 +44,7 @@ from workers.engine.tiered_cache import TierReport
 from workers.transport.options import WorkerOptions
 from workers.transport.outbox import Outbox
 from workers.transport.pressure import PressurePolicy
-from workers.transport.worker_link import WorkerLinkClient, channel_credentials
+from workers.transport.worker_link import WorkerLinkClient
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

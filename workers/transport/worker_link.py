@@ -16,31 +16,10 @@ import grpc
 
 from protos.kvserve.v1 import worker_pb2 as pb
 from protos.kvserve.v1 import worker_pb2_grpc
-from workers.core.tls import read_pem
 from workers.core.worker_credential import WORKER_CREDENTIAL_HEADER
 from workers.transport.outbox import Outbox
 
 logger = logging.getLogger(__name__)
-
-
-def channel_credentials(
-    tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None
-) -> grpc.ChannelCredentials | None:
-    """TLS credentials from PEM files, or None (plaintext) when none is given.
-
-    ``tls_ca`` is the CA that signed the router's certificate (None: the system roots);
-    ``tls_cert`` + ``tls_key`` are this side's certificate for mTLS.
-
-    Raises:
-        ValueError: only one of ``tls_cert`` / ``tls_key``.
-    """
-    if not (tls_ca or tls_cert or tls_key):
-        return None
-    if bool(tls_cert) != bool(tls_key):
-        raise ValueError("tls_cert and tls_key go together")
-    return grpc.ssl_channel_credentials(
-        root_certificates=read_pem(tls_ca), private_key=read_pem(tls_key), certificate_chain=read_pem(tls_cert)
-    )
 
 
 class WorkerLinkClient:
