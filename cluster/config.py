@@ -147,8 +147,6 @@ class ClusterConfig:
         _check_port("frontend_port", self.frontend_port)
         if not (_is_int(self.frontends) and self.frontends >= 0):
             raise ValueError(f"frontends: must be an integer >= 0, got {self.frontends!r}")
-        if self.frontends and self.router.tls_cert:
-            raise ValueError("frontends: not supported with router.tls_cert yet (terminate TLS in front of them)")
         if self.metrics_port is not None:
             _check_port("metrics_port", self.metrics_port)
         if self.http_port is not None:

@@ -213,6 +213,11 @@ def test_worker_tls_defaults_to_the_router_certificate() -> None:
         {"model": "/m", "router": {"tls_cert": "/c.pem", "tls_key": "/k.pem"}, "worker": {"tls_ca": "/ca.pem"}}
     )
     assert own.worker_options().tls_ca == "/ca.pem" and own.worker_options().tls_cert is None
+    # Frontends on a TLS cluster are accepted (they serve TLS and dial the router with these credentials).
+    fronted = ClusterConfig.from_dict(
+        {"model": "/m", "frontends": 2, "router": {"tls_cert": "/c.pem", "tls_key": "/k.pem"}}
+    )
+    assert fronted.frontends == 2 and fronted.worker_options().tls_ca == "/c.pem"
 
 
 def test_config_is_frozen() -> None:
