@@ -22,10 +22,19 @@ from protos.kvserve.v1 import worker_pb2 as pb
 from router.auth import FRONTEND_CREDENTIAL_HEADER
 from router.config import RouterConfig
 from router.server import RouterService
-from router.worker_link import _Session
-from tests.chaos.test_tenancy import KEY_A, KEY_B, KEY_SLOW, FakeWorker, _code, _key_file, _md, _req, _stream_code
+from tests.chaos.test_tenancy import (
+    KEY_A,
+    KEY_B,
+    KEY_SLOW,
+    FakeWorker,
+    _code,
+    _key_file,
+    _md,
+    _req,
+    _stream_code,
+    start_with_fake_worker,
+)
 from tests.chaos.test_worker_impersonation import _credential_header, _refused, hello
-from workers.core.identity import WorkerIdentity
 from workers.core.worker_credential import WORKER_CREDENTIAL_HEADER, issue_worker_credential, new_worker_key
 
 FRONTEND_KEY = "the-clusters-frontend-key"
@@ -39,13 +48,7 @@ def run(tmp_path: Path, test: Test, keys: bool = True, **router_knobs: object) -
         auth_keys = str(_key_file(tmp_path)) if keys else None
         config = RouterConfig(port=0, auth_keys=auth_keys, default_max_tokens=8, **router_knobs)  # type: ignore[arg-type]
         service = RouterService(config, ready_timeout_s=0.2, worker_key=new_worker_key(), frontend_key=FRONTEND_KEY)
-        await service.start()
-        worker = FakeWorker()
-        identity = WorkerIdentity("w", "m", block_size=4, total_blocks=256, max_model_len=256, vocab_size=100)
-        await service.add_worker("w", worker, identity)
-        session = service.router.link.sessions.setdefault("w", _Session())
-        session.incarnation, session.queue = "inc", asyncio.Queue()
-        service.router.on_hello("w", pb.Hello(worker_id="w", total_blocks=256), False)
+        worker = await start_with_fake_worker(service)
         settings = FrontendSettings(f"127.0.0.1:{service.port}", config, 0, 0, "frontend-t", FRONTEND_KEY)
         front = FrontendServer(settings)
         await front.start()

@@ -23,10 +23,8 @@ from protos.kvserve.v1 import serving_pb2_grpc
 from protos.kvserve.v1 import worker_pb2 as pb
 from router.config import RouterConfig
 from router.server import RouterService
-from router.worker_link import _Session
-from tests.chaos.test_tenancy import FakeWorker, _code, _req, _stream_code
+from tests.chaos.test_tenancy import FakeWorker, _code, _req, _stream_code, start_with_fake_worker
 from tests.integration.test_router import make_pki
-from workers.core.identity import WorkerIdentity
 from workers.core.tls import channel_credentials
 from workers.core.worker_credential import new_worker_key
 
@@ -45,13 +43,7 @@ def run(pki: dict[str, str], test: Test, mtls: bool, link_tls: tuple[str | None,
         config = RouterConfig(port=0, default_max_tokens=8, tls_cert=pki["server_cert"], tls_key=pki["server_key"],
                               tls_client_ca=pki["ca"] if mtls else None)  # fmt: skip
         service = RouterService(config, ready_timeout_s=0.2, worker_key=new_worker_key())
-        await service.start()
-        worker = FakeWorker()
-        identity = WorkerIdentity("w", "m", block_size=4, total_blocks=256, max_model_len=256, vocab_size=100)
-        await service.add_worker("w", worker, identity)
-        session = service.router.link.sessions.setdefault("w", _Session())
-        session.incarnation, session.queue = "inc", asyncio.Queue()
-        service.router.on_hello("w", pb.Hello(worker_id="w", total_blocks=256), False)
+        worker = await start_with_fake_worker(service)
         settings = FrontendSettings(f"127.0.0.1:{service.port}", config, 0, 0, "frontend-t", None, link_tls)
         front = FrontendServer(settings)
         await front.start()

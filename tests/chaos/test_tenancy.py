@@ -66,17 +66,24 @@ def _key_file(tmp_path: Path) -> Path:
     return path
 
 
+async def start_with_fake_worker(service: RouterService) -> FakeWorker:
+    """Start ``service`` with one fake worker "w" registered and said Hello (its WorkerLink session
+    faked: no worker process, its dispatches recorded)."""
+    await service.start()
+    worker = FakeWorker()
+    identity = WorkerIdentity("w", "m", block_size=4, total_blocks=256, max_model_len=256, vocab_size=100)
+    await service.add_worker("w", worker, identity)
+    session = service.router.link.sessions.setdefault("w", _Session())
+    session.incarnation, session.queue = "inc", asyncio.Queue()
+    service.router.on_hello("w", pb.Hello(worker_id="w", total_blocks=256), False)
+    return worker
+
+
 def run(tmp_path: Path, test: Callable[[RouterService, grpc.aio.Channel, FakeWorker], Awaitable[None]]) -> None:
     async def main() -> None:
         config = RouterConfig(port=0, auth_keys=str(_key_file(tmp_path)), default_max_tokens=8)
         service = RouterService(config, http_port=0, ready_timeout_s=0.2)
-        await service.start()
-        worker = FakeWorker()
-        identity = WorkerIdentity("w", "m", block_size=4, total_blocks=256, max_model_len=256, vocab_size=100)
-        await service.add_worker("w", worker, identity)
-        session = service.router.link.sessions.setdefault("w", _Session())
-        session.incarnation, session.queue = "inc", asyncio.Queue()
-        service.router.on_hello("w", pb.Hello(worker_id="w", total_blocks=256), False)
+        worker = await start_with_fake_worker(service)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{service.port}") as channel:
                 await test(service, channel, worker)
