@@ -43,7 +43,7 @@ from router.http_api import HttpApiServer
 from router.limits import InputLimits
 from router.server import add_kvserve_servicer
 from router.tenancy import KeyRing, Tenancy
-from workers.core.tls import channel_credentials, server_credentials
+from workers.core.tls import add_port, channel_credentials
 
 logger = logging.getLogger(__name__)
 
@@ -129,9 +129,7 @@ class FrontendServer:
         names = (spb.DESCRIPTOR.services_by_name["KVServe"].full_name,
                  health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)  # fmt: skip
         reflection.enable_server_reflection(names, server)
-        address = f"{c.host}:{s.grpc_port}"
-        self.grpc_port = (server.add_secure_port(address, server_credentials(c.tls_cert, c.tls_key, c.tls_client_ca))
-                          if c.tls_cert else server.add_insecure_port(address))  # fmt: skip
+        self.grpc_port = add_port(server, f"{c.host}:{s.grpc_port}", c.tls_cert, c.tls_key, c.tls_client_ca)
         if self.grpc_port == 0:
             raise OSError(f"cannot bind the frontend's gRPC port at {c.host}:{s.grpc_port}")
         await server.start()
@@ -140,8 +138,7 @@ class FrontendServer:
             model_names = (c.served_model_name or "", c.model or "", "")
             backend = RelayBackend(relay, self.tenancy, model_names, self.tokenizer, lambda: self.ready,
                                    default_timeout_s=c.http_default_timeout_s)
-            tls = (c.tls_cert, c.tls_key, c.tls_client_ca) if c.tls_cert and c.tls_key else None
-            self._http = HttpApiServer(backend, c.host, s.http_port, c.auth_token, tls=tls, reuse_port=True,
+            self._http = HttpApiServer(backend, c.host, s.http_port, c.auth_token, tls=c.tls_files(), reuse_port=True,
                                        served_by=(FRONTEND_ID_HEADER, s.frontend_id))  # fmt: skip
             self.http_port = await self._http.start()
         self._poll = asyncio.get_running_loop().create_task(self._mirror_readiness())

@@ -124,6 +124,10 @@ class RouterConfig:
     max_pending_prompts: int = knob(256, help="prompts waiting for those threads (beyond: RESOURCE_EXHAUSTED)",
                                     check=POSITIVE)  # fmt: skip
 
+    def tls_files(self) -> tuple[str, str, str | None] | None:
+        """``(cert, key, client CA or None)`` when the client ports serve TLS, else None."""
+        return (self.tls_cert, self.tls_key, self.tls_client_ca) if self.tls_cert and self.tls_key else None
+
     def __post_init__(self) -> None:
         validate(self)
         if not 0.0 <= self.low_watermark <= self.high_watermark <= 1.0:

@@ -60,7 +60,7 @@ from router.supervision import WorkerSupervision
 from router.tenancy import KeyRing, Principal, Tenancy
 from router.worker_auth import WorkerLinkGate
 from workers.core.identity import WorkerIdentity
-from workers.core.tls import server_credentials
+from workers.core.tls import add_port
 from workers.core.worker_credential import new_worker_key
 
 logger = logging.getLogger(__name__)
@@ -389,11 +389,7 @@ def build_server(
     )
     reflection.enable_server_reflection(names, server)
     address = f"{config.host}:{config.port}"
-    if config.tls_cert:
-        creds = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
-        port = server.add_secure_port(address, creds)
-    else:
-        port = server.add_insecure_port(address)
+    port = add_port(server, address, config.tls_cert, config.tls_key, config.tls_client_ca)
     if port == 0:
         raise OSError(f"cannot bind the router's gRPC port at {address}")
     server._kvserve_health = health_servicer  # type: ignore[attr-defined]
@@ -469,8 +465,7 @@ class RouterService:
         if self._http_port is not None:
             # NOTE: on this loop, beside grpc.aio: one Router, one request table, no extra hop.
             c = self.config
-            tls = (c.tls_cert, c.tls_key, c.tls_client_ca) if c.tls_cert and c.tls_key else None
-            self._http = HttpApiServer(self.router, c.host, self._http_port, c.auth_token, self.bounds, tls)
+            self._http = HttpApiServer(self.router, c.host, self._http_port, c.auth_token, self.bounds, c.tls_files())
             try:
                 self._http_port = await self._http.start()
             except BaseException:

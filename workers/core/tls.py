@@ -20,6 +20,15 @@ def server_credentials(cert: str, key: str | None, client_ca: str | None = None)
     )
 
 
+def add_port(server: grpc.aio.Server, address: str, cert: str | None, key: str | None,
+             client_ca: str | None = None) -> int:  # fmt: skip
+    """Bind ``address`` on a gRPC server: TLS with ``cert`` (``server_credentials``), plaintext
+    without; the bound port (0: it could not be bound). The router's and the frontends' ports alike."""
+    if cert:
+        return server.add_secure_port(address, server_credentials(cert, key, client_ca))
+    return server.add_insecure_port(address)
+
+
 def channel_credentials(
     tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None
 ) -> grpc.ChannelCredentials | None:
