@@ -26,7 +26,14 @@ from collections.abc import Awaitable, Callable, Iterator
 
 from protos.kvserve.v1 import worker_pb2 as pb
 from router.pipeline import RequestPipeline
-from router.rebalance import Migration, RunningRequest, WaitingRequest, plan_migration, plan_preemption
+from router.rebalance import (
+    Migration,
+    RunningRequest,
+    WaitingRequest,
+    may_migrate_off,
+    plan_migration,
+    plan_preemption,
+)
 from router.request import WORKER_UP, RouterRequest
 from router.workers import WorkerState, actor_dead
 from workers.core.sizes import blocks_for
@@ -62,13 +69,11 @@ class Mover:
     def rebalance(self, src: WorkerState) -> None:
         """Start the migration off ``src`` that ``plan_migration`` decides, if any."""
         router = self.router
-        if not router.config.enable_migration or src.worker_id in self.busy:
+        if not router.config.enable_migration:
             return
-        # NOTE: a report arrives per worker step; the rule moves nothing off a worker below the high
-        # watermark, so that common case is told from the source's view alone, without every
-        # worker's view and the list of running requests (plan_migration would only refuse then).
-        view = src.view(router.table.serving(src), router.table.ledger)
-        if not view.reported or view.usage < router.watermarks.high:
+        # NOTE: a report arrives per worker step and most find nothing to move: that is told from
+        # the source's view alone, before every worker's view and the running requests are built.
+        if not may_migrate_off(src.view(router.table.serving(src), router.table.ledger), router.watermarks, self.busy):
             return
         move = plan_migration(src.worker_id, router.table.views(), self.running(), router.watermarks,
                               frozenset(self.busy))  # fmt: skip

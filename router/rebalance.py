@@ -37,7 +37,7 @@ space.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from router.placement import WorkerView
@@ -205,6 +205,12 @@ class Preemption:
     blocks_needed: int
 
 
+def may_migrate_off(src: WorkerView, watermarks: Watermarks, busy: Collection[str] = ()) -> bool:
+    """The rule's first condition, from the source's view alone: it reported, is in no migration and
+    is above the high watermark (checked per pressure report before anything else is built)."""
+    return src.worker_id not in busy and src.reported and src.usage >= watermarks.high
+
+
 def plan_migration(
     src_id: str,
     workers: Sequence[WorkerView],
@@ -233,7 +239,7 @@ def plan_migration(
     src = by_id.get(src_id)
     if src is None:
         raise ValueError(f"no view of source worker {src_id!r}")
-    if src_id in busy or not src.reported or src.usage < watermarks.high:
+    if not may_migrate_off(src, watermarks, busy):
         return None
     peers = [w for w in workers if w.worker_id != src_id and w.healthy and w.reported and w.worker_id not in busy]
     dst = min(peers, key=lambda w: (w.usage, w.worker_id), default=None)
