@@ -101,8 +101,7 @@ class Dispatcher:
         try:
             await self.router.table.bounded(entry, entry.handle.add_request.remote(request))
         except TimeoutError:
-            self.adding.discard(worker_rid)
-            entry.in_flight.pop(worker_rid, None)
+            self._release(entry, worker_rid)
             if r.worker_rid != worker_rid or r.finished:
                 # NOTE: the call may still land: stop that copy (an abort of an unknown id is a no-op)
                 router.link.send(entry.worker_id, pb.RouterCommand(abort=pb.Abort(request_id=worker_rid)))
@@ -114,8 +113,7 @@ class Dispatcher:
                 self.replay(r, entry.worker_id)
             return
         except Exception as e:  # noqa: BLE001 - Ray wraps the worker's exception
-            self.adding.discard(worker_rid)
-            entry.in_flight.pop(worker_rid, None)
+            self._release(entry, worker_rid)
             if r.worker_rid != worker_rid or r.finished:
                 return  # superseded meanwhile (its worker died and it was replayed, or it ended)
             r.target = None
@@ -153,8 +151,12 @@ class Dispatcher:
         except Exception:  # noqa: BLE001 - stalled or dead: the link's abort (or the process's end) stops it
             self.router.link.send(entry.worker_id, pb.RouterCommand(abort=pb.Abort(request_id=worker_rid)))
         finally:
-            self.adding.discard(worker_rid)
-            entry.in_flight.pop(worker_rid, None)
+            self._release(entry, worker_rid)
+
+    def _release(self, entry: WorkerState, worker_rid: str) -> None:
+        """The dispatch's call resolved and no copy of it runs on ``entry``: its promise goes."""
+        self.adding.discard(worker_rid)
+        entry.in_flight.pop(worker_rid, None)
 
     def replay_all(self, entry: WorkerState) -> None:
         """``entry`` went down: continue each of its requests elsewhere."""

@@ -24,7 +24,8 @@ MIN_SAMPLES = 4
 
 
 class ServiceTimes:
-    """The last ``max_samples`` completions within ``window_s``: (when, seconds, output tokens)."""
+    """The last ``max_samples`` completions within ``window_s``: (when, seconds, output tokens,
+    blocks held)."""
 
     def __init__(self, window_s: float = 60.0, max_samples: int = 256, clock: Callable[[], float] = time.monotonic):
         self._window_s = window_s
@@ -57,8 +58,8 @@ class ServiceTimes:
 
     def expected_s(self, max_tokens: int) -> float:
         """A newcomer's expected service time (module doc); 0.0 when there is no estimate."""
-        recent = self._recent()
-        if len(recent) < MIN_SAMPLES:
+        typical = self.typical_s()
+        if typical is None:
             return 0.0
-        per_token = statistics.median(s / n for _, s, n, _ in recent)
-        return min(per_token * max(max_tokens, 1), statistics.median(s for _, s, _, _ in recent))
+        per_token = statistics.median(s / n for _, s, n, _ in self._samples)
+        return min(per_token * max(max_tokens, 1), typical)

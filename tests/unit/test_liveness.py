@@ -77,6 +77,14 @@ def _router(**config: Any) -> tuple[Router, dict[str, _Worker]]:
     return router, workers
 
 
+def _router_with_adds_hung(**config: Any) -> tuple[Router, dict[str, _Worker]]:
+    """``_router`` whose workers' ``add_request`` calls hang until a test completes them."""
+    router, workers = _router(**config)
+    for w in workers.values():
+        w.hang_add_request = True
+    return router, workers
+
+
 def _disconnect(router: Router, worker_id: str) -> None:
     """What WorkerLinkService.Connect does when a stream ends (without the stream)."""
     router.link.sessions[worker_id].queue = None
@@ -235,9 +243,7 @@ def test_a_dead_engine_thread_is_a_death(kills: list) -> None:
 
 def test_a_hung_add_request_is_bounded_by_the_stall_threshold(kills: list) -> None:
     async def test() -> None:
-        router, workers = _router(stall_timeout_s=0.2)
-        for w in workers.values():
-            w.hang_add_request = True
+        router, workers = _router_with_adds_hung(stall_timeout_s=0.2)
         r = router.submit(_req(max_tokens=20))
         first = r.target
         workers["b" if first == "a" else "a"].hang_add_request = False
@@ -249,9 +255,7 @@ def test_a_hung_add_request_is_bounded_by_the_stall_threshold(kills: list) -> No
 
 def test_an_add_request_slower_than_the_threshold_while_the_worker_computes_is_waited_for(kills: list) -> None:
     async def test() -> None:
-        router, workers = _router(stall_timeout_s=0.2)
-        for w in workers.values():
-            w.hang_add_request = True
+        router, workers = _router_with_adds_hung(stall_timeout_s=0.2)
         r = router.submit(_req(max_tokens=20))
         w = r.target
         for _ in range(6):  # 0.6 s, three thresholds: a long step that computes, heartbeats all along
@@ -268,9 +272,7 @@ def test_an_add_request_slower_than_the_threshold_while_the_worker_computes_is_w
 
 def test_an_add_request_that_lands_after_its_request_ended_is_aborted(kills: list) -> None:
     async def test() -> None:
-        router, workers = _router(stall_timeout_s=0.2)
-        for w in workers.values():
-            w.hang_add_request = True
+        router, workers = _router_with_adds_hung(stall_timeout_s=0.2)
         r = router.submit(_req(max_tokens=20))
         w, rid = r.target, r.worker_rid
         router.cancel(r)  # the client left while the call was in flight
@@ -287,9 +289,7 @@ def test_an_add_request_that_lands_after_its_request_ended_is_aborted(kills: lis
 
 def test_a_dispatch_that_lands_after_its_client_left_holds_its_promise_until_the_worker_aborts_it(kills: list) -> None:
     async def test() -> None:
-        router, workers = _router()
-        for w in workers.values():
-            w.hang_add_request = True
+        router, workers = _router_with_adds_hung()
         r = router.submit(_req(max_tokens=20))
         w, rid = r.target, r.worker_rid
         router.cancel(r)  # the client left while the call was in flight
