@@ -58,20 +58,27 @@ def demux_output(r: RouterRequest, worker_id: str, out: pb.RequestOutput, now: f
         worker_id: the worker that sent ``out``.
         out: the output.
         now: monotonic time, for the token timings.
+
+    NOTE: this runs once per request per worker step on the router's loop (the data plane's hot
+    path): each upb field is read once, and nothing is built that the common case (the next
+    tokens, in order) does not send.
     """
     new = list(out.new_token_ids)
     start = out.num_output_tokens - len(new)
     if start > r.tokens_received and not (r.cancelled and out.finish_reason == "abort"):
         r.held.append((worker_id, out))
         return []
-    deliveries = _deliver(r, worker_id, out, new, start, now)
-    while r.held and not any(d.finished for d in deliveries):
+    first = _deliver(r, worker_id, out, new, start, now)
+    deliveries = [] if first is None else [first]
+    while r.held and not (deliveries and deliveries[-1].finished):
         ready = next((h for h in r.held if _start(h[1]) <= r.tokens_received), None)
         if ready is None:
             break
         r.held.remove(ready)
         held_out = ready[1]
-        deliveries += _deliver(r, ready[0], held_out, list(held_out.new_token_ids), _start(held_out), now)
+        d = _deliver(r, ready[0], held_out, list(held_out.new_token_ids), _start(held_out), now)
+        if d is not None:
+            deliveries.append(d)
     return deliveries
 
 
@@ -81,34 +88,42 @@ def _start(out: pb.RequestOutput) -> int:
 
 def _deliver(
     r: RouterRequest, worker_id: str, out: pb.RequestOutput, new: list[int], start: int, now: float
-) -> list[Delivery]:
-    logprobs = list(out.logprobs) if out.logprobs else []  # empty, or one per new token
+) -> Delivery | None:
+    logprobs = list(out.logprobs) if out.logprobs else None  # None, or one per new token
+    finish = out.finish_reason
     skip = r.tokens_received - start
     if skip > 0:  # already delivered (a replay, or tokens from before a migration)
-        if skip >= len(new) and not out.finish_reason:
-            return []
-        new, logprobs = new[skip:], logprobs[skip:]
+        if skip >= len(new) and not finish:
+            return None
+        new = new[skip:]
+        logprobs = logprobs[skip:] if logprobs else None
     ttft = itl = None
-    if new:
+    n = len(new)
+    if n:
         if r.first_token_time is None:
             r.first_token_time = now
             ttft = now - r.arrival
         elif r.last_token_time is not None:
-            itl = (now - r.last_token_time) / len(new)
+            itl = (now - r.last_token_time) / n
         r.last_token_time = now
-        r.tokens_received += len(new)
+        r.tokens_received += n
         r.output_ids.extend(new)
-    r.cached_tokens = out.num_cached_tokens
-    r.preemptions = max(r.preemptions, out.num_preemptions)
-    r.swaps = max(r.swaps, out.num_swaps)
-    resp = spb.GenerateResponse(request_id=r.request_id, token_ids=new, text_delta=out.text_delta, worker_id=worker_id)
+    if (p := out.num_preemptions) > r.preemptions:  # NOTE: the most any worker reported (counts restart after a move)
+        r.preemptions = p
+    if (w := out.num_swaps) > r.swaps:
+        r.swaps = w
+    if not finish:
+        resp = spb.GenerateResponse(request_id=r.request_id, token_ids=new, text_delta=out.text_delta,
+                                    worker_id=worker_id)  # fmt: skip
+        if logprobs:
+            resp.logprobs.extend(logprobs)
+        return Delivery(resp, n, ttft, itl)
+    if r.cancelled and finish == "abort":
+        return Delivery(None, n, ttft, itl, finished=True)
+    resp = spb.GenerateResponse(request_id=r.request_id, token_ids=new, text_delta=out.text_delta,
+                                worker_id=worker_id, finish_reason=finish)  # fmt: skip
     if logprobs:
         resp.logprobs.extend(logprobs)
-    if not out.finish_reason:
-        return [Delivery(resp, len(new), ttft, itl)]
-    if r.cancelled and out.finish_reason == "abort":
-        return [Delivery(None, len(new), ttft, itl, finished=True)]
-    resp.finish_reason = out.finish_reason
     resp.usage.prompt_tokens = len(r.prompt_ids)
     resp.usage.cached_tokens = out.num_cached_tokens
     resp.usage.completion_tokens = r.tokens_received
@@ -116,7 +131,7 @@ def _deliver(
     resp.num_swaps = r.swaps
     resp.num_migrations = r.migrations
     resp.num_replays = r.replays
-    return [Delivery(resp, len(new), ttft, itl, e2e_s=now - r.arrival, finished=True)]
+    return Delivery(resp, n, ttft, itl, e2e_s=now - r.arrival, finished=True)
 
 
 def merge_responses(first: spb.GenerateResponse, then: spb.GenerateResponse) -> spb.GenerateResponse:

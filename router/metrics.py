@@ -23,6 +23,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import Counter, Gauge, Histogram, make_wsgi_app
 
 from protos.kvserve.v1 import worker_pb2 as pb
+from router.loop_metrics import LoopCounter, LoopHistogram
 from workers.core.sizes import pool_usage
 
 _W = ["worker"]
@@ -74,12 +75,13 @@ TIER_LOAD_RATIO = Gauge(
 )
 RECOMPUTE_MS = Gauge("kvserve:recompute_ms_per_block", "Measured prefill time of one KV block", _W)
 PROMPT_TOKENS = Counter("kvserve:prompt_tokens", "Prompt tokens of admitted requests")
-GENERATION_TOKENS = Counter("kvserve:generation_tokens", "Tokens generated and streamed")
+# NOTE: written per streamed token, by the router's loop alone: lock-free families (router/loop_metrics.py)
+GENERATION_TOKENS = LoopCounter("kvserve:generation_tokens", "Tokens generated and streamed")
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-TTFT = Histogram("kvserve:time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS)
-ITL = Histogram("kvserve:inter_token_latency_seconds", "Time between streamed tokens", buckets=_LATENCY_BUCKETS)
-E2E = Histogram("kvserve:e2e_request_latency_seconds", "Arrival to final token", buckets=_LATENCY_BUCKETS)
+TTFT = LoopHistogram("kvserve:time_to_first_token_seconds", "Arrival to first token", _LATENCY_BUCKETS)
+ITL = LoopHistogram("kvserve:inter_token_latency_seconds", "Time between streamed tokens", _LATENCY_BUCKETS)
+E2E = LoopHistogram("kvserve:e2e_request_latency_seconds", "Arrival to final token", _LATENCY_BUCKETS)
 QUEUE_TIME = Histogram("kvserve:request_queue_time_seconds", "Arrival to dispatch", buckets=_LATENCY_BUCKETS)
 LOOP_LAG = Histogram(
     "kvserve:router_event_loop_lag_seconds",

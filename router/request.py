@@ -63,7 +63,6 @@ class RouterRequest:
     replays: int = 0  # failover replays (counted in ``migrations`` too)
     finished: bool = False
     cancelled: bool = False
-    cached_tokens: int = 0
     preemptions: int = 0
     swaps: int = 0
     migrations: int = 0

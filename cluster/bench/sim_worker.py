@@ -2,10 +2,15 @@
 tokens emitted on a clock instead of by a model (no torch).
 
 Every ``step_ms`` it emits ``tokens_per_step`` tokens for each running request (one ``StepOutputs``
-for all of them, then a pressure report, through the real ``Outbox`` and ``WorkerLinkClient``), until
-the request's ``max_tokens``. Each output's ``text_delta`` carries the step's emission time
-(``time.monotonic_ns()``, system-wide on Linux), so a client on the same machine measures the latency
-the serving path adds to every token.
+for all of them, through the real ``Outbox`` and ``WorkerLinkClient``), until the request's
+``max_tokens``. Its pressure reports follow the real worker's policy (``PressurePolicy`` with the
+worker options' intervals: after a step that changed block counts, at most every
+``pressure_interval_ms``), over a pool whose used blocks are what its requests' tokens fill; each
+block a request fills is announced as the real pool does (one ``BlockStored`` event per block, in
+the step's ``BlockEvents``).
+Each output's ``text_delta`` carries the step's emission time (``time.monotonic_ns()``,
+system-wide on Linux), so a client on the same machine measures the latency the serving path adds
+to every token.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from workers.core.request import WorkerRequest
 from workers.core.tls import channel_credentials
 from workers.transport.options import WorkerOptions
 from workers.transport.outbox import Outbox
+from workers.transport.pressure import PressurePolicy
 from workers.transport.worker_link import WorkerLinkClient
 
 
@@ -61,6 +67,11 @@ class SimWorker:
         self._lock = threading.Lock()
         self._running: dict[str, _Running] = {}
         self._steps = 0
+        self._report_seq = 0
+        self._event_seq = 0
+        o = options
+        self._pressure = PressurePolicy(o.pressure_interval_ms / 1000, o.idle_report_s, o.high_watermark,
+                                        o.low_watermark)  # fmt: skip
         self._stop = threading.Event()
         self.link = WorkerLinkClient(
             options.router_address or "",
@@ -120,11 +131,17 @@ class SimWorker:
     def _step(self) -> None:
         k = self.spec.tokens_per_step
         stamp = f"{time.monotonic_ns()};"  # NOTE: ";" keeps stamps apart when responses merge
-        outputs = []
+        outputs, events = [], []
+        size = self.spec.block_size
         with self._lock:
             for rid, run in list(self._running.items()):
                 n = min(k, run.request.params.max_tokens - run.emitted)
+                held = len(run.request.prompt) + run.emitted
                 run.emitted += n
+                for block in range(held // size, (held + n) // size):
+                    self._event_seq += 1
+                    stored = pb.BlockStored(hashes=[hash((rid, block)) & (2**64 - 1)])
+                    events.append(pb.BlockEvent(seq=self._event_seq, stored=stored))
                 done = run.emitted >= run.request.params.max_tokens
                 outputs.append(pb.RequestOutput(
                     request_id=rid, new_token_ids=[(run.emitted + i) % self.spec.vocab_size for i in range(n)],
@@ -134,13 +151,21 @@ class SimWorker:
                 if done:
                     del self._running[rid]
             running = len(self._running)
+            used = sum(-(-(len(r.request.prompt) + r.emitted) // size) for r in self._running.values())
         self._steps += 1
         step = pb.StepOutputs(decode_step=self._steps, outputs=outputs) if outputs else None
-        report = pb.PressureReport(worker_id=self.worker_id, total_blocks=self.spec.total_blocks,
-                                   free_blocks=self.spec.total_blocks, num_running=running,
-                                   decode_steps=self._steps, step_latency_ms=self.spec.step_ms)  # fmt: skip
-        report.seq = self._steps
-        self.outbox.put_step(step, None, report)
+        total = self.spec.total_blocks
+        report = pb.PressureReport(worker_id=self.worker_id, total_blocks=total, free_blocks=total - used,
+                                   used_blocks=used, num_running=running, decode_steps=self._steps,
+                                   step_latency_ms=self.spec.step_ms)  # fmt: skip
+        now = time.monotonic()
+        pressure = None
+        if self._pressure.due(now, report):
+            self._report_seq += 1
+            report.seq = self._report_seq
+            pressure = report
+        if self.outbox.put_step(step, pb.BlockEvents(events=events) if events else None, pressure):
+            self._pressure.sent(now, report)
 
 
 def sim_worker_actor_class():

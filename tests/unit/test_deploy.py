@@ -227,10 +227,11 @@ def exported_sample_names() -> set[str]:
     from prometheus_client.metrics import MetricWrapperBase
 
     from router import metrics
+    from router.loop_metrics import LoopCounter, LoopHistogram
 
     names = set()
     for obj in vars(metrics).values():
-        if isinstance(obj, MetricWrapperBase):
+        if isinstance(obj, MetricWrapperBase | LoopCounter | LoopHistogram):
             for family in obj.describe():
                 suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}.get(family.type, [""])
                 names |= {family.name + s for s in suffixes}
