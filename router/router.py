@@ -123,27 +123,44 @@ class Router(WorkerLinkHandler):
 
     def on_message(self, worker_id: str, msg: pb.WorkerMessage) -> None:
         kind = msg.WhichOneof("body")
-        if kind == "step_outputs":
-            now = time.monotonic()  # NOTE: one clock read per step message, not per token
-            for out in msg.step_outputs.outputs:
-                self._on_output(worker_id, out, now)
-            self._pump()
+        if kind == "step":  # one step's outputs, block events and pressure, in that order
+            step = msg.step
+            if step.HasField("outputs"):
+                self._on_outputs(worker_id, step.outputs)
+            if step.HasField("events"):
+                self._on_block_events(worker_id, step.events)
+            if step.HasField("pressure"):
+                self._on_pressure(worker_id, step.pressure)
+        elif kind == "step_outputs":
+            self._on_outputs(worker_id, msg.step_outputs)
         elif kind == "pressure":
-            entry = self.table.reported(worker_id, msg.pressure)
-            if entry is not None:
-                self._pump()
-                self.mover.rebalance(entry)
+            self._on_pressure(worker_id, msg.pressure)
         elif kind == "heartbeat":
             self.table.heartbeat(worker_id, msg.heartbeat)
         elif kind == "block_events":
-            if self.prefix_index.apply(worker_id, [block_event(e) for e in msg.block_events.events]):
-                self.link.send(worker_id, pb.RouterCommand(request_snapshot=pb.RequestSnapshot()))
+            self._on_block_events(worker_id, msg.block_events)
         elif kind == "drain_me":
             self._drain_requested(worker_id, msg.drain_me.reason or "the worker asked")
         elif kind == "block_snapshot":
             snap = msg.block_snapshot
             tiers = {t: h for t, h in (("host", snap.host_hashes), ("disk", snap.disk_hashes)) if h}
             self.prefix_index.load_snapshot(worker_id, snap.seq, snap.hashes, tiers)
+
+    def _on_outputs(self, worker_id: str, step: pb.StepOutputs) -> None:
+        now = time.monotonic()  # NOTE: one clock read per step message, not per token
+        for out in step.outputs:
+            self._on_output(worker_id, out, now)
+        self._pump()
+
+    def _on_pressure(self, worker_id: str, report: pb.PressureReport) -> None:
+        entry = self.table.reported(worker_id, report)
+        if entry is not None:
+            self._pump()
+            self.mover.rebalance(entry)
+
+    def _on_block_events(self, worker_id: str, events: pb.BlockEvents) -> None:
+        if self.prefix_index.apply(worker_id, [block_event(e) for e in events.events]):
+            self.link.send(worker_id, pb.RouterCommand(request_snapshot=pb.RequestSnapshot()))
 
     def _drain_requested(self, worker_id: str, reason: str) -> None:
         """A worker asked to be drained (SIGTERM): as ``kvserve drain`` with the default deadline."""

@@ -7,6 +7,7 @@ import socket
 import time
 from pathlib import Path
 
+from tests.integration.worker_harness import unbundle
 from workers.core.request import WorkerRequest
 from workers.core.sampling_params import SamplingParams
 from workers.engine.config import EngineConfig
@@ -39,8 +40,8 @@ def test_orphaned_requests_are_aborted_and_their_blocks_freed(tiny_llama_dir: Pa
         assert time.monotonic() - t0 >= ORPHAN_TIMEOUT_S
         core._call(core.engine.check_integrity)
         with core.outbox._cond:
-            pending = [m for m in core.outbox._log if m.WhichOneof("body") == "step_outputs"]
-        aborted = {o.request_id for m in pending for o in m.step_outputs.outputs if o.finish_reason == "abort"}
+            pending = [p.step_outputs for m in core.outbox._log for p in unbundle(m) if p.HasField("step_outputs")]
+        aborted = {o.request_id for m in pending for o in m.outputs if o.finish_reason == "abort"}
         assert aborted == {"orphan-1", "orphan-2"}
     finally:
         core.stop()

@@ -141,7 +141,7 @@ def _add(cluster: Cluster, worker_id: str, requests: dict[str, list[int]], param
 
 def _assert_seq_consecutive(router: RecordingRouter, worker_id: str) -> None:
     """Every message the worker ever logged arrived exactly once: seqs 1..N, no gap, no repeat."""
-    seqs = [m.seq for m in router.messages(worker_id)]
+    seqs = router.seqs(worker_id)
     assert seqs == list(range(1, len(seqs) + 1)), f"{worker_id}: seqs not 1..N: {seqs[:50]}..."
 
 

@@ -49,7 +49,8 @@ class SnapshotRecord:
 
 @dataclass
 class _WorkerRecord:
-    messages: list[tuple[float, pb.WorkerMessage]] = field(default_factory=list)
+    messages: list[tuple[float, pb.WorkerMessage]] = field(default_factory=list)  # a step's parts apart
+    seqs: list[int] = field(default_factory=list)  # of each message as it arrived (a step's once)
     hashes: set[int] = field(default_factory=set)  # the prefix index a router would build
     last_event_seq: int = 0
     snapshots: list[SnapshotRecord] = field(default_factory=list)
@@ -93,6 +94,12 @@ class RecordingHandler(WorkerLinkHandler):
             self.cond.notify_all()
 
     def on_message(self, worker_id: str, msg: pb.WorkerMessage) -> None:
+        with self.cond:
+            self._rec(worker_id).seqs.append(msg.seq)
+        for part in unbundle(msg):
+            self._on_part(worker_id, part)
+
+    def _on_part(self, worker_id: str, msg: pb.WorkerMessage) -> None:
         fire: list[_Trigger] = []
         with self.cond:
             rec = self._rec(worker_id)
@@ -126,6 +133,16 @@ class RecordingHandler(WorkerLinkHandler):
 
     def _num_tokens(self, request_id: str) -> int:
         return sum(len(o.new_token_ids) for _, o in self.outputs.get(request_id, ()))
+
+
+def unbundle(msg: pb.WorkerMessage) -> list[pb.WorkerMessage]:
+    """A step's ``StepMessages`` as the messages it carries (outputs, events, pressure; each with the
+    step's seq), so the recorder sees every kind as its own message; any other message as is."""
+    if msg.WhichOneof("body") != "step":
+        return [msg]
+    step = msg.step
+    parts = [("step_outputs", "outputs"), ("block_events", "events"), ("pressure", "pressure")]
+    return [pb.WorkerMessage(seq=msg.seq, **{kind: getattr(step, field)}) for kind, field in parts if step.HasField(field)]
 
 
 class CountingWorkerLinkService(WorkerLinkService):
@@ -295,6 +312,12 @@ class RecordingRouter:
             rec = self.handler.workers.get(worker_id)
             msgs = [m for _, m in rec.messages] if rec else []
         return [m for m in msgs if kind is None or m.WhichOneof("body") == kind]
+
+    def seqs(self, worker_id: str) -> list[int]:
+        """The seq of every message the worker's link delivered, in arrival order."""
+        with self.handler.cond:
+            rec = self.handler.workers.get(worker_id)
+            return list(rec.seqs) if rec else []
 
     def timed_messages(self, worker_id: str, kind: str) -> list[tuple[float, pb.WorkerMessage]]:
         with self.handler.cond:

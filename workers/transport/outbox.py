@@ -5,8 +5,9 @@ seq at or beyond it. After a reconnect the link replays the log from the start; 
 what it already has by seq. So a broken link never loses outputs that were produced.
 Pressure reports and step heartbeats are not logged while disconnected: a fresh one follows the reconnect.
 
-A step's messages (outputs, block events, pressure: ``put_step``) coalesce with the previous step's
-while the link has not taken those yet: when the router or the link thread falls behind the engine,
+A step's messages (outputs, block events, pressure: ``put_step``) travel as one ``StepMessages``
+(the router pays its per-message receive cost once per step), and coalesce with the previous
+step's while the link has not taken that yet: when the router or the link thread falls behind the engine,
 the next message it gets carries every step since, one ``RequestOutput`` per request with all its new
 tokens (vLLM V1's ``RequestOutputCollector`` merges delta outputs for a slow consumer the same way).
 So the work per message (serialising, the router's demux, the client's stream) stops growing with the
@@ -64,17 +65,17 @@ class Outbox:
         events: pb.BlockEvents | None,
         pressure: pb.PressureReport | None,
     ) -> bool:
-        """Log one engine step's messages, in the order outputs, block events, pressure.
+        """Log one engine step's messages as one ``StepMessages`` (outputs, block events, pressure).
 
-        When the log's untaken tail is exactly an earlier step's group (outputs? events? pressure?,
-        nothing else), this step folds into it: outputs merge per request, events append, the newer
-        pressure report replaces the older one; the group is renumbered in place.
+        When the log's last message is an earlier step's and not yet taken, this step folds into
+        it: outputs merge per request, events append, the newer pressure report replaces the older
+        one.
 
-        NOTE: the router then sees (O1+O2, E1+E2, P2) instead of (O1, E1, P1, O2, E2, P2). Each
+        NOTE: the router then sees (O1+O2, E1+E2, P2) instead of (O1, E1, P1), (O2, E2, P2). Each
         request's finish still precedes the block events and pressure that free its blocks, and no
         block is reported free before its request finishes (docs/architecture.md, section 4); the
-        router's state after the group equals its state after the separate messages. Without a new
-        report the older one stays last (it was due; the next due report replaces it).
+        router's state after it equals its state after the separate steps. Without a new report
+        the older one stays (it was due; the next due report replaces it).
 
         Returns:
             whether ``pressure`` was logged (False: none given, or dropped while disconnected).
@@ -82,45 +83,21 @@ class Outbox:
         with self._cond:
             if not self.connected:
                 pressure = None
-            new = [m for m in (outputs, events, pressure) if m is not None]
-            if not new:
+            if outputs is None and events is None and pressure is None:
                 return False
-            group = self._untaken_step_group()
-            if group is not None:
-                merged = _merge_groups(group, outputs, events, pressure)
-                for _ in group:
-                    self._log.pop()
-                self._seq -= len(group)
+            last = self._log[-1] if self._log else None
+            if last is not None and last.seq > self._taken and last.WhichOneof("body") == "step":
+                _merge_step(last.step, outputs, events, pressure)
                 self.num_coalesced += 1
             else:
-                merged = [_wrap(m) for m in new]
-            for msg in merged:
                 self._seq += 1
-                msg.seq = self._seq
-                self._log.append(msg)
-            while len(self._log) > self.max_messages:
-                dropped = self._log.popleft()
-                logger.warning("outbox full: dropped message seq %d (router unreachable?)", dropped.seq)
+                step = pb.StepMessages(outputs=outputs, events=events, pressure=pressure)
+                self._log.append(pb.WorkerMessage(seq=self._seq, step=step))
+                while len(self._log) > self.max_messages:
+                    dropped = self._log.popleft()
+                    logger.warning("outbox full: dropped message seq %d (router unreachable?)", dropped.seq)
             self._cond.notify_all()
             return pressure is not None
-
-    def _untaken_step_group(self) -> list[pb.WorkerMessage] | None:
-        """The untaken tail of the log if it is one step group (outputs? events? pressure?), else None.
-
-        Call with the lock held."""
-        tail: list[pb.WorkerMessage] = []
-        for msg in reversed(self._log):
-            if msg.seq <= self._taken:
-                break
-            tail.append(msg)
-            if len(tail) > 3:
-                return None
-        if not tail:
-            return None
-        tail.reverse()
-        kinds = [m.WhichOneof("body") for m in tail]
-        order = [k for k in _STEP_KINDS if k in kinds]
-        return tail if kinds == order else None
 
     def ack(self, seq: int) -> None:
         """The router has processed every message up to ``seq``."""
@@ -176,43 +153,22 @@ class Outbox:
             self._cond.notify_all()
 
 
-_STEP_KINDS = ("step_outputs", "block_events", "pressure")
-
-
-def _wrap(body: pb.StepOutputs | pb.BlockEvents | pb.PressureReport) -> pb.WorkerMessage:
-    if isinstance(body, pb.StepOutputs):
-        return pb.WorkerMessage(step_outputs=body)
-    if isinstance(body, pb.BlockEvents):
-        return pb.WorkerMessage(block_events=body)
-    return pb.WorkerMessage(pressure=body)
-
-
-def _merge_groups(
-    group: list[pb.WorkerMessage],
+def _merge_step(
+    into: pb.StepMessages,
     outputs: pb.StepOutputs | None,
     events: pb.BlockEvents | None,
     pressure: pb.PressureReport | None,
-) -> list[pb.WorkerMessage]:
-    """An earlier step group with a later step's messages folded in, in step-group order."""
-    old = {m.WhichOneof("body"): m for m in group}
-    merged: list[pb.WorkerMessage] = []
-    if "step_outputs" in old:
-        if outputs is not None:
-            _merge_outputs(old["step_outputs"].step_outputs, outputs)
-        merged.append(old["step_outputs"])
-    elif outputs is not None:
-        merged.append(pb.WorkerMessage(step_outputs=outputs))
-    if "block_events" in old:
-        if events is not None:
-            old["block_events"].block_events.events.extend(events.events)
-        merged.append(old["block_events"])
-    elif events is not None:
-        merged.append(pb.WorkerMessage(block_events=events))
+) -> None:
+    """Fold a later step's messages into an earlier step's ``StepMessages``."""
+    if outputs is not None:
+        if into.HasField("outputs"):
+            _merge_outputs(into.outputs, outputs)
+        else:
+            into.outputs.CopyFrom(outputs)
+    if events is not None:
+        into.events.events.extend(events.events)
     if pressure is not None:
-        merged.append(pb.WorkerMessage(pressure=pressure))
-    elif "pressure" in old:
-        merged.append(old["pressure"])
-    return merged
+        into.pressure.CopyFrom(pressure)
 
 
 def _merge_outputs(into: pb.StepOutputs, later: pb.StepOutputs) -> None:

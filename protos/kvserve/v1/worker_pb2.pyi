@@ -19,7 +19,7 @@ TIER_HOST: Tier
 TIER_DISK: Tier
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("seq", "hello", "step_outputs", "pressure", "block_events", "block_snapshot", "ack", "drain_me", "heartbeat")
+    __slots__ = ("seq", "hello", "step_outputs", "pressure", "block_events", "block_snapshot", "ack", "drain_me", "heartbeat", "step")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
     STEP_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class WorkerMessage(_message.Message):
     ACK_FIELD_NUMBER: _ClassVar[int]
     DRAIN_ME_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     seq: int
     hello: Hello
     step_outputs: StepOutputs
@@ -38,7 +39,18 @@ class WorkerMessage(_message.Message):
     ack: CommandAck
     drain_me: DrainMe
     heartbeat: StepHeartbeat
-    def __init__(self, seq: _Optional[int] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., step_outputs: _Optional[_Union[StepOutputs, _Mapping]] = ..., pressure: _Optional[_Union[PressureReport, _Mapping]] = ..., block_events: _Optional[_Union[BlockEvents, _Mapping]] = ..., block_snapshot: _Optional[_Union[BlockSnapshot, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., drain_me: _Optional[_Union[DrainMe, _Mapping]] = ..., heartbeat: _Optional[_Union[StepHeartbeat, _Mapping]] = ...) -> None: ...
+    step: StepMessages
+    def __init__(self, seq: _Optional[int] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., step_outputs: _Optional[_Union[StepOutputs, _Mapping]] = ..., pressure: _Optional[_Union[PressureReport, _Mapping]] = ..., block_events: _Optional[_Union[BlockEvents, _Mapping]] = ..., block_snapshot: _Optional[_Union[BlockSnapshot, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., drain_me: _Optional[_Union[DrainMe, _Mapping]] = ..., heartbeat: _Optional[_Union[StepHeartbeat, _Mapping]] = ..., step: _Optional[_Union[StepMessages, _Mapping]] = ...) -> None: ...
+
+class StepMessages(_message.Message):
+    __slots__ = ("outputs", "events", "pressure")
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    PRESSURE_FIELD_NUMBER: _ClassVar[int]
+    outputs: StepOutputs
+    events: BlockEvents
+    pressure: PressureReport
+    def __init__(self, outputs: _Optional[_Union[StepOutputs, _Mapping]] = ..., events: _Optional[_Union[BlockEvents, _Mapping]] = ..., pressure: _Optional[_Union[PressureReport, _Mapping]] = ...) -> None: ...
 
 class DrainMe(_message.Message):
     __slots__ = ("reason",)
