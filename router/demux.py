@@ -11,14 +11,17 @@ len(new_token_ids)``), so the demux:
 * ends a cancelled request silently on its worker's ``abort`` (the client already has its status).
 
 ``demux_output`` updates the request's output fields and returns the ``Delivery``s the router
-hands to the client and to its metrics.
+hands to the client and to its metrics. A delivery carries its ``GenerateResponse`` as the
+message's fields (a dict), not as a message: a multiplexed stream builds its whole batch from the
+dicts at once (router/mux.py), which costs less than building each response and copying it into
+the batch; a request's own queue (router/request.py ``ResponseQueue``) builds each message.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import worker_pb2 as pb
@@ -28,13 +31,16 @@ if TYPE_CHECKING:
     from router.request import RouterRequest
 
 
+ResponseFields = dict[str, Any]  # a GenerateResponse's fields, as its constructor takes them
+
+
 @dataclass(slots=True)
 class Delivery:
     """One step of a request's output stream.
 
     Attributes:
-        response: what the client gets; None when the request ends without one (the worker's
-            abort of a request the client cancelled).
+        response: what the client gets (a GenerateResponse's fields); None when the request ends
+            without one (the worker's abort of a request the client cancelled).
         num_new_tokens: tokens ``response`` adds.
         time_to_first_token_s: set on the response that carries the first token.
         inter_token_s: mean gap per token since the previous tokens, on later responses.
@@ -42,7 +48,7 @@ class Delivery:
         finished: the request is over (the router forgets it).
     """
 
-    response: spb.GenerateResponse | None
+    response: ResponseFields | None
     num_new_tokens: int = 0
     time_to_first_token_s: float | None = None
     inter_token_s: float | None = None
@@ -112,25 +118,18 @@ def _deliver(
         r.preemptions = p
     if (w := out.num_swaps) > r.swaps:
         r.swaps = w
+    resp = {"request_id": r.request_id, "token_ids": new, "text_delta": out.text_delta, "worker_id": worker_id}
+    if logprobs:
+        resp["logprobs"] = logprobs
     if not finish:
-        resp = spb.GenerateResponse(request_id=r.request_id, token_ids=new, text_delta=out.text_delta,
-                                    worker_id=worker_id)  # fmt: skip
-        if logprobs:
-            resp.logprobs.extend(logprobs)
         return Delivery(resp, n, ttft, itl)
     if r.cancelled and finish == "abort":
         return Delivery(None, n, ttft, itl, finished=True)
-    resp = spb.GenerateResponse(request_id=r.request_id, token_ids=new, text_delta=out.text_delta,
-                                worker_id=worker_id, finish_reason=finish)  # fmt: skip
-    if logprobs:
-        resp.logprobs.extend(logprobs)
-    resp.usage.prompt_tokens = len(r.prompt_ids)
-    resp.usage.cached_tokens = out.num_cached_tokens
-    resp.usage.completion_tokens = r.tokens_received
-    resp.num_preemptions = r.preemptions
-    resp.num_swaps = r.swaps
-    resp.num_migrations = r.migrations
-    resp.num_replays = r.replays
+    resp["finish_reason"] = finish
+    resp["usage"] = {"prompt_tokens": len(r.prompt_ids), "cached_tokens": out.num_cached_tokens,
+                     "completion_tokens": r.tokens_received}  # fmt: skip
+    resp.update(num_preemptions=r.preemptions, num_swaps=r.swaps, num_migrations=r.migrations,
+                num_replays=r.replays)  # fmt: skip
     return Delivery(resp, n, ttft, itl, e2e_s=now - r.arrival, finished=True)
 
 
@@ -144,6 +143,18 @@ def merge_responses(first: spb.GenerateResponse, then: spb.GenerateResponse) -> 
     merged.logprobs.extend([*first.logprobs, *then.logprobs])
     merged.text_delta = first.text_delta + then.text_delta
     return merged
+
+
+def merge_fields(first: ResponseFields, then: ResponseFields) -> ResponseFields:
+    """``first`` extended by ``then`` (as ``merge_responses``, on fields); ``first`` is reused."""
+    first["token_ids"] = [*first["token_ids"], *then["token_ids"]]
+    if "logprobs" in first or "logprobs" in then:
+        first["logprobs"] = [*first.get("logprobs", ()), *then.get("logprobs", ())]
+    first["text_delta"] += then["text_delta"]
+    for key, value in then.items():
+        if key not in ("token_ids", "logprobs", "text_delta"):
+            first[key] = value
+    return first
 
 
 async def stream_responses(r: RouterRequest) -> AsyncIterator[spb.GenerateResponse]:

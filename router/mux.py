@@ -4,9 +4,11 @@ step instead of one per request (the client unbatches by request id).
 
 Each request's ``responses`` is a ``MuxSlot``: the router puts into it as into a request's own queue
 (router/router.py does not know the difference), and the slot forwards to the stream's ``StreamMux``.
-Consecutive responses of one request from one worker merge (``merge_responses``), so a batch holds
-one response per request and worker; ``qsize`` counts what the client has not been sent yet, which
-is what the router's slow-consumer rule (``max_buffered_responses``) reads.
+Responses arrive as their fields (router/demux.py ``ResponseFields``) and the batch is built from
+them in one constructor call. Consecutive responses of one request from one worker merge
+(``merge_fields``), so a batch holds one response per request and worker; ``qsize`` counts what
+the client has not been sent yet, which is what the router's slow-consumer rule
+(``max_buffered_responses``) reads.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import AsyncIterator, Callable, MutableMapping
 from typing import Any
 
 from protos.kvserve.v1 import serving_pb2 as spb
-from router.demux import merge_responses
+from router.demux import ResponseFields, merge_fields
 from router.request import RouterError
 
 
@@ -24,7 +26,7 @@ class StreamMux:
     """The pending output of one GenerateStream: a batch to send, filled by its requests' slots."""
 
     def __init__(self) -> None:
-        self._responses: list[spb.GenerateResponse] = []
+        self._responses: list[ResponseFields] = []
         self._last: dict[str, int] = {}  # request id -> index of its last response in the batch
         self._errors: list[spb.RequestError] = []
         self._unsent: dict[str, int] = {}  # request id -> puts since the last batch went out
@@ -33,15 +35,15 @@ class StreamMux:
     def slot(self, request_id: str) -> MuxSlot:
         return MuxSlot(self, request_id)
 
-    def put(self, request_id: str, item: spb.GenerateResponse | RouterError) -> None:
+    def put(self, request_id: str, item: ResponseFields | RouterError) -> None:
         self._unsent[request_id] = self._unsent.get(request_id, 0) + 1
         if isinstance(item, RouterError):
             self._errors.append(error_message(request_id, item))
         else:
             i = self._last.get(request_id)
             prev = self._responses[i] if i is not None else None
-            if prev is not None and not prev.finish_reason and prev.worker_id == item.worker_id:
-                self._responses[i] = merge_responses(prev, item)
+            if prev is not None and "finish_reason" not in prev and prev["worker_id"] == item["worker_id"]:
+                merge_fields(prev, item)
             else:
                 self._last[request_id] = len(self._responses)
                 self._responses.append(item)
@@ -52,8 +54,8 @@ class StreamMux:
 
     def drop(self, request_id: str) -> None:
         """Forget what ``request_id`` has not been sent (the router dropped a slow consumer's backlog)."""
-        self._responses = [r for r in self._responses if r.request_id != request_id]
-        self._last = {r.request_id: i for i, r in enumerate(self._responses)}
+        self._responses = [r for r in self._responses if r["request_id"] != request_id]
+        self._last = {r["request_id"]: i for i, r in enumerate(self._responses)}
         self._unsent.pop(request_id, None)
 
     def wake(self) -> None:
@@ -78,7 +80,7 @@ class MuxSlot:
     def __init__(self, mux: StreamMux, request_id: str) -> None:
         self.mux, self.request_id = mux, request_id
 
-    def put_nowait(self, item: spb.GenerateResponse | RouterError) -> None:
+    def put_nowait(self, item: ResponseFields | RouterError) -> None:
         self.mux.put(self.request_id, item)
 
     def qsize(self) -> int:

@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 
+from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import worker_pb2 as pb
 from workers.core.sampling_params import SamplingParams
 
@@ -25,6 +26,14 @@ class RouterError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str, trailers: tuple[tuple[str, str], ...] = ()) -> None:
         super().__init__(message)
         self.code, self.message, self.trailers = code, message, trailers
+
+
+class ResponseQueue(asyncio.Queue):
+    """A request's own stream: ``GenerateResponse``s, each built from the fields the demux delivers
+    (router/demux.py ``ResponseFields``), and a final ``RouterError`` if it ends abnormally."""
+
+    def put_nowait(self, item: dict[str, Any] | spb.GenerateResponse | RouterError) -> None:
+        super().put_nowait(spb.GenerateResponse(**item) if isinstance(item, dict) else item)
 
 
 @dataclass(eq=False)
@@ -51,7 +60,7 @@ class RouterRequest:
     num_blocks: int  # prompt blocks, for queue accounting
     arrival: float = field(default_factory=time.monotonic)
     started_at: float | None = None  # first dispatch (its service time counts from here)
-    responses: asyncio.Queue | Any = field(default_factory=asyncio.Queue)  # or a MuxSlot (router/mux.py)
+    responses: ResponseQueue | Any = field(default_factory=ResponseQueue)  # or a MuxSlot (router/mux.py)
     worker_id: str | None = None
     target: str | None = None  # placement decided, dispatch pending
     tokens_received: int = 0

@@ -142,7 +142,9 @@ def unbundle(msg: pb.WorkerMessage) -> list[pb.WorkerMessage]:
         return [msg]
     step = msg.step
     parts = [("step_outputs", "outputs"), ("block_events", "events"), ("pressure", "pressure")]
-    return [pb.WorkerMessage(seq=msg.seq, **{kind: getattr(step, field)}) for kind, field in parts if step.HasField(field)]
+    return [
+        pb.WorkerMessage(seq=msg.seq, **{kind: getattr(step, field)}) for kind, field in parts if step.HasField(field)
+    ]
 
 
 class CountingWorkerLinkService(WorkerLinkService):
