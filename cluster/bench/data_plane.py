@@ -9,7 +9,11 @@ SSE ``/v1/completions``), each for ``--max-tokens`` tokens, and reports:
 * ``streamed_tokens_per_s``: tokens the clients received over the window from the first request sent
   to the last stream finished;
 * ``router_cpu_us_per_token``: the router process's CPU time (user + system, from ``/proc``) over that
-  window, divided by the tokens streamed;
+  window, divided by the tokens streamed (it includes each request's admission, placement and Ray
+  dispatch);
+* ``router_cpu_us_per_token_steady``: the same over the steady part of the run only, from the moment
+  every stream has its first token to the first stream's end (sampled every 50 ms): what streaming
+  alone costs, without the per-request work at the start and the end;
 * ``added_itl_p50_ms`` / ``added_itl_p99_ms``: per step message, arrival at the client minus the
   worker's emission time (carried in ``text_delta``; one clock on one machine), i.e. the latency the
   serving path adds to each token;
@@ -38,7 +42,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,11 +64,46 @@ class PlanePoint:
     streamed_tokens_per_s: float
     router_cpu_s: float
     router_cpu_us_per_token: float
+    router_cpu_us_per_token_steady: float
     frontend_cpu_us_per_token: float
     added_itl_p50_ms: float
     added_itl_p99_ms: float
     router_rss_mb: float
     failed_streams: int
+
+
+@dataclass
+class _Meter:
+    """What the clients have received so far, sampled with the router's CPU time while they run."""
+
+    streams: int
+    tokens: int = 0
+    started: int = 0  # streams that got their first token
+    ended: int = 0
+    samples: list[tuple[int, float]] = field(default_factory=list)  # (tokens, router CPU s), steady only
+
+    def received(self, before: int, new_tokens: int, final: bool) -> None:
+        """A stream that had ``before`` tokens got ``new_tokens`` more (``final``: its last message)."""
+        self.tokens += new_tokens
+        self.started += before == 0 and new_tokens > 0
+        self.ended += final
+
+    def steady(self) -> bool:
+        """Every stream runs: all started, none ended."""
+        return self.started == self.streams and not self.ended
+
+    async def sample(self, router_pid: int, period_s: float = 0.05) -> None:
+        """Record (tokens, router CPU) every ``period_s`` while ``steady``, until cancelled."""
+        while True:
+            if self.steady():
+                self.samples.append((self.tokens, _proc_cpu_s(router_pid)))
+            await asyncio.sleep(period_s)
+
+    def steady_us_per_token(self) -> float:
+        if len(self.samples) < 2 or self.samples[-1][0] == self.samples[0][0]:
+            return float("nan")
+        (t0, c0), (t1, c1) = self.samples[0], self.samples[-1]
+        return (c1 - c0) / (t1 - t0) * 1e6
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -80,7 +119,7 @@ def stamps_latency_ms(text: str, arrival_ns: int) -> list[float]:
     return [(arrival_ns - int(s)) / 1e6 for s in text.split(";") if s]
 
 
-async def _grpc_stream(stub: Any, max_tokens: int, lat: list[float]) -> int:
+async def _grpc_stream(stub: Any, max_tokens: int, lat: list[float], meter: _Meter) -> int:
     from protos.kvserve.v1 import serving_pb2 as spb
 
     request = spb.GenerateRequest(
@@ -89,11 +128,14 @@ async def _grpc_stream(stub: Any, max_tokens: int, lat: list[float]) -> int:
     tokens = 0
     async for resp in stub.Generate(request, timeout=600):
         lat.extend(stamps_latency_ms(resp.text_delta, time.monotonic_ns()))
+        meter.received(tokens, len(resp.token_ids), bool(resp.finish_reason))
         tokens += len(resp.token_ids)
     return tokens
 
 
-async def _grpc_mux(stub: Any, streams: int, max_tokens: int, lat: list[float]) -> list[int | BaseException]:
+async def _grpc_mux(
+    stub: Any, streams: int, max_tokens: int, lat: list[float], meter: _Meter
+) -> list[int | BaseException]:
     """Every request on one ``GenerateStream``, unbatched here by request id."""
     from protos.kvserve.v1 import serving_pb2 as spb
 
@@ -110,13 +152,14 @@ async def _grpc_mux(stub: Any, streams: int, max_tokens: int, lat: list[float]) 
         now = time.monotonic_ns()
         for resp in batch.responses:
             lat.extend(stamps_latency_ms(resp.text_delta, now))
+            meter.received(tokens[resp.request_id], len(resp.token_ids), bool(resp.finish_reason))
             tokens[resp.request_id] += len(resp.token_ids)
         for err in batch.errors:
             failed[err.request_id] = RuntimeError(f"{err.request_id}: code {err.code}: {err.message}")
     return [failed.get(rid, n) for rid, n in tokens.items()]
 
 
-async def _http_stream(http: Any, url: str, max_tokens: int, lat: list[float]) -> int:
+async def _http_stream(http: Any, url: str, max_tokens: int, lat: list[float], meter: _Meter) -> int:
     body = {"model": "sim", "prompt": _PROMPT, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
             "return_token_ids": True}  # fmt: skip
     tokens = 0
@@ -128,39 +171,46 @@ async def _http_stream(http: Any, url: str, max_tokens: int, lat: list[float]) -
             chunk = json.loads(line[6:])
             for choice in chunk.get("choices", ()):
                 lat.extend(stamps_latency_ms(choice.get("text", ""), time.monotonic_ns()))
-                tokens += len(choice.get("token_ids") or ())
+                n = len(choice.get("token_ids") or ())
+                meter.received(tokens, n, bool(choice.get("finish_reason")))
+                tokens += n
     return tokens
 
 
 async def _drive(
-    address: str, http_url: str | None, streams: int, max_tokens: int, mux: bool = False
-) -> tuple[int, float, list, int]:
-    """Run ``streams`` concurrent streams; (tokens, window seconds, added latencies, failed streams)."""
+    address: str, http_url: str | None, streams: int, max_tokens: int, mux: bool, router_pid: int
+) -> tuple[int, float, list, int, float]:
+    """Run ``streams`` concurrent streams; (tokens, window seconds, added latencies, failed streams,
+    steady router CPU µs per token)."""
     import grpc
     import httpx
 
     from protos.kvserve.v1 import serving_pb2_grpc
 
     lat: list[float] = []
+    meter = _Meter(streams)
+    sampler = asyncio.create_task(meter.sample(router_pid))
     t0 = time.monotonic()
     if http_url is None:
         async with grpc.aio.insecure_channel(address) as channel:
             stub = serving_pb2_grpc.KVServeStub(channel)
             if mux:
-                results = await _grpc_mux(stub, streams, max_tokens, lat)
+                results = await _grpc_mux(stub, streams, max_tokens, lat, meter)
             else:
-                results = await asyncio.gather(*(_grpc_stream(stub, max_tokens, lat) for _ in range(streams)),
+                results = await asyncio.gather(*(_grpc_stream(stub, max_tokens, lat, meter) for _ in range(streams)),
                                                return_exceptions=True)  # fmt: skip
     else:
         limits = httpx.Limits(max_connections=streams, max_keepalive_connections=streams)
         async with httpx.AsyncClient(timeout=600, limits=limits) as http:
-            results = await asyncio.gather(*(_http_stream(http, http_url, max_tokens, lat) for _ in range(streams)),
-                                           return_exceptions=True)  # fmt: skip
+            results = await asyncio.gather(
+                *(_http_stream(http, http_url, max_tokens, lat, meter) for _ in range(streams)), return_exceptions=True
+            )
     window = time.monotonic() - t0
+    sampler.cancel()
     failed = [r for r in results if isinstance(r, BaseException)]
     if failed:
         print(f"data-plane: {len(failed)} of {streams} streams failed, first: {failed[0]!r}", file=sys.stderr)
-    return sum(r for r in results if isinstance(r, int)), window, lat, len(failed)
+    return sum(r for r in results if isinstance(r, int)), window, lat, len(failed), meter.steady_us_per_token()
 
 
 def _proc_cpu_s(pid: int) -> float:
@@ -211,7 +261,9 @@ def measure(workers: int, streams: int, tokens_per_step: int, step_ms: float, ma
         mux = protocol == "grpc-mux"
         spy = _py_spy(pid, py_spy) if py_spy else None
         try:
-            tokens, window, lat, failed = asyncio.run(_drive(client_address, http_url, streams, max_tokens, mux))
+            tokens, window, lat, failed, steady = asyncio.run(
+                _drive(client_address, http_url, streams, max_tokens, mux, pid)
+            )
         finally:
             if spy is not None:
                 spy.send_signal(signal.SIGINT)
@@ -227,7 +279,7 @@ def measure(workers: int, streams: int, tokens_per_step: int, step_ms: float, ma
     per_token = (lambda s: s / tokens * 1e6) if tokens else (lambda s: float("nan"))
     return PlanePoint(
         workers, frontends, streams, tokens_per_step, step_ms, protocol, tokens, window,
-        tokens / window if window else 0.0, cpu, per_token(cpu), per_token(fcpu) if frontends else 0.0,
+        tokens / window if window else 0.0, cpu, per_token(cpu), steady, per_token(fcpu) if frontends else 0.0,
         percentile(lat, 0.5), percentile(lat, 0.99), rss, failed,
     )  # fmt: skip
 
@@ -289,12 +341,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_table(points: list[PlanePoint]) -> str:
-    head = ("| proto | frontends | workers | streams | tok/step | step ms | streamed tok/s | router CPU µs/tok | "
-            "frontends CPU µs/tok | added ITL p50 / p99 ms | router RSS MB |\n"
+    head = ("| proto | frontends | workers | streams | tok/step | step ms | streamed tok/s | router CPU µs/tok "
+            "(steady) | frontends CPU µs/tok | added ITL p50 / p99 ms | router RSS MB |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     rows = [
         f"| {p.protocol} | {p.frontends} | {p.workers} | {p.streams} | {p.tokens_per_step} | {p.step_ms:g} | "
-        f"{p.streamed_tokens_per_s:,.0f} | {p.router_cpu_us_per_token:.1f} | {p.frontend_cpu_us_per_token:.1f} | "
+        f"{p.streamed_tokens_per_s:,.0f} | {p.router_cpu_us_per_token:.1f} ({p.router_cpu_us_per_token_steady:.1f}) | "
+        f"{p.frontend_cpu_us_per_token:.1f} | "
         f"{p.added_itl_p50_ms:.1f} / {p.added_itl_p99_ms:.1f} | {p.router_rss_mb:.0f} |"
         for p in points
     ]

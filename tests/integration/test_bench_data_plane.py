@@ -5,6 +5,7 @@ figures scripts read are there."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -51,3 +52,20 @@ def test_every_emitted_token_is_streamed_and_counted(protocol: str, frontends: i
     assert point["streamed_tokens_per_s"] > 0 and point["router_cpu_us_per_token"] > 0
     assert 0 <= point["added_itl_p50_ms"] <= point["added_itl_p99_ms"]
     assert point["frontends"] == frontends and (point["frontend_cpu_us_per_token"] > 0) == (frontends > 0)
+
+
+def test_the_steady_window_is_from_every_stream_started_to_the_first_ended() -> None:
+    from cluster.bench.data_plane import _Meter
+
+    meter = _Meter(streams=2)
+    meter.received(0, 1, final=False)
+    assert not meter.steady()  # one of two streams started
+    meter.received(0, 1, final=False)
+    assert meter.steady()
+    meter.samples.append((meter.tokens, 1.0))
+    meter.received(1, 2000, final=False)
+    meter.samples.append((meter.tokens, 2.5))
+    meter.received(1, 5, final=True)
+    assert not meter.steady()  # the first stream ended
+    assert meter.tokens == 2007 and meter.steady_us_per_token() == pytest.approx((2.5 - 1.0) / 2000 * 1e6)
+    assert math.isnan(_Meter(streams=1).steady_us_per_token())
