@@ -12,8 +12,9 @@ SSE ``/v1/completions``), each for ``--max-tokens`` tokens, and reports:
   window, divided by the tokens streamed (it includes each request's admission, placement and Ray
   dispatch);
 * ``router_cpu_us_per_token_steady``: the same over the steady part of the run only, from the moment
-  every stream has its first token to the first stream's end (sampled every 50 ms): what streaming
-  alone costs, without the per-request work at the start and the end;
+  every stream has its first token to the first stream's end (sampled every 50 ms; NaN when the run
+  has no such part, e.g. a stream ends before the last one starts): what streaming alone costs,
+  without the per-request work at the start and the end;
 * ``added_itl_p50_ms`` / ``added_itl_p99_ms``: per step message, arrival at the client minus the
   worker's emission time (carried in ``text_delta``; one clock on one machine), i.e. the latency the
   serving path adds to each token;
@@ -74,30 +75,31 @@ class PlanePoint:
 
 @dataclass
 class _Meter:
-    """What the clients have received so far, sampled with the router's CPU time while they run."""
+    """What the clients have received so far, with (tokens, router CPU) sampled every ``period_s`` while
+    every stream runs. NOTE: sampled from ``received`` itself, not from a task: a client loop busy
+    with arriving messages would starve a sampling task exactly when the rate is highest."""
 
     streams: int
+    router_pid: int | None = None  # None: no sampling (tests)
+    period_s: float = 0.05
     tokens: int = 0
     started: int = 0  # streams that got their first token
     ended: int = 0
     samples: list[tuple[int, float]] = field(default_factory=list)  # (tokens, router CPU s), steady only
+    _next_sample: float = 0.0
 
     def received(self, before: int, new_tokens: int, final: bool) -> None:
         """A stream that had ``before`` tokens got ``new_tokens`` more (``final``: its last message)."""
         self.tokens += new_tokens
         self.started += before == 0 and new_tokens > 0
         self.ended += final
+        if self.router_pid is not None and self.steady() and (now := time.monotonic()) >= self._next_sample:
+            self._next_sample = now + self.period_s
+            self.samples.append((self.tokens, _proc_cpu_s(self.router_pid)))
 
     def steady(self) -> bool:
         """Every stream runs: all started, none ended."""
         return self.started == self.streams and not self.ended
-
-    async def sample(self, router_pid: int, period_s: float = 0.05) -> None:
-        """Record (tokens, router CPU) every ``period_s`` while ``steady``, until cancelled."""
-        while True:
-            if self.steady():
-                self.samples.append((self.tokens, _proc_cpu_s(router_pid)))
-            await asyncio.sleep(period_s)
 
     def steady_us_per_token(self) -> float:
         if len(self.samples) < 2 or self.samples[-1][0] == self.samples[0][0]:
@@ -188,8 +190,7 @@ async def _drive(
     from protos.kvserve.v1 import serving_pb2_grpc
 
     lat: list[float] = []
-    meter = _Meter(streams)
-    sampler = asyncio.create_task(meter.sample(router_pid))
+    meter = _Meter(streams, router_pid)
     t0 = time.monotonic()
     if http_url is None:
         async with grpc.aio.insecure_channel(address) as channel:
@@ -206,7 +207,6 @@ async def _drive(
                 *(_http_stream(http, http_url, max_tokens, lat, meter) for _ in range(streams)), return_exceptions=True
             )
     window = time.monotonic() - t0
-    sampler.cancel()
     failed = [r for r in results if isinstance(r, BaseException)]
     if failed:
         print(f"data-plane: {len(failed)} of {streams} streams failed, first: {failed[0]!r}", file=sys.stderr)
@@ -235,7 +235,9 @@ def measure(workers: int, streams: int, tokens_per_step: int, step_ms: float, ma
     from workers.core.worker_credential import new_worker_key
     from workers.transport.options import WorkerOptions
 
-    config = RouterConfig(port=0, max_queue_requests=max(1024, streams), max_buffered_responses=1 << 16)
+    # NOTE: the bench is one client with ``streams`` streams: the per-client bound must not refuse them
+    config = RouterConfig(port=0, max_queue_requests=max(1024, streams), max_buffered_responses=1 << 16,
+                          max_streams_per_client=max(RouterConfig().max_streams_per_client, streams))  # fmt: skip
     key = new_worker_key()
     fkey = new_worker_key() if frontends else None
     http = 0 if protocol == "http" else None
@@ -342,13 +344,13 @@ def run(args: argparse.Namespace) -> int:
 
 def format_table(points: list[PlanePoint]) -> str:
     head = ("| proto | frontends | workers | streams | tok/step | step ms | streamed tok/s | router CPU µs/tok "
-            "(steady) | frontends CPU µs/tok | added ITL p50 / p99 ms | router RSS MB |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+            "(steady) | frontends CPU µs/tok | added ITL p50 / p99 ms | router RSS MB | failed streams |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     rows = [
         f"| {p.protocol} | {p.frontends} | {p.workers} | {p.streams} | {p.tokens_per_step} | {p.step_ms:g} | "
         f"{p.streamed_tokens_per_s:,.0f} | {p.router_cpu_us_per_token:.1f} ({p.router_cpu_us_per_token_steady:.1f}) | "
         f"{p.frontend_cpu_us_per_token:.1f} | "
-        f"{p.added_itl_p50_ms:.1f} / {p.added_itl_p99_ms:.1f} | {p.router_rss_mb:.0f} |"
+        f"{p.added_itl_p50_ms:.1f} / {p.added_itl_p99_ms:.1f} | {p.router_rss_mb:.0f} | {p.failed_streams} |"
         for p in points
     ]
     return "\n".join([head, *rows])

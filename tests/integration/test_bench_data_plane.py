@@ -20,8 +20,14 @@ def test_stamps_and_percentiles() -> None:
     assert percentile([5.0, 1.0, 3.0], 0.5) == 3.0 and percentile([5.0, 1.0, 3.0], 0.99) == 5.0
 
 
-@pytest.mark.parametrize(("protocol", "frontends"), [("grpc", 0), ("http", 0), ("http", 1)])
-def test_every_emitted_token_is_streamed_and_counted(protocol: str, frontends: int) -> None:
+@pytest.mark.parametrize(
+    ("protocol", "frontends", "streams", "step_ms"),
+    # NOTE: 300 mux streams: more than one client may open by default (max_streams_per_client, 256); the
+    # bench's client is one client by design and must not be refused (it was, silently, in a table);
+    # a slow step keeps them all open at once
+    [("grpc", 0, 6, 10), ("http", 0, 6, 10), ("http", 1, 6, 10), ("grpc-mux", 0, 300, 200)],
+)
+def test_every_emitted_token_is_streamed_and_counted(protocol: str, frontends: int, streams: int, step_ms: int) -> None:
     cmd = [
         sys.executable,
         "-m",
@@ -31,13 +37,13 @@ def test_every_emitted_token_is_streamed_and_counted(protocol: str, frontends: i
         "--workers",
         "2",
         "--streams",
-        "6",
+        str(streams),
         "--tokens-per-step",
         "3",
         "--max-tokens",
         "20",
         "--step-ms",
-        "10",
+        str(step_ms),
         "--protocol",
         protocol,
         "--json",
@@ -48,7 +54,7 @@ def test_every_emitted_token_is_streamed_and_counted(protocol: str, frontends: i
     assert out.returncode == 0, out.stderr[-3000:]
     (point,) = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert point["failed_streams"] == 0
-    assert point["streamed_tokens"] == 6 * 20  # none lost, none duplicated
+    assert point["streamed_tokens"] == streams * 20  # none lost, none duplicated
     assert point["streamed_tokens_per_s"] > 0 and point["router_cpu_us_per_token"] > 0
     assert 0 <= point["added_itl_p50_ms"] <= point["added_itl_p99_ms"]
     assert point["frontends"] == frontends and (point["frontend_cpu_us_per_token"] > 0) == (frontends > 0)
