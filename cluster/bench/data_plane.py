@@ -213,6 +213,15 @@ async def _drive(
     return sum(r for r in results if isinstance(r, int)), window, lat, len(failed), meter.steady_us_per_token()
 
 
+def bench_router_config(streams: int):  # noqa: ANN201 - a RouterConfig (imported here: no router at import)
+    """The router's config for ``streams`` streams from one client: none refused or cut off by the bounds
+    that protect a real server (queue length, unread responses, streams per client)."""
+    from router.config import RouterConfig
+
+    return RouterConfig(port=0, max_queue_requests=max(1024, streams), max_buffered_responses=1 << 16,
+                        max_streams_per_client=max(RouterConfig().max_streams_per_client, streams))  # fmt: skip
+
+
 def _proc_cpu_s(pid: int) -> float:
     import psutil
 
@@ -231,13 +240,10 @@ def measure(workers: int, streams: int, tokens_per_step: int, step_ms: float, ma
     from cluster.bench.sim_worker import SimSpec, sim_worker_actor_class
     from cluster.frontends import start_frontends, stop_frontends
     from cluster.launch import _register_workers, _start_router, worker_options_for
-    from router.config import RouterConfig
     from workers.core.worker_credential import new_worker_key
     from workers.transport.options import WorkerOptions
 
-    # NOTE: the bench is one client with ``streams`` streams: the per-client bound must not refuse them
-    config = RouterConfig(port=0, max_queue_requests=max(1024, streams), max_buffered_responses=1 << 16,
-                          max_streams_per_client=max(RouterConfig().max_streams_per_client, streams))  # fmt: skip
+    config = bench_router_config(streams)
     key = new_worker_key()
     fkey = new_worker_key() if frontends else None
     http = 0 if protocol == "http" else None

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from protos.kvserve.v1 import worker_pb2 as pb
 from workers.core.identity import WorkerIdentity
 from workers.core.request import WorkerRequest
+from workers.core.sizes import blocks_for
 from workers.core.tls import channel_credentials
 from workers.transport.options import WorkerOptions
 from workers.transport.outbox import Outbox
@@ -69,9 +70,7 @@ class SimWorker:
         self._steps = 0
         self._report_seq = 0
         self._event_seq = 0
-        o = options
-        self._pressure = PressurePolicy(o.pressure_interval_ms / 1000, o.idle_report_s, o.high_watermark,
-                                        o.low_watermark)  # fmt: skip
+        self._pressure = PressurePolicy.from_options(options)
         self._stop = threading.Event()
         self.link = WorkerLinkClient(
             options.router_address or "",
@@ -151,7 +150,7 @@ class SimWorker:
                 if done:
                     del self._running[rid]
             running = len(self._running)
-            used = sum(-(-(len(r.request.prompt) + r.emitted) // size) for r in self._running.values())
+            used = sum(blocks_for(len(r.request.prompt) + r.emitted, size) for r in self._running.values())
         self._steps += 1
         step = pb.StepOutputs(decode_step=self._steps, outputs=outputs) if outputs else None
         total = self.spec.total_blocks

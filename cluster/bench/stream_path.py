@@ -24,9 +24,9 @@ import statistics
 import time
 from typing import Any
 
+from cluster.bench.data_plane import bench_router_config
 from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import worker_pb2 as pb
-from router.config import RouterConfig
 from router.mux import StreamMux
 from router.router import Router
 from router.worker_link import _Session
@@ -48,9 +48,7 @@ class _Handle:
 
 
 async def _one(streams: int, workers: int, steps: int) -> float:
-    config = RouterConfig(port=0, max_queue_requests=max(1024, streams), max_buffered_responses=1 << 16,
-                          max_streams_per_client=max(RouterConfig().max_streams_per_client, streams))  # fmt: skip
-    router = Router(config)
+    router = Router(bench_router_config(streams))
     for i in range(workers):
         w = f"worker-{i}"
         router.add_worker(w, _Handle(), WorkerIdentity(w, "m", 16, 1 << 16, 1 << 16, 32000))

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import copyreg
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from protos.kvserve.v1 import worker_pb2 as pb
 from workers.core.sizes import pool_usage
+
+if TYPE_CHECKING:
+    from workers.transport.options import WorkerOptions
 
 
 def report_from_bytes(data: bytes) -> pb.PressureReport:
@@ -50,6 +54,11 @@ class PressurePolicy:
             )
         if self.interval_s < 0 or self.idle_interval_s <= 0:
             raise ValueError("pressure intervals must be positive")
+
+    @classmethod
+    def from_options(cls, o: WorkerOptions) -> PressurePolicy:
+        """The policy a worker with options ``o`` reports by (the real worker and the bench's simulated one)."""
+        return cls(o.pressure_interval_ms / 1000, o.idle_report_s, o.high_watermark, o.low_watermark)
 
     def crossed(self, usage: float) -> bool:
         before, now = self._last_usage, usage

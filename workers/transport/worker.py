@@ -71,9 +71,7 @@ class WorkerCore:
         self._stop = threading.Event()
         self.outbox = Outbox()
         o = self.options
-        self._pressure = PressurePolicy(
-            o.pressure_interval_ms / 1000, o.idle_report_s, o.high_watermark, o.low_watermark
-        )
+        self._pressure = PressurePolicy.from_options(o)
         self._report_seq = 0
         self._step_latency_ms = 0.0
         self._slowest_step_s = 0.0  # raises the stall threshold of a slow deployment
