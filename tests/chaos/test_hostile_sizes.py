@@ -153,12 +153,6 @@ def test_hostile_sizes_are_refused_by_name_and_a_normal_stream_keeps_pace(cluste
     victim_itl = lambda: victim_process.submit(_victim_itl, address).result(timeout=300)  # noqa: E731
     idle = [victim_itl()]
 
-    # NOTE: each attack once, unmeasured, first: in a fresh checkout (no bytecode yet, as in CI) the
-    # first request of each kind compiled and imported lazily on the router's loop and held it once
-    # for > 250 ms (a cold-start cost, kept as a known issue in the notes); what is measured below is
-    # what hostile sizes do to a warm router, every time.
-    for attack, _ in attacks.values():
-        attack()
     lag_before = _loop_lags(metrics_url)
     results: dict[str, tuple] = {}
     watchers = Watchers(address)
