@@ -413,3 +413,59 @@ def test_admit_imported_respects_max_num_seqs_and_rejects_bad_counts() -> None:
     assert s.admit_imported(_req("second", [2] * 4), 4) is None
     with pytest.raises(ValueError, match="cannot import"):
         _sched(10).admit_imported(_req("x", [1] * 4), 5)
+
+
+# ---- a shared prefix being computed ----------------------------------------------------------------
+
+
+def test_a_burst_sharing_a_new_prefix_computes_it_once() -> None:
+    """Two requests with the same uncached prefix, queued together: the second waits while the first
+    computes the prefix, then hits all of it (it computed the whole prefix beside the first before)."""
+    s = _sched(20)
+    a, b = _req("a", PROMPT + [1, 2, 3, 4, 5]), _req("b", PROMPT + [6, 7, 8, 9, 10])
+    s.add(a)
+    s.add(b)
+    out, _ = _step(s)
+    assert _ids(out) == [("a", 13)]
+    out, _ = _step(s)
+    assert _ids(out) == [("a", 1), ("b", 5)]  # b computes only its own suffix
+    assert b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]
+    assert s.prefill_tokens == 13 + 5  # the prefix once (13 + 13 computed side by side)
+
+
+def test_waiting_for_a_prefix_lets_unrelated_requests_by() -> None:
+    s = _sched(20)
+    a, b, c = _req("a", PROMPT + [1]), _req("b", PROMPT + [2]), _req("c", [7, 7, 7, 7, 7])
+    for r in (a, b, c):
+        s.add(r)
+    out, _ = _step(s)
+    assert _ids(out) == [("a", 9), ("c", 5)]
+
+
+def test_a_prefix_computed_in_chunks_is_waited_for_until_cached() -> None:
+    """A chunked prefill caches its blocks step by step: the request behind it takes the blocks
+    cached so far and waits for the one being computed, then takes that too."""
+    s = _sched(20, max_num_batched_tokens=8)
+    a, b = _req("a", PROMPT + [1, 2, 3, 4]), _req("b", PROMPT + [1, 2, 3, 4, 5])
+    s.add(a)
+    s.add(b)
+    out, _ = _step(s)
+    assert _ids(out) == [("a", 8)]  # no budget left
+    out, _ = _step(s)
+    assert _ids(out) == [("a", 4)]  # b's third block is a's last chunk: b waits
+    out, _ = _step(s)
+    assert _ids(out) == [("a", 1), ("b", 1)]
+    assert b.num_cached_tokens == 12 and b.block_table[:3] == a.block_table[:3]
+
+
+def test_a_finished_prefill_no_longer_holds_the_prefix() -> None:
+    """Only running requests are waited for: once the one computing the prefix is gone (aborted
+    before its step), the other computes the prefix itself rather than wait for nothing."""
+    s = _sched(20)
+    a, b = _req("a", PROMPT + [1]), _req("b", PROMPT + [2])
+    s.add(a)
+    s.add(b)
+    s.schedule()  # a admitted, b waits for a's prefix; the step never runs
+    s.finish(a, "abort")
+    out = s.schedule()
+    assert _ids(out) == [("b", 9)]

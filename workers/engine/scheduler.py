@@ -349,17 +349,32 @@ class Scheduler:
         return budget
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests in order while the budget, ``max_num_seqs`` and the pool allow.
+
+        A request whose first uncached block a running request is computing right now waits for it
+        (``_prefilling``) instead of computing the same blocks beside it: a burst of requests with a
+        new shared prefix computes it once, and the others hit it as soon as it is cached (the
+        computing request is running, so it progresses every step: nothing waits for long).
+        """
         bs = self.block_size
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+        prefilling: set[int] | None = None
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[i]
             req.update_block_hashes(bs, cache_extra(self.model_id, req.cache_salt), req.num_tokens)
             hits = self.pool.find_prefix(req.block_hashes)
+            if len(hits) < len(req.block_hashes):
+                if prefilling is None:
+                    prefilling = self._prefilling()
+                if req.block_hashes[len(hits)] in prefilling:
+                    i += 1
+                    continue
             num_hit_tokens = len(hits) * bs
             need = self._footprint_blocks(req) - len(hits)
             revived = sum(1 for b in hits if self.pool.ref_cnt[b] == 0)
             if not self._has_room(need, revived):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             self.pool.touch(hits)
             blocks = self.pool.allocate(need)
             assert blocks is not None
@@ -384,6 +399,18 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             out.scheduled.append((req, num_new))
             budget -= num_new
+            if prefilling is not None:
+                prefilling.update(self._uncomputed_hashes(req))
+
+    def _prefilling(self) -> set[int]:
+        """Hashes of the blocks running requests have yet to compute and cache."""
+        return {h for r in self.running for h in self._uncomputed_hashes(r)}
+
+    @staticmethod
+    def _uncomputed_hashes(req: Request) -> list[int]:
+        if req.num_computed_tokens >= req.num_tokens - 1:  # decoding: its full blocks are cached
+            return []
+        return req.block_hashes[req.num_cached_blocks :]
 
     # ---- after the model ran ----------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: Sequence[int | None]) -> list[Request]:
