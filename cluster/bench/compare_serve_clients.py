@@ -55,8 +55,10 @@ def vllm_bench_command(vllm: str, base_url: str, spec: BenchSpec, result_file: P
         "--num-prompts", str(spec.num_prompts), "--max-concurrency", str(spec.max_concurrency),
         "--seed", str(spec.seed), "--temperature", "0", "--ignore-eos",
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-        "--save-result", "--result-dir", str(result_file.parent), "--result-filename", result_file.name,
-        "--disable-tqdm",
+        # NOTE: --save-detailed keeps each request's TTFT, ITLs and start time in the log (a round's
+        # medians alone hid why some rounds fall in a slower mode).
+        "--save-result", "--save-detailed", "--result-dir", str(result_file.parent),
+        "--result-filename", result_file.name, "--disable-tqdm",
     ]  # fmt: skip
     if spec.workload == "random":
         argv += ["--random-input-len", str(spec.input_len), "--random-output-len", str(spec.output_len)]
