@@ -56,8 +56,8 @@ def test_vllm_bench_command_is_identical_for_every_target_but_the_url(tmp_path: 
     s = " ".join(a)
     for part in ("bench serve --backend openai", "--dataset-name random", "--num-prompts 64", "--max-concurrency 16",
                  "--seed 3", "--temperature 0", "--ignore-eos", "--random-input-len 256", "--random-output-len 64",
-                 "--metric-percentiles 50,90,99", "--save-detailed", f"--result-dir {tmp_path}", "--result-filename r.json",
-                 "--model /m/smol --tokenizer /m/smol"):  # fmt: skip
+                 "--metric-percentiles 50,90,99", "--save-detailed", f"--result-dir {tmp_path}",
+                 "--result-filename r.json", "--model /m/smol --tokenizer /m/smol"):  # fmt: skip
         assert part in s, part
     prefix = " ".join(vllm_bench_command("vllm", "u", BenchSpec(**{**SPEC.__dict__, "workload": "prefix_repetition"}),
                                          tmp_path / "r.json"))  # fmt: skip
