@@ -45,7 +45,10 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from router.config import RouterConfig
 
 _PROMPT = list(range(1, 17))
 
@@ -213,7 +216,7 @@ async def _drive(
     return sum(r for r in results if isinstance(r, int)), window, lat, len(failed), meter.steady_us_per_token()
 
 
-def bench_router_config(streams: int):  # noqa: ANN201 - a RouterConfig (imported here: no router at import)
+def bench_router_config(streams: int) -> RouterConfig:
     """The router's config for ``streams`` streams from one client: none refused or cut off by the bounds
     that protect a real server (queue length, unread responses, streams per client)."""
     from router.config import RouterConfig
