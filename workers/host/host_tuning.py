@@ -55,6 +55,9 @@ def keep_freed_heap_memory() -> bool:
         return False
 
 
+ThreadTimes = dict[str, tuple[float, float]]  # thread id -> cumulative (CPU seconds, run-queue wait seconds)
+
+
 class ThreadGovernor:
     """torch's intra-op thread count on a CPU shared with other processes: all of ``max_threads``
     while they run unhindered, one while another process competes for the cores.
@@ -62,29 +65,36 @@ class ThreadGovernor:
     NOTE: every parallel torch op ends at an OpenMP barrier. When another process holds one of our
     cores, each op waits for the descheduled thread: measured on the tiny workload, a mean step of
     13 ms becomes 40 ms with one busy competitor, where a single thread takes 20 ms; at load average
-    8-20 on 2 cores, 2 threads without the governor ran a 5 s pass in minutes (``RESULTS.md``). The
-    signal is our threads' run-queue wait (runnable, not running) from ``/proc/self/task/*/schedstat``,
-    checked over windows of steps. A single thread cannot see a competitor on another core, so a short
-    synthetic probe (a few parallel GEMMs) asks again: ``PROBE_S`` after backing off, doubling after
-    every probe that still finds the cores busy, up to ``MAX_PROBE_S`` (on a machine that stays busy,
-    each probe, itself slowed by the barriers it measures, costs more than it can win back).
+    8-20 on 2 cores, 2 threads without the governor ran a 5 s pass in minutes (``RESULTS.md``).
+
+    The signal is the run-queue wait (runnable, not running; ``/proc/self/task/*/schedstat``) of
+    the compute threads alone, i.e. those that ran at least ``COMPUTE_SHARE`` of a window, over
+    windows of ``WINDOW_S``. Not every thread's wait, and not over short windows: a served worker
+    shares its cores with its own Ray and gRPC threads, the router and the HTTP server, which wake
+    in bursts; counted per thread and per 100 ms, those bursts read as contention and kept a
+    two-thread worker at one thread for most of a served run (measured, ``RESULTS.md``), although
+    two threads served more. A single thread cannot see a competitor on another core, so after
+    backing off the governor tries ``max_threads`` again for one window: ``PROBE_S`` later, doubling
+    after every try that still finds the cores busy, up to ``MAX_PROBE_S`` (on a machine that stays
+    busy, each try costs a window of slow steps).
 
     Args:
         max_threads: the thread count to run with while the cores are free.
-        read_wait: cumulative run-queue wait of this process in seconds, or None (``_runqueue_wait_s``).
+        read_threads: this process's cumulative per-thread times, or None (``_thread_times``).
         clock: monotonic seconds.
         set_threads: applies a thread count (``torch.set_num_threads``).
     """
 
-    WINDOW_S = 0.1  # decide after this much wall time of steps
-    CONTENDED = 0.1  # run-queue wait per thread per second of wall time above which we back off
-    PROBE_S = 2.0  # first probe after backing off
-    MAX_PROBE_S = 32.0  # probe interval cap while the cores stay busy
+    WINDOW_S = 1.0  # decide after this much wall time of steps
+    COMPUTE_SHARE = 0.25  # a thread that ran this share of a window computes (helpers run far less)
+    CONTENDED = 0.15  # mean run-queue wait per compute thread per second of wall above which we back off
+    PROBE_S = 2.0  # first try of all threads after backing off
+    MAX_PROBE_S = 32.0  # interval cap of those tries while the cores stay busy
 
     def __init__(
         self,
         max_threads: int,
-        read_wait: Callable[[], float | None] | None = None,
+        read_threads: Callable[[], ThreadTimes | None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
         set_threads: Callable[[int], None] = torch.set_num_threads,
     ) -> None:
@@ -92,62 +102,55 @@ class ThreadGovernor:
             raise ValueError(f"a governor needs at least 2 threads to choose from, got {max_threads}")
         self.max_threads = max_threads
         self.threads = max_threads
-        self._read_wait = read_wait or _runqueue_wait_s
+        self._read_threads = read_threads or _thread_times
         self._clock = clock
         self._set_threads = set_threads
         self._window_start = clock()
-        self._wait_start = self._read_wait() or 0.0
+        self._window_times = self._read_threads() or {}
+        self._trying = False  # this window runs all threads again after a back-off
         self._next_probe = 0.0
         self.probe_interval = self.PROBE_S
-        self._probe_input: torch.Tensor | None = None
 
     @classmethod
     def create(cls) -> ThreadGovernor | None:
         """A governor for this process, or None (one thread, no schedstat, or KVSERVE_THREAD_GOVERNOR=0)."""
         if torch.get_num_threads() < 2 or not env_switch("KVSERVE_THREAD_GOVERNOR"):
             return None
-        return cls(torch.get_num_threads()) if _runqueue_wait_s() is not None else None
+        return cls(torch.get_num_threads()) if _thread_times() is not None else None
 
     def step_done(self) -> None:
-        """Call after each step: backs off at the end of a contended window, probes when due."""
+        """Call after each step: decides at the end of each window; tries all threads again when due."""
         now = self._clock()
         if self.threads == 1:
             if now >= self._next_probe:
-                self._probe()
+                self._set(self.max_threads)
+                self._trying = True
+                self._start_window(now)
             return
         elapsed = now - self._window_start
         if elapsed < self.WINDOW_S:
             return
-        wait = self._read_wait() or 0.0
-        if self._contended(wait - self._wait_start, elapsed):
-            self._back_off(now)
+        times = self._read_threads() or {}
+        if self._contended(self._window_times, times, elapsed):
+            if self._trying:
+                self.probe_interval = min(2 * self.probe_interval, self.MAX_PROBE_S)
+            self._set(1)
+            self._next_probe = now + self.probe_interval
         else:
             self.probe_interval = self.PROBE_S
-        self._window_start, self._wait_start = self._clock(), wait
+        self._trying = False
+        self._start_window(now)
 
-    def _contended(self, wait_s: float, wall_s: float) -> bool:
-        return wait_s > self.CONTENDED * wall_s * self.threads
+    def _start_window(self, now: float) -> None:
+        self._window_start, self._window_times = now, self._read_threads() or {}
 
-    def _back_off(self, now: float) -> None:
-        self._set(1)
-        self._next_probe = now + self.probe_interval
-
-    def _probe(self) -> None:
-        self._set(self.max_threads)
-        t0, w0 = self._clock(), self._read_wait() or 0.0
-        self.probe_work()
-        now, wait = self._clock(), self._read_wait() or 0.0
-        if self._contended(wait - w0, now - t0):
-            self.probe_interval = min(2 * self.probe_interval, self.MAX_PROBE_S)
-            self._back_off(now)
-        self._window_start, self._wait_start = now, wait
-
-    def probe_work(self) -> None:
-        """A few ms of parallel GEMMs at ``max_threads`` (overridable: tests give their own)."""
-        if self._probe_input is None:
-            self._probe_input = torch.randn(384, 384)
-        for _ in range(16):
-            torch.mm(self._probe_input, self._probe_input)
+    def _contended(self, before: ThreadTimes, after: ThreadTimes, wall_s: float) -> bool:
+        waits = []
+        for tid, (cpu, wait) in after.items():
+            cpu0, wait0 = before.get(tid, (0.0, 0.0))
+            if cpu - cpu0 >= self.COMPUTE_SHARE * wall_s:
+                waits.append(wait - wait0)
+        return bool(waits) and sum(waits) / len(waits) > self.CONTENDED * wall_s
 
     def _set(self, threads: int) -> None:
         if threads != self.threads:
@@ -156,9 +159,9 @@ class ThreadGovernor:
             self.threads = threads
 
 
-def _runqueue_wait_s() -> float | None:
-    """Seconds this process's threads have spent runnable but not running (Linux schedstat), or None."""
-    total = 0
+def _thread_times() -> ThreadTimes | None:
+    """Cumulative CPU and run-queue wait seconds of each of this process's threads (Linux schedstat), or None."""
+    times: ThreadTimes = {}
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
@@ -166,7 +169,8 @@ def _runqueue_wait_s() -> float | None:
     for tid in tasks:
         try:
             with open(f"/proc/self/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[1])
-        except (OSError, IndexError, ValueError):
+                cpu, wait = f.read().split()[:2]
+            times[tid] = (int(cpu) / 1e9, int(wait) / 1e9)
+        except (OSError, ValueError):
             continue  # a thread that just exited
-    return total / 1e9
+    return times
