@@ -92,12 +92,24 @@ def test_tries_back_off_exponentially_while_the_machine_stays_busy() -> None:
 
 
 def test_a_helper_threads_wait_is_not_contention() -> None:
-    # A worker's Ray and gRPC threads wake in bursts while the compute threads run unhindered.
+    # Measured in a served run (one worker, 2 threads): each compute thread waited 0.04-0.08 s per
+    # second, the worker's Ray and gRPC threads, which wake in bursts, up to 0.05 more in all.
     host = FakeHost()
     gov = make(host)
-    host.helper_wait_share = 0.5
+    host.wait_share = 0.06
+    host.helper_wait_share = 0.1
     run_steps(host, gov, 5.0)
     assert host.threads == 2
+
+
+def test_backs_off_on_a_heavily_loaded_machine() -> None:
+    # At load 15 on 2 cores our compute threads run a tenth of the time and wait the rest: they
+    # still count as compute threads (runnable, not running, is what marks them).
+    host = FakeHost()
+    gov = make(host)
+    host.wait_share = 0.9
+    run_steps(host, gov, ThreadGovernor.WINDOW_S + 0.05)
+    assert host.threads == 1
 
 
 def test_light_contention_keeps_all_threads() -> None:

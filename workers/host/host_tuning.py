@@ -67,16 +67,17 @@ class ThreadGovernor:
     13 ms becomes 40 ms with one busy competitor, where a single thread takes 20 ms; at load average
     8-20 on 2 cores, 2 threads without the governor ran a 5 s pass in minutes (``RESULTS.md``).
 
-    The signal is the run-queue wait (runnable, not running; ``/proc/self/task/*/schedstat``) of
-    the compute threads alone, i.e. those that ran at least ``COMPUTE_SHARE`` of a window, over
-    windows of ``WINDOW_S``. Not every thread's wait, and not over short windows: a served worker
-    shares its cores with its own Ray and gRPC threads, the router and the HTTP server, which wake
-    in bursts; counted per thread and per 100 ms, those bursts read as contention and kept a
-    two-thread worker at one thread for most of a served run (measured, ``RESULTS.md``), although
-    two threads served more. A single thread cannot see a competitor on another core, so after
-    backing off the governor tries ``max_threads`` again for one window: ``PROBE_S`` later, doubling
-    after every try that still finds the cores busy, up to ``MAX_PROBE_S`` (on a machine that stays
-    busy, each try costs a window of slow steps).
+    The signal is the run-queue wait (``/proc/self/task/*/schedstat``) of the compute threads
+    alone, i.e. those runnable (running or waiting to run) at least ``COMPUTE_SHARE`` of a window,
+    over windows of ``WINDOW_S``. Runnable, not running: at load 15 our compute threads run a tenth
+    of the time and wait the rest. Not every thread's wait, and not over short windows: a served
+    worker shares its cores with its own Ray and gRPC threads, the router and the HTTP server,
+    which wake in bursts; counted over all threads and per 100 ms, those bursts read as contention
+    and kept a two-thread worker at one thread for most of a served run (measured, ``RESULTS.md``),
+    although two threads served more. A single thread cannot see a competitor on another core, so
+    after backing off the governor tries ``max_threads`` again for one window: ``PROBE_S`` later,
+    doubling after every try that still finds the cores busy, up to ``MAX_PROBE_S`` (on a machine
+    that stays busy, each try costs a window of slow steps).
 
     Args:
         max_threads: the thread count to run with while the cores are free.
@@ -86,7 +87,7 @@ class ThreadGovernor:
     """
 
     WINDOW_S = 1.0  # decide after this much wall time of steps
-    COMPUTE_SHARE = 0.25  # a thread that ran this share of a window computes (helpers run far less)
+    COMPUTE_SHARE = 0.25  # a thread runnable this share of a window computes (helpers sleep)
     CONTENDED = 0.15  # mean run-queue wait per compute thread per second of wall above which we back off
     PROBE_S = 2.0  # first try of all threads after backing off
     MAX_PROBE_S = 32.0  # interval cap of those tries while the cores stay busy
@@ -148,7 +149,7 @@ class ThreadGovernor:
         waits = []
         for tid, (cpu, wait) in after.items():
             cpu0, wait0 = before.get(tid, (0.0, 0.0))
-            if cpu - cpu0 >= self.COMPUTE_SHARE * wall_s:
+            if (cpu - cpu0) + (wait - wait0) >= self.COMPUTE_SHARE * wall_s:
                 waits.append(wait - wait0)
         return bool(waits) and sum(waits) / len(waits) > self.CONTENDED * wall_s
 
