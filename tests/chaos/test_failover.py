@@ -110,12 +110,13 @@ def _reference(c: ServedCluster, reqs: list[spb.GenerateRequest], max_tokens: in
     return reference
 
 
-def _victim_with_both_kinds(streams: list[Stream]) -> str | None:
-    """A worker holding a greedy and a seeded stream now (the one holding most, if several), or None."""
+def _victim_with_both_kinds(streams: list[Stream], only: str | None = None) -> str | None:
+    """A worker (``only``, if given) holding a greedy and a seeded stream now (the one holding most,
+    if several), or None."""
     kinds: dict[str, set[bool]] = {}
     for s in streams:
         kinds.setdefault(s.last_worker, set()).add(s.req.sampling.HasField("seed"))
-    both = [w for w, k in kinds.items() if k == {True, False}]
+    both = [w for w, k in kinds.items() if k == {True, False} and only in (None, w)]
     if not both:
         return None
     holders = [s.last_worker for s in streams]
@@ -123,10 +124,11 @@ def _victim_with_both_kinds(streams: list[Stream]) -> str | None:
 
 
 def _mixed_streams(
-    c: ServedCluster, base: int, max_tokens: int, draws: int = 3
+    c: ServedCluster, base: int, max_tokens: int, victim: str | None = None, draws: int = 3
 ) -> tuple[list[Stream], list[Stream], str]:
     """An undisturbed reference run of ``_mixed_requests``, then the same requests as live streams
-    (each past its first tokens), and a worker holding both a greedy and a seeded one of them.
+    (each past its first tokens), and a worker holding both a greedy and a seeded one of them
+    (``victim``, if the test has chosen it already).
 
     NOTE: where the streams run is the router's choice (load and prefix overlap at that moment); the
     order of ``_mixed_requests`` only makes both kinds on each worker likely. A placement that put
@@ -140,15 +142,16 @@ def _mixed_streams(
         streams = [Stream(c.address, r, first_tokens=3).start() for r in reqs]
         for s in streams:
             assert s.started.wait(120), "no first tokens"
-        victim = _victim_with_both_kinds(streams)
-        if victim is not None:
-            return reference, streams, victim
+        holder = _victim_with_both_kinds(streams, victim)
+        if holder is not None:
+            return reference, streams, holder
         kinds = {}
         for s in streams:
             kinds.setdefault(s.last_worker, set()).add("seeded" if s.req.sampling.HasField("seed") else "greedy")
             s.wait(240)
         c.wait_idle()
-    raise AssertionError(f"no worker held both greedy and seeded streams in {draws} draws (last: {kinds})")
+    raise AssertionError(f"{victim or 'no worker'} held both greedy and seeded streams in none of {draws} draws "
+                         f"(last: {kinds})")  # fmt: skip
 
 
 def _assert_moved_kinds(moved: list[Stream]) -> None:

@@ -30,8 +30,8 @@ import pytest
 
 from protos.kvserve.v1 import serving_pb2 as spb
 from tests.chaos.conftest import ServedCluster, stop_cluster
-from tests.chaos.streams import Stream, prompt, request, run_all
-from tests.chaos.test_failover import _held_at, _mixed_requests, _wait_status, _worker
+from tests.chaos.streams import prompt, request, run_all
+from tests.chaos.test_failover import _held_at, _mixed_streams, _wait_status, _worker
 from tests.integration.test_multinode import (
     RAY,
     STARTED,
@@ -187,25 +187,10 @@ def test_node_death_streams_continue_on_the_other_node_and_the_worker_returns(
         assert len(victims) == 1, f"one worker on node B: {pids}"
         victim = victims[0]
         survivor = next(w for w in pids if w != victim)
-        # NOTE: which streams node B's worker holds is placement's choice; a batch that left it only
-        # greedy or only seeded ones runs to its end and another is drawn (test_failover._mixed_streams).
-        for draw in range(3):
-            reqs = _mixed_requests(8, 20 * draw, MAX_TOKENS)
-            reference = run_all(c.address, reqs)
-            assert all(s.code == grpc.StatusCode.OK and len(s.tokens) == MAX_TOKENS for s in reference)
-            c.wait_idle()
-            before = c.status()
-
-            streams = [Stream(c.address, r, first_tokens=3).start() for r in reqs]
-            for s in streams:
-                assert s.started.wait(120), "no first tokens"
-            if {s.req.sampling.HasField("seed") for s in streams if s.last_worker == victim} == {True, False}:
-                break
-            for s in streams:
-                s.wait(240)
-            c.wait_idle()
-        else:
-            raise AssertionError(f"{victim} held both greedy and seeded streams in none of 3 batches")
+        # NOTE: which streams node B's worker holds is placement's choice: _mixed_streams draws
+        # another batch until it holds greedy and seeded ones.
+        reference, streams, _ = _mixed_streams(c, 0, MAX_TOKENS, victim)
+        before = c.status()
         t_kill = time.monotonic()
         assert pids[victim] in local_ray.kill_node(node_b)
         _wait_status(c, lambda st: _worker(st, victim).state != "up", 60, f"{victim} down")

@@ -54,9 +54,24 @@ def run_steps(host: FakeHost, gov: ThreadGovernor, seconds: float, step_s: float
     return changes
 
 
-def test_keeps_all_threads_on_idle_cores() -> None:
+@pytest.mark.parametrize(
+    ("wait_share", "helper_wait_share"),
+    [
+        # idle cores
+        (0.0, 0.0),
+        # Measured in a served run (one worker, 2 threads): each compute thread waited 0.04-0.08 s per
+        # second, the worker's Ray and gRPC threads, which wake in bursts, up to 0.05 more in all.
+        (0.06, 0.1),
+        # Measured (RESULTS.md): a competitor busy 30 % of the time left each compute thread waiting
+        # 0.117 s per second, and 2 threads still made 1.19x one thread's tokens/s.
+        (0.117, 0.0),
+    ],
+    ids=["idle-cores", "a-helper-threads-wait", "light-contention"],
+)
+def test_keeps_all_threads(wait_share: float, helper_wait_share: float) -> None:
     host = FakeHost()
     gov = make(host)
+    host.wait_share, host.helper_wait_share = wait_share, helper_wait_share
     run_steps(host, gov, 5.0)
     assert host.threads == 2
 
@@ -91,17 +106,6 @@ def test_tries_back_off_exponentially_while_the_machine_stays_busy() -> None:
     assert gov.probe_interval == ThreadGovernor.PROBE_S
 
 
-def test_a_helper_threads_wait_is_not_contention() -> None:
-    # Measured in a served run (one worker, 2 threads): each compute thread waited 0.04-0.08 s per
-    # second, the worker's Ray and gRPC threads, which wake in bursts, up to 0.05 more in all.
-    host = FakeHost()
-    gov = make(host)
-    host.wait_share = 0.06
-    host.helper_wait_share = 0.1
-    run_steps(host, gov, 5.0)
-    assert host.threads == 2
-
-
 def test_backs_off_on_a_heavily_loaded_machine() -> None:
     # At load 15 on 2 cores our compute threads run a tenth of the time and wait the rest: they
     # still count as compute threads (runnable, not running, is what marks them).
@@ -110,16 +114,6 @@ def test_backs_off_on_a_heavily_loaded_machine() -> None:
     host.wait_share = 0.9
     run_steps(host, gov, ThreadGovernor.WINDOW_S + 0.05)
     assert host.threads == 1
-
-
-def test_light_contention_keeps_all_threads() -> None:
-    # Measured (RESULTS.md): a competitor busy 30 % of the time left each compute thread waiting
-    # 0.117 s per second, and 2 threads still made 1.19x one thread's tokens/s.
-    host = FakeHost()
-    gov = make(host)
-    host.wait_share = 0.117
-    run_steps(host, gov, 5.0)
-    assert host.threads == 2
 
 
 def test_a_burst_inside_a_window_is_not_contention() -> None:

@@ -106,8 +106,7 @@ class ThreadGovernor:
         self._read_threads = read_threads or _thread_times
         self._clock = clock
         self._set_threads = set_threads
-        self._window_start = clock()
-        self._window_times = self._read_threads() or {}
+        self._start_window(clock(), self._read_threads() or {})
         self._trying = False  # this window runs all threads again after a back-off
         self._next_probe = 0.0
         self.probe_interval = self.PROBE_S
@@ -126,7 +125,7 @@ class ThreadGovernor:
             if now >= self._next_probe:
                 self._set(self.max_threads)
                 self._trying = True
-                self._start_window(now)
+                self._start_window(now, self._read_threads() or {})
             return
         elapsed = now - self._window_start
         if elapsed < self.WINDOW_S:
@@ -140,10 +139,10 @@ class ThreadGovernor:
         else:
             self.probe_interval = self.PROBE_S
         self._trying = False
-        self._start_window(now)
+        self._start_window(now, times)
 
-    def _start_window(self, now: float) -> None:
-        self._window_start, self._window_times = now, self._read_threads() or {}
+    def _start_window(self, now: float, times: ThreadTimes) -> None:
+        self._window_start, self._window_times = now, times
 
     def _contended(self, before: ThreadTimes, after: ThreadTimes, wall_s: float) -> bool:
         waits = []
