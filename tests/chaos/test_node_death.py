@@ -37,7 +37,7 @@ from tests.integration.test_multinode import (
     STARTED,
     _alive,
     active_nodes,
-    free_port,
+    node_ports,
     processes_under,
     wait_for_output,
 )
@@ -54,28 +54,26 @@ class LocalRay:
     def __init__(self) -> None:
         self.temp_dir = tempfile.mkdtemp(prefix="kvn", dir="/tmp")
         self.env = clean_env(RAY_AUTH_MODE="disabled")
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
+        self._head_ports = node_ports(head=True)
+        self.address = f"127.0.0.1:{self._head_ports[0].removeprefix('--port=')}"
         self.nodes: list[Proc] = []  # every `ray start --block` started, dead ones too
 
     def _argv(self, *extra: str) -> list[str]:
         return [
             RAY, "start", "--num-cpus=2", "--node-ip-address=127.0.0.1", f"--temp-dir={self.temp_dir}", "--block",
-            "--disable-usage-stats", f"--dashboard-agent-listen-port={free_port()}",
-            f"--metrics-export-port={free_port()}", *extra,
+            "--disable-usage-stats", *extra,
         ]  # fmt: skip
 
     def start_head(self) -> Proc:
-        head = Proc(self._argv(
-            "--head", f"--port={self.port}", '--resources={"node_a": 1}', "--include-dashboard=false",
-            f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}",
-        ), self.env)  # fmt: skip
+        head = Proc(self._argv("--head", *self._head_ports, '--resources={"node_a": 1}', "--include-dashboard=false"),
+                    self.env)  # fmt: skip
         self.nodes.append(head)
         wait_for_output(head, STARTED, timeout=120)
         return head
 
     def start_node_b(self, expect_nodes: int = 2) -> Proc:
-        node = Proc(self._argv(f"--address={self.address}", '--resources={"node_b": 1}'), self.env)
+        node = Proc(self._argv(f"--address={self.address}", *node_ports(head=False), '--resources={"node_b": 1}'),
+                    self.env)  # fmt: skip
         self.nodes.append(node)
         wait_for_output(node, STARTED, timeout=120)
         deadline = time.monotonic() + 60

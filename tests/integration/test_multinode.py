@@ -15,6 +15,7 @@ pytest process does not matter), and the external cluster is this test's own:
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import signal
@@ -36,10 +37,27 @@ RAY = str(Path(sys.executable).with_name("ray"))
 STARTED = re.compile(r"Ray runtime started")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports on loopback.
+
+    NOTE: all bound at once: ports taken one at a time can repeat (each socket is closed before the
+    next bind), and `ray start` refuses a port given to two of its components."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+
+
+def node_ports(head: bool) -> list[str]:
+    """The ports a `ray start` on loopback is given, the GCS port first for the head (two nodes on
+    one host must not share them; a node started after another sees its ports bound)."""
+    if not head:
+        agent, metrics = free_ports(2)
+        return [f"--dashboard-agent-listen-port={agent}", f"--metrics-export-port={metrics}"]
+    gcs, dashboard, client_server, agent, metrics = free_ports(5)
+    return [f"--port={gcs}", f"--dashboard-port={dashboard}", f"--ray-client-server-port={client_server}",
+            f"--dashboard-agent-listen-port={agent}", f"--metrics-export-port={metrics}"]  # fmt: skip
 
 
 def wait_for_output(proc: Proc, pattern: re.Pattern, timeout: float) -> None:
@@ -74,25 +92,21 @@ def two_nodes() -> Iterator[tuple[str, dict[str, str], list[Proc]]]:
     # NOTE: short and fresh: Ray's Unix sockets live under it (paths must stay < 108 bytes).
     temp_dir = tempfile.mkdtemp(prefix="kvr", dir="/tmp")
     env = clean_env(RAY_AUTH_MODE="disabled")
-    port = free_port()
-    address = f"127.0.0.1:{port}"
+    head_ports = node_ports(head=True)
+    address = f"127.0.0.1:{head_ports[0].removeprefix('--port=')}"
 
     def node(*extra: str) -> list[str]:
         return [
             RAY, "start", "--num-cpus=2", "--node-ip-address=127.0.0.1", f"--temp-dir={temp_dir}", "--block",
-            "--disable-usage-stats", f"--dashboard-agent-listen-port={free_port()}",
-            f"--metrics-export-port={free_port()}", *extra,
+            "--disable-usage-stats", *extra,
         ]  # fmt: skip
 
     nodes: list[Proc] = []
     try:
-        head = node(
-            "--head", f"--port={port}", '--resources={"node_a": 1}', "--include-dashboard=false",
-            f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}",
-        )  # fmt: skip
+        head = node("--head", *head_ports, '--resources={"node_a": 1}', "--include-dashboard=false")
         nodes.append(Proc(head, env))
         wait_for_output(nodes[0], STARTED, timeout=120)
-        nodes.append(Proc(node(f"--address={address}", '--resources={"node_b": 1}'), env))
+        nodes.append(Proc(node(f"--address={address}", *node_ports(head=False), '--resources={"node_b": 1}'), env))
         wait_for_output(nodes[1], STARTED, timeout=120)
         deadline = time.monotonic() + 60
         while active_nodes(address, env) < 2:
