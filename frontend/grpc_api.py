@@ -97,6 +97,8 @@ class FrontendServicer(serving_pb2_grpc.KVServeServicer):
             async for msg in requests:
                 if isinstance(msg, Undecodable):
                     raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable {msg.message_type}: {msg.error}")
+                if msg.token_columns and msg.WhichOneof("kind") is None:
+                    continue  # NOTE: this stream answers with responses only, which such a client reads too
                 if msg.WhichOneof("kind") == "cancel_request_id":
                     rr = live.get(msg.cancel_request_id)
                     if rr is not None and not rr.finished:

@@ -40,6 +40,7 @@ from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import serving_pb2_grpc
 from router.auth import FRONTEND_CREDENTIAL_HEADER
 from router.demux import merge_responses
+from router.mux import batch_responses
 from router.request import RouterError
 
 logger = logging.getLogger(__name__)
@@ -130,6 +131,8 @@ class MuxConnection:
         # NOTE: wait_for_ready: a router restarting on the same port is waited for (within each
         # request's deadline), not failed at once.
         self._call = stub.GenerateStream(self._requests(), metadata=metadata, wait_for_ready=True)
+        # NOTE: plain decode tokens then come as columns: the router's cheapest path (router/mux.py)
+        self._outbox.put_nowait(spb.GenerateStreamRequest(token_columns=True))
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
     async def _requests(self) -> AsyncIterator[spb.GenerateStreamRequest]:
@@ -165,7 +168,7 @@ class MuxConnection:
         why = "the router closed the stream"
         try:
             async for batch in self._call:
-                for resp in batch.responses:
+                for resp in batch_responses(batch):
                     rr = self.live.get(resp.request_id)
                     if rr is None:
                         continue

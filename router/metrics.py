@@ -180,6 +180,14 @@ class RouterMetrics:
     def preempt_command(self, mode: str) -> None:
         PREEMPT_COMMANDS.labels(mode).inc()
 
+    def streamed_plain(self, inter_token_s: list[float], new_tokens: int) -> None:
+        """A step's plain outputs delivered on the fast path (router/router.py ``_on_columns``): one
+        inter-token gap per output, and the tokens they added."""
+        for itl in inter_token_s:
+            ITL.observe(itl)
+        if new_tokens:
+            GENERATION_TOKENS.inc(new_tokens)
+
     def streamed(self, ttft_s: float | None, itl_s: float | None, new_tokens: int, e2e_s: float | None) -> None:
         """One demuxed output of a request (router/demux.py ``Delivery``)."""
         if ttft_s is not None:

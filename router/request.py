@@ -61,6 +61,7 @@ class RouterRequest:
     arrival: float = field(default_factory=time.monotonic)
     started_at: float | None = None  # first dispatch (its service time counts from here)
     responses: ResponseQueue | Any = field(default_factory=ResponseQueue)  # or a MuxSlot (router/mux.py)
+    columns: Any = None  # the StreamMux of ``responses`` when its client reads TokenColumns (router/mux.py)
     worker_id: str | None = None
     target: str | None = None  # placement decided, dispatch pending
     tokens_received: int = 0

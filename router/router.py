@@ -50,6 +50,7 @@ from router.workers import WorkerState, WorkerTable
 from workers.core.block_hash import cache_extra, hash_blocks
 from workers.core.identity import WorkerIdentity
 from workers.core.sizes import blocks_for
+from workers.core.step_columns import entry_output
 from workers.text.chat_template import ChatTemplate
 
 __all__ = ["WORKER_DOWN", "WORKER_RETIRED", "WORKER_UP", "Router", "RouterError", "RouterRequest", "WorkerState"]
@@ -148,9 +149,56 @@ class Router(WorkerLinkHandler):
 
     def _on_outputs(self, worker_id: str, step: pb.StepOutputs) -> None:
         now = time.monotonic()  # NOTE: one clock read per step message, not per token
+        if step.HasField("columns"):  # NOTE: first: a request's entries precede its output (worker.proto)
+            self._on_columns(worker_id, step.columns, now)
         for out in step.outputs:
             self._on_output(worker_id, out, now)
         self._pump()
+
+    def _on_columns(self, worker_id: str, cols: pb.DecodeColumns, now: float) -> None:
+        """A step's plain outputs (workers/core/step_columns.py): the data plane's fast path.
+
+        An entry is delivered here when it is the next tokens of a request that has had its first
+        token, holds nothing past a gap, is current on this worker and sits on a stream that reads
+        columns with room under ``max_buffered_responses``: the demux's in-order case (router/demux.py
+        ``_deliver`` with nothing to skip and no finish) and its metrics, with the tokens going to
+        the stream as a column entry (router/mux.py ``put_plain``). Any other entry takes the general
+        path (``_on_output``) as the ``RequestOutput`` it stands for, so every rule (ordering,
+        de-duplication, strays, slow consumers, first-token timing) stays in one place.
+        """
+        current = self.dispatcher.by_worker_rid
+        entry = self.table.get(worker_id)
+        in_flight, started = (entry.in_flight, entry.started) if entry is not None else ({}, set())
+        limit = self.config.max_buffered_responses
+        itls: list[float] = []
+        streamed = 0
+        tokens = list(cols.token_ids)
+        at = 0
+        for rid, n, total, text in zip(cols.request_ids, cols.counts, cols.num_output_tokens, cols.text_deltas,
+                                       strict=True):  # fmt: skip
+            new = tokens[at : at + n]
+            at += n
+            r = current.get(rid)
+            if (
+                r is None
+                or (mux := r.columns) is None
+                or r.held
+                or r.last_token_time is None
+                or r.tokens_received != total - n
+                or worker_id not in r.dispatch_workers
+                or mux.unsent(r.request_id) >= limit
+            ):
+                self._on_output(worker_id, entry_output(rid, new, total, text), now)
+                continue
+            if rid in in_flight:
+                started.add(rid)
+            itls.append((now - r.last_token_time) / n)
+            r.last_token_time = now
+            r.tokens_received = total
+            r.output_ids.extend(new)
+            streamed += n
+            mux.put_plain(worker_id, r.request_id, new, text)
+        self.metrics.streamed_plain(itls, streamed)
 
     def _on_pressure(self, worker_id: str, report: pb.PressureReport) -> None:
         entry = self.table.reported(worker_id, report)
@@ -202,6 +250,8 @@ class Router(WorkerLinkHandler):
         r = RouterRequest(rid, ids, params, request.priority, request.tenant, hashes, num_blocks)
         if mux is not None:
             r.responses = mux.slot(rid)
+            if mux.columns:
+                r.columns = mux
         views = self.table.views()
         if not any(v.healthy for v in views):
             raise RouterError(grpc.StatusCode.UNAVAILABLE, "no healthy worker")

@@ -275,6 +275,10 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
             async for msg in requests:
                 if isinstance(msg, Undecodable):
                     raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable {msg.message_type}: {msg.error}")
+                if msg.token_columns:
+                    mux.columns = True
+                    if msg.WhichOneof("kind") is None:  # NOTE: a message that only says so
+                        continue
                 if msg.WhichOneof("kind") == "cancel_request_id":
                     r = live.get(msg.cancel_request_id)
                     if r is not None and not r.finished:

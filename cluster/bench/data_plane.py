@@ -143,11 +143,13 @@ async def _grpc_mux(
 ) -> list[int | BaseException]:
     """Every request on one ``GenerateStream``, unbatched here by request id."""
     from protos.kvserve.v1 import serving_pb2 as spb
+    from router.mux import column_entries
 
     sampling = spb.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     tokens = dict.fromkeys((f"r{i}" for i in range(streams)), 0)
 
     async def requests():  # noqa: ANN202 - an async generator of messages
+        yield spb.GenerateStreamRequest(token_columns=True)
         for rid in tokens:
             yield spb.GenerateStreamRequest(generate=spb.GenerateRequest(
                 request_id=rid, token_ids=spb.TokenIds(ids=_PROMPT), sampling=sampling))  # fmt: skip
@@ -155,6 +157,10 @@ async def _grpc_mux(
     failed: dict[str, BaseException] = {}
     async for batch in stub.GenerateStream(requests(), timeout=600):
         now = time.monotonic_ns()
+        for rid, new, text, _ in column_entries(batch.columns):
+            lat.extend(stamps_latency_ms(text, now))
+            meter.received(tokens[rid], len(new), False)
+            tokens[rid] += len(new)
         for resp in batch.responses:
             lat.extend(stamps_latency_ms(resp.text_delta, now))
             meter.received(tokens[resp.request_id], len(resp.token_ids), bool(resp.finish_reason))

@@ -24,6 +24,7 @@ from protos.kvserve.v1 import worker_pb2 as pb
 from workers.core.identity import WorkerIdentity
 from workers.core.request import WorkerRequest
 from workers.core.sizes import blocks_for
+from workers.core.step_columns import append_entry
 from workers.core.tls import channel_credentials
 from workers.transport.options import WorkerOptions
 from workers.transport.outbox import Outbox
@@ -131,6 +132,7 @@ class SimWorker:
         k = self.spec.tokens_per_step
         stamp = f"{time.monotonic_ns()};"  # NOTE: ";" keeps stamps apart when responses merge
         outputs, events = [], []
+        plain: list[tuple[str, list[int], int]] = []
         size = self.spec.block_size
         with self._lock:
             for rid, run in list(self._running.items()):
@@ -142,17 +144,23 @@ class SimWorker:
                     stored = pb.BlockStored(hashes=[hash((rid, block)) & (2**64 - 1)])
                     events.append(pb.BlockEvent(seq=self._event_seq, stored=stored))
                 done = run.emitted >= run.request.params.max_tokens
-                outputs.append(pb.RequestOutput(
-                    request_id=rid, new_token_ids=[(run.emitted + i) % self.spec.vocab_size for i in range(n)],
-                    text_delta=stamp, finish_reason="length" if done else "", num_output_tokens=run.emitted,
-                    num_prompt_tokens=len(run.request.prompt),
-                ))  # fmt: skip
+                new = [(run.emitted + i) % self.spec.vocab_size for i in range(n)]
                 if done:
                     del self._running[rid]
+                    outputs.append(pb.RequestOutput(
+                        request_id=rid, new_token_ids=new, text_delta=stamp, finish_reason="length",
+                        num_output_tokens=run.emitted, num_prompt_tokens=len(run.request.prompt),
+                    ))  # fmt: skip
+                else:  # NOTE: as a real worker sends a plain output (workers/transport/worker.py)
+                    plain.append((rid, new, run.emitted))
             running = len(self._running)
             used = sum(blocks_for(len(r.request.prompt) + r.emitted, size) for r in self._running.values())
         self._steps += 1
-        step = pb.StepOutputs(decode_step=self._steps, outputs=outputs) if outputs else None
+        step = None
+        if outputs or plain:
+            step = pb.StepOutputs(decode_step=self._steps, outputs=outputs)
+            for rid, new, total in plain:
+                append_entry(step.columns, rid, new, total, stamp)
         total = self.spec.total_blocks
         report = pb.PressureReport(worker_id=self.worker_id, total_blocks=total, free_blocks=total - used,
                                    used_blocks=used, num_running=running, decode_steps=self._steps,

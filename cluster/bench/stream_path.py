@@ -31,6 +31,7 @@ from router.mux import StreamMux
 from router.router import Router
 from router.worker_link import _Session
 from workers.core.identity import WorkerIdentity
+from workers.core.step_columns import append_entry
 
 
 class _Call:
@@ -54,7 +55,7 @@ async def _one(streams: int, workers: int, steps: int) -> float:
         router.add_worker(w, _Handle(), WorkerIdentity(w, "m", 16, 1 << 16, 1 << 16, 32000))
         router.link.sessions.setdefault(w, _Session()).queue = asyncio.Queue()
         router.on_hello(w, pb.Hello(worker_id=w, total_blocks=1 << 16, incarnation="sim"), False)
-    mux = StreamMux()
+    mux = StreamMux(columns=True)  # NOTE: as a frontend's stream (frontend/link.py)
     sampling = spb.SamplingParams(max_tokens=steps + 1, ignore_eos=True)
     prompt = spb.TokenIds(ids=list(range(1, 17)))
     requests = [
@@ -74,7 +75,7 @@ async def _one(streams: int, workers: int, steps: int) -> float:
         router.on_message(w, pb.WorkerMessage.FromString(raw))
         batch = mux.take()
         batch.SerializeToString()
-        streamed += sum(len(resp.token_ids) for resp in batch.responses)
+        streamed += len(batch.columns.token_ids) + sum(len(resp.token_ids) for resp in batch.responses)
     spent = time.thread_time() - began
     if streamed != streams * steps:  # NOTE: a path that dropped tokens would look fast
         raise RuntimeError(f"streamed {streamed} tokens, expected {streams * steps}")
@@ -82,14 +83,11 @@ async def _one(streams: int, workers: int, steps: int) -> float:
 
 
 def _step_message(step: int, worker_rids: list[str], stamp: str) -> bytes:
-    """One worker step on the wire: one token for each of ``worker_rids``."""
-    outputs = [
-        pb.RequestOutput(
-            request_id=rid, new_token_ids=[step], text_delta=stamp, num_output_tokens=step, num_prompt_tokens=16
-        )  # fmt: skip
-        for rid in worker_rids
-    ]
-    step_messages = pb.StepMessages(outputs=pb.StepOutputs(decode_step=step, outputs=outputs))
+    """One worker step on the wire: one token for each of ``worker_rids``, plain (as columns)."""
+    step_outputs = pb.StepOutputs(decode_step=step)
+    for rid in worker_rids:
+        append_entry(step_outputs.columns, rid, [step], step, stamp)
+    step_messages = pb.StepMessages(outputs=step_outputs)
     return pb.WorkerMessage(seq=step, step=step_messages).SerializeToString()
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import serving_pb2_grpc
+from router.mux import batch_responses, column_entries
 from tests.integration.test_router import client, cluster, greedy, llm, rand_prompt, wait_idle  # noqa: F401
 
 MAX_TOKENS = 16
@@ -23,8 +24,9 @@ def _gen(rid: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> spb.Gener
         sampling=spb.SamplingParams(max_tokens=max_tokens, ignore_eos=True)))  # fmt: skip
 
 
-async def _run(address: str, messages: list, close_after_first_batch: bool = False):
-    """(tokens per request, finish reasons, errors, batches received) of one GenerateStream."""
+async def _run(address: str, messages: list, close_after_first_batch: bool = False, columns: list | None = None):
+    """(tokens per request, finish reasons, errors, batches received) of one GenerateStream; the
+    batches' column entries are appended to ``columns`` when given."""
     tokens: dict[str, list[int]] = defaultdict(list)
     finish: dict[str, str] = {}
     errors: dict[str, spb.RequestError] = {}
@@ -38,7 +40,9 @@ async def _run(address: str, messages: list, close_after_first_batch: bool = Fal
         call = serving_pb2_grpc.KVServeStub(channel).GenerateStream(requests(), timeout=120)
         async for batch in call:
             batches += 1
-            for resp in batch.responses:
+            if columns is not None:
+                columns.extend(column_entries(batch.columns))
+            for resp in batch_responses(batch):
                 tokens[resp.request_id].extend(resp.token_ids)
                 if resp.finish_reason:
                     finish[resp.request_id] = resp.finish_reason
@@ -60,6 +64,29 @@ def test_many_requests_on_one_stream_equal_offline_greedy(cluster, client, llm):
     assert set(finish.values()) == {"length"}
     # One message per step for all of them, not one per request and step.
     assert batches < len(prompts) * MAX_TOKENS / 2, batches
+    wait_idle(client, cluster)
+
+
+@pytest.mark.parametrize("reads_columns", [True, False], ids=["token-columns", "responses-only"])
+def test_plain_tokens_come_as_columns_only_to_a_client_that_reads_them(cluster, client, llm, reads_columns):  # noqa: F811
+    """The router's fast path end to end: real workers send their plain outputs as columns, the router
+    delivers them as column entries to a stream that asked (token-exact, in order), and a client that
+    did not ask gets every token as responses."""
+    prompts = [rand_prompt(940 + i, n) for i, n in enumerate((7, 21, 40, 13))]
+    expected = greedy(llm, prompts, MAX_TOKENS)
+    messages = [_gen(f"c{i}", p) for i, p in enumerate(prompts)]
+    if reads_columns:
+        messages.insert(0, spb.GenerateStreamRequest(token_columns=True))
+    columns: list = []
+    tokens, finish, errors, _ = asyncio.run(_run(cluster.address, messages, columns=columns))
+    assert not errors
+    assert [tokens[f"c{i}"] for i in range(len(prompts))] == [e.token_ids for e in expected]
+    assert set(finish.values()) == {"length"}
+    if reads_columns:  # NOTE: all but each request's first and last token can ride the columns
+        assert sum(len(ids) for _, ids, _, _ in columns) >= len(prompts) * (MAX_TOKENS - 2) // 2
+        assert {w for _, _, _, w in columns} <= {"worker-0", "worker-1"}
+    else:
+        assert not columns
     wait_idle(client, cluster)
 
 

@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Iterator
 
 from protos.kvserve.v1 import worker_pb2 as pb
+from workers.core.step_columns import append_entry, column_entries, entry_output
 
 logger = logging.getLogger(__name__)
 
@@ -173,9 +174,20 @@ def _merge_step(
 
 def _merge_outputs(into: pb.StepOutputs, later: pb.StepOutputs) -> None:
     """Fold ``later``'s per-request news into ``into``: one ``RequestOutput`` per request, tokens,
-    text and logprobs appended, counters and finish reason from the later step."""
+    text and logprobs appended, counters and finish reason from the later step.
+
+    Column entries stay columns (appended after ``into``'s: a request's entries keep their order,
+    and the router reads a message's columns before its outputs), except an entry of a request with
+    an output in ``into``, which folds into that output so that its tokens stay after it."""
     by_id = {o.request_id: o for o in into.outputs if not o.finish_reason}
-    for o in later.outputs:
+    folded = []
+    if later.HasField("columns"):
+        for rid, new, total, text in column_entries(later.columns):
+            if rid in by_id:
+                folded.append(entry_output(rid, new, total, text))
+            else:
+                append_entry(into.columns, rid, new, total, text)
+    for o in (*folded, *later.outputs):  # NOTE: within one step a request is in one of the two only
         prev = by_id.get(o.request_id)
         if prev is None or prev.num_output_tokens != o.num_output_tokens - len(o.new_token_ids):
             # NOTE: not contiguous (a resumed or re-imported request): keep it apart; the router's

@@ -139,24 +139,44 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., worker_id: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., num_swaps: _Optional[int] = ..., num_migrations: _Optional[int] = ..., num_replays: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
-    __slots__ = ("generate", "cancel_request_id", "timeout_ms", "client")
+    __slots__ = ("generate", "cancel_request_id", "timeout_ms", "client", "token_columns")
     GENERATE_FIELD_NUMBER: _ClassVar[int]
     CANCEL_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     generate: GenerateRequest
     cancel_request_id: str
     timeout_ms: int
     client: str
-    def __init__(self, generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel_request_id: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., client: _Optional[str] = ...) -> None: ...
+    token_columns: bool
+    def __init__(self, generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel_request_id: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., client: _Optional[str] = ..., token_columns: _Optional[bool] = ...) -> None: ...
 
 class GenerateBatch(_message.Message):
-    __slots__ = ("responses", "errors")
+    __slots__ = ("responses", "errors", "columns")
     RESPONSES_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     responses: _containers.RepeatedCompositeFieldContainer[GenerateResponse]
     errors: _containers.RepeatedCompositeFieldContainer[RequestError]
-    def __init__(self, responses: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ...) -> None: ...
+    columns: TokenColumns
+    def __init__(self, responses: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., columns: _Optional[_Union[TokenColumns, _Mapping]] = ...) -> None: ...
+
+class TokenColumns(_message.Message):
+    __slots__ = ("worker_ids", "workers", "request_ids", "counts", "token_ids", "text_deltas")
+    WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_DELTAS_FIELD_NUMBER: _ClassVar[int]
+    worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    workers: _containers.RepeatedScalarFieldContainer[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text_deltas: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_ids: _Optional[_Iterable[str]] = ..., workers: _Optional[_Iterable[int]] = ..., request_ids: _Optional[_Iterable[str]] = ..., counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_deltas: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RequestError(_message.Message):
     __slots__ = ("request_id", "code", "message", "retry_after_ms")

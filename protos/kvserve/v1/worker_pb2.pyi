@@ -95,12 +95,28 @@ class Hello(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., swap_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[str] = ..., last_command_seq: _Optional[int] = ..., vocab_size: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ...) -> None: ...
 
 class StepOutputs(_message.Message):
-    __slots__ = ("decode_step", "outputs")
+    __slots__ = ("decode_step", "outputs", "columns")
     DECODE_STEP_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     decode_step: int
     outputs: _containers.RepeatedCompositeFieldContainer[RequestOutput]
-    def __init__(self, decode_step: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ...) -> None: ...
+    columns: DecodeColumns
+    def __init__(self, decode_step: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ..., columns: _Optional[_Union[DecodeColumns, _Mapping]] = ...) -> None: ...
+
+class DecodeColumns(_message.Message):
+    __slots__ = ("request_ids", "counts", "token_ids", "num_output_tokens", "text_deltas")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_DELTAS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_output_tokens: _containers.RepeatedScalarFieldContainer[int]
+    text_deltas: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_output_tokens: _Optional[_Iterable[int]] = ..., text_deltas: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RequestOutput(_message.Message):
     __slots__ = ("request_id", "new_token_ids", "text_delta", "finish_reason", "num_cached_tokens", "num_prompt_tokens", "num_preemptions", "num_swaps", "error", "num_output_tokens", "logprobs")
