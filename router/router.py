@@ -159,12 +159,13 @@ class Router(WorkerLinkHandler):
         """A step's plain outputs (workers/core/step_columns.py): the data plane's fast path.
 
         An entry is delivered here when it is the next tokens of a request that has had its first
-        token, holds nothing past a gap, is current on this worker and sits on a stream that reads
-        columns with room under ``max_buffered_responses``: the demux's in-order case (router/demux.py
-        ``_deliver`` with nothing to skip and no finish) and its metrics, with the tokens going to
-        the stream as a column entry (router/mux.py ``put_plain``). Any other entry takes the general
-        path (``_on_output``) as the ``RequestOutput`` it stands for, so every rule (ordering,
-        de-duplication, strays, slow consumers, first-token timing) stays in one place.
+        token, holds nothing past a gap, is current on this worker and has room under
+        ``max_buffered_responses``: the demux's in-order case (router/demux.py ``_deliver`` with
+        nothing to skip and no finish) and its metrics, with the tokens going to the request's stream
+        as a column entry where its client reads them (router/mux.py ``put_plain``), else as a
+        response. Any other entry takes the general path (``_on_output``) as the ``RequestOutput`` it
+        stands for, so every rule (ordering, de-duplication, strays, slow consumers, first-token
+        timing) stays in one place.
         """
         current = self.dispatcher.by_worker_rid
         entry = self.table.get(worker_id)
@@ -179,14 +180,16 @@ class Router(WorkerLinkHandler):
             new = tokens[at : at + n]
             at += n
             r = current.get(rid)
+            if r is not None:
+                mux = r.columns
+                unread = mux.unsent(r.request_id) if mux is not None else r.responses.qsize()
             if (
                 r is None
-                or (mux := r.columns) is None
                 or r.held
                 or r.last_token_time is None
                 or r.tokens_received != total - n
                 or worker_id not in r.dispatch_workers
-                or mux.unsent(r.request_id) >= limit
+                or unread >= limit
             ):
                 self._on_output(worker_id, entry_output(rid, new, total, text), now)
                 continue
@@ -197,7 +200,11 @@ class Router(WorkerLinkHandler):
             r.tokens_received = total
             r.output_ids.extend(new)
             streamed += n
-            mux.put_plain(worker_id, r.request_id, new, text)
+            if mux is not None:
+                mux.put_plain(worker_id, r.request_id, new, text)
+            else:
+                r.responses.put_nowait({"request_id": r.request_id, "token_ids": new, "text_delta": text,
+                                        "worker_id": worker_id})  # fmt: skip
         self.metrics.streamed_plain(itls, streamed)
 
     def _on_pressure(self, worker_id: str, report: pb.PressureReport) -> None:

@@ -133,11 +133,15 @@ def _itl_count() -> int:
     return sum(metrics.ITL._counts)
 
 
-async def _scenario(columns: bool) -> tuple[_Client, float, int]:
+async def _scenario(columns: bool, stream: str) -> tuple[_Client, float, int]:
     """Two requests through first tokens, plain steps, steps folded into one message, a migration
-    whose destination's first tokens arrive before the source's last one, a resend, and finishes."""
+    whose destination's first tokens arrive before the source's last one, a resend, and finishes.
+
+    ``columns``: the worker sends its plain outputs as columns; ``stream``: the requests share a
+    GenerateStream whose client reads columns ("columns") or not ("mux"), or each has its own
+    response queue, as a Generate call or the HTTP API ("queues")."""
     router, _ = _router()
-    mux = StreamMux(columns=columns)
+    mux = StreamMux(columns=stream == "columns") if stream != "queues" else None
     r1 = router.submit(_req("r1", max_tokens=8), mux=mux)
     r2 = router.submit(_req("r2", max_tokens=8), mux=mux)
     await _settle()
@@ -151,56 +155,71 @@ async def _scenario(columns: bool) -> tuple[_Client, float, int]:
     def send(worker: str, step: int, *outs: tuple[str, list[int], int, str]) -> None:
         router.on_message(worker, _message(columns, step, *outs))
 
+    def read() -> None:
+        if mux is not None:
+            client.read(mux.take())
+            return
+        for r in (r1, r2):
+            client.read(spb.GenerateBatch(responses=[r.responses.get_nowait() for _ in range(r.responses.qsize())]))
+
     send(w1, 1, (a, [10], 1, ""))  # first tokens: TTFT, the general path in both modes
     send(w2, 1, (b, [20], 1, ""))
-    client.read(mux.take())
+    read()
     send(w1, 2, (a, [11], 2, ""))
-    client.read(mux.take())
+    read()
     send(w1, 3, (a, [12], 3, ""))
     send(w2, 2, (b, [21, 22], 3, ""))  # two tokens in one entry (a folded step)
     send(w1, 4, (a, [13], 4, ""))  # not taken in between: the batch holds two entries of r1
-    client.read(mux.take())
+    read()
     r1.dispatch_workers.add(dst)  # a migration's import: the destination's outputs count from now on
     send(dst, 1, (a, [15], 6, ""))  # the destination overtakes the source's last token: held
     send(w1, 5, (a, [14], 5, ""))  # ... which releases it
     send(w1, 5, (a, [14], 5, ""))  # a resend of a delivered token: dropped
-    client.read(mux.take())
+    read()
     send(dst, 2, (a, [16], 7, ""), (a, [17], 8, "length"))
     send(w2, 3, (b, [23], 4, ""))
     send(w2, 4, (b, [24], 5, "stop"))  # in the same batch as r2's last plain entry
-    client.read(mux.take())
+    read()
     assert not router.requests
     return client, _generation_tokens() - tokens0, _itl_count() - itl0
 
 
-def test_the_fast_path_delivers_what_the_general_path_does() -> None:
-    fast, fast_tokens, fast_itl = asyncio.run(_scenario(columns=True))
-    general, general_tokens, general_itl = asyncio.run(_scenario(columns=False))
-    assert fast.column_entries > 0 and general.column_entries == 0
+@pytest.mark.parametrize("stream", ["columns", "mux", "queues"])
+def test_the_fast_path_delivers_what_the_general_path_does(stream: str) -> None:
+    fast, fast_tokens, fast_itl = asyncio.run(_scenario(columns=True, stream=stream))
+    general, general_tokens, general_itl = asyncio.run(_scenario(columns=False, stream="mux"))
+    assert (fast.column_entries > 0) == (stream == "columns") and general.column_entries == 0
     assert fast.stream() == general.stream()
     assert fast.stream()["r1"][0] == [10, 11, 12, 13, 14, 15, 16, 17]
     assert fast.stream()["r2"][0] == [20, 21, 22, 23, 24] and fast.stream()["r2"][3] == "stop"
     assert (fast_tokens, fast_itl) == (general_tokens, general_itl) == (13, 10)
 
 
-@pytest.mark.parametrize("columns", [True, False], ids=["columns", "responses"])
-def test_a_client_that_stops_reading_is_cut_off_on_either_path(columns: bool) -> None:
+@pytest.mark.parametrize("stream", ["columns", "mux", "queues"])
+def test_a_client_that_stops_reading_is_cut_off_on_the_fast_path(stream: str) -> None:
     async def test() -> None:
         router, _ = _router(max_buffered_responses=3)
-        mux = StreamMux(columns=columns)
+        mux = StreamMux(columns=stream == "columns") if stream != "queues" else None
         r = router.submit(_req("r1", max_tokens=16), mux=mux)
         await _settle()
         w, rid = r.worker_id, r.worker_rid
         assert w is not None
-        router.on_message(w, _message(columns, 1, (rid, [10], 1, "")))
+        router.on_message(w, _message(True, 1, (rid, [10], 1, "")))
         client = _Client()
-        client.read(mux.take())
-        for step in range(2, 7):  # nobody takes the batch: the stream's client is not reading
-            router.on_message(w, _message(columns, step, (rid, [8 + step], step, "")))
+        if mux is not None:
+            client.read(mux.take())
+        else:
+            client.read(spb.GenerateBatch(responses=[r.responses.get_nowait()]))
+        for step in range(2, 7):  # nobody reads: the stream's client is not reading
+            router.on_message(w, _message(True, step, (rid, [8 + step], step, "")))
         assert "r1" not in router.requests
         assert any(c.HasField("abort") and c.abort.request_id == rid for c in _commands(router, w))
-        client.read(mux.take())
-        assert client.errors == {"r1": grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]}
+        if mux is not None:
+            client.read(mux.take())
+            assert client.errors == {"r1": grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]}
+        else:
+            (error,) = [r.responses.get_nowait() for _ in range(r.responses.qsize())]
+            assert isinstance(error, RouterError) and error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert client.stream()["r1"][0] == [10]  # the unread backlog was dropped
 
     asyncio.run(test())
