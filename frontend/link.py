@@ -131,8 +131,6 @@ class MuxConnection:
         # NOTE: wait_for_ready: a router restarting on the same port is waited for (within each
         # request's deadline), not failed at once.
         self._call = stub.GenerateStream(self._requests(), metadata=metadata, wait_for_ready=True)
-        # NOTE: plain decode tokens then come as columns: the router's cheapest path (router/mux.py)
-        self._outbox.put_nowait(spb.GenerateStreamRequest(token_columns=True))
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
     async def _requests(self) -> AsyncIterator[spb.GenerateStreamRequest]:
@@ -157,7 +155,11 @@ class MuxConnection:
         rr = RelayedRequest(self, rid, self.max_buffered)
         self.live[rid] = rr
         timeout_ms = 0 if timeout_s is None else max(1, math.ceil(timeout_s * 1000))
-        self._outbox.put_nowait(spb.GenerateStreamRequest(generate=request, timeout_ms=timeout_ms, client=client))
+        # NOTE: token_columns: plain decode tokens come as columns, the router's cheapest path
+        # (router/mux.py); on each request, not a message of its own, which a router that predates
+        # the field could not answer (it ignores the field and sends responses only).
+        self._outbox.put_nowait(spb.GenerateStreamRequest(generate=request, timeout_ms=timeout_ms, client=client,
+                                                          token_columns=True))  # fmt: skip
         return rr
 
     def send_cancel(self, request_id: str) -> None:

@@ -149,10 +149,9 @@ async def _grpc_mux(
     tokens = dict.fromkeys((f"r{i}" for i in range(streams)), 0)
 
     async def requests():  # noqa: ANN202 - an async generator of messages
-        yield spb.GenerateStreamRequest(token_columns=True)
-        for rid in tokens:
-            yield spb.GenerateStreamRequest(generate=spb.GenerateRequest(
-                request_id=rid, token_ids=spb.TokenIds(ids=_PROMPT), sampling=sampling))  # fmt: skip
+        for rid in tokens:  # NOTE: token_columns, as a frontend asks (frontend/link.py)
+            request = spb.GenerateRequest(request_id=rid, token_ids=spb.TokenIds(ids=_PROMPT), sampling=sampling)
+            yield spb.GenerateStreamRequest(generate=request, token_columns=True)
 
     failed: dict[str, BaseException] = {}
     async for batch in stub.GenerateStream(requests(), timeout=600):
