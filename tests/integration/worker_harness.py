@@ -27,6 +27,7 @@ import grpc
 from protos.kvserve.v1 import worker_pb2 as pb
 from protos.kvserve.v1 import worker_pb2_grpc
 from router.worker_link import WorkerLinkHandler, WorkerLinkService
+from workers.core.step_columns import column_entries, entry_output
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,9 @@ class RecordingHandler(WorkerLinkHandler):
             rec.messages.append((now, msg))
             kind = msg.WhichOneof("body")
             if kind == "step_outputs":
-                for out in msg.step_outputs.outputs:
+                # NOTE: the columns first, as the router reads them (a request's entries precede its output)
+                columns = [entry_output(*e) for e in column_entries(msg.step_outputs.columns)]
+                for out in (*columns, *msg.step_outputs.outputs):
                     self.outputs.setdefault(out.request_id, []).append((worker_id, out))
                 for t in self.triggers:
                     if not t.fired and self._num_tokens(t.request_id) >= t.min_tokens:
