@@ -50,7 +50,7 @@ from router.workers import WorkerState, WorkerTable
 from workers.core.block_hash import cache_extra, hash_blocks
 from workers.core.identity import WorkerIdentity
 from workers.core.sizes import blocks_for
-from workers.core.step_columns import entry_output
+from workers.core.step_columns import column_entries, entry_output
 from workers.text.chat_template import ChatTemplate
 
 __all__ = ["WORKER_DOWN", "WORKER_RETIRED", "WORKER_UP", "Router", "RouterError", "RouterRequest", "WorkerState"]
@@ -173,12 +173,8 @@ class Router(WorkerLinkHandler):
         limit = self.config.max_buffered_responses
         itls: list[float] = []
         streamed = 0
-        tokens = list(cols.token_ids)
-        at = 0
-        for rid, n, total, text in zip(cols.request_ids, cols.counts, cols.num_output_tokens, cols.text_deltas,
-                                       strict=True):  # fmt: skip
-            new = tokens[at : at + n]
-            at += n
+        for rid, new, total, text in column_entries(cols):
+            n = len(new)
             r = current.get(rid)
             if r is not None:
                 mux = r.columns

@@ -438,7 +438,9 @@ def _step_outputs(step: int, outputs: list[RequestOutput]) -> pb.StepOutputs:
     NOTE: at one token per step a message object per request was most of what the router's data
     plane paid per token (parse, field reads); a column is read once per step."""
     msg = pb.StepOutputs(decode_step=step)
-    plain = [o for o in outputs if _is_plain(o)]
+    plain, other = [], []
+    for o in outputs:
+        (plain if _is_plain(o) else other).append(o)
     if plain:
         cols = msg.columns
         cols.request_ids.extend([o.request_id for o in plain])
@@ -446,8 +448,8 @@ def _step_outputs(step: int, outputs: list[RequestOutput]) -> pb.StepOutputs:
         cols.token_ids.extend([t for o in plain for t in o.new_token_ids])
         cols.num_output_tokens.extend([o.num_output_tokens for o in plain])
         cols.text_deltas.extend([o.text_delta for o in plain])
-    if len(plain) < len(outputs):
-        msg.outputs.extend([_output_message(o) for o in outputs if not _is_plain(o)])
+    if other:
+        msg.outputs.extend([_output_message(o) for o in other])
     return msg
 
 
