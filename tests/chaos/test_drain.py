@@ -37,6 +37,11 @@ from tests.integration.test_serve import REPO, clean_env, kvserve_argv
 
 BACK_TIMEOUT_S = 240.0  # a drained worker's fresh process loads the model again, on a loaded 2-core box
 LOAD_INTERVAL_S = 0.15
+# NOTE: a client's concurrency limit (as `vllm bench serve --max-concurrency`): an uncapped open loop
+# asks for more than one worker can serve while the other restarts on a slow single core, and the
+# router then correctly refuses what would wait past max_wait_s (RESOURCE_EXHAUSTED); this test is
+# about a rollout under a load the cluster can carry, not about overload (tests/chaos/test_failover.py).
+LOAD_MAX_IN_FLIGHT = 6
 LOAD_MAX_TOKENS = 64  # long enough that each worker holds several requests when it is drained
 
 
@@ -179,10 +184,11 @@ def test_sigterm_to_a_worker_process_drains_it(cluster: ServedCluster) -> None:
 
 class _OpenLoopLoad:
     """A new request every ``interval_s`` on a thread (greedy and seeded alternately), whatever
-    the cluster is doing, until ``stop``."""
+    the cluster is doing, until ``stop``; while ``max_in_flight`` are unfinished the next one waits
+    for one of them to end."""
 
-    def __init__(self, address: str, interval_s: float) -> None:
-        self.address, self.interval_s = address, interval_s
+    def __init__(self, address: str, interval_s: float, max_in_flight: int) -> None:
+        self.address, self.interval_s, self.max_in_flight = address, interval_s, max_in_flight
         self.streams: list[Stream] = []
         self.first_started = threading.Event()
         self._stop = threading.Event()
@@ -191,6 +197,9 @@ class _OpenLoopLoad:
     def _run(self) -> None:
         i = 0
         while not self._stop.wait(self.interval_s if i else 0.0):
+            while sum(not s.done.is_set() for s in self.streams) >= self.max_in_flight:
+                if self._stop.wait(0.01):
+                    return
             seed = 5000 + i if i % 2 else None
             self.streams.append(Stream(self.address, request(prompt(600 + i), LOAD_MAX_TOKENS, seed=seed)).start())
             if self.streams[0].started.is_set():
@@ -210,7 +219,7 @@ def test_rollout_under_steady_load_fails_nothing_and_restarts_every_worker(clust
     c = cluster
     before = {w.worker_id: w for w in c.status().workers}
     replays_before = c.status().router.replays_total
-    with _OpenLoopLoad(c.address, LOAD_INTERVAL_S) as load:
+    with _OpenLoopLoad(c.address, LOAD_INTERVAL_S, LOAD_MAX_IN_FLIGHT) as load:
         load.first_started.wait(120)  # NOTE: the load is running before the rollout begins
         t0 = time.monotonic()
         out = _cli(c, "rollout", "--deadline-s", "20")
