@@ -57,7 +57,9 @@ class RouterConfig:
     enable_priority_preemption: bool = knob(
         True, help="never preempt running work for a higher-priority request", flag="--no-priority-preemption"
     )
-    stale_report_s: float = knob(5.0, help="no pressure report for this long = unhealthy worker", check=POSITIVE)
+    stale_report_s: float = knob(
+        5.0, help="no pressure report or step heartbeat for this long = unhealthy worker", check=POSITIVE
+    )
     # The liveness rule (router/liveness.py). ``stall_timeout_s`` is the workers' own
     # (``worker.stall_timeout_s``, ``--worker-stall-timeout-s``): the launcher copies it here.
     stall_timeout_s: float = knob(5.0, help="a worker with work and no step for this long is down", check=POSITIVE,

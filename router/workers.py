@@ -88,6 +88,11 @@ class WorkerState:
     handle: Any  # Ray actor handle of workers.transport.worker.Worker
     report: pb.PressureReport | None = None
     report_time: float = 0.0
+    # NOTE: a worker reports pressure between steps only; during one long step (a large prefill on a
+    # CPU) its heartbeats are what say it is alive, and its last report still holds (nothing freed or
+    # allocated mid-step), so the staleness check counts them: else a 5-s prefill marked it unhealthy
+    # and, with every worker in one, flipped readiness to 503.
+    heard_time: float = 0.0  # the last pressure report or step heartbeat
     healthy: bool = True
     in_flight: dict[str, int] = field(default_factory=dict)  # dispatch id -> blocks promised, not yet reported
     # Requests whose first output arrived: the next pressure report (same ordered stream) counts
@@ -493,7 +498,7 @@ class WorkerTable:
         """A long step is computing (``workers/core/liveness.py``): progress, not a stall."""
         entry = self.entries.get(worker_id)
         if entry is not None:
-            entry.progress_time = time.monotonic()
+            entry.progress_time = entry.heard_time = time.monotonic()
 
     def dispatch_ok(self, entry: WorkerState) -> None:
         """A dispatch to ``entry`` (``add_request``, a migration's import) succeeded: its breaker closes."""
@@ -519,7 +524,7 @@ class WorkerTable:
         # (a worker cannot write another's metrics, nor mint label values).
         report.worker_id = worker_id
         now = time.monotonic()
-        entry.report, entry.report_time, entry.healthy = report, now, True
+        entry.report, entry.report_time, entry.heard_time, entry.healthy = report, now, now, True
         marker = (report.decode_steps, report.prefill_tokens_total)
         if marker != entry.progress or report.num_running + report.num_waiting + report.num_swapped == 0:
             entry.progress, entry.progress_time = marker, now  # it stepped, or it is idle (never stalled)
@@ -560,10 +565,10 @@ class WorkerTable:
 
     async def probe(self, entry: WorkerState) -> None:
         incarnation = entry.incarnation
-        stale = entry.report is not None and time.monotonic() - entry.report_time > self.config.stale_report_s
+        stale = entry.report is not None and time.monotonic() - entry.heard_time > self.config.stale_report_s
         try:
             await asyncio.wait_for(entry.handle.check_health.remote(), timeout=self.config.stale_report_s)
-            problem = f"no pressure report for {self.config.stale_report_s:.0f}s" if stale else None
+            problem = f"no pressure report or step heartbeat for {self.config.stale_report_s:.0f}s" if stale else None
         except Exception as e:  # noqa: BLE001 - Ray errors of many kinds
             if actor_dead(e):
                 self.down(entry, f"health probe: {type(e).__name__}", incarnation)

@@ -344,3 +344,26 @@ def test_evidence_about_an_earlier_process_never_takes_down_a_fresh_one(kills: l
         assert router.workers["a"].state == WORKER_UP and router.table.serving(router.workers["a"]) and not kills
 
     asyncio.run(test())
+
+
+def test_a_long_step_with_heartbeats_keeps_the_worker_healthy_and_silence_does_not(kills: list) -> None:
+    """A worker reports pressure between steps only: a prefill step longer than ``stale_report_s``
+    sends heartbeats instead, and the health probe must count them, else every worker in such a
+    step reads unhealthy and readiness goes to 503 (seen: a 10-s burst prefill on one CPU core)."""
+
+    async def test() -> None:
+        router, _ = _router()
+        for w in ("a", "b"):
+            router.on_message(w, _report(w, seq=1, steps=1))
+        stale = router.config.stale_report_s + 1
+        entry = router.workers["a"]
+        entry.report_time -= stale  # the last report is old: a step has run since
+        entry.heard_time -= stale
+        router.on_message("a", pb.WorkerMessage(heartbeat=pb.StepHeartbeat(step_elapsed_s=stale, step_cpu_s=stale)))
+        await router.table.probe(entry)
+        assert entry.healthy and router.table.serving(entry)
+        entry.heard_time -= stale  # then neither a report nor a heartbeat
+        await router.table.probe(entry)
+        assert not entry.healthy and not kills
+
+    asyncio.run(test())
