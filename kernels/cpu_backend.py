@@ -96,17 +96,19 @@ def packed_gemm_available(weight: torch.Tensor) -> bool:
     )
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:  # [panels, in, 16]
+def pack_weight(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # [panels, in, 16]
     """A weight ``[out, in]`` in the C++ GEMM's layout: 16 output rows interleaved per input unit,
-    zero-padded to whole panels (same memory as the weight, plus the padding)."""
+    zero-padded to whole panels (same memory as the weight, plus the padding). ``dtype`` bfloat16
+    rounds it to bf16 (half the bytes; the GEMM widens each weight back to fp32 exactly)."""
     out_features, in_features = weight.shape
     padded = torch.cat((weight, weight.new_zeros(-out_features % PANEL, in_features)))
-    return padded.view(-1, PANEL, in_features).transpose(1, 2).contiguous()
+    return padded.view(-1, PANEL, in_features).transpose(1, 2).contiguous().to(dtype)
 
 
-def unpack_weight(packed: torch.Tensor, out_features: int) -> torch.Tensor:  # [out, in]
-    """The plain weight back from ``pack_weight`` (bit-exact; one copy)."""
-    return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:out_features]
+def unpack_weight(packed: torch.Tensor, out_features: int) -> torch.Tensor:  # [out, in] float32
+    """The plain fp32 weight back from ``pack_weight`` (bit-exact for fp32; the bf16-rounded values
+    for bf16; one copy)."""
+    return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:out_features].float()
 
 
 def lm_head_argmax(hidden: torch.Tensor, packed: torch.Tensor, vocab: int) -> torch.Tensor:  # [n] int64
@@ -115,5 +117,5 @@ def lm_head_argmax(hidden: torch.Tensor, packed: torch.Tensor, vocab: int) -> to
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:  # [n, out]
-    """``x @ weight.T`` (fp32) from a ``pack_weight`` weight."""
+    """``x @ weight.T`` (fp32) from a ``pack_weight`` weight (fp32 or bf16)."""
     return torch.ops.kvserve_cpu.packed_linear(x.contiguous(), packed, out_features)

@@ -363,13 +363,39 @@ void rope_store_kv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sig
 constexpr int64_t kPanel = 16;
 constexpr int kTileRows = 6;
 
+// A panel's weights are fp32, or bf16 (the opt-in `cpu_weights=bf16`: half the bytes streamed per decode
+// step, where the step is bound by that stream). A bf16 weight widens to the fp32 it stands for exactly
+// (its bits are an fp32's top half), so the FMA chain over k is the fp32 one on the rounded weight: the
+// bf16 GEMM equals the fp32 GEMM of the bf16-rounded weight bit for bit.
+using bf16_t = uint16_t;
+
+inline float widen(float w) { return w; }
+inline float widen(bf16_t w) {
+  const uint32_t bits = static_cast<uint32_t>(w) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
-template <int ROWS>
-inline void lm_tile(const float* a, int64_t lda, const float* b, int64_t k_size, float* out) {
+// The 16 weights of one k of a panel as two fp32 vectors.
+inline void load_panel_row(const float* b, __m256& b0, __m256& b1) {
+  b0 = _mm256_loadu_ps(b);
+  b1 = _mm256_loadu_ps(b + 8);
+}
+inline void load_panel_row(const bf16_t* b, __m256& b0, __m256& b1) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+  b0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(w)), 16));
+  b1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(w, 1)), 16));
+}
+
+template <int ROWS, typename W>
+inline void lm_tile(const float* a, int64_t lda, const W* b, int64_t k_size, float* out) {
   __m256 c0[ROWS], c1[ROWS];
   for (int r = 0; r < ROWS; ++r) c0[r] = c1[r] = _mm256_setzero_ps();
   for (int64_t k = 0; k < k_size; ++k) {
-    const __m256 b0 = _mm256_loadu_ps(b + k * kPanel), b1 = _mm256_loadu_ps(b + k * kPanel + 8);
+    __m256 b0, b1;
+    load_panel_row(b + k * kPanel, b0, b1);
     for (int r = 0; r < ROWS; ++r) {
       const __m256 ar = _mm256_broadcast_ss(a + r * lda + k);
       c0[r] = _mm256_fmadd_ps(ar, b0, c0[r]);
@@ -383,22 +409,23 @@ inline void lm_tile(const float* a, int64_t lda, const float* b, int64_t k_size,
 }
 #endif
 
-template <int ROWS>
-inline void lm_tile_any(const float* a, int64_t lda, const float* b, int64_t k_size, float* out) {
+template <int ROWS, typename W>
+inline void lm_tile_any(const float* a, int64_t lda, const W* b, int64_t k_size, float* out) {
 #if defined(__AVX2__) && defined(__FMA__)
   lm_tile<ROWS>(a, lda, b, k_size, out);
 #else
   for (int r = 0; r < ROWS; ++r)
     for (int64_t c = 0; c < kPanel; ++c) {
       float acc = 0.f;
-      for (int64_t k = 0; k < k_size; ++k) acc += a[r * lda + k] * b[k * kPanel + c];
+      for (int64_t k = 0; k < k_size; ++k) acc += a[r * lda + k] * widen(b[k * kPanel + c]);
       out[r * kPanel + c] = acc;
     }
 #endif
 }
 
 // out [rows, 16] = a[rows, K] . panel^T for rows <= 6.
-inline void lm_rows(int64_t rows, const float* a, int64_t lda, const float* b, int64_t k_size, float* out) {
+template <typename W>
+inline void lm_rows(int64_t rows, const float* a, int64_t lda, const W* b, int64_t k_size, float* out) {
   switch (rows) {
     case 6: lm_tile_any<6>(a, lda, b, k_size, out); break;
     case 5: lm_tile_any<5>(a, lda, b, k_size, out); break;
@@ -427,19 +454,19 @@ inline float tile_max(const float* v) {
 void check_lm_head(const at::Tensor& hidden, const at::Tensor& packed, int64_t vocab) {
   TORCH_CHECK(hidden.device().is_cpu() && hidden.scalar_type() == at::kFloat && hidden.dim() == 2 && hidden.is_contiguous(),
               "hidden must be a contiguous float32 CPU [n, hidden_size]");
-  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == kPanel,
-              "packed must be a contiguous float32 [panels, hidden_size, 16] (kernels.cpu_backend.pack_weight)");
+  TORCH_CHECK((packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16) && packed.dim() == 3 &&
+                  packed.is_contiguous() && packed.size(2) == kPanel,
+              "packed must be a contiguous float32 or bfloat16 [panels, hidden_size, 16] (kernels.cpu_backend.pack_weight)");
   TORCH_CHECK(packed.size(1) == hidden.size(1), "hidden size ", hidden.size(1), " != the head's ", packed.size(1));
   TORCH_CHECK(vocab > 0 && vocab <= packed.size(0) * kPanel, "vocab ", vocab, " does not fit the packed head");
 }
 
 // Runs the packed GEMM hidden [n, K] . weight^T tile by tile (threads split the panels) and hands
 // each finished 6 x 16 tile to `epilogue(thread, panel, first_row, rows, columns, tile)`.
-template <typename Epilogue>
-void for_each_tile(const at::Tensor& hidden, const at::Tensor& packed, int64_t vocab, const Epilogue& epilogue) {
+template <typename W, typename Epilogue>
+void for_each_tile_of(const at::Tensor& hidden, const W* w, int64_t vocab, const Epilogue& epilogue) {
   const int64_t n = hidden.size(0), k_size = hidden.size(1), panels = (vocab + kPanel - 1) / kPanel;
   const float* a = hidden.data_ptr<float>();
-  const float* w = packed.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     const int64_t thread = at::get_thread_num();
     float tile[kTileRows * kPanel];
@@ -452,6 +479,14 @@ void for_each_tile(const at::Tensor& hidden, const at::Tensor& packed, int64_t v
       }
     }
   });
+}
+
+template <typename Epilogue>
+void for_each_tile(const at::Tensor& hidden, const at::Tensor& packed, int64_t vocab, const Epilogue& epilogue) {
+  if (packed.scalar_type() == at::kBFloat16)
+    for_each_tile_of(hidden, reinterpret_cast<const bf16_t*>(packed.data_ptr()), vocab, epilogue);
+  else
+    for_each_tile_of(hidden, packed.data_ptr<float>(), vocab, epilogue);
 }
 
 // Token ids of each row's largest logit (lowest id on ties; NaN logits are never chosen).

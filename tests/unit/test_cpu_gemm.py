@@ -93,3 +93,39 @@ def test_bf16_weights_are_timed_with_bf16_inputs(monkeypatch: pytest.MonkeyPatch
     monkeypatch.delenv(cpu_gemm.ENV_OVERRIDE, raising=False)
     choice = cpu_gemm.choose([torch.randn(32, 16).bfloat16()], repeats=1)
     assert choice.packing == "onednn"  # the C++ GEMM is fp32 only
+
+
+# ---- cpu_weights=bf16: the opt-in bf16 weight stream ---------------------------------------------------
+@pytest.mark.skipif(not cpu_ext.available(), reason="the bf16 weight stream is the C++ GEMM's")
+@pytest.mark.parametrize("rows", [1, 5, 8, 13, 129])
+def test_bf16_weights_compute_the_fp32_gemm_of_the_rounded_weight_bit_for_bit(rows: int) -> None:
+    """A bf16 weight widens to fp32 exactly and the FMA chain over k is the fp32 kernel's, so the mode's
+    only numeric change is the rounding of the weights: the oracle the engine test below relies on."""
+    from kernels import cpu_backend
+
+    g = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(200, 96, generator=g), torch.randn(rows, 96, generator=g)
+    rounded = w.bfloat16().float()
+    packed = cpu_gemm.pack(w, cpu_gemm.BF16_PACKING)
+    assert packed.dtype == torch.bfloat16 and packed.nbytes * 2 == cpu_gemm.pack(w, "kvserve").nbytes
+    assert torch.equal(cpu_gemm.unpack(packed, cpu_gemm.BF16_PACKING, 200), rounded)
+    exact = cpu_gemm.linear(x, cpu_gemm.pack(rounded, "kvserve"), "kvserve", 200)
+    assert torch.equal(cpu_gemm.linear(x, packed, cpu_gemm.BF16_PACKING, 200), exact)
+    assert not torch.equal(exact, cpu_gemm.linear(x, cpu_gemm.pack(w, "kvserve"), "kvserve", 200))
+    assert torch.equal(cpu_backend.lm_head_argmax(x, packed, 200), exact.argmax(-1))
+
+
+@pytest.mark.skipif(not cpu_ext.available(), reason="the bf16 weight stream is the C++ GEMM's")
+def test_bf16_weights_are_taken_untimed_when_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(cpu_gemm.ENV_OVERRIDE, raising=False)
+    _rig(monkeypatch, {"kvserve": 1.0, "onednn": 0.5}, dense_wins=True)
+    choice = cpu_gemm.choose([torch.randn(32, 16)], cpu_weights="bf16")
+    assert choice.packing == cpu_gemm.BF16_PACKING and choice.dense_from_rows is None
+    assert cpu_gemm.choose([torch.randn(32, 16)]).packing == "onednn"  # fp32 stays timed
+
+
+def test_bf16_weights_without_the_kernels_are_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(cpu_gemm.ENV_OVERRIDE, raising=False)
+    monkeypatch.setattr(cpu_gemm.cpu_backend, "packed_gemm_available", lambda w: False)
+    with pytest.raises(ValueError, match="cpu_weights=bf16 needs kvserve's C"):
+        cpu_gemm.choose([torch.randn(32, 16)], cpu_weights="bf16")

@@ -34,6 +34,7 @@ from workers.engine.stop_checker import advance_output
 from workers.engine.tier_cost import TierCostModel
 from workers.engine.tiered_cache import TieredCache
 from workers.host import cpu_features
+from workers.models import cpu_gemm
 from workers.models.loader import load_model
 from workers.models.model_config import ModelConfig, parse_dtype
 from workers.text.tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -57,12 +58,20 @@ class LLMEngine:
         self.model = load_model(
             config.model, self.dtype, self.device, max(self.max_model_len, mc.max_position_embeddings)
         )
+        if config.cpu_weights != "fp32" and (self.device.type != "cpu" or self.dtype != torch.float32):
+            raise ValueError(f"cpu_weights={config.cpu_weights} applies to a float32 model on CPU, "
+                             f"not {str(self.dtype).removeprefix('torch.')} on {self.device}")  # fmt: skip
+        self.model.cpu_weights = config.cpu_weights
         self.tokenizer = load_tokenizer(config.model)
         # NOTE: every end id stops (a chat model ends its turn with <|im_end|>, not its primary EOS).
         self.eos_token_ids = frozenset(
             (self.tokenizer.eos_token_ids if self.tokenizer is not None else ()) or mc.eos_token_ids
         )
-        self.model_id = config.model_id or str(Path(config.model).resolve())
+        # NOTE: bf16 weights compute other K/V than fp32 ones, so their prefix blocks must never meet (the host
+        # tier is shared by a node's workers): the mode is part of the id the block hashes include.
+        self.model_id = (config.model_id or str(Path(config.model).resolve())) + (
+            "" if config.cpu_weights == "fp32" else f"#cpu_weights={config.cpu_weights}"
+        )
 
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)
         block_bytes = bytes_per_block(mc, config.block_size, self.kv_dtype)
@@ -87,6 +96,9 @@ class LLMEngine:
             self.model_id,
         )
         self.runner = ModelRunner(self.model, self.kv_cache, Sampler())
+        choice = self.model.gemm_choice
+        if config.cpu_weights == "bf16" and (choice is None or choice.packing != cpu_gemm.BF16_PACKING):
+            raise ValueError("cpu_weights=bf16: the CPU GEMMs could not be packed (oneDNN off or unavailable)")
         self.requests: dict[str, Request] = {}
         self.exporting: dict[str, Request] = {}  # paused by export_request, awaiting finish_export
         self.num_steps = 0

@@ -36,6 +36,8 @@ from workers.host.path_choice import fastest
 logger = logging.getLogger(__name__)
 
 PACKINGS = ("kvserve", "onednn")
+# Not a timed candidate: a different numeric mode, taken only when asked for (``cpu_weights=bf16``).
+BF16_PACKING = "kvserve-bf16"
 ENV_OVERRIDE = "KVSERVE_CPU_GEMM"
 DECODE_ROWS = 16  # a server's per-worker decode batch
 PREFILL_ROWS = 256  # a prefill chunk of one short prompt
@@ -70,15 +72,24 @@ def override() -> str | None:
     return value
 
 
-def choose(weights: Sequence[torch.Tensor], repeats: int = 3) -> GemmChoice:
+def choose(weights: Sequence[torch.Tensor], repeats: int = 3, cpu_weights: str = "fp32") -> GemmChoice:
     """The packing for projections with these plain ``[out, in]`` fp32 weights (one layer's).
 
     Only packings this process can run are candidates (``kvserve`` needs the C++ kernels). The caller
-    has checked that oneDNN applies (``onednn_linear_supported``).
+    has checked that oneDNN applies (``onednn_linear_supported``). ``cpu_weights="bf16"`` takes the C++
+    GEMM on bf16-packed weights, untimed: it is a numeric mode the user chose, not a faster equal.
+
+    Raises:
+        ValueError: ``cpu_weights="bf16"`` where the C++ kernels cannot run.
     """
     forced = override()
     weights = [w.detach()[: TIMED_MAX_SHAPE[0], : TIMED_MAX_SHAPE[1]].contiguous() for w in weights]
     kvserve_ok = all(cpu_backend.packed_gemm_available(w) for w in weights)
+    if cpu_weights == "bf16":
+        if not kvserve_ok:
+            raise ValueError("cpu_weights=bf16 needs kvserve's C++ CPU kernels (AVX2 + FMA, `make setup`), "
+                             "which this process cannot run")  # fmt: skip
+        return GemmChoice(BF16_PACKING, None, reason="cpu_weights=bf16")
     if forced == "kvserve" and not kvserve_ok:
         raise ValueError(f"{ENV_OVERRIDE}=kvserve: the C++ kernels are not available in this process")
     if forced == "kvserve":
@@ -108,14 +119,16 @@ def pack(weight: torch.Tensor, packing: str) -> torch.Tensor:
     """``weight`` ``[out, in]`` in ``packing``'s layout (it replaces the plain weight: no extra memory)."""
     if packing == "kvserve":
         return cpu_backend.pack_weight(weight)
+    if packing == BF16_PACKING:
+        return cpu_backend.pack_weight(weight, torch.bfloat16)
     if packing == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(weight, DECODE_ROWS)
-    raise ValueError(f"unknown packing {packing!r}; known: {PACKINGS}")
+    raise ValueError(f"unknown packing {packing!r}; known: {(*PACKINGS, BF16_PACKING)}")
 
 
 def unpack(packed: torch.Tensor, packing: str, out_features: int) -> torch.Tensor:
-    """The plain ``[out, in]`` weight back, bit-exact."""
-    if packing == "kvserve":
+    """The plain ``[out, in]`` weight back, bit-exact (``kvserve-bf16``: the bf16-rounded values, fp32)."""
+    if packing in ("kvserve", BF16_PACKING):
         return cpu_backend.unpack_weight(packed, out_features).contiguous()
     return packed.to_dense()
 
@@ -130,7 +143,7 @@ def linear(
 ) -> torch.Tensor:
     """``x @ w.T + bias`` with ``w`` packed by ``pack(w, packing)``."""
     rows = x.shape[0]
-    if packing == "kvserve":
+    if packing in ("kvserve", BF16_PACKING):
         if rows <= PACKED_MAX_ROWS:
             out = cpu_backend.packed_linear(x, packed, out_features)
             return out if bias is None else out.add_(bias)

@@ -239,6 +239,7 @@ class CausalLM(nn.Module):
         else:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self._onednn = False  # set by pack_for_cpu
+        self.cpu_weights = "fp32"  # EngineConfig.cpu_weights, read by pack_for_cpu
         self.gemm_choice: cpu_gemm.GemmChoice | None = None  # set by pack_for_cpu
         self._screen: ScreenedArgmax | None = None
         self._lm_head_packed: torch.Tensor | None = None  # oneDNN-packed LM head where no screen runs
@@ -294,6 +295,8 @@ class CausalLM(nn.Module):
             layers = "torch default"
         elif choice.packing == "kvserve":
             layers = f"kvserve packed up to {cpu_gemm.PACKED_MAX_ROWS} rows, MKL above"
+        elif choice.packing == cpu_gemm.BF16_PACKING:
+            layers = f"kvserve packed bf16 weights up to {cpu_gemm.PACKED_MAX_ROWS} rows, MKL (fp32 of them) above"
         elif choice.dense_from_rows is not None:
             layers = f"oneDNN packed below {choice.dense_from_rows} rows, MKL from there"
         else:
@@ -306,7 +309,7 @@ class CausalLM(nn.Module):
         elif self._screen is not None:
             head = f"{self._screen.__class__.__name__} (bf16 screen)"
         elif self._lm_head_cpu is not None:
-            head = "kvserve packed"
+            head = "kvserve packed" + (" bf16 weights" if self._lm_head_cpu.dtype == torch.bfloat16 else "")
         else:
             head = "oneDNN packed" if self._lm_head_packed is not None else "torch default"
         return f"projections: {layers}; LM head: {head}"
@@ -357,12 +360,17 @@ class CausalLM(nn.Module):
             return False
         projections = [m for m in self.layers.modules() if isinstance(m, Linear)]
         first_layer = [m.weight for m in self.layers[0].modules() if isinstance(m, Linear)]
-        self.gemm_choice = cpu_gemm.choose(first_layer)
+        self.gemm_choice = cpu_gemm.choose(first_layer, cpu_weights=self.cpu_weights)
         for module in projections:
             module.pack_for_cpu(self.gemm_choice)
         self._onednn = True
-        self._screen = ScreenedArgmax.build(self._lm_head_weight())
         weight = self._lm_head_weight().detach()
+        if self.gemm_choice.packing == cpu_gemm.BF16_PACKING:
+            # NOTE: the LM head streams bf16 too (the largest GEMM of a decode step); logits, logprobs and
+            # greedy ids all come from it, so they agree with one another. The embedding stays fp32.
+            self._lm_head_cpu = cpu_backend.pack_weight(weight, torch.bfloat16)
+            return True
+        self._screen = ScreenedArgmax.build(self._lm_head_weight())
         if self._screen is not None and cpu_backend.packed_gemm_available(weight):
             self._choose_greedy_head(weight)
         elif self._screen is None and cpu_backend.packed_gemm_available(weight):
