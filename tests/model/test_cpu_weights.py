@@ -5,7 +5,6 @@ refused where it cannot apply."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kernels import cpu_ext
+from tests.model.test_loader import _copy_without
 from workers.core.sampling_params import SamplingParams
 from workers.engine.engine import LLM
 from workers.models import cpu_gemm
@@ -25,9 +25,7 @@ N_NEW = 12
 @pytest.fixture(scope="module")
 def rounded_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny llama (untied head) with every projection and the LM head rounded to bf16, stored as fp32."""
-    out = tmp_path_factory.mktemp("tiny-llama-bf16-rounded")
-    for f in tiny_llama_dir.iterdir():
-        shutil.copy(f, out / f.name)
+    out = _copy_without(tiny_llama_dir, tmp_path_factory.mktemp("tiny-llama-bf16-rounded"), "model.safetensors")
     weights = load_file(str(tiny_llama_dir / "model.safetensors"))
     rounded = {
         name: w.bfloat16().float() if w.dim() == 2 and "embed_tokens" not in name else w

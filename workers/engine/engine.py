@@ -34,7 +34,6 @@ from workers.engine.stop_checker import advance_output
 from workers.engine.tier_cost import TierCostModel
 from workers.engine.tiered_cache import TieredCache
 from workers.host import cpu_features
-from workers.models import cpu_gemm
 from workers.models.loader import load_model
 from workers.models.model_config import ModelConfig, parse_dtype
 from workers.text.tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -96,8 +95,8 @@ class LLMEngine:
             self.model_id,
         )
         self.runner = ModelRunner(self.model, self.kv_cache, Sampler())
-        choice = self.model.gemm_choice
-        if config.cpu_weights == "bf16" and (choice is None or choice.packing != cpu_gemm.BF16_PACKING):
+        # NOTE: pack_for_cpu either packs bf16 as asked (cpu_gemm.choose raises where it cannot) or packs nothing
+        if config.cpu_weights == "bf16" and self.model.gemm_choice is None:
             raise ValueError("cpu_weights=bf16: the CPU GEMMs could not be packed (oneDNN off or unavailable)")
         self.requests: dict[str, Request] = {}
         self.exporting: dict[str, Request] = {}  # paused by export_request, awaiting finish_export
