@@ -43,6 +43,7 @@ from router.http_api import HttpApiServer
 from router.limits import InputLimits
 from router.server import add_kvserve_servicer
 from router.tenancy import KeyRing, Tenancy
+from workers.core.gc_pauses import GcPauses, freeze_heap
 from workers.core.tls import add_port, channel_credentials
 
 logger = logging.getLogger(__name__)
@@ -197,6 +198,9 @@ class FrontendActor:
             self._error = e
             self._bound.set()
             return
+        # NOTE: here, not in FrontendServer: this process is the frontend's alone.
+        freeze_heap(f"frontend {settings.frontend_id}")
+        self.gc_pauses = GcPauses(f"frontend {settings.frontend_id}")
         self._bound.set()
         self._loop.run_forever()
 

@@ -89,6 +89,22 @@ LOOP_LAG = Histogram(
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
 )
 
+GC_PAUSE = Histogram(
+    "kvserve:router_gc_pause_seconds",
+    "Garbage-collector pauses of the router process by generation (workers/core/gc_pauses.py)",
+    ["generation"],
+    buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+)
+
+GC_FROZEN = Gauge(
+    "kvserve:router_gc_frozen_objects", "Start-up objects the router froze out of garbage collection (0: not frozen)"
+)
+
+
+def observe_gc_pause(generation: int, seconds: float) -> None:
+    GC_PAUSE.labels(str(generation)).observe(seconds)
+
+
 # What a worker counted since its previous report: each ``*_total`` field of PressureReport by name
 # (``WorkerState.deltas``), so a new counter needs no code here beyond the line that exports it.
 CounterDeltas = Mapping[str, int]

@@ -201,6 +201,16 @@ def test_counters_count_what_happened(cluster, stub, traffic) -> None:  # noqa: 
     assert value(samples, "kvserve:inter_token_latency_seconds_count") > 0
 
 
+def test_the_router_froze_its_start_up_heap_and_times_its_collections(cluster, traffic) -> None:  # noqa: ANN001
+    """The router actor's own process: its start-up objects are out of the collector's scans (a full
+    collection of them stalls every stream; workers/core/gc_pauses.py) and its pauses are exported."""
+    samples = scrape(cluster.metrics_port)
+    assert value(samples, "kvserve:router_gc_frozen_objects") > 10_000, "Ray, gRPC and the router's modules"
+    young = value(samples, "kvserve:router_gc_pause_seconds_count", generation="0")
+    assert young > 0, "a router that streamed tokens allocated enough to collect its youngest generation"
+    assert value(samples, "kvserve:router_gc_pause_seconds_bucket", generation="0", le="+Inf") == young
+
+
 # ---- the real Prometheus ---------------------------------------------------------------------------
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
