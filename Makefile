@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[dev]"
+	# A venv that once got transformers 5.25 keeps Hugging Face's `kernels` package, which shadows kvserve's
+	# `kernels` (pyproject.toml): remove it. kvserve's own distribution is named kvserve, never kernels.
+	$(BIN)/pip uninstall -q -y kernels 2>/dev/null || true
 	touch $@
 
 # kvserve's C++ CPU kernels (kernels/csrc/), compiled once for this machine and torch; without a
