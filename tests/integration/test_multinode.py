@@ -201,6 +201,6 @@ def _is_kvserve_actor(p: psutil.Process) -> bool:
     """A live process running a router or worker actor (Ray titles them ray::Class)."""
     try:
         cmd = " ".join(p.cmdline())
-        return cmd.startswith(("ray::Worker", "ray::RouterService")) and p.status() != psutil.STATUS_ZOMBIE
+        return cmd.startswith(("ray::Worker", "ray::RouterActor")) and p.status() != psutil.STATUS_ZOMBIE
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
