@@ -12,13 +12,13 @@ EXT_STAMP := $(VENV)/.cpu-ext
 
 setup: $(STAMP) $(EXT_STAMP)
 
+# NOTE: a venv that once got transformers 5.25 keeps Hugging Face's `kernels` package, which shadows
+# kvserve's `kernels` (pyproject.toml): the recipe removes it. kvserve's own distribution is named kvserve.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[dev]"
-	# A venv that once got transformers 5.25 keeps Hugging Face's `kernels` package, which shadows kvserve's
-	# `kernels` (pyproject.toml): remove it. kvserve's own distribution is named kvserve, never kernels.
 	$(BIN)/pip uninstall -q -y kernels 2>/dev/null || true
 	touch $@
 

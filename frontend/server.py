@@ -43,7 +43,7 @@ from router.http_api import HttpApiServer
 from router.limits import InputLimits
 from router.server import add_kvserve_servicer
 from router.tenancy import KeyRing, Tenancy
-from workers.core.gc_pauses import GcPauses, freeze_heap
+from workers.core.gc_pauses import settle_heap
 from workers.core.tls import add_port, channel_credentials
 
 logger = logging.getLogger(__name__)
@@ -199,8 +199,7 @@ class FrontendActor:
             self._bound.set()
             return
         # NOTE: here, not in FrontendServer: this process is the frontend's alone.
-        freeze_heap(f"frontend {settings.frontend_id}")
-        self.gc_pauses = GcPauses(f"frontend {settings.frontend_id}")
+        _, self.gc_pauses = settle_heap(f"frontend {settings.frontend_id}")
         self._bound.set()
         self._loop.run_forever()
 

@@ -59,7 +59,7 @@ from router.router import Router, RouterError
 from router.supervision import WorkerSupervision
 from router.tenancy import KeyRing, Principal, Tenancy
 from router.worker_auth import WorkerLinkGate
-from workers.core.gc_pauses import GcPauses, freeze_heap
+from workers.core.gc_pauses import settle_heap
 from workers.core.identity import WorkerIdentity
 from workers.core.tls import add_port
 from workers.core.worker_credential import new_worker_key
@@ -602,8 +602,8 @@ class RouterActor(RouterService):
 
     async def start(self) -> str:
         address = await super().start()
-        metrics.GC_FROZEN.set(freeze_heap("router"))
-        self.gc_pauses = GcPauses("router", metrics.observe_gc_pause)
+        frozen, self.gc_pauses = settle_heap("router", metrics.observe_gc_pause)
+        metrics.GC_FROZEN.set(frozen)
         return address
 
     async def stop(self, grace: float = 1.0) -> None:

@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass
 
 from protos.kvserve.v1 import worker_pb2 as pb
-from workers.core.gc_pauses import GcPauses, freeze_heap
+from workers.core.gc_pauses import settle_heap
 from workers.core.identity import WorkerIdentity
 from workers.core.request import WorkerRequest
 from workers.core.sizes import blocks_for
@@ -84,8 +84,7 @@ class SimWorker:
             credentials=channel_credentials(options.tls_ca, options.tls_cert, options.tls_key),
         )
         # As a real worker's process does once started (workers/transport/worker.py).
-        freeze_heap(f"sim worker {worker_id}")
-        self.gc_pauses = GcPauses(f"sim worker {worker_id}")
+        _, self.gc_pauses = settle_heap(f"sim worker {worker_id}")
         self.link.start()
         self._thread = threading.Thread(target=self._run, name="sim-engine", daemon=True)
         self._thread.start()

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
 from collections.abc import Callable
+
+from workers.core.env_switches import env_switch
 
 logger = logging.getLogger(__name__)
 
@@ -26,15 +27,11 @@ FREEZE_ENV = "KVSERVE_GC_FREEZE"
 SLOW_PAUSE_S = 0.05  # a collection longer than this is logged: it is a visible gap in every stream
 
 
-def freeze_enabled() -> bool:
-    return os.environ.get(FREEZE_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
-
-
 def freeze_heap(process: str) -> int:
     """Collect once, then exempt every surviving object from later collections. Call it when the
     process has finished starting (its long-lived objects exist) and before it serves. Returns the
     number of frozen objects (0 when disabled)."""
-    if not freeze_enabled():
+    if not env_switch(FREEZE_ENV):
         logger.info("%s: garbage-collector freeze disabled by %s=0", process, FREEZE_ENV)
         return 0
     start = time.perf_counter()
@@ -87,3 +84,11 @@ class GcPauses:
                 "%s: a generation-%d garbage collection paused the process for %.0f ms (%d objects collected)",
                 self.process, generation, 1e3 * seconds, info.get("collected", 0),
             )  # fmt: skip
+
+
+def settle_heap(process: str, observe: Callable[[int, float], None] | None = None) -> tuple[int, GcPauses]:
+    """What a long-lived process does once started: ``freeze_heap``, then time what is collected from
+    then on (after it, so the freeze's own collection is not reported as a pause). Returns the number
+    of frozen objects and the ``GcPauses``."""
+    frozen = freeze_heap(process)
+    return frozen, GcPauses(process, observe)

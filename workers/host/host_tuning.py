@@ -1,7 +1,7 @@
 """Host (CPU) tuning of a worker process: glibc heap reuse, a thread governor, and the env switches.
 
 None of this changes results; it changes how fast a CPU worker runs on a shared machine. The
-environment switches (each on unless set to ``0``; documented in the README):
+environment switches (``workers/core/env_switches.py``; each on unless set to ``0``):
 
 - ``KVSERVE_THREAD_GOVERNOR``: ``ThreadGovernor`` drops torch to one intra-op thread while another
   process competes for the cores.
@@ -21,20 +21,9 @@ from collections.abc import Callable
 
 import torch
 
+from workers.core.env_switches import env_switch
+
 logger = logging.getLogger(__name__)
-
-ENV_SWITCHES = ("KVSERVE_THREAD_GOVERNOR", "KVSERVE_ONEDNN", "KVSERVE_GREEDY_SCREEN")
-
-
-def env_switch(name: str) -> bool:
-    """Whether the host-tuning switch ``name`` (one of ``ENV_SWITCHES``) is on: unset or anything but ``0``.
-
-    Raises:
-        ValueError: ``name`` is not a known switch (a typo would otherwise read as "on").
-    """
-    if name not in ENV_SWITCHES:
-        raise ValueError(f"unknown host-tuning switch {name!r}; known: {ENV_SWITCHES}")
-    return os.environ.get(name, "1") != "0"
 
 
 def keep_freed_heap_memory() -> bool:

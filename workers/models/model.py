@@ -17,9 +17,9 @@ from torch import nn
 import kernels
 from kernels import cpu_backend
 from kernels.reference import apply_rope
+from workers.core.env_switches import env_switch
 from workers.engine.attention_metadata import AttentionMetadata
 from workers.host import cpu_features
-from workers.host.host_tuning import env_switch
 from workers.host.path_choice import fastest
 from workers.models import cpu_gemm
 from workers.models.model_config import ModelConfig

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from protos.kvserve.v1 import serving_pb2 as spb
 from protos.kvserve.v1 import worker_pb2 as pb
-from workers.core.gc_pauses import GcPauses, freeze_heap
+from workers.core.gc_pauses import settle_heap
 from workers.core.identity import WorkerIdentity
 from workers.core.kv_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
 from workers.core.liveness import (
@@ -531,8 +531,7 @@ class Worker:
         self.core = WorkerCore(worker_id, engine_config, options)
         # NOTE: here, not in WorkerCore: this process is the worker's alone (tests run WorkerCore in
         # theirs). The model is loaded and warmed: what exists now lives as long as the process.
-        freeze_heap(f"worker {worker_id}")
-        self.gc_pauses = GcPauses(f"worker {worker_id}")
+        _, self.gc_pauses = settle_heap(f"worker {worker_id}")
         self.core.start()
         self._drain_on_sigterm()
 
