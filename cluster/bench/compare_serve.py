@@ -10,6 +10,9 @@ start fresh every round, so no round hits a prefix cache an earlier one filled (
 same seed); the order alternates across rounds (forward, reversed, ...) so neither side always runs
 first on a machine that warms up or gets busier. The table gives medians over rounds and
 kvserve / target ratios (``cluster/bench/compare_serve_report.py``); ``--json`` prints one object.
+While ``vllm bench serve`` runs, every process's CPU time is summed by role (``cluster/bench/cpu_share.py``:
+engine, serving stack, Ray's daemons, client, other), and a second table gives each target's medians in
+cores (CPU seconds over the benchmark's duration): how much of the machine the engine got.
 
 Run it under the machine's Ray lock when other clusters may start (``flock /tmp/kvserve-ray.lock ...``).
 """
@@ -27,7 +30,15 @@ from pathlib import Path
 
 from cluster.bench import compare_serve_clients as clients
 from cluster.bench import serve_targets as targets
-from cluster.bench.compare_serve_report import ClientResult, ResultError, format_table, summarize
+from cluster.bench.compare_serve_report import (
+    ClientResult,
+    ResultError,
+    cpu_summary,
+    format_cpu_table,
+    format_table,
+    summarize,
+)
+from cluster.bench.cpu_share import CpuSampler
 from cluster.bench.procs import ServerError
 from cluster.process_signals import signals_as_keyboard_interrupt
 
@@ -155,23 +166,26 @@ def _run_client(argv: list[str], log: Path, timeout_s: float) -> None:
 def _one_target(
     args: argparse.Namespace, target: targets.Target, vllm: str, guidellm: str | None, served_name: str,
     round_dir: Path,
-) -> dict[str, ClientResult]:  # fmt: skip
-    """Launch ``target``, run the client(s) against it, stop it; ``{client name: result}``."""
+) -> tuple[dict[str, ClientResult], dict]:  # fmt: skip
+    """Launch ``target``, run the client(s) against it, stop it; ``{client name: result}`` and where the CPU
+    went while ``vllm bench serve`` ran (``{"cpu_seconds": {role: s}, "duration_s": its benchmark's}``)."""
     work = round_dir / target.name
     work.mkdir(parents=True, exist_ok=True)  # a reused --log-dir: this round's files replace the old ones
     out: dict[str, ClientResult] = {}
     with targets.launch(target, work, served_name, args.ready_timeout) as base_url:
         spec = clients.bench_spec_from_args(args, served_name)
         result_file = work / "vllm-bench.json"
-        _run_client(clients.vllm_bench_command(vllm, base_url, spec, result_file), work / "vllm-bench.log",
-                    args.client_timeout)  # fmt: skip
+        with CpuSampler() as cpu:
+            _run_client(clients.vllm_bench_command(vllm, base_url, spec, result_file), work / "vllm-bench.log",
+                        args.client_timeout)  # fmt: skip
         out["vllm bench serve"] = clients.read_vllm_bench(result_file)
+        cpu_use = {"cpu_seconds": cpu.cpu_seconds, "duration_s": clients.read_vllm_bench_duration(result_file)}
         if guidellm is not None:
             gl_dir = work / "guidellm"
             _run_client(clients.guidellm_command(guidellm, base_url, spec, gl_dir), work / "guidellm.log",
                         args.client_timeout)  # fmt: skip
             out["guidellm"] = clients.read_guidellm(gl_dir)
-    return out
+    return out, cpu_use
 
 
 def run(args: argparse.Namespace) -> int:
@@ -199,10 +213,11 @@ def run(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvserve-compare-serve-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, list[ClientResult]]] = {}
+    cpu_rounds: dict[str, list[dict]] = {}
     t0 = time.monotonic()
     # SIGTERM unwinds like Ctrl-C, through launch(): every server started is stopped on the way out.
     with signals_as_keyboard_interrupt():
-        status = _rounds(args, plan, vllm, guidellm, served_name, log_dir, results)
+        status = _rounds(args, plan, vllm, guidellm, served_name, log_dir, results, cpu_rounds)
     if status != 0:
         return status
     report = {
@@ -211,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
         "seconds": round(time.monotonic() - t0, 1),
         "log_dir": str(log_dir),
         "clients": {client: summarize(per_target) for client, per_target in results.items()},
+        "cpu": cpu_summary(cpu_rounds),
     }
     if args.json:
         print(json.dumps(report))
@@ -219,20 +235,24 @@ def run(args: argparse.Namespace) -> int:
         for client, summary in report["clients"].items():
             print()
             print(format_table(summary, f"{client}, {args.workload}: medians of {args.runs} rounds"))
+        print()
+        print(format_cpu_table(report["cpu"], report["machine"]["cores"]))
     return 0
 
 
 def _rounds(
     args: argparse.Namespace, plan: list[targets.Target], vllm: str, guidellm: str | None, served_name: str,
-    log_dir: Path, results: dict[str, dict[str, list[ClientResult]]],
+    log_dir: Path, results: dict[str, dict[str, list[ClientResult]]], cpu_rounds: dict[str, list[dict]],
 ) -> int:  # fmt: skip
-    """Every round of every target; appends to ``results[client][target]``. Returns 0, or 1 / 130 after a
-    failure / an interrupt (the message printed; the servers are stopped by then)."""
+    """Every round of every target; appends to ``results[client][target]`` and ``cpu_rounds[target]``.
+    Returns 0, or 1 / 130 after a failure / an interrupt (the message printed; the servers are stopped by
+    then)."""
     try:
         for i in range(args.runs):
             for target in round_order(plan, i):
                 print(f"compare-serve: round {i + 1}/{args.runs}: {target.name} ...", file=sys.stderr, flush=True)
-                got = _one_target(args, target, vllm, guidellm, served_name, log_dir / f"round-{i + 1}")
+                got, cpu_use = _one_target(args, target, vllm, guidellm, served_name, log_dir / f"round-{i + 1}")
+                cpu_rounds.setdefault(target.name, []).append(cpu_use)
                 for client, result in got.items():
                     results.setdefault(client, {}).setdefault(target.name, []).append(result)
                 print(f"compare-serve: round {i + 1}: {target.name}: "

@@ -84,6 +84,15 @@ def read_vllm_bench(result_file: Path) -> ClientResult:
         raise ResultError(f"cannot read the vllm bench serve result {result_file}: {e}") from e
 
 
+def read_vllm_bench_duration(result_file: Path) -> float | None:
+    """The benchmark's duration in seconds (``duration`` of the saved result), or None without one."""
+    try:
+        value = json.loads(result_file.read_text()).get("duration")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+    return float(value) if isinstance(value, int | float) and value > 0 else None
+
+
 def read_guidellm(work: Path) -> ClientResult:
     """Parse the JSON report ``guidellm_command`` asked for (``work/guidellm.json``).
 

@@ -163,3 +163,34 @@ def format_table(summary: dict, title: str) -> str:
             cells = [_ratio(entry["ratio"][key]) for key, _ in METRICS]
             lines.append(f"| {OURS} / {name} | " + " | ".join(cells) + " | |")
     return "\n".join(lines)
+
+
+def cpu_summary(cpu_rounds: dict[str, list[dict]]) -> dict:
+    """Per target: its rounds' ``{"cpu_seconds": {role: s}, "duration_s": d}`` and, over the rounds that
+    have a duration, the median cores by role (CPU seconds / duration) and in all."""
+    out: dict = {}
+    for target, rounds in cpu_rounds.items():
+        cores = [
+            {role: s / r["duration_s"] for role, s in r["cpu_seconds"].items()} for r in rounds if r.get("duration_s")
+        ]
+        median_cores = {role: statistics.median(c[role] for c in cores) for role in cores[0]} if cores else {}
+        if cores:
+            median_cores["all"] = statistics.median(sum(c.values()) for c in cores)
+        out[target] = {"rounds": rounds, "median_cores": median_cores}
+    return out
+
+
+def format_cpu_table(summary: dict, machine_cores: int | None) -> str:
+    """A markdown table: per target, the median cores each role used while the client ran."""
+    roles = next((list(e["median_cores"]) for e in summary.values() if e["median_cores"]), [])
+    if not roles:
+        return "**CPU by role**: no benchmark duration to divide by"
+    title = (
+        f"**CPU by role while vllm bench serve ran** (cores = CPU seconds / benchmark duration, medians; "
+        f"the machine has {machine_cores}; the client's figure includes its own start-up)"
+    )
+    lines = [title, "", "| target | " + " | ".join(roles) + " |", "|" + "---|" * (len(roles) + 1)]
+    for name, entry in summary.items():
+        med = entry["median_cores"]
+        lines.append(f"| {name} | " + " | ".join(_fmt(med.get(role), 2) for role in roles) + " |")
+    return "\n".join(lines)

@@ -229,9 +229,15 @@ FAKE_VLLM = textwrap.dedent(
         if os.environ.get("FAKE_BENCH_SLEEP"):
             import time
             time.sleep(float(os.environ["FAKE_BENCH_SLEEP"]))
+        import time
+        burn = float(os.environ.get("FAKE_BENCH_BURN", "0"))
+        t0 = time.process_time()
+        while time.process_time() - t0 < burn:  # the client's own CPU, for the CPU-by-role table
+            pass
+        time.sleep(1.2 if burn else 0)  # NOTE: compare-serve samples every 0.5 s, as long as the client runs
         tok_s = float(os.environ["FAKE_TOK_S"])
         res = {"completed": 4, "failed": 0, "output_throughput": tok_s, "median_ttft_ms": 10.0, "p90_ttft_ms": 20.0,
-               "median_tpot_ms": 5.0, "median_itl_ms": 5.0}
+               "median_tpot_ms": 5.0, "median_itl_ms": 5.0, "duration": 2 * burn or 1.0}
         open(os.path.join(opt("--result-dir"), opt("--result-filename")), "w").write(json.dumps(res))
         sys.exit(0)
     if name == "vllm":
@@ -275,6 +281,7 @@ def test_compare_serve_rounds_against_fake_vllm(
     log = tmp_path / "fake.log"
     monkeypatch.setenv("FAKE_LOG", str(log))
     monkeypatch.setenv("FAKE_TOK_S", "50")
+    monkeypatch.setenv("FAKE_BENCH_BURN", "0.4")
     status = main(["bench", "compare-serve", "--peer-python", str(python), "--model", str(model), "--runs", "2",
                    "--targets", "vllm,vllm-router", "--workload", "prefix_repetition", "--json",
                    "--log-dir", str(tmp_path / "logs"), "--ready-timeout", "60"])  # fmt: skip
@@ -284,6 +291,13 @@ def test_compare_serve_rounds_against_fake_vllm(
     table = report["clients"]["vllm bench serve"]
     assert [len(table[t]["rounds"]) for t in ("vllm", "vllm-router")] == [2, 2]
     assert table["vllm"]["median"]["output_tokens_per_s"] == 50.0
+    # CPU by role while the client ran: the fake client burned 0.4 s of a 0.8 s "benchmark"
+    cpu = report["cpu"]
+    assert [len(cpu[t]["rounds"]) for t in ("vllm", "vllm-router")] == [2, 2]
+    for t in ("vllm", "vllm-router"):
+        cores = cpu[t]["median_cores"]
+        assert 0.35 <= cores["client"] <= 0.75, cores
+        assert cores["engine"] == 0.0 and cores["all"] >= cores["client"], cores
     events = [json.loads(line) for line in log.read_text().splitlines()]
     servers = [e for e in events if e["kind"] != "bench"]
     # round 1: vllm, then the two engines and the router; round 2 the other way round
