@@ -18,16 +18,17 @@ _HELP = {
     "router": "placement, admission and prefix index at 8-512 synthetic workers (no model)",
     "kernels": "Triton attention kernels vs the torch reference, timed on a GPU",
     "data-plane": "streamed tokens/s and router CPU per token through the real router, simulated workers",
+    "hop-latency": "what one process-to-process hop costs on this machine (pipe, TCP, asyncio, gRPC)",
 }
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``bench`` with its subcommands ``offline``, ``serve``, ``compare-serve``, ``router``, ``kernels`` and
-    ``data-plane``."""
+    """Add ``bench`` with its subcommands ``offline``, ``serve``, ``compare-serve``, ``router``, ``kernels``,
+    ``data-plane`` and ``hop-latency``."""
     bench = subparsers.add_parser("bench", help="benchmarks: offline engine, served cluster, router, kernels")
     sub = bench.add_subparsers(dest="bench_command", required=True, action=LazySubParsers)
     loaders = (("offline", _offline), ("serve", _serve), ("compare-serve", _compare_serve), ("router", _router),
-               ("kernels", _kernels), ("data-plane", _data_plane))  # fmt: skip
+               ("kernels", _kernels), ("data-plane", _data_plane), ("hop-latency", _hop_latency))  # fmt: skip
     for name, loader in loaders:
         sub.add_lazy({name: _HELP[name]}, loader)
 
@@ -54,6 +55,14 @@ def _compare_serve(sub: LazySubParsers) -> None:
     p = sub.add_parser("compare-serve", help=_HELP["compare-serve"])
     compare_serve.add_arguments(p)
     p.set_defaults(func=compare_serve.run)
+
+
+def _hop_latency(sub: LazySubParsers) -> None:
+    from cluster.bench import hop_latency
+
+    p = sub.add_parser("hop-latency", help=_HELP["hop-latency"])
+    hop_latency.add_arguments(p)
+    p.set_defaults(func=hop_latency.run)
 
 
 def _router(sub: LazySubParsers) -> None:

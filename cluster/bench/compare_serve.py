@@ -180,6 +180,7 @@ def _one_target(
                         args.client_timeout)  # fmt: skip
         out["vllm bench serve"] = clients.read_vllm_bench(result_file)
         cpu_use = {"cpu_seconds": cpu.cpu_seconds, "duration_s": clients.read_vllm_bench_duration(result_file)}
+        (work / "cpu.json").write_text(json.dumps({**cpu_use, "processes": cpu.processes}, indent=1))
         if guidellm is not None:
             gl_dir = work / "guidellm"
             _run_client(clients.guidellm_command(guidellm, base_url, spec, gl_dir), work / "guidellm.log",

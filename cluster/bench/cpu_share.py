@@ -25,12 +25,16 @@ from typing import NamedTuple
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _client(comm: str, cmd: str) -> bool:
-    return " bench serve" in cmd or "guidellm" in cmd
+def _client(comm: str, cmd: str) -> bool:  # `vllm bench serve`; guidellm (its script, not an argument)
+    return " bench serve" in cmd or any(os.path.basename(word) == "guidellm" for word in cmd.split()[:2])
 
 
-def _engine(comm: str, cmd: str) -> bool:  # kvserve's worker actors; vLLM's engine core (its title)
-    return comm.startswith("ray::Worker") or "EngineCore" in cmd or "EngineCor" in comm
+def _engine(comm: str, cmd: str) -> bool:
+    # kvserve's worker actors; vLLM's engine core and the model-running worker it starts (their titles,
+    # "VLLM::EngineCore", "VLLM::Worker_TP0", which also name their comm, cut to 15 characters)
+    return comm.startswith(("ray::Worker", "VLLM::EngineCor", "VLLM::Worker")) or cmd.startswith(
+        ("VLLM::EngineCore", "VLLM::Worker")
+    )
 
 
 def _serving_stack(comm: str, cmd: str) -> bool:  # router, frontends, `kvserve serve`; vLLM's API server
@@ -52,6 +56,7 @@ ROLES: tuple[tuple[str, Callable[[str, str], bool]], ...] = (
     ("ray daemons", _ray_daemons),
 )
 OTHER = "other"
+TOP_PROCESSES = 20
 ROLE_NAMES = (*(name for name, _ in ROLES), OTHER)
 
 
@@ -104,14 +109,33 @@ def snapshot() -> dict[int, ProcessCpu]:
     return out
 
 
-def by_role(first: dict[int, ProcessCpu], last: dict[int, ProcessCpu]) -> dict[str, float]:
-    """CPU seconds per role between two snapshots (a process new in ``last`` counts from 0: it started
-    since; a reused pid is a new process). The role is read from ``last`` (set-up may retitle a process)."""
-    out = dict.fromkeys(ROLE_NAMES, 0.0)
+def merge(seen: dict[int, ProcessCpu], now: dict[int, ProcessCpu]) -> None:
+    """Update ``seen`` with ``now``, keeping what named a process: an exited process not yet reaped (a
+    zombie) still reports its CPU time but has lost its command line."""
+    for pid, p in now.items():
+        before = seen.get(pid)
+        if not p.cmdline and before is not None and before.started == p.started:
+            p = p._replace(comm=before.comm, cmdline=before.cmdline)
+        seen[pid] = p
+
+
+def by_process(first: dict[int, ProcessCpu], last: dict[int, ProcessCpu]) -> list[tuple[float, str, ProcessCpu]]:
+    """``(CPU seconds, role, process)`` between two snapshots, most CPU first (a process new in ``last``
+    counts from 0: it started since; a reused pid is a new process). The role is read from ``last``
+    (set-up may retitle a process)."""
+    out = []
     for pid, now in last.items():
         before = first.get(pid)
         spent = now.seconds - before.seconds if before is not None and before.started == now.started else now.seconds
-        out[role(now.comm, now.cmdline)] += max(spent, 0.0)
+        out.append((max(spent, 0.0), role(now.comm, now.cmdline), now))
+    return sorted(out, key=lambda row: -row[0])
+
+
+def by_role(first: dict[int, ProcessCpu], last: dict[int, ProcessCpu]) -> dict[str, float]:
+    """CPU seconds per role between two snapshots (see ``by_process``)."""
+    out = dict.fromkeys(ROLE_NAMES, 0.0)
+    for spent, name, _ in by_process(first, last):
+        out[name] += spent
     return out
 
 
@@ -127,6 +151,7 @@ class CpuSampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.cpu_seconds: dict[str, float] = {}
+        self.processes: list[dict] = []  # the busiest processes, for the log: what each role holds
 
     def start(self) -> CpuSampler:
         self._first = snapshot()
@@ -138,15 +163,20 @@ class CpuSampler:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self._seen.update(snapshot())
+            merge(self._seen, snapshot())
 
     def stop(self) -> dict[str, float]:
         """CPU seconds per role since ``start()`` (also kept in ``cpu_seconds``)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        self._seen.update(snapshot())
+        merge(self._seen, snapshot())
         self.cpu_seconds = by_role(self._first, self._seen)
+        self.processes = [
+            {"cpu_s": round(spent, 2), "role": name, "comm": p.comm, "cmdline": p.cmdline[:160]}
+            for spent, name, p in by_process(self._first, self._seen)[:TOP_PROCESSES]
+            if spent > 0
+        ]
         return self.cpu_seconds
 
     def __enter__(self) -> CpuSampler:

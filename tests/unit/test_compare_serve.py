@@ -298,6 +298,8 @@ def test_compare_serve_rounds_against_fake_vllm(
         cores = cpu[t]["median_cores"]
         assert 0.35 <= cores["client"] <= 0.75, cores
         assert cores["engine"] == 0.0 and cores["all"] >= cores["client"], cores
+    busiest = json.loads((tmp_path / "logs" / "round-1" / "vllm" / "cpu.json").read_text())["processes"][0]
+    assert busiest["role"] == "client" and "bench serve" in busiest["cmdline"]
     events = [json.loads(line) for line in log.read_text().splitlines()]
     servers = [e for e in events if e["kind"] != "bench"]
     # round 1: vllm, then the two engines and the router; round 2 the other way round

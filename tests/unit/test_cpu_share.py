@@ -18,8 +18,10 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/p
     [
         ("vllm", "/p/bin/python /p/bin/vllm bench serve --backend openai", "client"),
         ("guidellm", "/p/bin/python /p/bin/guidellm benchmark run", "client"),
+        ("kvserve", "/v/bin/python3 /v/bin/kvserve bench compare-serve --guidellm-bin none", "other"),
         ("ray::Worker", "ray::Worker", "engine"),
         ("VLLM::EngineCor", "VLLM::EngineCore", "engine"),
+        ("VLLM::Worker_TP", "VLLM::Worker_TP0", "engine"),
         ("ray::RouterActo", "ray::RouterActor", "serving stack"),
         ("ray::FrontendAc", "ray::FrontendActor", "serving stack"),
         ("python3", "/v/bin/python3 -m cluster.cli serve --model /m --http-port 1", "serving stack"),
@@ -47,6 +49,15 @@ def test_a_reused_pid_counts_from_zero_and_a_new_process_whole() -> None:
     assert got == {"client": 0.0, "engine": 2.5, "serving stack": 0.5, "ray daemons": 1.0, "other": 0.0}
 
 
+def test_a_zombie_keeps_the_role_it_had() -> None:
+    """An exited, unreaped process still reports its CPU time, with an empty command line."""
+    seen = {7: ProcessCpu(1.0, 50, "vllm", "/p/bin/python /p/bin/vllm bench serve --backend openai")}
+    cpu_share.merge(seen, {7: ProcessCpu(12.0, 50, "vllm", "")})
+    assert seen[7].seconds == 12.0 and role(seen[7].comm, seen[7].cmdline) == "client"
+    cpu_share.merge(seen, {7: ProcessCpu(0.5, 99, "bash", "")})  # another process on the pid: not kept
+    assert seen[7].cmdline == ""
+
+
 def test_the_sampler_counts_a_client_that_exits_before_it_stops() -> None:
     """A process that burns ~0.5 s of CPU and exits while the sampler runs is counted (its last sample)."""
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass\n"
@@ -56,3 +67,4 @@ def test_the_sampler_counts_a_client_that_exits_before_it_stops() -> None:
     assert 0.4 <= sampler.cpu_seconds["client"] <= 1.5, sampler.cpu_seconds
     assert sampler.cpu_seconds["engine"] == 0.0
     assert set(sampler.cpu_seconds) == set(cpu_share.ROLE_NAMES)
+    assert sampler.processes[0]["role"] == "client" and sampler.processes[0]["cmdline"].endswith("bench serve ")
