@@ -88,6 +88,11 @@ LOOP_LAG = Histogram(
     "How late the router's event loop woke a 50 ms timer (router/loop_lag.py): a blocked loop stalls every stream",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
 )
+LOOP_HELD = Histogram(
+    "kvserve:router_event_loop_held_seconds",
+    "The loop's lag less its thread's wait for a CPU (router/loop_lag.py): how long the router itself held it",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+)
 
 GC_PAUSE = Histogram(
     "kvserve:router_gc_pause_seconds",

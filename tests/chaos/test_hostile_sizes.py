@@ -1,9 +1,11 @@
 """Hostile sizes (issue 25, finding 4) against a real ``kvserve serve`` with its HTTP API: each is
 refused with the limit it broke named, and a normal stream running meanwhile keeps its pace: the
-router's event loop, which carries every stream, is never held (``kvserve:router_event_loop_lag_seconds``).
-NOTE: the loop's lag, not the victim's token latency, is the measure: on a machine whose cores the
-attackers' own clients share with the server (one core: the victim's ITL doubled from the CPU they
-took alone), the latency measures the test; the lag shows the router blocked, whatever the load.
+router's event loop, which carries every stream, is never held (``kvserve:router_event_loop_held_seconds``).
+NOTE: the loop's held time, not the victim's token latency, is the measure: on a machine whose cores
+the attackers' own clients share with the server (one core: the victim's ITL doubled from the CPU they
+took alone), the latency measures the test. Nor the loop's raw lag: there the loop's thread also waits
+for a CPU (once 0.25 s under ``taskset -c 0``); the held time is the lag less that wait
+(router/loop_lag.py), i.e. the router blocked, whatever the load.
 
 Attacks: a 16 MiB body (HTTP and gRPC), 10^5 prompts in one completion call, 10^6 stop ids (HTTP
 and gRPC), logprobs x max_tokens beyond the bound, 1,000 WatchBlockPressure streams at once.
@@ -48,15 +50,17 @@ def cluster(tiny_llama_dir: Path) -> Iterator[tuple[ServedCluster, str, str]]:
         stop_cluster(served)
 
 
+HELD = "kvserve:router_event_loop_held_seconds"
 LOOP_LAG_BOUND_S = 0.25  # a bucket of kvserve:router_event_loop_lag_seconds; a stream's token every 5-10 ms
 
 
-def _loop_lags(metrics_url: str) -> dict[float, float]:
-    """The router's loop-lag histogram: cumulative sample counts by bucket bound (+Inf included)."""
+def _loop_lags(metrics_url: str, metric: str = "kvserve:router_event_loop_lag_seconds") -> dict[float, float]:
+    """The router's loop-lag histogram (or its held-time one): cumulative sample counts by bucket bound
+    (+Inf included)."""
     text = httpx.get(metrics_url, timeout=10).text
     counts: dict[float, float] = {}
     for line in text.splitlines():
-        if line.startswith("kvserve:router_event_loop_lag_seconds_bucket{"):
+        if line.startswith(metric + "_bucket{"):
             le = line.split('le="', 1)[1].split('"', 1)[0]
             counts[float("inf") if le == "+Inf" else float(le)] = float(line.rsplit(" ", 1)[1])
     return counts
@@ -153,7 +157,7 @@ def test_hostile_sizes_are_refused_by_name_and_a_normal_stream_keeps_pace(cluste
     victim_itl = lambda: victim_process.submit(_victim_itl, address).result(timeout=300)  # noqa: E731
     idle = [victim_itl()]
 
-    lag_before = _loop_lags(metrics_url)
+    lag_before, held_before = _loop_lags(metrics_url), _loop_lags(metrics_url, HELD)
     results: dict[str, tuple] = {}
     watchers = Watchers(address)
     threads = [threading.Thread(target=watchers.first_messages, daemon=True)]
@@ -166,7 +170,7 @@ def test_hostile_sizes_are_refused_by_name_and_a_normal_stream_keeps_pace(cluste
         t.start()
     for t in [*threads, victim]:
         t.join(300)
-    lag_after = _loop_lags(metrics_url)
+    lag_after, held_after = _loop_lags(metrics_url), _loop_lags(metrics_url, HELD)
     try:
         assert watchers.ok == MAX_PRESSURE_WATCHERS, (watchers.ok, watchers.codes)
         assert watchers.codes == {grpc.StatusCode.RESOURCE_EXHAUSTED}
@@ -183,10 +187,16 @@ def test_hostile_sizes_are_refused_by_name_and_a_normal_stream_keeps_pace(cluste
     victim_process.shutdown()
     reference = statistics.median(idle)
     lags = {le: lag_after[le] - lag_before.get(le, 0.0) for le in lag_after}
+    held = {le: held_after[le] - held_before.get(le, 0.0) for le in held_after}
     late = lags[float("inf")] - lags[LOOP_LAG_BOUND_S]
+    held_long = held[float("inf")] - held[LOOP_LAG_BOUND_S]
     print(f"FIGURES victim mean ITL: idle {[f'{x * 1000:.1f}' for x in idle]} ms, under attack {itl[0] * 1000:.1f} ms "
           f"({itl[0] / reference:.2f}x); router loop lag during the attack: {lags[float('inf')]:.0f} samples, "
-          f"{lags[0.025]:.0f} <= 25 ms, {lags[0.1]:.0f} <= 100 ms, {late:.0f} > {LOOP_LAG_BOUND_S * 1000:.0f} ms")
+          f"{lags[0.025]:.0f} <= 25 ms, {lags[0.1]:.0f} <= 100 ms, {late:.0f} > {LOOP_LAG_BOUND_S * 1000:.0f} ms; "
+          f"held by the router (less its wait for a CPU): {held[0.1]:.0f} <= 100 ms, {held_long:.0f} > "
+          f"{LOOP_LAG_BOUND_S * 1000:.0f} ms")  # fmt: skip
     assert itl, "the victim's stream did not complete"
-    assert lags[float("inf")] > 0, "no loop-lag sample during the attack"
-    assert late == 0, f"the router's loop was held > {LOOP_LAG_BOUND_S}s {late:.0f} times during the attack"
+    assert lags[float("inf")] > 0 and held[float("inf")] > 0, "no loop-lag sample during the attack"
+    # NOTE: held, not the raw lag: on a machine whose cores the attackers, the victim and the cluster share
+    # (the suite under `taskset -c 0`), the loop's thread also waits for a CPU; that is the load, not the router
+    assert held_long == 0, f"the router held its loop > {LOOP_LAG_BOUND_S}s {held_long:.0f} times during the attack"
