@@ -12,20 +12,17 @@ EXT_STAMP := $(VENV)/.cpu-ext
 
 setup: $(STAMP) $(EXT_STAMP)
 
-# NOTE: a venv that once got transformers 5.25 keeps Hugging Face's `kernels` package, which shadows
-# kvserve's `kernels` (pyproject.toml): the recipe removes it. kvserve's own distribution is named kvserve.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[dev]"
-	$(BIN)/pip uninstall -q -y kernels 2>/dev/null || true
 	touch $@
 
-# kvserve's C++ CPU kernels (kernels/csrc/), compiled once for this machine and torch; without a
+# kvserve's C++ CPU kernels (kvserve/kernels/csrc/), compiled once for this machine and torch; without a
 # compiler it warns and the engine runs the plain-torch kernels.
-$(EXT_STAMP): $(STAMP) kernels/csrc/cpu_ops.cpp kernels/cpu_ext.py
-	$(BIN)/python -m kernels.cpu_ext
+$(EXT_STAMP): $(STAMP) kvserve/kernels/csrc/cpu_ops.cpp kvserve/kernels/cpu_ext.py
+	$(BIN)/python -m kvserve.kernels.cpu_ext
 	touch $@
 
 # Prometheus + promtool for the metrics tests (Debian package; skipped if it cannot be installed).
@@ -61,7 +58,7 @@ demo: setup
 	$(BIN)/kvserve demo
 
 proto: setup
-	$(BIN)/python protos/regen.py
+	$(BIN)/python kvserve/protos/regen.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.models.random_model import init_random
+from kvserve.workers.models.random_model import init_random
 
 # One thread: the tiny model is overhead-bound, and on a 2-core box spinning OpenMP threads would
 # fight the Ray workers that integration tests run beside the test process.
@@ -50,7 +50,7 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def smollm2_dir() -> Path:
     """The real SmolLM2-135M-Instruct (fp32 HF directory) from the model cache (``make model-cache``
     fills it); fetched here when missing, and the test skipped with the reason when that fails."""
-    from cluster.model_fetch import FetchError, fetch
+    from kvserve.cluster.model_fetch import FetchError, fetch
 
     try:
         return fetch("smollm2-135m-instruct", "float32", quiet=True)

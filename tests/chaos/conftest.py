@@ -31,8 +31,8 @@ import grpc
 import psutil
 import pytest
 
-from protos.kvserve.v1 import serving_pb2 as spb
-from protos.kvserve.v1 import serving_pb2_grpc
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.protos.kvserve.v1 import serving_pb2_grpc
 from tests.integration.test_serve import API_LINE, REPO, Proc, clean_env, kvserve_argv
 
 NUM_WORKERS = 2

@@ -25,15 +25,15 @@ import sys
 
 import ray
 
-from cluster.config import RAY_NAMESPACE, ROUTER_ACTOR_NAME
-from cluster.frontends import FRONTEND_NAME
+from kvserve.cluster.config import RAY_NAMESPACE, ROUTER_ACTOR_NAME
+from kvserve.cluster.frontends import FRONTEND_NAME
 
 TIMEOUT_S = 60.0
 
 
 def _integrity(router: ray.actor.ActorHandle, worker_ids: list[str] | None = None) -> dict[str, str | None]:
     status_bytes = ray.get(router.cluster_status.remote(), timeout=TIMEOUT_S)
-    from protos.kvserve.v1 import serving_pb2 as spb
+    from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 
     status = spb.ClusterStatus.FromString(status_bytes)
     out: dict[str, str | None] = {}

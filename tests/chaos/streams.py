@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import grpc
 import psutil
 
-from protos.kvserve.v1 import serving_pb2 as spb
-from protos.kvserve.v1 import serving_pb2_grpc
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.protos.kvserve.v1 import serving_pb2_grpc
 
 
 def request(

@@ -1,4 +1,4 @@
-"""Who may drain a worker (``kvserve.v1.Admin``, router/auth.py), over real gRPC against an
+"""Who may drain a worker (``kvserve.v1.Admin``, kvserve/router/gate/auth.py), over real gRPC against an
 in-process router with fake workers: only an admin credential (an API key flagged ``admin: true``,
 or the bearer token); a tenant's key is PERMISSION_DENIED, a worker credential too (even beside an
 admin key), no credential UNAUTHENTICATED. The admin's drain streams its progress to "done"; bytes
@@ -14,15 +14,15 @@ from typing import Any
 import grpc
 import pytest
 
-from protos.kvserve.v1 import serving_pb2 as spb
-from protos.kvserve.v1 import serving_pb2_grpc
-from protos.kvserve.v1 import worker_pb2 as pb
-from router.config import RouterConfig
-from router.server import RouterService
-from router.tenancy import hash_key
-from router.worker_link import _Session
-from workers.core.identity import WorkerIdentity
-from workers.core.worker_credential import WORKER_CREDENTIAL_HEADER, issue_worker_credential, new_worker_key
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.protos.kvserve.v1 import serving_pb2_grpc
+from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.router.api.server import RouterService
+from kvserve.router.config import RouterConfig
+from kvserve.router.gate.tenancy import hash_key
+from kvserve.router.table.worker_link import _Session
+from kvserve.workers.core.identity import WorkerIdentity
+from kvserve.workers.core.worker_credential import WORKER_CREDENTIAL_HEADER, issue_worker_credential, new_worker_key
 
 TOKEN = "operator-token"
 ADMIN_KEY, TENANT_KEY = "admin-key-0123", "tenant-key-4567"

@@ -27,9 +27,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cluster.drain_cli import describe
-from protos.kvserve.v1 import serving_pb2 as spb
-from protos.kvserve.v1 import serving_pb2_grpc
+from kvserve.cluster.drain_cli import describe
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.protos.kvserve.v1 import serving_pb2_grpc
 from tests.chaos.conftest import ServedCluster, serve_cluster, stop_cluster
 from tests.chaos.streams import Stream, prompt, request, run_all
 from tests.chaos.test_failover import _mixed_requests, _wait_status, _worker

@@ -15,13 +15,14 @@ from pathlib import Path
 import grpc
 import httpx
 
-from frontend.server import FrontendServer, FrontendSettings
-from protos.kvserve.v1 import serving_pb2 as spb
-from protos.kvserve.v1 import serving_pb2_grpc
-from protos.kvserve.v1 import worker_pb2 as pb
-from router.auth import FRONTEND_CREDENTIAL_HEADER
-from router.config import RouterConfig
-from router.server import RouterService
+from kvserve.frontend.server import FrontendServer, FrontendSettings
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.protos.kvserve.v1 import serving_pb2_grpc
+from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.router.api.server import RouterService
+from kvserve.router.config import RouterConfig
+from kvserve.router.gate.auth import FRONTEND_CREDENTIAL_HEADER
+from kvserve.workers.core.worker_credential import WORKER_CREDENTIAL_HEADER, issue_worker_credential, new_worker_key
 from tests.chaos.test_tenancy import (
     KEY_A,
     KEY_B,
@@ -35,7 +36,6 @@ from tests.chaos.test_tenancy import (
     start_with_fake_worker,
 )
 from tests.chaos.test_worker_impersonation import _credential_header, _refused, hello
-from workers.core.worker_credential import WORKER_CREDENTIAL_HEADER, issue_worker_credential, new_worker_key
 
 FRONTEND_KEY = "the-clusters-frontend-key"
 CALL_TIMEOUT = 10.0

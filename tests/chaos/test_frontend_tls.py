@@ -17,16 +17,16 @@ import grpc
 import httpx
 import pytest
 
-from frontend.server import FrontendServer, FrontendSettings
-from protos.kvserve.v1 import serving_pb2 as spb
-from protos.kvserve.v1 import serving_pb2_grpc
-from protos.kvserve.v1 import worker_pb2 as pb
-from router.config import RouterConfig
-from router.server import RouterService
+from kvserve.frontend.server import FrontendServer, FrontendSettings
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.protos.kvserve.v1 import serving_pb2_grpc
+from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.router.api.server import RouterService
+from kvserve.router.config import RouterConfig
+from kvserve.workers.core.tls import channel_credentials
+from kvserve.workers.core.worker_credential import new_worker_key
 from tests.chaos.test_tenancy import FakeWorker, _code, _req, _stream_code, start_with_fake_worker
 from tests.integration.test_router import make_pki
-from workers.core.tls import channel_credentials
-from workers.core.worker_credential import new_worker_key
 
 CALL_TIMEOUT = 10.0
 

@@ -31,8 +31,8 @@ import grpc
 import httpx
 import pytest
 
-from protos.kvserve.v1 import serving_pb2 as spb
-from protos.kvserve.v1 import serving_pb2_grpc
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.protos.kvserve.v1 import serving_pb2_grpc
 from tests.chaos.conftest import ServedCluster, serve_cluster, stop_cluster
 from tests.chaos.streams import Stream, prompt, request, run_all
 from tests.chaos.test_drain import drain_under_streams

@@ -11,11 +11,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos.kvserve.v1 import serving_pb2 as spb
-from protos.kvserve.v1 import serving_pb2_grpc
-from router.config import RouterConfig
-from router.router import RouterError
-from router.server import RouterService
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.protos.kvserve.v1 import serving_pb2_grpc
+from kvserve.router.api.server import RouterService
+from kvserve.router.config import RouterConfig
+from kvserve.router.requests.router import RouterError
 
 CALL_TIMEOUT = 10.0
 GARBAGE = [b"\xff\xff\xff\xff", b"\x0a\x05ab", b"\x12\x80", b"\x08"]  # bad tags, truncated fields
@@ -83,7 +83,7 @@ def test_unexpected_exception_is_internal_with_request_id_logged_once(caplog: py
         assert e.value.code() == grpc.StatusCode.INTERNAL
         assert "bug-1" in e.value.details() and "TypeError" not in e.value.details()
 
-    with caplog.at_level(logging.ERROR, logger="router.server"):
+    with caplog.at_level(logging.ERROR, logger="kvserve.router.api.server"):
         run(test)
     records = [r for r in caplog.records if "bug-1" in r.getMessage()]
     assert len(records) == 1 and records[0].exc_info is not None
@@ -139,7 +139,7 @@ def test_generate_during_startup_gives_up_after_ready_timeout() -> None:
 
 
 def test_projected_wait_metric_reads_the_queue() -> None:
-    from router import metrics
+    from kvserve.router.observe import metrics
 
     async def test(service: RouterService, channel: grpc.aio.Channel) -> None:
         (family,) = metrics.ROUTER_PROJECTED_WAIT.collect()

@@ -12,9 +12,9 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router.config import RouterConfig
-from router.health import LIVENESS_SERVICE, READINESS_SERVICES
-from router.server import RouterService
+from kvserve.router.api.health import LIVENESS_SERVICE, READINESS_SERVICES
+from kvserve.router.api.server import RouterService
+from kvserve.router.config import RouterConfig
 from tests.unit.test_router_failover import FakeWorker, _connect, _identity
 
 CALL_TIMEOUT = 10.0

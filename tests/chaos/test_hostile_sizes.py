@@ -5,7 +5,7 @@ NOTE: the loop's held time, not the victim's token latency, is the measure: on a
 the attackers' own clients share with the server (one core: the victim's ITL doubled from the CPU they
 took alone), the latency measures the test. Nor the loop's raw lag: there the loop's thread also waits
 for a CPU (once 0.25 s under ``taskset -c 0``); the held time is the lag less that wait
-(router/loop_lag.py), i.e. the router blocked, whatever the load.
+(kvserve/router/observe/loop_lag.py), i.e. the router blocked, whatever the load.
 
 Attacks: a 16 MiB body (HTTP and gRPC), 10^5 prompts in one completion call, 10^6 stop ids (HTTP
 and gRPC), logprobs x max_tokens beyond the bound, 1,000 WatchBlockPressure streams at once.
@@ -27,15 +27,15 @@ import grpc
 import httpx
 import pytest
 
-from protos.kvserve.v1 import serving_pb2 as spb
-from protos.kvserve.v1 import serving_pb2_grpc
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.protos.kvserve.v1 import serving_pb2_grpc
 from tests.chaos.conftest import ServedCluster, serve_cluster, stop_cluster
 from tests.chaos.streams import prompt, request
 from tests.integration.test_serve import HTTP_LINE, METRICS_LINE
 
 VICTIM_TOKENS = 192
 WATCHERS = 1000
-MAX_PRESSURE_WATCHERS = 64  # the default (router/config.py)
+MAX_PRESSURE_WATCHERS = 64  # the default (kvserve/router/config.py)
 HTTP_TIMEOUT = 60.0
 
 

@@ -17,8 +17,8 @@ import grpc
 import httpx
 import pytest
 
-from protos.kvserve.v1 import serving_pb2_grpc
-from router.tenancy import hash_key
+from kvserve.protos.kvserve.v1 import serving_pb2_grpc
+from kvserve.router.gate.tenancy import hash_key
 from tests.chaos.conftest import ServedCluster, serve_cluster, stop_cluster
 from tests.chaos.streams import prompt, request
 from tests.chaos.test_failover import RESTART_TIMEOUT_S, _wait_status, _worker

@@ -12,8 +12,8 @@ from collections.abc import Awaitable, Callable
 import httpx
 import pytest
 
-from router.config import RouterConfig
-from router.server import RouterService
+from kvserve.router.api.server import RouterService
+from kvserve.router.config import RouterConfig
 from tests.integration.test_router import make_pki
 
 
@@ -67,7 +67,7 @@ def test_mtls_requires_a_client_certificate(pki: dict[str, str]) -> None:
 
 
 def test_metrics_behind_the_client_apis_auth() -> None:
-    from cluster.launch import _free_port
+    from kvserve.cluster.launch import _free_port
 
     port = _free_port("127.0.0.1")
     url = f"http://127.0.0.1:{port}/metrics"

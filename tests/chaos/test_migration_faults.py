@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 from tests.chaos.conftest import ServedCluster, serve_cluster, stop_cluster
 from tests.chaos.streams import Stream, prompt, request, run_all
 from tests.chaos.test_failover import RESTART_TIMEOUT_S, _wait_status, _worker

@@ -28,7 +28,7 @@ import grpc
 import psutil
 import pytest
 
-from protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 from tests.chaos.conftest import ServedCluster, stop_cluster
 from tests.chaos.streams import prompt, request, run_all
 from tests.chaos.test_failover import _held_at, _mixed_streams, _wait_status, _worker

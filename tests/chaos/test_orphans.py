@@ -7,12 +7,12 @@ import socket
 import time
 from pathlib import Path
 
+from kvserve.workers.core.request import WorkerRequest
+from kvserve.workers.core.sampling_params import SamplingParams
+from kvserve.workers.engine.config import EngineConfig
+from kvserve.workers.transport.options import WorkerOptions
+from kvserve.workers.transport.worker import WorkerCore
 from tests.integration.worker_harness import unbundle
-from workers.core.request import WorkerRequest
-from workers.core.sampling_params import SamplingParams
-from workers.engine.config import EngineConfig
-from workers.transport.options import WorkerOptions
-from workers.transport.worker import WorkerCore
 
 ORPHAN_TIMEOUT_S = 0.5
 

@@ -1,4 +1,4 @@
-"""API keys carry a principal (router/tenancy.py, README "Security"), through the real gRPC and
+"""API keys carry a principal (kvserve/router/gate/tenancy.py, README "Security"), through the real gRPC and
 HTTP surfaces in-process, over fake workers (no Ray: the router's dispatches are recorded and the
 test plays the worker's outputs back, so what a tenant could observe is exact).
 
@@ -22,14 +22,14 @@ import grpc
 import httpx
 import pytest
 
-from protos.kvserve.v1 import serving_pb2 as spb
-from protos.kvserve.v1 import serving_pb2_grpc
-from protos.kvserve.v1 import worker_pb2 as pb
-from router.config import RouterConfig
-from router.server import RouterService
-from router.tenancy import KeyRing, hash_key
-from router.worker_link import _Session
-from workers.core.identity import WorkerIdentity
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.protos.kvserve.v1 import serving_pb2_grpc
+from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.router.api.server import RouterService
+from kvserve.router.config import RouterConfig
+from kvserve.router.gate.tenancy import KeyRing, hash_key
+from kvserve.router.table.worker_link import _Session
+from kvserve.workers.core.identity import WorkerIdentity
 
 KEY_A, KEY_B, KEY_SLOW, KEY_TOKENS = "key-of-team-a", "key-of-team-b", "key-of-a-slow-team", "key-of-a-token-team"
 CALL_TIMEOUT = 10.0

@@ -25,14 +25,14 @@ from pathlib import Path
 import grpc
 import pytest
 
-from protos.kvserve.v1 import serving_pb2 as spb
-from protos.kvserve.v1 import serving_pb2_grpc
-from protos.kvserve.v1 import worker_pb2 as pb
-from router.config import RouterConfig
-from router.server import RouterService
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.protos.kvserve.v1 import serving_pb2_grpc
+from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.router.api.server import RouterService
+from kvserve.router.config import RouterConfig
+from kvserve.workers.core.worker_credential import WORKER_CREDENTIAL_HEADER, issue_worker_credential, new_worker_key
 from tests.chaos.conftest import NUM_WORKERS, serve_cluster, stop_cluster
 from tests.chaos.streams import Stream, prompt, request
-from workers.core.worker_credential import WORKER_CREDENTIAL_HEADER, issue_worker_credential, new_worker_key
 
 TOKEN = "impersonation-test-token"
 BEARER = ("authorization", f"Bearer {TOKEN}")
@@ -121,7 +121,7 @@ def test_client_token_or_no_credential_cannot_open_worker_link(caplog: pytest.Lo
             "another cluster's key": (_credential_header(issue_worker_credential(new_worker_key(), "worker-0")),),
             "worker-0's MAC for worker-1": (_credential_header("worker-1:" + real_mac),),
         }
-        with caplog.at_level(logging.WARNING, logger="router.worker_auth"):
+        with caplog.at_level(logging.WARNING, logger="kvserve.router.gate.worker_auth"):
             for name, metadata in attempts.items():
                 for _ in range(ATTEMPTS):
                     # NOTE: nothing written: refused on its metadata alone, before any message is read
@@ -208,7 +208,7 @@ class Impersonator:
             yield m
 
     def run(self, timeout: float = 15.0) -> Impersonator:
-        from protos.kvserve.v1 import worker_pb2_grpc
+        from kvserve.protos.kvserve.v1 import worker_pb2_grpc
 
         seq = 100
         with grpc.insecure_channel(self.address) as ch:

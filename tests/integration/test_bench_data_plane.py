@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from cluster.bench.data_plane import percentile, stamps_latency_ms
+from kvserve.cluster.bench.data_plane import percentile, stamps_latency_ms
 
 
 def test_stamps_and_percentiles() -> None:
@@ -31,7 +31,7 @@ def test_every_emitted_token_is_streamed_and_counted(protocol: str, frontends: i
     cmd = [
         sys.executable,
         "-m",
-        "cluster.cli",
+        "kvserve.cluster.cli",
         "bench",
         "data-plane",
         "--workers",
@@ -61,7 +61,7 @@ def test_every_emitted_token_is_streamed_and_counted(protocol: str, frontends: i
 
 
 def test_the_steady_window_is_from_every_stream_started_to_the_first_ended() -> None:
-    from cluster.bench.data_plane import _Meter
+    from kvserve.cluster.bench.data_plane import _Meter
 
     meter = _Meter(streams=2)
     meter.received(0, 1, final=False)

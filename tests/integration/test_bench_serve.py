@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cluster.bench.serve_report import ROWS
+from kvserve.cluster.bench.serve_report import ROWS
 from tests.integration.test_serve import REPO, clean_env
 
 POLICIES = ("kv_aware", "least_loaded", "round_robin")
@@ -20,7 +20,7 @@ POLICIES = ("kv_aware", "least_loaded", "round_robin")
 def test_bench_serve_launch_three_policies(tiny_llama_dir: Path, tmp_path: Path) -> None:
     out_json = tmp_path / "bench.json"
     argv = [
-        sys.executable, "-m", "cluster.cli", "bench", "serve", "--launch", "--model", str(tiny_llama_dir),
+        sys.executable, "-m", "kvserve.cluster.cli", "bench", "serve", "--launch", "--model", str(tiny_llama_dir),
         "--workers", "2", "--dtype", "float32", "--block-size", "4", "--num-gpu-blocks", "256",
         "--dataset", "shared-prefix", "--gsp-num-groups", "2", "--gsp-prompts-per-group", "3",
         "--gsp-system-prompt-len", "16", "--gsp-question-len", "4", "--gsp-output-len", "3",

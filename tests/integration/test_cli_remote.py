@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from router.config import RouterConfig
-from workers.engine.config import EngineConfig
+from kvserve.router.config import RouterConfig
+from kvserve.workers.engine.config import EngineConfig
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "cli-test-token"
@@ -21,7 +21,7 @@ MAX_TOKENS = "12"
 
 @pytest.fixture(scope="module")
 def cluster(ray_session, tiny_llama_dir):
-    from cluster.launch import start_cluster
+    from kvserve.cluster.launch import start_cluster
 
     cl = start_cluster(
         EngineConfig(str(tiny_llama_dir), num_gpu_blocks=64),
@@ -47,7 +47,7 @@ def kvserve(*args: str, token: str | None = None, timeout: float = 180) -> subpr
     if token is not None:
         env["KVSERVE_AUTH_TOKEN"] = token
     return subprocess.run(
-        [sys.executable, "-m", "cluster.cli", *args], cwd=REPO, env=env, capture_output=True, text=True,
+        [sys.executable, "-m", "kvserve.cluster.cli", *args], cwd=REPO, env=env, capture_output=True, text=True,
         timeout=timeout,
     )  # fmt: skip
 

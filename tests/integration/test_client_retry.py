@@ -13,10 +13,10 @@ import time
 import grpc
 import pytest
 
-from cluster import client as client_module
-from cluster.client import AsyncKVServeClient, KVServeClient
-from protos.kvserve.v1 import serving_pb2 as spb
-from protos.kvserve.v1 import serving_pb2_grpc
+from kvserve.cluster import client as client_module
+from kvserve.cluster.client import AsyncKVServeClient, KVServeClient
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.protos.kvserve.v1 import serving_pb2_grpc
 
 RESTART_DELAY_S = 1.0  # how long the scripted "router" stays away
 

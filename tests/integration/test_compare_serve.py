@@ -2,7 +2,7 @@
 (its own Ray), waited for, driven over HTTP, stopped with everything it started.
 
 The client is vLLM's ``vllm bench serve`` when ``$KVSERVE_PEER_PYTHON`` names a vLLM venv
-(``cluster/bench/setup_peers.sh vllm``); otherwise a stand-in ``vllm`` executable whose ``bench serve``
+(``kvserve/cluster/bench/setup_peers.sh vllm``); otherwise a stand-in ``vllm`` executable whose ``bench serve``
 sends the same number of real streamed greedy completions to the server and writes the figures it
 measured in vLLM's result format, so the harness's launch, readiness, model-name check, parsing and
 cleanup are exercised without vLLM. Short: 4 requests of 8 tokens.
@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from cluster.cli import main
+from kvserve.cluster.cli import main
 
 # `vllm bench serve` stand-in: streamed /v1/completions, TTFT / ITL measured, vLLM's result keys.
 STAND_IN = textwrap.dedent(

@@ -10,9 +10,9 @@ from collections import defaultdict
 import grpc
 import pytest
 
-from protos.kvserve.v1 import serving_pb2 as spb
-from protos.kvserve.v1 import serving_pb2_grpc
-from router.mux import batch_responses, column_entries
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.protos.kvserve.v1 import serving_pb2_grpc
+from kvserve.router.requests.mux import batch_responses, column_entries
 from tests.integration.test_router import client, cluster, greedy, llm, rand_prompt, wait_idle  # noqa: F401
 
 MAX_TOKENS = 16

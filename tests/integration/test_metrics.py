@@ -21,11 +21,11 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from protos.kvserve.v1 import serving_pb2 as spb
-from protos.kvserve.v1 import serving_pb2_grpc
-from router.config import RouterConfig
-from workers.core.sizes import pool_usage
-from workers.engine.config import EngineConfig
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.protos.kvserve.v1 import serving_pb2_grpc
+from kvserve.router.config import RouterConfig
+from kvserve.workers.core.sizes import pool_usage
+from kvserve.workers.engine.config import EngineConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 NUM_BLOCKS = 32
@@ -43,7 +43,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def cluster(ray_session, tiny_llama_dir: Path) -> Iterator:
-    from cluster.launch import start_cluster
+    from kvserve.cluster.launch import start_cluster
 
     cl = start_cluster(
         EngineConfig(str(tiny_llama_dir), block_size=BLOCK_SIZE, num_gpu_blocks=NUM_BLOCKS, device="cpu",
@@ -203,7 +203,7 @@ def test_counters_count_what_happened(cluster, stub, traffic) -> None:  # noqa: 
 
 def test_the_router_froze_its_start_up_heap_and_times_its_collections(cluster, traffic) -> None:  # noqa: ANN001
     """The router actor's own process: its start-up objects are out of the collector's scans (a full
-    collection of them stalls every stream; workers/core/gc_pauses.py) and its pauses are exported."""
+    collection of them stalls every stream; kvserve/workers/core/gc_pauses.py) and its pauses are exported."""
     samples = scrape(cluster.metrics_port)
     assert value(samples, "kvserve:router_gc_frozen_objects") > 10_000, "Ray, gRPC and the router's modules"
     young = value(samples, "kvserve:router_gc_pause_seconds_count", generation="0")

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API (router/http_api.py) end to end: a real Ray cluster, real HTTP on
+"""The OpenAI-compatible HTTP API (kvserve/router/api/http_api.py) end to end: a real Ray cluster, real HTTP on
 127.0.0.1, the official ``openai`` package as the client.
 
 One two-worker cluster (bearer token on, HTTP on a free port, a 1-request router queue so that a
@@ -19,12 +19,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.client import KVServeClient
-from router.config import RouterConfig
+from kvserve.cluster.client import KVServeClient
+from kvserve.router.config import RouterConfig
+from kvserve.workers.engine.config import EngineConfig
+from kvserve.workers.text.chat_template import ChatMessage, ChatTemplate
+from kvserve.workers.text.tokenizer import Tokenizer
 from tests.integration.test_router import MAIN_BLOCKS, RPC_TIMEOUT, greedy, rand_prompt, wait_idle, wait_until
-from workers.engine.config import EngineConfig
-from workers.text.chat_template import ChatMessage, ChatTemplate
-from workers.text.tokenizer import Tokenizer
 
 openai = pytest.importorskip("openai")
 
@@ -36,7 +36,7 @@ QUESTION = "What is the capital of France?"
 # ---- fixtures --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster(ray_session, tiny_llama_dir):
-    from cluster.launch import start_cluster
+    from kvserve.cluster.launch import start_cluster
 
     engine = EngineConfig(str(tiny_llama_dir), num_gpu_blocks=MAIN_BLOCKS)
     router = RouterConfig(port=0, model=str(tiny_llama_dir), auth_token=TOKEN, max_queue_requests=1)
@@ -65,7 +65,7 @@ def grpc_client(cluster):
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    from workers.engine.engine import LLM
+    from kvserve.workers.engine.engine import LLM
 
     return LLM(str(tiny_llama_dir), num_gpu_blocks=512)
 
@@ -329,7 +329,7 @@ def test_http_requests_are_counted_by_route_and_status(base_url, cluster):
 # ---- kvserve generate --chat ----------------------------------------------------------------------------
 @pytest.mark.usefixtures("idle_after")
 def test_generate_chat_cli_local_and_server(cluster, llm, tiny_llama_dir, capsys):
-    from cluster.cli import main
+    from kvserve.cluster.cli import main
 
     exp = greedy(llm, [_chat_ids(tiny_llama_dir, QUESTION)], 6)[0]
     flags = ["--chat", QUESTION, "--max-tokens", "6", "--ignore-eos", "--json"]
@@ -356,7 +356,7 @@ def _models_before_any_worker(config: RouterConfig) -> tuple[list[str], int]:
     and the status of a completion sent then."""
     import asyncio
 
-    from router.server import RouterService
+    from kvserve.router.api.server import RouterService
 
     async def ask() -> tuple[list[str], int]:
         service = RouterService(config, http_port=0, ready_timeout_s=0.0)

@@ -24,16 +24,16 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cluster.client import AsyncKVServeClient, KVServeClient, retry_after_s
-from protos.kvserve.v1 import serving_pb2 as spb
-from protos.kvserve.v1 import serving_pb2_grpc
-from router.config import RouterConfig
-from router.validation import MAX_STOP_STRINGS, MAX_TEXT_CHARS
-from workers.core.sampling_params import SamplingParams
-from workers.engine.config import EngineConfig
-from workers.transport.worker import WorkerOptions
+from kvserve.cluster.client import AsyncKVServeClient, KVServeClient, retry_after_s
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.protos.kvserve.v1 import serving_pb2_grpc
+from kvserve.router.config import RouterConfig
+from kvserve.router.gate.validation import MAX_STOP_STRINGS, MAX_TEXT_CHARS
+from kvserve.workers.core.sampling_params import SamplingParams
+from kvserve.workers.engine.config import EngineConfig
+from kvserve.workers.transport.worker import WorkerOptions
 
-VOCAB = 32000  # workers/models/random_model.py
+VOCAB = 32000  # kvserve/workers/models/random_model.py
 MAX_MODEL_LEN = 4096
 BLOCK = 16
 MAIN_BLOCKS = 128  # per worker: 2048 tokens
@@ -106,7 +106,7 @@ def wait_idle(client: KVServeClient, cluster, timeout: float = 20.0) -> spb.Clus
 
 
 def start(tiny_llama_dir: Path, num_workers: int = 2, blocks: int = MAIN_BLOCKS, **router_kw):
-    from cluster.launch import start_cluster
+    from kvserve.cluster.launch import start_cluster
 
     worker_options = router_kw.pop("worker_options", None)
     engine = EngineConfig(str(tiny_llama_dir), num_gpu_blocks=blocks)
@@ -146,7 +146,7 @@ def client(cluster) -> Iterator[KVServeClient]:
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    from workers.engine.engine import LLM
+    from kvserve.workers.engine.engine import LLM
 
     return LLM(str(tiny_llama_dir), num_gpu_blocks=512)
 
@@ -204,7 +204,7 @@ def test_async_client_streams_equal_offline_greedy(cluster, llm):
 
 @pytest.mark.usefixtures("idle_after")
 def test_logprobs_stream_with_their_tokens(client, llm):
-    from workers.core.sampling_params import SamplingParams
+    from kvserve.workers.core.sampling_params import SamplingParams
 
     prompt = rand_prompt(150, 20)
     (expected,) = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2))

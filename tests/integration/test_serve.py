@@ -24,8 +24,8 @@ import grpc
 import psutil
 import pytest
 
-from protos.kvserve.v1 import serving_pb2 as spb
-from protos.kvserve.v1 import serving_pb2_grpc
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.protos.kvserve.v1 import serving_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 API_LINE = re.compile(r"API listening on (\S+)")
@@ -129,7 +129,7 @@ class Proc:
 
 
 def kvserve_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "cluster.cli", *args]
+    return [sys.executable, "-m", "kvserve.cluster.cli", *args]
 
 
 def stream_tokens(address: str, ids: list[int], max_tokens: int) -> list[spb.GenerateResponse]:
@@ -189,8 +189,8 @@ def test_http_api_serves_chat(served: tuple[Proc, str, str]) -> None:
 
 
 def test_a_request_streams_tokens(served: tuple[Proc, str, str], tiny_llama_dir: Path) -> None:
-    from workers.core.sampling_params import SamplingParams
-    from workers.engine.engine import LLM
+    from kvserve.workers.core.sampling_params import SamplingParams
+    from kvserve.workers.engine.engine import LLM
 
     _, address, _ = served
     prompt = [5 + i for i in range(40)]
@@ -336,7 +336,7 @@ def test_demo_runs_and_summarizes(tmp_path: Path) -> None:
 
 
 def _cached_smollm2() -> Path:
-    from cluster.model_fetch import MARKER, default_model_dir
+    from kvserve.cluster.model_fetch import MARKER, default_model_dir
 
     d = default_model_dir("smollm2-135m-instruct")
     if not (d / MARKER).is_file():

@@ -3,7 +3,7 @@ template renders as transformers renders it, and the capital-of-France question 
 Paris over the OpenAI HTTP API, stopping at the end-of-turn token.
 
 Skipped when the model is not in the cache (``$KVSERVE_MODEL_CACHE`` or ``~/.cache/kvserve/models``,
-as ``cluster/model_fetch.py`` keeps it).
+as ``kvserve/cluster/model_fetch.py`` keeps it).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.text.chat_template import ChatMessage, ChatTemplate
-from workers.text.tokenizer import Tokenizer
+from kvserve.workers.text.chat_template import ChatMessage, ChatTemplate
+from kvserve.workers.text.tokenizer import Tokenizer
 
 openai = pytest.importorskip("openai")
 transformers = pytest.importorskip("transformers")
@@ -50,9 +50,9 @@ def test_smollm2_template_matches_transformers(smollm2, system):
 
 
 def test_smollm2_answers_paris_over_http(smollm2, ray_session):
-    from cluster.launch import start_cluster
-    from router.config import RouterConfig
-    from workers.engine.config import EngineConfig
+    from kvserve.cluster.launch import start_cluster
+    from kvserve.router.config import RouterConfig
+    from kvserve.workers.engine.config import EngineConfig
 
     cl = start_cluster(
         EngineConfig(str(smollm2), num_gpu_blocks=64), 1, RouterConfig(port=0, model=str(smollm2)),

@@ -11,13 +11,13 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from kvserve.workers.core.block_hash import cache_extra, hash_blocks  # noqa: E402
+from kvserve.workers.core.request import WorkerRequest  # noqa: E402
+from kvserve.workers.core.sampling_params import SamplingParams  # noqa: E402
+from kvserve.workers.engine.config import EngineConfig  # noqa: E402
+from kvserve.workers.engine.engine import LLM  # noqa: E402
+from kvserve.workers.transport.worker import WorkerOptions, worker_actor_class  # noqa: E402
 from tests.integration.worker_harness import RecordingRouter  # noqa: E402
-from workers.core.block_hash import cache_extra, hash_blocks  # noqa: E402
-from workers.core.request import WorkerRequest  # noqa: E402
-from workers.core.sampling_params import SamplingParams  # noqa: E402
-from workers.engine.config import EngineConfig  # noqa: E402
-from workers.engine.engine import LLM  # noqa: E402
-from workers.transport.worker import WorkerOptions, worker_actor_class  # noqa: E402
 
 BS = 4
 PROMPT = list(range(100, 124))  # 6 full blocks
@@ -64,7 +64,7 @@ def _tier_hashes(router: RecordingRouter, worker_id: str, tier: int) -> set[int]
 
 
 def test_prefix_evicted_on_a_is_loaded_by_b(workers, tiny_llama_dir: Path) -> None:
-    from protos.kvserve.v1 import worker_pb2 as pb
+    from kvserve.protos.kvserve.v1 import worker_pb2 as pb
 
     router, actors = workers
     (expected,) = [o.token_ids for o in LLM(str(tiny_llama_dir), block_size=BS, num_gpu_blocks=64,

@@ -23,16 +23,16 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from protos.kvserve.v1 import worker_pb2 as pb  # noqa: E402
+from kvserve.protos.kvserve.v1 import worker_pb2 as pb  # noqa: E402
+from kvserve.workers.core.block_hash import cache_extra, hash_blocks  # noqa: E402
+from kvserve.workers.core.identity import WorkerIdentity  # noqa: E402
+from kvserve.workers.core.request import WorkerRequest  # noqa: E402
+from kvserve.workers.core.sampling_params import SamplingParams  # noqa: E402
+from kvserve.workers.engine.config import EngineConfig  # noqa: E402
+from kvserve.workers.engine.engine import LLM, LLMEngine  # noqa: E402
+from kvserve.workers.engine.kv_cache import KVCache, bytes_per_block  # noqa: E402
+from kvserve.workers.transport.worker import WorkerError, WorkerOptions, worker_actor_class  # noqa: E402
 from tests.integration.worker_harness import RecordingRouter  # noqa: E402
-from workers.core.block_hash import cache_extra, hash_blocks  # noqa: E402
-from workers.core.identity import WorkerIdentity  # noqa: E402
-from workers.core.request import WorkerRequest  # noqa: E402
-from workers.core.sampling_params import SamplingParams  # noqa: E402
-from workers.engine.config import EngineConfig  # noqa: E402
-from workers.engine.engine import LLM, LLMEngine  # noqa: E402
-from workers.engine.kv_cache import KVCache, bytes_per_block  # noqa: E402
-from workers.transport.worker import WorkerError, WorkerOptions, worker_actor_class  # noqa: E402
 
 BLOCK_SIZE = 4
 BIG_POOL = 512  # wA / wB: no eviction over the whole module

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from protos.kvserve.v1 import worker_pb2 as pb
-from protos.kvserve.v1 import worker_pb2_grpc
-from router.worker_link import WorkerLinkHandler, WorkerLinkService
-from workers.core.step_columns import column_entries, entry_output
+from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.protos.kvserve.v1 import worker_pb2_grpc
+from kvserve.router.table.worker_link import WorkerLinkHandler, WorkerLinkService
+from kvserve.workers.core.step_columns import column_entries, entry_output
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-import kernels
-from kernels import attention, reference
+from kvserve import kernels
+from kvserve.kernels import attention, reference
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -282,7 +282,7 @@ def test_launchers_reject_bad_inputs() -> None:
 def test_backend_selection_returns_triton_module(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVSERVE_ATTENTION_BACKEND", "triton")
     backend = kernels.get_backend("cpu")
-    from kernels import triton_backend
+    from kvserve.kernels import triton_backend
 
     assert backend is triton_backend
     assert backend.decode_attention is attention.decode_attention
@@ -349,7 +349,7 @@ _AOT_SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from kernels import attention as A, cache_ops as C
+    from kvserve.kernels import attention as A, cache_ops as C
 
     def build(fn, types, constexprs, arch, num_warps=4):
         names = fn.arg_names

@@ -1,4 +1,4 @@
-"""cluster/bench/gpu_check.sh --dry-run: every step of the GPU check on CPU with tiny sizes, in an
+"""kvserve/cluster/bench/gpu_check.sh --dry-run: every step of the GPU check on CPU with tiny sizes, in an
 interpreter that, like the GPU machine's, lacks Ray, rich, jinja2, gguf, prometheus_client, psutil and
 pytest (so an import of one of them at the wrong place fails here, not in a scarce GPU minute)."""
 
@@ -14,10 +14,10 @@ import sys
 
 import pytest
 
-from cluster.bench import kernels as bench
+from kvserve.cluster.bench import kernels as bench
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "cluster" / "bench" / "gpu_check.sh"
+SCRIPT = ROOT / "kvserve" / "cluster" / "bench" / "gpu_check.sh"
 # Distributions the GPU machine does not have (it has torch, triton, transformers, safetensors,
 # tokenizers, grpcio, protobuf, numpy and their dependencies).
 ABSENT = ("ray", "rich", "jinja2", "gguf", "prometheus_client", "psutil", "pytest", "_pytest", "pluggy")

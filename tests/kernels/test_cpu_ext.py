@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (``kernels/csrc/cpu_ops.cpp``) against the plain-torch reference, and the fallback.
+"""The C++ CPU kernels (``kvserve/kernels/csrc/cpu_ops.cpp``) against the plain-torch reference, and the fallback.
 
 Where a C++ compiler exists on an AVX2 machine the build must be there (``make setup`` builds it): a
 missing build fails here instead of silently running the slow path everywhere.
@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from kernels import cpu_backend, cpu_ext, reference
+from kvserve.kernels import cpu_backend, cpu_ext, reference
 
 X86_AVX2 = platform.machine().lower() in ("x86_64", "amd64") and torch.backends.cpu.get_cpu_capability() in (
     "AVX2",
@@ -149,7 +149,7 @@ def test_backend_falls_back_to_the_reference(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_disabled_by_environment() -> None:
-    code = "from kernels import cpu_ext; print(cpu_ext.available(), cpu_ext.unusable_reason())"
+    code = "from kvserve.kernels import cpu_ext; print(cpu_ext.available(), cpu_ext.unusable_reason())"
     env = {**os.environ, "KVSERVE_CPU_EXT": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False disabled by KVSERVE_CPU_EXT=0"

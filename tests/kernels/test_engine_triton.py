@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.core.sampling_params import SamplingParams
-from workers.engine.engine import LLM
+from kvserve.workers.core.sampling_params import SamplingParams
+from kvserve.workers.engine.engine import LLM
 
 PROMPTS = [[5, 17, 99, 1000, 2047, 3], list(range(100, 121))]  # a short and a 21-token prompt
 
@@ -28,7 +28,7 @@ def test_engine_triton_backend_matches_torch(
     monkeypatch.setenv("KVSERVE_ATTENTION_BACKEND", "torch")
     expected = _generate(tiny_llama_dir, kv_cache_dtype)
     monkeypatch.setenv("KVSERVE_ATTENTION_BACKEND", "triton")
-    from kernels import triton_backend
+    from kvserve.kernels import triton_backend
 
     calls: dict[str, int] = {}
     for name in ("store_kv", "decode_attention", "prefill_attention"):

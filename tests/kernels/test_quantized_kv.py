@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels import reference
-from workers.core.sampling_params import SamplingParams
-from workers.engine.config import EngineConfig
-from workers.engine.engine import LLM, LLMEngine
-from workers.engine.kv_cache import bytes_per_block
+from kvserve.kernels import reference
+from kvserve.workers.core.sampling_params import SamplingParams
+from kvserve.workers.engine.config import EngineConfig
+from kvserve.workers.engine.engine import LLM, LLMEngine
+from kvserve.workers.engine.kv_cache import bytes_per_block
 
 FP8 = torch.float8_e4m3fn
 DTYPES = {"fp8": FP8, "int8": torch.int8, "fp16": torch.float16, "bf16": torch.bfloat16}

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kernels import attention, cache_ops, reference
+from kvserve.kernels import attention, cache_ops, reference
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -344,7 +344,7 @@ _AOT_SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from kernels import attention as A, cache_ops as C
+    from kvserve.kernels import attention as A, cache_ops as C
 
     def build(fn, types, constexprs, **opts):
         names = fn.arg_names

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
+from kvserve.kernels import reference
 
 
 def _naive(query, kv_cache, block_tables, cu_q, context_lens, scale, window):  # noqa: ANN001

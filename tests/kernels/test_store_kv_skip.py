@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import reference
+from kvserve.kernels import reference
 
 
 def _store(slots: torch.Tensor) -> torch.Tensor:

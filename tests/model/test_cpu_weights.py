@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels import cpu_ext
+from kvserve.kernels import cpu_ext
+from kvserve.workers.core.sampling_params import SamplingParams
+from kvserve.workers.engine.engine import LLM
+from kvserve.workers.models import cpu_gemm
 from tests.model.test_loader import _copy_without
-from workers.core.sampling_params import SamplingParams
-from workers.engine.engine import LLM
-from workers.models import cpu_gemm
 
 pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="the bf16 weight stream is the C++ GEMM's")
 

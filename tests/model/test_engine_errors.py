@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.core.sampling_params import SamplingParams
-from workers.engine.engine import LLM, LLMEngine
+from kvserve.workers.core.sampling_params import SamplingParams
+from kvserve.workers.engine.engine import LLM, LLMEngine
 
 N = 24
 GREEDY = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)

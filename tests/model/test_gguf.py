@@ -13,12 +13,12 @@ from safetensors.torch import load_file
 
 gguf = pytest.importorskip("gguf")
 
-from workers.core.sampling_params import SamplingParams  # noqa: E402
-from workers.engine.engine import LLM  # noqa: E402
-from workers.models.gguf_checkpoint import find_gguf, unpermute_rotary_rows  # noqa: E402
-from workers.models.loader import load_model  # noqa: E402
-from workers.models.model_config import ModelConfig  # noqa: E402
-from workers.text.tokenizer import load_tokenizer  # noqa: E402
+from kvserve.workers.core.sampling_params import SamplingParams  # noqa: E402
+from kvserve.workers.engine.engine import LLM  # noqa: E402
+from kvserve.workers.models.gguf_checkpoint import find_gguf, unpermute_rotary_rows  # noqa: E402
+from kvserve.workers.models.loader import load_model  # noqa: E402
+from kvserve.workers.models.model_config import ModelConfig  # noqa: E402
+from kvserve.workers.text.tokenizer import load_tokenizer  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -102,7 +102,7 @@ def assert_weights(model_path: Path, hf_dir: Path, expected: dict[str, torch.Ten
     served = load_model(model_path, torch.float32).state_dict()
     reference = load_model(hf_dir, torch.float32)
     with torch.no_grad():  # overwrite the HF weights by the expected ones through the same fusing
-        from workers.models.loader import _targets
+        from kvserve.workers.models.loader import _targets
 
         for name, tensor in expected.items():
             param, offset, rows = _targets(reference, name)

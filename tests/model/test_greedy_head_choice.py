@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.engine.engine import LLM
-from workers.models import model as model_module
+from kvserve.workers.engine.engine import LLM
+from kvserve.workers.models import model as model_module
 
 
 def _model(llm: LLM):

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.core.sampling_params import SamplingParams
-from workers.engine.engine import LLM, LLMEngine
-from workers.engine.outputs import CompletionOutput
+from kvserve.workers.core.sampling_params import SamplingParams
+from kvserve.workers.engine.engine import LLM, LLMEngine
+from kvserve.workers.engine.outputs import CompletionOutput
 
 N = 24  # new tokens per request (the conftest oracle's maximum, so all tests share its cache)
 GREEDY = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)
@@ -90,9 +90,9 @@ def test_recompute_preemption_matches_hf(model_dir: Path, hf_greedy) -> None:
 
 @pytest.mark.parametrize("gemm", ["kvserve", "onednn"])
 def test_each_cpu_gemm_matches_hf(model_dir: Path, hf_greedy, gemm: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Whichever projection GEMM the start-up timing picks on a machine (``workers/models/cpu_gemm.py``),
+    """Whichever projection GEMM the start-up timing picks on a machine (``kvserve/workers/models/cpu_gemm.py``),
     tokens are HF's: each forced in turn, with recompute preemption (replayed prompts take prefill rows)."""
-    from kernels import cpu_ext
+    from kvserve.kernels import cpu_ext
 
     if gemm == "kvserve" and not cpu_ext.available():
         pytest.skip("the C++ kernels are not built here")

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.core.sampling_params import SamplingParams
-from workers.engine.engine import LLM
+from kvserve.workers.core.sampling_params import SamplingParams
+from kvserve.workers.engine.engine import LLM
 
 WINDOW = 8
 N_NEW = 24

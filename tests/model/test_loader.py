@@ -11,12 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from workers.core.sampling_params import SamplingParams
-from workers.engine.engine import LLM
-from workers.models.loader import checkpoint_files, load_model
-from workers.models.model import rope_inv_freq
-from workers.models.model_config import ModelConfig
-from workers.models.random_model import init_random
+from kvserve.workers.core.sampling_params import SamplingParams
+from kvserve.workers.engine.engine import LLM
+from kvserve.workers.models.loader import checkpoint_files, load_model
+from kvserve.workers.models.model import rope_inv_freq
+from kvserve.workers.models.model_config import ModelConfig
+from kvserve.workers.models.random_model import init_random
 
 N = 16
 GREEDY = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)

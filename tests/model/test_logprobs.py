@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.core.sampling_params import SamplingParams
-from workers.engine.engine import LLM
+from kvserve.workers.core.sampling_params import SamplingParams
+from kvserve.workers.engine.engine import LLM
 
 
 def test_logprobs_match_hf_and_leave_tokens_alone(tiny_llama_dir: Path) -> None:

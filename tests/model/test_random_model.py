@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from workers.models.random_model import (
+from kvserve.workers.models.random_model import (
     SIZES,
     VOCAB_SIZE,
     add_init_random_arguments,

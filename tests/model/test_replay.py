@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from workers.core.sampling_params import SamplingParams
-from workers.engine.config import EngineConfig
-from workers.engine.engine import LLMEngine
+from kvserve.workers.core.sampling_params import SamplingParams
+from kvserve.workers.engine.config import EngineConfig
+from kvserve.workers.engine.engine import LLMEngine
 
 PROMPT = list(range(100, 112))
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.core.sampling_params import SamplingParams
-from workers.engine.engine import LLM
-from workers.models.gguf_checkpoint import find_gguf
-from workers.models.loader import load_model
-from workers.text.tokenizer import load_tokenizer
+from kvserve.workers.core.sampling_params import SamplingParams
+from kvserve.workers.engine.engine import LLM
+from kvserve.workers.models.gguf_checkpoint import find_gguf
+from kvserve.workers.models.loader import load_model
+from kvserve.workers.text.tokenizer import load_tokenizer
 
 NEW_TOKENS = 64
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from workers.core.sampling_params import SamplingParams
-from workers.engine.engine import LLM
+from kvserve.workers.core.sampling_params import SamplingParams
+from kvserve.workers.engine.engine import LLM
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 

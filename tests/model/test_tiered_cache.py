@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from workers.core.block_hash import cache_extra, hash_blocks
-from workers.core.sampling_params import SamplingParams
-from workers.engine.engine import LLM, LLMEngine
+from kvserve.workers.core.block_hash import cache_extra, hash_blocks
+from kvserve.workers.core.sampling_params import SamplingParams
+from kvserve.workers.engine.engine import LLM, LLMEngine
 
 BS = 4
 PROMPT = list(range(100, 124))  # 6 full blocks

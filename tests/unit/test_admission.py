@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from router.admission import AdmissionQueue, AdmissionState, RejectReason, estimate_retry_after_ms
+from kvserve.router.policy.admission import AdmissionQueue, AdmissionState, RejectReason, estimate_retry_after_ms
 
 
 @dataclass(frozen=True)
@@ -199,7 +199,7 @@ def test_retry_after_from_drain_rate():
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from router.admission import Refusal  # noqa: E402
+from kvserve.router.policy.admission import Refusal  # noqa: E402
 
 
 def _drained_queue(clock: Clock, blocks_each: int = 4, n: int = 10, **kw) -> AdmissionQueue:

@@ -1,11 +1,11 @@
 """Admission before any drain is measured (a cold cluster): only what provably cannot start within
-its deadline (or max_wait_s) is refused; the rest of a burst is queued (router/admission.py)."""
+its deadline (or max_wait_s) is refused; the rest of a burst is queued (kvserve/router/policy/admission.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from router.admission import AdmissionQueue, ColdCapacity, RejectReason
+from kvserve.router.policy.admission import AdmissionQueue, ColdCapacity, RejectReason
 
 
 @dataclass

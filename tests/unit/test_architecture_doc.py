@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.protos.kvserve.v1 import worker_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = (ROOT / "docs" / "architecture.md").read_text()
@@ -34,11 +34,11 @@ def test_router_commands_match_the_proto() -> None:
 def test_ray_calls_match_what_the_router_calls() -> None:
     """Every ``handle.<method>.remote`` in router/ (health and pid helpers of the actor service aside)."""
     called = set()
-    for path in (ROOT / "router").rglob("*.py"):
+    for path in (ROOT / "kvserve" / "router").rglob("*.py"):
         called |= set(re.findall(r"handle\.(\w+)\.remote\(", path.read_text()))
     # RouterService's test and ops helpers, not the request path
     called -= {"pid", "check_integrity", "partition_link_for_test"}
-    label = "Ray calls, router → worker (methods of `workers/transport/worker.py` `Worker`):"
+    label = "Ray calls, router → worker (methods of `kvserve/workers/transport/worker.py` `Worker`):"
     assert _doc_list(label) - {"Worker"} == called
 
 

@@ -1,4 +1,4 @@
-"""cluster/bench/datasets.py: shapes, determinism, the ideal prefix-hit yardstick."""
+"""kvserve/cluster/bench/datasets.py: shapes, determinism, the ideal prefix-hit yardstick."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from cluster.bench.datasets import (
+from kvserve.cluster.bench.datasets import (
     DatasetConfig,
     arrival_times,
     build_dataset,

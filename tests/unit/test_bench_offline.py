@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from cluster.bench.offline import RESULT_KEYS
-from cluster.bench.workloads import prompts
-from cluster.cli import main
-from workers.models.random_model import init_random
+from kvserve.cluster.bench.offline import RESULT_KEYS
+from kvserve.cluster.bench.workloads import prompts
+from kvserve.cluster.cli import main
+from kvserve.workers.models.random_model import init_random
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +47,8 @@ def test_offline_json(model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFix
 
 def test_offline_tokens_match_offline_llm(model_dir: Path, tmp_path: Path) -> None:
     """The bench's greedy tokens are the ones ``LLM.generate`` produces for the same prompts."""
-    from workers.core.sampling_params import SamplingParams
-    from workers.engine.engine import LLM
+    from kvserve.workers.core.sampling_params import SamplingParams
+    from kvserve.workers.engine.engine import LLM
 
     dump = tmp_path / "tokens.json"
     argv = ["bench", "offline", "--model", str(model_dir), "--workload", "tiny", "--json", "--runs", "1",

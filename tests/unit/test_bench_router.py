@@ -1,4 +1,4 @@
-"""cluster/bench/router_bench.py: a small run through the real placement, admission and prefix index."""
+"""kvserve/cluster/bench/router_bench.py: a small run through the real placement, admission and prefix index."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from cluster.bench.router_bench import RouterBenchConfig, measure_memory, run_one
-from cluster.cli import main
+from kvserve.cluster.bench.router_bench import RouterBenchConfig, measure_memory, run_one
+from kvserve.cluster.cli import main
 
 
 def test_run_one_reports_every_figure() -> None:

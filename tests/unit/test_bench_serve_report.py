@@ -1,4 +1,4 @@
-"""cluster/bench/serve_report.py: figures from synthetic records, the side-by-side table, SLO parsing."""
+"""kvserve/cluster/bench/serve_report.py: figures from synthetic records, the side-by-side table, SLO parsing."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from cluster.bench.serve_report import (
+from kvserve.cluster.bench.serve_report import (
     ROWS,
     RequestRecord,
     RunResult,
@@ -95,7 +95,7 @@ def test_slo_parse() -> None:
 
 
 def test_cli_refuses_several_policies_without_launch(capsys: pytest.CaptureFixture[str]) -> None:
-    from cluster.cli import main
+    from kvserve.cluster.cli import main
 
     assert main(["bench", "serve", "--server", "127.0.0.1:1", "--vocab-size", "100",
                  "--policies", "kv_aware,round_robin"]) == 2  # fmt: skip

@@ -1,4 +1,4 @@
-"""`python -m cluster.bench.stream_path`: the router's in-process streaming path delivers every token
+"""`python -m kvserve.cluster.bench.stream_path`: the router's in-process streaming path delivers every token
 it times, and reports a per-token figure scripts can read."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cluster.bench import stream_path
+from kvserve.cluster.bench import stream_path
 
 
 def test_every_token_is_streamed_and_the_figure_is_reported(capsys: pytest.CaptureFixture[str]) -> None:
@@ -17,7 +17,7 @@ def test_every_token_is_streamed_and_the_figure_is_reported(capsys: pytest.Captu
 
 
 def test_a_path_that_drops_tokens_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    from router.router import Router
+    from kvserve.router.requests.router import Router
 
     monkeypatch.setattr(Router, "_on_output", lambda self, worker_id, out, now=None: None)
     with pytest.raises(RuntimeError, match="streamed 0 tokens"):

@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from workers.core.block_hash import ROOT_HASH, hash_block
-from workers.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from workers.engine.block_pool import BlockPool, PoolStats
+from kvserve.workers.core.block_hash import ROOT_HASH, hash_block
+from kvserve.workers.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvserve.workers.engine.block_pool import BlockPool, PoolStats
 
 NUM_BLOCKS = 6
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.engine.block_store import HEADER_BYTES, BlockStore
+from kvserve.workers.engine.block_store import HEADER_BYTES, BlockStore
 
 PAYLOAD = 64
 LAYOUT = "model-a|layers=2|block=[4, 8]x16|dtype=torch.float16|scales=none"

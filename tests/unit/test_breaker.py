@@ -1,4 +1,4 @@
-"""Per-worker circuit breaking (router/breaker.py): the pure state machine, and the router on fake
+"""Per-worker circuit breaking (kvserve/router/table/breaker.py): the pure state machine, and the router on fake
 workers: repeated failed dispatches take a worker out of placement for an exponential, capped
 backoff (no flapping with the health probes), and one success closes the breaker."""
 
@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from router.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
-from router.config import RouterConfig
-from router.router import Router
+from kvserve.router.config import RouterConfig
+from kvserve.router.requests.router import Router
+from kvserve.router.table.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from tests.unit.test_router_failover import FakeWorker, _connect, _identity, _req, _settle
 
 

@@ -19,10 +19,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from workers.models.random_model import CHAT_TEMPLATE, IM_START_ID, write_tokenizer
-from workers.text.chat_encoding import encode_chat
-from workers.text.chat_template import ChatMessage, ChatTemplate
-from workers.text.tokenizer import Tokenizer, load_tokenizer
+from kvserve.workers.models.random_model import CHAT_TEMPLATE, IM_START_ID, write_tokenizer
+from kvserve.workers.text.chat_encoding import encode_chat
+from kvserve.workers.text.chat_template import ChatMessage, ChatTemplate
+from kvserve.workers.text.tokenizer import Tokenizer, load_tokenizer
 
 MODEL_CACHE = Path(os.environ.get("KVSERVE_MODEL_CACHE", Path.home() / ".cache" / "kvserve" / "models"))
 SMOLLM2_DIR = MODEL_CACHE / "smollm2-135m-instruct-float32"

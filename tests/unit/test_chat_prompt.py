@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from protos.kvserve.v1 import serving_pb2 as spb
-from router.config import RouterConfig
-from router.router import Router
-from router.validation import MAX_CHAT_MESSAGES, ModelLimits, ValidationError
-from workers.models.random_model import IM_START_ID, write_tokenizer
-from workers.text.chat_template import ChatMessage, ChatTemplate
-from workers.text.tokenizer import Tokenizer
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.router.config import RouterConfig
+from kvserve.router.gate.validation import MAX_CHAT_MESSAGES, ModelLimits, ValidationError
+from kvserve.router.requests.router import Router
+from kvserve.workers.models.random_model import IM_START_ID, write_tokenizer
+from kvserve.workers.text.chat_template import ChatMessage, ChatTemplate
+from kvserve.workers.text.tokenizer import Tokenizer
 
 LIMITS = ModelLimits(vocab_size=32000, max_model_len=4096)
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from workers.models.random_model import IM_END_ID, IM_START_ID, write_tokenizer
-from workers.text.chat_template import ChatMessage, ChatTemplate, ChatTemplateError
-from workers.text.tokenizer import Tokenizer
+from kvserve.workers.models.random_model import IM_END_ID, IM_START_ID, write_tokenizer
+from kvserve.workers.text.chat_template import ChatMessage, ChatTemplate, ChatTemplateError
+from kvserve.workers.text.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

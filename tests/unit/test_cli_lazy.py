@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from cluster.cli import COMMANDS, build_parser, command_parser
-from cluster.lazy_subcommands import LazySubParsers
+from kvserve.cluster.cli import COMMANDS, build_parser, command_parser
+from kvserve.cluster.lazy_subcommands import LazySubParsers
 
 HEAVY = ("torch", "grpc", "ray", "triton")
 
@@ -20,7 +20,7 @@ def _heavy_modules_after(argv: list[str]) -> list[str]:
     """Run ``kvserve ARGV`` in a fresh interpreter; the heavy modules it imported."""
     code = (
         "import json, sys\n"
-        "from cluster.cli import main\n"
+        "from kvserve.cluster.cli import main\n"
         "try:\n"
         f"    main({argv!r})\n"
         "except SystemExit:\n"

@@ -22,14 +22,14 @@ from pathlib import Path
 
 import pytest
 
-from cluster.bench import compare_serve, serve_targets
-from cluster.bench.compare_serve_clients import (
+from kvserve.cluster.bench import compare_serve, serve_targets
+from kvserve.cluster.bench.compare_serve_clients import (
     BenchSpec,
     cpu_description,
     guidellm_scenario,
     vllm_bench_command,
 )
-from cluster.bench.compare_serve_report import (
+from kvserve.cluster.bench.compare_serve_report import (
     ClientResult,
     ResultError,
     format_table,
@@ -37,8 +37,8 @@ from cluster.bench.compare_serve_report import (
     parse_vllm_bench,
     summarize,
 )
-from cluster.bench.procs import ServerError, ServerProcess, wait_http_ready
-from cluster.cli import main
+from kvserve.cluster.bench.procs import ServerError, ServerProcess, wait_http_ready
+from kvserve.cluster.cli import main
 
 SPEC = BenchSpec(model="/m/smol", tokenizer="/m/smol", workload="random", num_prompts=64, max_concurrency=16, seed=3)
 
@@ -80,7 +80,8 @@ def test_guidellm_scenario_is_greedy_with_the_same_lengths(tmp_path: Path) -> No
 def test_targets_command_lines() -> None:
     kv = serve_targets.kvserve_target("/m", "/m", workers=2, cpus_per_worker=1, extra=["--block-size=4"])
     argv = kv.procs[0].argv
-    assert argv[1:4] == ["-m", "cluster.cli", "serve"] and "--http-port" in argv and argv[-1] == "--block-size=4"
+    assert argv[1:4] == ["-m", "kvserve.cluster.cli", "serve"]
+    assert "--http-port" in argv and argv[-1] == "--block-size=4"
     assert argv[argv.index("--workers") + 1] == "2" and argv[argv.index("--metrics-port") + 1] == "off"
     assert kv.procs[0].log_marker == serve_targets.KVSERVE_READY_LINE
     two = serve_targets.vllm_router_target("vllm", "vllm-router", "/m", "/m", "prefix_repetition", 2.0)
@@ -330,7 +331,8 @@ def test_compare_serve_interrupted_stops_every_server(tmp_path: Path) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         log.write_text("")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "cluster.bench.compare_serve", "--peer-python", str(python), "--model", str(model),
+            [sys.executable, "-m", "kvserve.cluster.bench.compare_serve", "--peer-python", str(python),
+             "--model", str(model),
              "--targets", "vllm-router", "--log-dir", str(tmp_path / f"logs-{sig}")],
             cwd=Path(__file__).resolve().parents[2], env=env, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
@@ -375,7 +377,7 @@ def test_plan_skips_a_missing_router(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 def test_setup_script_parses() -> None:
-    script = Path(__file__).resolve().parents[2] / "cluster" / "bench" / "setup_peers.sh"
+    script = Path(__file__).resolve().parents[2] / "kvserve" / "cluster" / "bench" / "setup_peers.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     text = script.read_text()
     assert "+cpu" in text and "vllm-router" in text and "guidellm" in text

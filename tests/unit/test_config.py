@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli import build_parser
-from cluster.config import ClusterConfig, merge, read_yaml
-from cluster.serve_cli import UNSET, config_from_args, overrides_from_args
+from kvserve.cluster.cli import build_parser
+from kvserve.cluster.config import ClusterConfig, merge, read_yaml
+from kvserve.cluster.serve_cli import UNSET, config_from_args, overrides_from_args
 
 FULL_YAML = """
 model: /models/llama

@@ -7,11 +7,11 @@ import dataclasses
 
 import pytest
 
-from cluster.cli import build_parser, command_parser, engine_config_from_args
-from cluster.config import _RESERVED, _SECTIONS, ClusterConfig
-from cluster.serve_cli import config_from_args
-from workers.core.knobs import Check, knob, knobs, validate
-from workers.engine.config import EngineConfig
+from kvserve.cluster.cli import build_parser, command_parser, engine_config_from_args
+from kvserve.cluster.config import _RESERVED, _SECTIONS, ClusterConfig
+from kvserve.cluster.serve_cli import config_from_args
+from kvserve.workers.core.knobs import Check, knob, knobs, validate
+from kvserve.workers.engine.config import EngineConfig
 
 # Fields a command or the launcher fills in rather than the user (the YAML loader refuses them too).
 SET_ELSEWHERE = {section: set(keys) for section, keys in _RESERVED.items()}
@@ -120,7 +120,7 @@ def test_a_new_knob_is_one_declaration() -> None:
         def __post_init__(self) -> None:
             validate(self)
 
-    from workers.core.knobs import add_arguments, values_from_args
+    from kvserve.workers.core.knobs import add_arguments, values_from_args
 
     parser = argparse.ArgumentParser()
     dests = add_arguments(parser, Toy)

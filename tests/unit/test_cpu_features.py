@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.host.cpu_features import CpuFeatures, current, detect, parse_cpuinfo
+from kvserve.workers.host.cpu_features import CpuFeatures, current, detect, parse_cpuinfo
 
 SPR = """processor\t: 0
 vendor_id\t: GenuineIntel
@@ -84,7 +84,7 @@ def test_native_bf16_gemm_predicts_whether_onednn_packs_bf16(cap: str | None) ->
     import sys
 
     code = (
-        "import torch\nfrom workers.host.cpu_features import current\n"
+        "import torch\nfrom kvserve.workers.host.cpu_features import current\n"
         "try:\n    torch.ops.mkldnn._reorder_linear_weight(torch.ones(32, 32, dtype=torch.bfloat16), 8); ok = True\n"
         "except RuntimeError:\n    ok = False\n"
         "print(ok, current().native_bf16_gemm)\n"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_ext
-from workers.models import cpu_gemm
+from kvserve.kernels import cpu_ext
+from kvserve.workers.models import cpu_gemm
 
 AVAILABLE = ["onednn"] + (["kvserve"] if cpu_ext.available() else [])
 
@@ -86,7 +86,7 @@ def test_timing_uses_capped_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not built in")
 def test_bf16_weights_are_timed_with_bf16_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    from workers.models.model import onednn_linear_supported
+    from kvserve.workers.models.model import onednn_linear_supported
 
     if not onednn_linear_supported(torch.device("cpu"), torch.bfloat16):
         pytest.skip("oneDNN bf16 GEMM not available on this CPU")
@@ -101,7 +101,7 @@ def test_bf16_weights_are_timed_with_bf16_inputs(monkeypatch: pytest.MonkeyPatch
 def test_bf16_weights_compute_the_fp32_gemm_of_the_rounded_weight_bit_for_bit(rows: int) -> None:
     """A bf16 weight widens to fp32 exactly and the FMA chain over k is the fp32 kernel's, so the mode's
     only numeric change is the rounding of the weights: the oracle the engine test below relies on."""
-    from kernels import cpu_backend
+    from kvserve.kernels import cpu_backend
 
     g = torch.Generator().manual_seed(rows)
     w, x = torch.randn(200, 96, generator=g), torch.randn(rows, 96, generator=g)

@@ -1,4 +1,4 @@
-"""``python -m cluster.bench.cpu_peak``: shapes of the model cases and a tiny measured run."""
+"""``python -m kvserve.cluster.bench.cpu_peak``: shapes of the model cases and a tiny measured run."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from cluster.bench import cpu_peak
+from kvserve.cluster.bench import cpu_peak
 
 
 def test_model_cases_are_the_projection_shapes() -> None:

@@ -1,4 +1,4 @@
-"""CPU by role over a client's run (cluster/bench/cpu_share.py): roles, and CPU counted from /proc."""
+"""CPU by role over a client's run (kvserve/cluster/bench/cpu_share.py): roles, and CPU counted from /proc."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from cluster.bench import cpu_share
-from cluster.bench.cpu_share import CpuSampler, ProcessCpu, by_role, role
+from kvserve.cluster.bench import cpu_share
+from kvserve.cluster.bench.cpu_share import CpuSampler, ProcessCpu, by_role, role
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/p
         ("VLLM::Worker_TP", "VLLM::Worker_TP0", "engine"),
         ("ray::RouterActo", "ray::RouterActor", "serving stack"),
         ("ray::FrontendAc", "ray::FrontendActor", "serving stack"),
-        ("python3", "/v/bin/python3 -m cluster.cli serve --model /m --http-port 1", "serving stack"),
+        ("python3", "/v/bin/python3 -m kvserve.cluster.cli serve --model /m --http-port 1", "serving stack"),
         ("vllm", "/p/bin/python /p/bin/vllm serve /m --dtype float32", "serving stack"),
         ("VLLM::APIServer", "VLLM::APIServer", "serving stack"),
         ("vllm-router", "/p/bin/vllm-router --worker-urls a b", "serving stack"),

@@ -1,13 +1,20 @@
-"""The demo's chat workload and its plain-text / live rendering (no cluster: cluster/demo.py's pure parts)."""
+"""The demo's chat workload and its plain-text / live rendering (no cluster: kvserve/cluster/demo.py's pure parts)."""
 
 from __future__ import annotations
 
 import grpc
 from rich.console import Console
 
-from cluster.demo import PressureTracker, RequestResult, _grpc_request, build_chat_workload, build_workload, summarize
-from cluster.demo_chat import QUESTIONS, SYSTEM_PROMPT, AnswerBoard, format_exchange
-from protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.cluster.demo import (
+    PressureTracker,
+    RequestResult,
+    _grpc_request,
+    build_chat_workload,
+    build_workload,
+    summarize,
+)
+from kvserve.cluster.demo_chat import QUESTIONS, SYSTEM_PROMPT, AnswerBoard, format_exchange
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 
 
 def test_chat_workload_shares_the_system_prompt_and_asks_distinct_questions() -> None:
@@ -90,7 +97,7 @@ class _Stub:
 
 
 def test_demo_retries_an_overloaded_router_before_any_token() -> None:
-    from cluster.demo import DemoRequest, _send
+    from kvserve.cluster.demo import DemoRequest, _send
 
     req = DemoRequest(index=1, kind="short", token_ids=(5, 6), max_tokens=2)
     stub = _Stub([_Busy(), _Busy()])

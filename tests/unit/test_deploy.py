@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import yaml
 
-from cluster.cli import build_parser
-from cluster.config import ClusterConfig
-from cluster.serve_cli import config_from_args
+from kvserve.cluster.cli import build_parser
+from kvserve.cluster.config import ClusterConfig
+from kvserve.cluster.serve_cli import config_from_args
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -112,7 +112,7 @@ def test_serve_command_lines_are_accepted(where: str, argv: list[str], tmp_path:
         argv = [*argv[:i], "--config", str(tmp_path / "cluster.yaml"), *argv[i + 2 :]]
     monkeypatch.delenv("KVSERVE_AUTH_TOKEN", raising=False)
     args = build_parser().parse_args(["serve", *argv])  # SystemExit (argparse error) fails the test
-    assert args.func.__module__ == "cluster.serve_cli"
+    assert args.func.__module__ == "kvserve.cluster.serve_cli"
     cfg = config_from_args(args)  # ValueError (bad value / unknown key) fails the test
     # served beyond loopback, joining the cluster the manifest started, on the ports it exposes
     assert cfg.address == "auto" and cfg.host == "0.0.0.0"
@@ -150,8 +150,8 @@ def test_kuberay_exposes_the_router_ports() -> None:
 
 
 def test_kuberay_frontends_are_replicas_behind_one_service_dialing_the_router() -> None:
-    from cluster.cli import build_parser as cli_parser
-    from cluster.frontend_cli import settings_from_args
+    from kvserve.cluster.cli import build_parser as cli_parser
+    from kvserve.cluster.frontend_cli import settings_from_args
 
     deployment = kuberay_doc("Deployment", "kvserve-frontend")
     pod = deployment["spec"]["template"]
@@ -223,11 +223,11 @@ def test_dockerfile_copies_every_package() -> None:
 
 # ---- metrics used by alerts and the dashboard --------------------------------------------------------
 def exported_sample_names() -> set[str]:
-    """Every sample name router/metrics.py exports (counters with _total, histograms' series)."""
+    """Every sample name kvserve/router/observe/metrics.py exports (counters with _total, histograms' series)."""
     from prometheus_client.metrics import MetricWrapperBase
 
-    from router import metrics
-    from router.loop_metrics import LoopCounter, LoopHistogram
+    from kvserve.router.observe import metrics
+    from kvserve.router.observe.loop_metrics import LoopCounter, LoopHistogram
 
     names = set()
     for obj in vars(metrics).values():

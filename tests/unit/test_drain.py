@@ -1,4 +1,4 @@
-"""Graceful drain (router/drain.py) on fake workers (no Ray, no gRPC): out of placement at once,
+"""Graceful drain (kvserve/router/requests/drain.py) on fake workers (no Ray, no gRPC): out of placement at once,
 started requests migrated live, unstarted ones handed off (not counted as replays), the worker
 killed with restarts allowed and taken back on its new incarnation's Hello without that restart
 counting toward retirement; the refusals; and SIGTERM's ``drain_me`` message."""
@@ -12,11 +12,11 @@ import grpc
 import pytest
 import ray
 
-from protos.kvserve.v1 import worker_pb2 as pb
-from router.config import RouterConfig
-from router.drain import DONE, FAILED, MOVING, RESTARTING
-from router.request import WORKER_DOWN, WORKER_RETIRED, WORKER_UP, RouterError
-from router.router import Router
+from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.router.config import RouterConfig
+from kvserve.router.requests.drain import DONE, FAILED, MOVING, RESTARTING
+from kvserve.router.requests.request import WORKER_DOWN, WORKER_RETIRED, WORKER_UP, RouterError
+from kvserve.router.requests.router import Router
 from tests.unit.test_migration_faults import _Worker
 from tests.unit.test_router_failover import _connect, _identity, _out, _req, _settle
 

@@ -1,4 +1,4 @@
-"""``kvserve rollout`` / ``kvserve drain`` (cluster/drain_cli.py) against a fake Admin: the order of
+"""``kvserve rollout`` / ``kvserve drain`` (kvserve/cluster/drain_cli.py) against a fake Admin: the order of
 drains, what is skipped, where a rollout stops, exit codes and the progress lines."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from cluster import drain_cli
-from protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.cluster import drain_cli
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 
 
 class _FakeAdmin:

@@ -1,4 +1,4 @@
-"""A frontend's relay of one request (frontend/link.py ``RelayedRequest``), without a router: the
+"""A frontend's relay of one request (kvserve/frontend/link.py ``RelayedRequest``), without a router: the
 slow-consumer rule, cancels sent once, refusals named by the field the caller sent, merging."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import asyncio
 import grpc
 import pytest
 
-from frontend.link import RelayedRequest, request_error
-from protos.kvserve.v1 import serving_pb2 as spb
-from router.request import RouterError
+from kvserve.frontend.link import RelayedRequest, request_error
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.router.requests.request import RouterError
 
 
 class FakeConnection:

@@ -1,4 +1,4 @@
-"""workers/core/gc_pauses.py: the start-up heap frozen out of the collector's scans (and the switch
+"""kvserve/workers/core/gc_pauses.py: the start-up heap frozen out of the collector's scans (and the switch
 that keeps it), every collection timed, a long one logged."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from workers.core import gc_pauses
-from workers.core.gc_pauses import FREEZE_ENV, GcPauses, freeze_heap
+from kvserve.workers.core import gc_pauses
+from kvserve.workers.core.gc_pauses import FREEZE_ENV, GcPauses, freeze_heap
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from cluster.bench import hop_latency
-from cluster.cli import main
+from kvserve.cluster.bench import hop_latency
+from kvserve.cluster.cli import main
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="pipes passed to a child by fd")
 

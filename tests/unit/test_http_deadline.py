@@ -12,7 +12,7 @@ import time
 
 import httpx
 
-from router.http_api import OpenAIApi, RouterBackend
+from kvserve.router.api.http_api import OpenAIApi, RouterBackend
 from tests.unit.test_router_failover import _commands, _router
 
 TIMEOUT_S = 0.5

@@ -14,16 +14,16 @@ import pytest
 
 HEAVY = ("torch", "grpc", "ray")
 CONTROL_MODULES = [
-    "workers.engine.block_pool",
-    "workers.engine.scheduler",
-    "workers.engine.config",
-    "workers.transport.options",
-    "router.placement",
-    "router.admission",
-    "router.config",
-    "router.rebalance",  # created by the router redesign; skipped until it exists
-    "cluster.config",
-    "cluster.plan",
+    "kvserve.workers.engine.block_pool",
+    "kvserve.workers.engine.scheduler",
+    "kvserve.workers.engine.config",
+    "kvserve.workers.transport.options",
+    "kvserve.router.policy.placement",
+    "kvserve.router.policy.admission",
+    "kvserve.router.config",
+    "kvserve.router.policy.rebalance",  # created by the router redesign; skipped until it exists
+    "kvserve.cluster.config",
+    "kvserve.cluster.plan",
 ]
 
 
@@ -46,4 +46,4 @@ def test_control_module_imports_no_heavy_module(module: str) -> None:
 
 def test_the_check_can_fail() -> None:
     """The probe sees a heavy import when there is one (the engine needs torch)."""
-    assert "torch" in _heavy_modules_after_import("workers.engine.engine")
+    assert "torch" in _heavy_modules_after_import("kvserve.workers.engine.engine")

@@ -1,4 +1,4 @@
-"""router/limits.py: each bound refuses with its knob named, and frees its slot however a call ends."""
+"""kvserve/router/gate/limits.py: each bound refuses with its knob named, and frees its slot however a call ends."""
 
 from __future__ import annotations
 
@@ -8,8 +8,15 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from protos.kvserve.v1 import serving_pb2 as spb
-from router.limits import ClientStreams, InputLimits, LimitExceeded, WatcherSlots, check_request, client_of_peer
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.router.gate.limits import (
+    ClientStreams,
+    InputLimits,
+    LimitExceeded,
+    WatcherSlots,
+    check_request,
+    client_of_peer,
+)
 
 
 @dataclass
@@ -91,7 +98,7 @@ def test_client_of_peer(peer: str, client: str) -> None:
 
 
 def test_prompts_wait_in_a_bounded_queue() -> None:
-    from router.limits import PromptPreparer
+    from kvserve.router.gate.limits import PromptPreparer
 
     class SlowTokenizer:
         def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -101,7 +108,7 @@ def test_prompts_wait_in_a_bounded_queue() -> None:
             return [1, 2, 3]
 
     class FakeRouter:
-        from router.validation import ModelLimits
+        from kvserve.router.gate.validation import ModelLimits
 
         limits = ModelLimits(vocab_size=100, max_model_len=64)
         tokenizer = SlowTokenizer()

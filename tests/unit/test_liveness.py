@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 import ray
 
-from protos.kvserve.v1 import worker_pb2 as pb
-from router.config import RouterConfig
-from router.liveness import LivenessInputs, down_reason
-from router.request import WORKER_DOWN, WORKER_RETIRED, WORKER_UP
-from router.router import Router
+from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.router.config import RouterConfig
+from kvserve.router.requests.request import WORKER_DOWN, WORKER_RETIRED, WORKER_UP
+from kvserve.router.requests.router import Router
+from kvserve.router.table.liveness import LivenessInputs, down_reason
+from kvserve.workers.core.liveness import EngineDeadError
 from tests.unit.test_router_failover import FakeWorker, _commands, _connect, _identity, _out, _req, _settle
-from workers.core.liveness import EngineDeadError
 
 STALL_S = 5.0
 GRACE_S = 2.0

@@ -1,4 +1,4 @@
-"""The router's loop-lag watcher sees a held loop (router/loop_lag.py)."""
+"""The router's loop-lag watcher sees a held loop (kvserve/router/observe/loop_lag.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from router.loop_lag import run_queue_wait_reader, watch_loop_lag
+from kvserve.router.observe.loop_lag import run_queue_wait_reader, watch_loop_lag
 
 
 def test_a_callback_that_holds_the_loop_shows_as_lag() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from router.loop_metrics import LoopCounter, LoopHistogram
+from kvserve.router.observe.loop_metrics import LoopCounter, LoopHistogram
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 1.0, 2.5)
 VALUES = (0.0, 0.004, 0.005, 0.0051, 0.01, 0.3, 1.0, 2.5, 2.6, 400.0)  # bounds, between, past the last

@@ -1,4 +1,4 @@
-"""Migration that fails safely (router/migrations.py invariant), on fake workers with fault hooks:
+"""Migration that fails safely (kvserve/router/requests/migrations.py invariant), on fake workers with fault hooks:
 at every failure point (either side dying or hanging at export, import or commit, the client
 cancelling mid-move) a move ends with exactly one live copy of the request (or none once it
 ended), the source's paused copy resumed or freed (``finish_export``), a destination copy nobody
@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import ray
 
-from router.config import RouterConfig
-from router.request import WORKER_DOWN, WORKER_UP
-from router.router import Router
+from kvserve.router.config import RouterConfig
+from kvserve.router.requests.request import WORKER_DOWN, WORKER_UP
+from kvserve.router.requests.router import Router
 from tests.unit.test_router_failover import FakeWorker, _connect, _identity, _req, _settle
 
 STALL_S = 0.3  # every migration call is bounded by this (the stall threshold)
@@ -219,7 +219,7 @@ def test_a_fault_raised_at_any_phase_leaves_the_request_on_the_source(phase_to_f
 def test_an_import_slower_than_the_threshold_while_the_destination_computes_is_waited_for(kills: list) -> None:
     """A destination busy with a long step (it heartbeats: ``StepHeartbeat``) is slow, not hung:
     the move waits for its import instead of giving it up and replaying its requests."""
-    from protos.kvserve.v1 import worker_pb2 as pb
+    from kvserve.protos.kvserve.v1 import worker_pb2 as pb
 
     async def test() -> None:
         router, workers, _ = _setup()

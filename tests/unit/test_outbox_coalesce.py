@@ -3,8 +3,8 @@ while the link has not taken it."""
 
 from __future__ import annotations
 
-from protos.kvserve.v1 import worker_pb2 as pb
-from workers.transport.outbox import Outbox
+from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.workers.transport.outbox import Outbox
 
 
 def _outputs(step: int, *outs: tuple[str, list[int], int, str]) -> pb.StepOutputs:

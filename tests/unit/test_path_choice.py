@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from workers.host.path_choice import fastest
+from kvserve.workers.host.path_choice import fastest
 
 
 def test_the_faster_candidate_wins_and_each_is_timed() -> None:

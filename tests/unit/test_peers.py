@@ -1,6 +1,6 @@
 """``kvserve bench offline --peer``: the peer runner's plumbing, against fake peer scripts.
 
-The fakes are tiny Python files speaking ``cluster/bench/peers_protocol.py`` (no vLLM here): they check
+The fakes are tiny Python files speaking ``kvserve/cluster/bench/peers_protocol.py`` (no vLLM here): they check
 what the runner hands them (command line, the workload's exact prompts) and answer with chosen timings
 and tokens, so the side-by-side figures (ratios, token agreement) can be checked exactly.
 """
@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from cluster.bench import peers
-from cluster.bench.peers import PeerRun, compare, format_table, peer_command, resolve_peer
-from cluster.bench.workloads import prompts
-from cluster.cli import main
-from workers.models.random_model import init_random
+from kvserve.cluster.bench import peers
+from kvserve.cluster.bench.peers import PeerRun, compare, format_table, peer_command, resolve_peer
+from kvserve.cluster.bench.workloads import prompts
+from kvserve.cluster.cli import main
+from kvserve.workers.models.random_model import init_random
 
 # A raw fake: emits the protocol lines by hand. Env: FAKE_SECONDS (seconds it reports per pass),
 # FAKE_TOKENS (a --dump-tokens file: it answers those tokens, with request 0's first token changed),

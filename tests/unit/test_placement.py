@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.placement import Placement, PlacementPolicy, PlacementRequest, WorkerView, blocks_for
+from kvserve.router.policy.placement import Placement, PlacementPolicy, PlacementRequest, WorkerView, blocks_for
 
 BS = 16
 

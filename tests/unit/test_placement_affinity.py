@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.placement import Placement, PlacementRequest, WorkerView, tie_rank
-from router.prefix_index import BlockStored, PrefixIndex
+from kvserve.router.policy.placement import Placement, PlacementRequest, WorkerView, tie_rank
+from kvserve.router.policy.prefix_index import BlockStored, PrefixIndex
 
 BS = 4
 

@@ -1,4 +1,4 @@
-"""kv_aware's cost model (router/placement.py ``CostModel``): cache affinity yields to load, a hot
+"""kv_aware's cost model (kvserve/router/policy/placement.py ``CostModel``): cache affinity yields to load, a hot
 prefix spills to a second worker, the balance guard, and the room check that does not count the
 request's own idle hits as free. Property: no decision targets an unhealthy worker or one without room."""
 
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.placement import CostModel, Placement, PlacementRequest, WorkerView, room_for
-from router.prefix_index import BlockStored, PrefixIndex, PrefixMatch
+from kvserve.router.policy.placement import CostModel, Placement, PlacementRequest, WorkerView, room_for
+from kvserve.router.policy.prefix_index import BlockStored, PrefixIndex, PrefixMatch
 
 BS = 4
 PREFIX = tuple(range(100, 151))  # 51 blocks: the bench's 204-token system prompt

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.plan import PRESETS, Shape, kv_bytes_per_token, plan
+from kvserve.cluster.plan import PRESETS, Shape, kv_bytes_per_token, plan
 
 
 # int8 rows carry one fp32 scale each: 128 one-byte elements + 4 bytes.
@@ -51,8 +51,8 @@ def test_rejects_bad_input() -> None:
 @pytest.mark.parametrize("plan_dtype,engine_dtype", [("fp32", "auto"), ("fp8", "fp8"), ("int8", "int8")])
 def test_plan_matches_engine_admission(tiny_llama_dir: Path, plan_dtype: str, engine_dtype: str) -> None:
     """Plan's max users at a context == what a contiguous-reservation engine admits in the same memory."""
-    from workers.core.sampling_params import SamplingParams
-    from workers.engine.engine import LLM
+    from kvserve.workers.core.sampling_params import SamplingParams
+    from kvserve.workers.engine.engine import LLM
 
     shape = Shape.from_model_dir(tiny_llama_dir)
     context, kv_memory = 256, 3 * 2**20
@@ -73,7 +73,7 @@ def test_plan_matches_engine_admission(tiny_llama_dir: Path, plan_dtype: str, en
 
 def test_cli_json_on_checkpoint(tiny_llama_dir: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "plan", "--model", str(tiny_llama_dir), "--context", "1024",
+        [sys.executable, "-m", "kvserve.cluster.cli", "plan", "--model", str(tiny_llama_dir), "--context", "1024",
          "--users", "1,8", "--kv-cache-dtype", "fp32,fp8", "--gpu-memory", "1GiB", "--json"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip

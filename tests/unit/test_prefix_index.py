@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.prefix_index import AllBlocksCleared, BlockRemoved, BlockStored, PrefixIndex
+from kvserve.router.policy.prefix_index import AllBlocksCleared, BlockRemoved, BlockStored, PrefixIndex
 
 
 def test_stored_removed_cleared():

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from protos.kvserve.v1 import worker_pb2 as pb
-from router.placement import Placement, PlacementRequest, WorkerView
-from router.prefix_index import BlockRemoved, BlockStored, PrefixIndex
-from router.worker_link import block_event
-from router.workers import _credit
+from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.router.policy.placement import Placement, PlacementRequest, WorkerView
+from kvserve.router.policy.prefix_index import BlockRemoved, BlockStored, PrefixIndex
+from kvserve.router.table.worker_link import block_event
+from kvserve.router.table.workers import _credit
 
 BS = 4
 CHAIN = tuple(range(1000, 1012))  # 12 blocks

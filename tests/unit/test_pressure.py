@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from protos.kvserve.v1 import worker_pb2 as pb
-from workers.transport.pressure import PressurePolicy
+from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.workers.transport.pressure import PressurePolicy
 
 
 def r(usage: float, free: int) -> pb.PressureReport:

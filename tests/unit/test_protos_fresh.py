@@ -1,4 +1,4 @@
-"""The checked-in generated proto modules match what protos/regen.py makes from the .proto files."""
+"""The checked-in generated proto modules match what kvserve/protos/regen.py makes from the .proto files."""
 
 from __future__ import annotations
 
@@ -8,16 +8,16 @@ import pytest
 
 pytest.importorskip("grpc_tools", reason="grpcio-tools (dev dependency) regenerates the protos")
 
-from protos import regen  # noqa: E402
+from kvserve.protos import regen  # noqa: E402
 
 
 def test_checked_in_generated_files_are_fresh(tmp_path):
     fresh = {p.name: p.read_text() for p in regen.generate(tmp_path)}
     checked_in = {p.name: p.read_text() for p in regen.generated_files(regen.PROTO_ROOT)}
 
-    assert sorted(checked_in) == sorted(fresh), "run `python protos/regen.py` (files added or removed)"
+    assert sorted(checked_in) == sorted(fresh), "run `python kvserve/protos/regen.py` (files added or removed)"
     stale = [name for name in fresh if fresh[name] != checked_in[name]]
-    assert not stale, f"stale generated files {stale}: run `python protos/regen.py`"
+    assert not stale, f"stale generated files {stale}: run `python kvserve/protos/regen.py`"
 
 
 def test_every_proto_has_generated_modules():
@@ -29,12 +29,12 @@ def test_every_proto_has_generated_modules():
 
 @pytest.mark.parametrize("module", ["worker_pb2", "worker_pb2_grpc", "serving_pb2", "serving_pb2_grpc"])
 def test_generated_modules_import_as_package(module):
-    mod = importlib.import_module(f"protos.kvserve.v1.{module}")
-    assert mod.__name__ == f"protos.kvserve.v1.{module}"
+    mod = importlib.import_module(f"kvserve.protos.kvserve.v1.{module}")
+    assert mod.__name__ == f"kvserve.protos.kvserve.v1.{module}"
 
 
 def test_wire_round_trip():
-    from protos.kvserve.v1 import serving_pb2, worker_pb2
+    from kvserve.protos.kvserve.v1 import serving_pb2, worker_pb2
 
     msg = worker_pb2.WorkerMessage(
         seq=7,

@@ -1,4 +1,4 @@
-"""Migration and priority-preemption decisions (router/rebalance.py) on crafted pressure tables,
+"""Migration and priority-preemption decisions (kvserve/router/policy/rebalance.py) on crafted pressure tables,
 plus properties: decisions only target healthy workers with room, and stale or reordered
 pressure reports never make a request bounce back."""
 
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.placement import WorkerView
-from router.rebalance import (
+from kvserve.router.policy.placement import WorkerView
+from kvserve.router.policy.rebalance import (
     ALWAYS,
     Migration,
     MigrationGate,

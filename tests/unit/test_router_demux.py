@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from protos.kvserve.v1 import worker_pb2 as pb
-from router.config import RouterConfig
-from router.router import Router, RouterRequest
-from workers.core.identity import WorkerIdentity
-from workers.core.sampling_params import SamplingParams
+from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.router.config import RouterConfig
+from kvserve.router.requests.router import Router, RouterRequest
+from kvserve.workers.core.identity import WorkerIdentity
+from kvserve.workers.core.sampling_params import SamplingParams
 
 
 def _identity(worker_id: str) -> WorkerIdentity:

@@ -11,13 +11,13 @@ from typing import Any
 import grpc
 from prometheus_client import REGISTRY
 
-from protos.kvserve.v1 import serving_pb2 as spb
-from protos.kvserve.v1 import worker_pb2 as pb
-from router.config import RouterConfig
-from router.request import RouterError
-from router.router import WORKER_DOWN, WORKER_RETIRED, WORKER_UP, Router
-from router.worker_link import _Session
-from workers.core.identity import WorkerIdentity
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.router.config import RouterConfig
+from kvserve.router.requests.request import RouterError
+from kvserve.router.requests.router import WORKER_DOWN, WORKER_RETIRED, WORKER_UP, Router
+from kvserve.router.table.worker_link import _Session
+from kvserve.workers.core.identity import WorkerIdentity
 
 
 class _Method:
@@ -244,7 +244,7 @@ def test_outputs_count_only_from_the_worker_the_dispatch_is_on(caplog) -> None:
         await _settle()
         on, other = r.worker_id, ("b" if r.worker_id == "a" else "a")
         assert on is not None and r.dispatch_workers == {on}
-        with caplog.at_level("WARNING", logger="router.dispatch"):
+        with caplog.at_level("WARNING", logger="kvserve.router.requests.dispatch"):
             router._on_output(other, _out(r.worker_rid, [66, 66], 2))
             router._on_output(other, _out(r.worker_rid, [66, 66, 66], 3, finish="length"))
         assert _drain(r.responses) == [] and not r.finished

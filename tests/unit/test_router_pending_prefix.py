@@ -11,12 +11,12 @@ import asyncio
 
 import pytest
 
-from protos.kvserve.v1 import serving_pb2 as spb
-from protos.kvserve.v1 import worker_pb2 as pb
-from router.config import RouterConfig
-from router.router import Router, RouterRequest
-from workers.core.identity import WorkerIdentity
-from workers.core.request import WorkerRequest
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.router.config import RouterConfig
+from kvserve.router.requests.router import Router, RouterRequest
+from kvserve.workers.core.identity import WorkerIdentity
+from kvserve.workers.core.request import WorkerRequest
 
 BS = 16
 TOTAL_BLOCKS = 64

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.protos.kvserve.v1 import worker_pb2 as pb
 from tests.unit.test_router_failover import _drain, _out, _req, _router, _settle
 
 

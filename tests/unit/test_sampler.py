@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.core.sampling_params import SamplingParams
-from workers.engine.sampler import Sampler, make_generator
+from kvserve.workers.core.sampling_params import SamplingParams
+from kvserve.workers.engine.sampler import Sampler, make_generator
 
 VOCAB = 1000
 
@@ -197,7 +197,7 @@ def test_params_validation_names_field(kwargs: dict, field: str) -> None:
 
 
 def test_token_rng_is_a_function_of_seed_and_index() -> None:
-    from workers.engine.sampler import TokenRNG, make_token_rng
+    from kvserve.workers.engine.sampler import TokenRNG, make_token_rng
 
     assert make_token_rng(None) is None
     a, b = TokenRNG(42), TokenRNG(42)
@@ -212,7 +212,7 @@ def test_token_rng_is_a_function_of_seed_and_index() -> None:
 
 def test_token_rng_seeds_differing_in_high_bits_differ() -> None:
     """mt19937 keeps only 32 bits of its seed; the mix must still tell these apart."""
-    from workers.engine.sampler import TokenRNG, token_seed
+    from kvserve.workers.engine.sampler import TokenRNG, token_seed
 
     x, y = TokenRNG(1), TokenRNG(1 + 2**32)
     assert not torch.equal(torch.rand(8, generator=x.at(0)), torch.rand(8, generator=y.at(0)))
@@ -223,7 +223,7 @@ def test_token_rng_seeds_differing_in_high_bits_differ() -> None:
 def test_seeded_replay_from_index_matches_a_continuous_run() -> None:
     """Sampling token i with TokenRNG.at(i) gives the same tokens whether the run started at 0 or
     resumes at i (what a replay on another worker does)."""
-    from workers.engine.sampler import TokenRNG
+    from kvserve.workers.engine.sampler import TokenRNG
 
     logits = _logits(1, seed=9)
     params = [SamplingParams(temperature=1.0, seed=3)]

@@ -12,10 +12,10 @@ import itertools
 
 import pytest
 
-from workers.core.sampling_params import SamplingParams
-from workers.engine.block_pool import BlockPool
-from workers.engine.request import Request, RequestStatus
-from workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvserve.workers.core.sampling_params import SamplingParams
+from kvserve.workers.engine.block_pool import BlockPool
+from kvserve.workers.engine.request import Request, RequestStatus
+from kvserve.workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 _clock = itertools.count()
 

@@ -1,4 +1,4 @@
-"""The router's gRPC server keepalive (router/keepalive.py) on a real server (``build_server``)
+"""The router's gRPC server keepalive (kvserve/router/api/keepalive.py) on a real server (``build_server``)
 and a real worker WorkerLink over loopback TCP, through a proxy that can go silent: the worker's
 peer vanishes without a FIN or RST (as a host that lost power, or a partition, looks), and the
 router must notice its link is gone by itself (pings unanswered), not wait forever."""
@@ -11,16 +11,16 @@ import threading
 import time
 from typing import Any
 
-from router.config import RouterConfig
-from router.keepalive import server_keepalive_options
-from router.limits import Bounds
-from router.router import Router
-from router.server import build_server
-from router.worker_auth import WorkerLinkGate
-from workers.core.identity import WorkerIdentity
-from workers.core.worker_credential import issue_worker_credential, new_worker_key
-from workers.transport.outbox import Outbox
-from workers.transport.worker_link import WorkerLinkClient
+from kvserve.router.api.keepalive import server_keepalive_options
+from kvserve.router.api.server import build_server
+from kvserve.router.config import RouterConfig
+from kvserve.router.gate.limits import Bounds
+from kvserve.router.gate.worker_auth import WorkerLinkGate
+from kvserve.router.requests.router import Router
+from kvserve.workers.core.identity import WorkerIdentity
+from kvserve.workers.core.worker_credential import issue_worker_credential, new_worker_key
+from kvserve.workers.transport.outbox import Outbox
+from kvserve.workers.transport.worker_link import WorkerLinkClient
 
 KEEPALIVE_S = 0.5
 NOTICE_TIMEOUT_S = 10.0  # keepalive + timeout is 1 s: generous for a loaded box

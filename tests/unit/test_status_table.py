@@ -7,8 +7,8 @@ import io
 import pytest
 from rich.console import Console
 
-from cluster.remote_cli import _ACTIVITY, _PRESSURE, WIDE_TABLE_MIN_COLUMNS, render_status
-from protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.cluster.remote_cli import _ACTIVITY, _PRESSURE, WIDE_TABLE_MIN_COLUMNS, render_status
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 
 
 def busy_status() -> spb.ClusterStatus:

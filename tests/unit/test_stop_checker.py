@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from workers.core.sampling_params import SamplingParams
-from workers.engine.stop_checker import check_stop, find_stop_string, stop_holdback_len, truncate_at_stop
+from kvserve.workers.core.sampling_params import SamplingParams
+from kvserve.workers.engine.stop_checker import check_stop, find_stop_string, stop_holdback_len, truncate_at_stop
 
 EOS = 2
 

@@ -7,11 +7,11 @@ import asyncio
 import grpc
 import pytest
 
-from protos.kvserve.v1 import serving_pb2 as spb
-from router.demux import stream_responses
-from router.request import RouterError
-from router.router import RouterRequest
-from workers.core.sampling_params import SamplingParams
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.router.requests.demux import stream_responses
+from kvserve.router.requests.request import RouterError
+from kvserve.router.requests.router import RouterRequest
+from kvserve.workers.core.sampling_params import SamplingParams
 
 
 def _request() -> RouterRequest:

@@ -7,9 +7,9 @@ import asyncio
 
 import grpc
 
-from protos.kvserve.v1 import serving_pb2 as spb
-from router.mux import StreamMux
-from router.request import RouterError
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.router.requests.mux import StreamMux
+from kvserve.router.requests.request import RouterError
 
 
 def _fields(rid: str, ids: list[int], text: str, worker: str = "w0", **final: object) -> dict:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from router.config import RouterConfig
-from router.request import WORKER_RETIRED, WORKER_UP
-from router.router import Router
-from router.supervision import WorkerSupervision
+from kvserve.router.config import RouterConfig
+from kvserve.router.requests.request import WORKER_RETIRED, WORKER_UP
+from kvserve.router.requests.router import Router
+from kvserve.router.table.supervision import WorkerSupervision
 from tests.unit.test_router_failover import FakeWorker, _connect, _identity
 
 

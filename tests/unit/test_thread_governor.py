@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.host.host_tuning import ThreadGovernor, ThreadTimes
+from kvserve.workers.host.host_tuning import ThreadGovernor, ThreadTimes
 
 
 class FakeHost:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.engine.tier_cost import TierCostModel
+from kvserve.workers.engine.tier_cost import TierCostModel
 
 
 def test_unmeasured_loads_once_and_credits_nothing() -> None:

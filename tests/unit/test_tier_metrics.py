@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY
 
-from protos.kvserve.v1 import worker_pb2 as pb
-from router.metrics import RouterMetrics
-from router.workers import _TOTALS
+from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.router.observe.metrics import RouterMetrics
+from kvserve.router.table.workers import _TOTALS
 
 
 def _sample(name: str, **labels: str) -> float:

@@ -13,16 +13,16 @@ from typing import Any
 import grpc
 import pytest
 
-from protos.kvserve.v1 import serving_pb2 as spb
-from protos.kvserve.v1 import worker_pb2 as pb
-from router import metrics
-from router.mux import StreamMux, batch_responses, stream_batches
-from router.request import RouterError
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.router.observe import metrics
+from kvserve.router.requests.mux import StreamMux, batch_responses, stream_batches
+from kvserve.router.requests.request import RouterError
+from kvserve.workers.core.step_columns import append_entry, column_entries
+from kvserve.workers.engine.outputs import RequestOutput
+from kvserve.workers.transport.outbox import Outbox
+from kvserve.workers.transport.worker import _step_outputs
 from tests.unit.test_router_failover import _commands, _req, _router, _settle
-from workers.core.step_columns import append_entry, column_entries
-from workers.engine.outputs import RequestOutput
-from workers.transport.outbox import Outbox
-from workers.transport.worker import _step_outputs
 
 # ---- the worker's side ----------------------------------------------------------------------------
 

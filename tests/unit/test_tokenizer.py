@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workers.models.random_model import BOS_ID, EOS_ID, VOCAB_SIZE, write_tokenizer
-from workers.text.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer, load_tokenizer
+from kvserve.workers.models.random_model import BOS_ID, EOS_ID, VOCAB_SIZE, write_tokenizer
+from kvserve.workers.text.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 TEXT = "Hello, world! héllo ✓ 你好 🙂"
 

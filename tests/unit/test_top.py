@@ -7,8 +7,8 @@ import re
 import pytest
 from rich.table import Table
 
-from cluster.top import _layout, block_bar, render_frame, render_text
-from protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.cluster.top import _layout, block_bar, render_frame, render_text
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 
 
 def status(ts_ms: int, **per_worker: dict) -> spb.ClusterStatus:

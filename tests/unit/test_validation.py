@@ -1,4 +1,4 @@
-"""router/validation.py: every rule, and that every error names its field."""
+"""kvserve/router/gate/validation.py: every rule, and that every error names its field."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from protos.kvserve.v1 import serving_pb2 as spb
-from router.validation import (
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.router.gate.validation import (
     MAX_REQUEST_ID_LEN,
     MAX_STOP_LEN,
     MAX_STOP_STRINGS,
@@ -18,7 +18,7 @@ from router.validation import (
     validate_ids,
     validate_prompt_ids,
 )
-from workers.core.sampling_params import SamplingParams
+from kvserve.workers.core.sampling_params import SamplingParams
 
 LIMITS = ModelLimits(vocab_size=1000, max_model_len=512, default_max_tokens=64)
 

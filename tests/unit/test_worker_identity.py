@@ -6,8 +6,8 @@ import pickle
 
 import pytest
 
-from protos.kvserve.v1 import worker_pb2 as pb
-from workers.core.identity import WorkerIdentity
+from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.workers.core.identity import WorkerIdentity
 
 IDENTITY = WorkerIdentity(
     "w0", "model", block_size=16, total_blocks=128, max_model_len=4096, vocab_size=32000,

@@ -3,9 +3,9 @@ new incarnation's totals, which begin again, count as new."""
 
 from __future__ import annotations
 
-from protos.kvserve.v1 import worker_pb2 as pb
-from router.workers import WorkerState
-from workers.core.identity import WorkerIdentity
+from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.router.table.workers import WorkerState
+from kvserve.workers.core.identity import WorkerIdentity
 
 
 def _state() -> WorkerState:

@@ -1,0 +1,370 @@
+"""`kvserve bench data-plane`: how many streamed tokens the serving path carries, and what each costs
+the router, with simulated workers (kvserve/cluster/bench/sim_worker.py: the real WorkerLink, tokens on a
+clock, no model).
+
+It starts a local Ray, the real router actor and ``--workers`` simulated workers, then runs
+``--streams`` concurrent client streams through the real client API (gRPC ``Generate`` or the HTTP API's
+SSE ``/v1/completions``), each for ``--max-tokens`` tokens, and reports:
+
+* ``streamed_tokens_per_s``: tokens the clients received over the window from the first request sent
+  to the last stream finished;
+* ``router_cpu_us_per_token``: the router process's CPU time (user + system, from ``/proc``) over that
+  window, divided by the tokens streamed (it includes each request's admission, placement and Ray
+  dispatch);
+* ``router_cpu_us_per_token_steady``: the same over the steady part of the run only, from the moment
+  every stream has its first token to the first stream's end (sampled every 50 ms; NaN when the run
+  has no such part, e.g. a stream ends before the last one starts): what streaming alone costs,
+  without the per-request work at the start and the end;
+* ``added_itl_p50_ms`` / ``added_itl_p99_ms``: per step message, arrival at the client minus the
+  worker's emission time (carried in ``text_delta``; one clock on one machine), i.e. the latency the
+  serving path adds to each token;
+* ``router_rss_mb``: the router's resident memory at the end.
+
+``--frontends N`` puts N stateless frontends (frontend/, the same Ray actors ``kvserve serve --frontends``
+starts) between the clients and the router: the clients call the frontends' shared ports, each
+frontend relays over one GenerateStream, and ``frontend_cpu_us_per_token`` is their CPU time (all
+of them) per streamed token; ``router_cpu_us_per_token`` stays the router process's alone.
+
+``--protocol grpc-mux`` sends every stream over one ``GenerateStream`` (kvserve/router/requests/mux.py): the router then
+sends one message per worker step for all of them and the client unbatches by request id.
+
+A sweep is a list of values for ``--streams`` / ``--workers`` / ``--tokens-per-step`` (every
+combination); the clients run in this process, so on a small machine they compete with the router for
+cores: the per-token CPU figure is the router's own either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvserve.router.config import RouterConfig
+
+_PROMPT = list(range(1, 17))
+
+
+@dataclass(frozen=True)
+class PlanePoint:
+    """One setting of the sweep and what it measured."""
+
+    workers: int
+    frontends: int
+    streams: int
+    tokens_per_step: int
+    step_ms: float
+    protocol: str
+    streamed_tokens: int
+    window_s: float
+    streamed_tokens_per_s: float
+    router_cpu_s: float
+    router_cpu_us_per_token: float
+    router_cpu_us_per_token_steady: float
+    frontend_cpu_us_per_token: float
+    added_itl_p50_ms: float
+    added_itl_p99_ms: float
+    router_rss_mb: float
+    failed_streams: int
+
+
+@dataclass
+class _Meter:
+    """What the clients have received so far, with (tokens, router CPU) sampled every ``period_s`` while
+    every stream runs. NOTE: sampled from ``received`` itself, not from a task: a client loop busy
+    with arriving messages would starve a sampling task exactly when the rate is highest."""
+
+    streams: int
+    router_pid: int | None = None  # None: no sampling (tests)
+    period_s: float = 0.05
+    tokens: int = 0
+    started: int = 0  # streams that got their first token
+    ended: int = 0
+    samples: list[tuple[int, float]] = field(default_factory=list)  # (tokens, router CPU s), steady only
+    _next_sample: float = 0.0
+
+    def received(self, before: int, new_tokens: int, final: bool) -> None:
+        """A stream that had ``before`` tokens got ``new_tokens`` more (``final``: its last message)."""
+        self.tokens += new_tokens
+        self.started += before == 0 and new_tokens > 0
+        self.ended += final
+        if self.router_pid is not None and self.steady() and (now := time.monotonic()) >= self._next_sample:
+            self._next_sample = now + self.period_s
+            self.samples.append((self.tokens, _proc_cpu_s(self.router_pid)))
+
+    def steady(self) -> bool:
+        """Every stream runs: all started, none ended."""
+        return self.started == self.streams and not self.ended
+
+    def steady_us_per_token(self) -> float:
+        if len(self.samples) < 2 or self.samples[-1][0] == self.samples[0][0]:
+            return float("nan")
+        (t0, c0), (t1, c1) = self.samples[0], self.samples[-1]
+        return (c1 - c0) / (t1 - t0) * 1e6
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) by nearest rank; NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def stamps_latency_ms(text: str, arrival_ns: int) -> list[float]:
+    """Added latency of each step carried in one response's ``text`` (``"<ns>;<ns>;"``), in ms."""
+    return [(arrival_ns - int(s)) / 1e6 for s in text.split(";") if s]
+
+
+async def _grpc_stream(stub: Any, max_tokens: int, lat: list[float], meter: _Meter) -> int:
+    from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+
+    request = spb.GenerateRequest(
+        token_ids=spb.TokenIds(ids=_PROMPT), sampling=spb.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    )
+    tokens = 0
+    async for resp in stub.Generate(request, timeout=600):
+        lat.extend(stamps_latency_ms(resp.text_delta, time.monotonic_ns()))
+        meter.received(tokens, len(resp.token_ids), bool(resp.finish_reason))
+        tokens += len(resp.token_ids)
+    return tokens
+
+
+async def _grpc_mux(
+    stub: Any, streams: int, max_tokens: int, lat: list[float], meter: _Meter
+) -> list[int | BaseException]:
+    """Every request on one ``GenerateStream``, unbatched here by request id."""
+    from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+    from kvserve.router.requests.mux import column_entries
+
+    sampling = spb.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    tokens = dict.fromkeys((f"r{i}" for i in range(streams)), 0)
+
+    async def requests():  # noqa: ANN202 - an async generator of messages
+        for rid in tokens:  # NOTE: token_columns, as a frontend asks (kvserve/frontend/link.py)
+            request = spb.GenerateRequest(request_id=rid, token_ids=spb.TokenIds(ids=_PROMPT), sampling=sampling)
+            yield spb.GenerateStreamRequest(generate=request, token_columns=True)
+
+    failed: dict[str, BaseException] = {}
+    async for batch in stub.GenerateStream(requests(), timeout=600):
+        now = time.monotonic_ns()
+        for rid, new, text, _ in column_entries(batch.columns):
+            lat.extend(stamps_latency_ms(text, now))
+            meter.received(tokens[rid], len(new), False)
+            tokens[rid] += len(new)
+        for resp in batch.responses:
+            lat.extend(stamps_latency_ms(resp.text_delta, now))
+            meter.received(tokens[resp.request_id], len(resp.token_ids), bool(resp.finish_reason))
+            tokens[resp.request_id] += len(resp.token_ids)
+        for err in batch.errors:
+            failed[err.request_id] = RuntimeError(f"{err.request_id}: code {err.code}: {err.message}")
+    return [failed.get(rid, n) for rid, n in tokens.items()]
+
+
+async def _http_stream(http: Any, url: str, max_tokens: int, lat: list[float], meter: _Meter) -> int:
+    body = {"model": "sim", "prompt": _PROMPT, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "return_token_ids": True}  # fmt: skip
+    tokens = 0
+    async with http.stream("POST", url, json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices", ()):
+                lat.extend(stamps_latency_ms(choice.get("text", ""), time.monotonic_ns()))
+                n = len(choice.get("token_ids") or ())
+                meter.received(tokens, n, bool(choice.get("finish_reason")))
+                tokens += n
+    return tokens
+
+
+async def _drive(
+    address: str, http_url: str | None, streams: int, max_tokens: int, mux: bool, router_pid: int
+) -> tuple[int, float, list, int, float]:
+    """Run ``streams`` concurrent streams; (tokens, window seconds, added latencies, failed streams,
+    steady router CPU µs per token)."""
+    import grpc
+    import httpx
+
+    from kvserve.protos.kvserve.v1 import serving_pb2_grpc
+
+    lat: list[float] = []
+    meter = _Meter(streams, router_pid)
+    t0 = time.monotonic()
+    if http_url is None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = serving_pb2_grpc.KVServeStub(channel)
+            if mux:
+                results = await _grpc_mux(stub, streams, max_tokens, lat, meter)
+            else:
+                results = await asyncio.gather(*(_grpc_stream(stub, max_tokens, lat, meter) for _ in range(streams)),
+                                               return_exceptions=True)  # fmt: skip
+    else:
+        limits = httpx.Limits(max_connections=streams, max_keepalive_connections=streams)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+            results = await asyncio.gather(
+                *(_http_stream(http, http_url, max_tokens, lat, meter) for _ in range(streams)), return_exceptions=True
+            )
+    window = time.monotonic() - t0
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        print(f"data-plane: {len(failed)} of {streams} streams failed, first: {failed[0]!r}", file=sys.stderr)
+    return sum(r for r in results if isinstance(r, int)), window, lat, len(failed), meter.steady_us_per_token()
+
+
+def bench_router_config(streams: int) -> RouterConfig:
+    """The router's config for ``streams`` streams from one client: none refused or cut off by the bounds
+    that protect a real server (queue length, unread responses, streams per client)."""
+    from kvserve.router.config import RouterConfig
+
+    return RouterConfig(port=0, max_queue_requests=max(1024, streams), max_buffered_responses=1 << 16,
+                        max_streams_per_client=max(RouterConfig().max_streams_per_client, streams))  # fmt: skip
+
+
+def _proc_cpu_s(pid: int) -> float:
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def measure(workers: int, streams: int, tokens_per_step: int, step_ms: float, max_tokens: int,
+            protocol: str, frontends: int = 0, py_spy: str | None = None) -> PlanePoint:  # fmt: skip
+    """One point: a fresh router and simulated workers (and ``frontends``), ``streams`` streams through them.
+
+    ``py_spy``: record the router process with py-spy during the streams (collapsed stacks into this file)."""
+    import psutil
+    import ray
+
+    from kvserve.cluster.bench.sim_worker import SimSpec, sim_worker_actor_class
+    from kvserve.cluster.frontends import start_frontends, stop_frontends
+    from kvserve.cluster.launch import _register_workers, _start_router, worker_options_for
+    from kvserve.workers.core.worker_credential import new_worker_key
+    from kvserve.workers.transport.options import WorkerOptions
+
+    config = bench_router_config(streams)
+    key = new_worker_key()
+    fkey = new_worker_key() if frontends else None
+    http = 0 if protocol == "http" else None
+    router, http_port = _start_router(config, None, None, None if frontends else http, key, fkey)
+    handles: dict[str, Any] = {}
+    fronts: list[Any] = []
+    try:
+        address = ray.get(router.address.remote())
+        spec = SimSpec(step_ms=step_ms, tokens_per_step=tokens_per_step)
+        actor = sim_worker_actor_class()
+        ids = [f"worker-{i}" for i in range(workers)]
+        ray.get(router.expect_workers.remote(ids))
+        handles = {w: actor.remote(w, worker_options_for(WorkerOptions(), w, key, address), spec) for w in ids}
+        _register_workers(router, handles, 60.0)
+        client_address = address
+        if frontends:
+            fronts, grpc_port, http_port = start_frontends(frontends, config, address, 0, http, fkey or "")
+            client_address = f"127.0.0.1:{grpc_port}"
+        front_pids = [ray.get(f.pid.remote()) for f in fronts]
+        pid = ray.get(router.pid.remote())
+        http_url = f"http://127.0.0.1:{http_port}/v1/completions" if protocol == "http" else None
+        cpu0, fcpu0 = _proc_cpu_s(pid), sum(_proc_cpu_s(p) for p in front_pids)
+        mux = protocol == "grpc-mux"
+        spy = _py_spy(pid, py_spy) if py_spy else None
+        try:
+            tokens, window, lat, failed, steady = asyncio.run(
+                _drive(client_address, http_url, streams, max_tokens, mux, pid)
+            )
+        finally:
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)
+                spy.wait(timeout=60)
+        cpu = _proc_cpu_s(pid) - cpu0
+        fcpu = sum(_proc_cpu_s(p) for p in front_pids) - fcpu0
+        rss = psutil.Process(pid).memory_info().rss / 2**20
+    finally:
+        stop_frontends(fronts)
+        for h in handles.values():
+            ray.kill(h)
+        ray.kill(router)
+    per_token = (lambda s: s / tokens * 1e6) if tokens else (lambda s: float("nan"))
+    return PlanePoint(
+        workers, frontends, streams, tokens_per_step, step_ms, protocol, tokens, window,
+        tokens / window if window else 0.0, cpu, per_token(cpu), steady, per_token(fcpu) if frontends else 0.0,
+        percentile(lat, 0.5), percentile(lat, 0.99), rss, failed,
+    )  # fmt: skip
+
+
+def _py_spy(pid: int, out: str) -> subprocess.Popen:
+    """``py-spy record`` of ``pid`` into ``out`` until SIGINT (py-spy sits beside this interpreter)."""
+    exe = str(Path(sys.executable).with_name("py-spy"))
+    cmd = [exe, "record", "--pid", str(pid), "--format", "raw", "--threads", "--nonblocking", "--rate", "200",
+           "-o", out]  # fmt: skip
+    spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    time.sleep(1.0)  # NOTE: let py-spy attach before the streams start
+    return spy
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", type=_ints, default=[2], help="simulated workers (a comma list sweeps)")
+    p.add_argument("--streams", type=_ints, default=[64], help="concurrent client streams (a comma list sweeps)")
+    p.add_argument("--tokens-per-step", type=_ints, default=[1], help="tokens each stream gets per worker step")
+    p.add_argument("--step-ms", type=float, default=20.0, help="the simulated workers' step time")
+    p.add_argument("--max-tokens", type=int, default=200, help="tokens per stream")
+    p.add_argument("--protocol", choices=("grpc", "grpc-mux", "http"), default="grpc",
+                   help="the client API: a gRPC Generate per stream, every stream on one GenerateStream (one "
+                        "message per worker step, unbatched by the client), or HTTP/SSE")  # fmt: skip
+    p.add_argument("--frontends", type=_ints, default=[0],
+                   help="stateless frontends between clients and router (a comma list sweeps; 0 = none)")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="one JSON object per point instead of the table")
+    p.add_argument("--py-spy", metavar="OUT", help="record the router with py-spy while the streams run "
+                   "(collapsed stacks; one file per point: OUT.<index>)")  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+
+    from kvserve.cluster.launch import init_ray
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # NOTE: one INFO line per stream otherwise
+
+    owns_ray = init_ray(None)
+    points = []
+    try:
+        for f, w, s, k in itertools.product(args.frontends, args.workers, args.streams, args.tokens_per_step):
+            spy_out = f"{args.py_spy}.{len(points)}" if args.py_spy else None
+            point = measure(w, s, k, args.step_ms, args.max_tokens, args.protocol, f, spy_out)
+            points.append(point)
+            if args.json:
+                print(json.dumps(asdict(point)), flush=True)
+    finally:
+        if owns_ray:
+            import ray
+
+            ray.shutdown()
+    if not args.json:
+        print(format_table(points))
+    return 1 if any(p.failed_streams for p in points) else 0
+
+
+def format_table(points: list[PlanePoint]) -> str:
+    head = ("| proto | frontends | workers | streams | tok/step | step ms | streamed tok/s | router CPU µs/tok "
+            "(steady) | frontends CPU µs/tok | added ITL p50 / p99 ms | router RSS MB | failed streams |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    rows = [
+        f"| {p.protocol} | {p.frontends} | {p.workers} | {p.streams} | {p.tokens_per_step} | {p.step_ms:g} | "
+        f"{p.streamed_tokens_per_s:,.0f} | {p.router_cpu_us_per_token:.1f} ({p.router_cpu_us_per_token_steady:.1f}) | "
+        f"{p.frontend_cpu_us_per_token:.1f} | "
+        f"{p.added_itl_p50_ms:.1f} / {p.added_itl_p99_ms:.1f} | {p.router_rss_mb:.0f} | {p.failed_streams} |"
+        for p in points
+    ]
+    return "\n".join([head, *rows])

@@ -1,0 +1,251 @@
+"""Served vs offline throughput of one worker on a standard workload (issue 14, "the serving path's own cost").
+
+One invocation starts a local cluster (one worker, ``--cpus-per-worker`` CPUs and as many torch threads),
+then alternates, ``--rounds`` times: a *served* pass (every request of the workload sent at once through
+``AsyncKVServeClient``; wall time from the first send to the last finished stream) and an *offline* pass
+(``kvserve bench offline --runs 1`` in a fresh process with the same engine flags and threads, while the
+cluster sits idle). Alternating keeps both figures under the same machine load; medians are reported.
+The served tokens are checked against the offline run's (greedy, so they must be identical).
+
+Usage::
+
+    python -m kvserve.cluster.bench.served_vs_offline --model /tmp/m-tiny --rounds 3 [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvserve.cluster.bench.workloads import WORKLOADS, prompts
+
+
+@dataclass(frozen=True)
+class ServedRun:
+    """One served pass: output tokens per second and the tokens, in input order."""
+
+    output_tokens_per_s: float
+    seconds: float
+    token_ids: list[list[int]]
+
+
+async def served_pass(address: str, prompt_ids: list[list[int]], max_tokens: int) -> ServedRun:
+    """Send every prompt at once (greedy, ignore_eos) and wait for all of them."""
+    from kvserve.cluster.client import AsyncKVServeClient
+
+    async with AsyncKVServeClient(address, timeout=600) as client:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(
+            *(client.generate_all(p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True) for p in prompt_ids)
+        )
+        seconds = time.perf_counter() - t0
+    token_ids = [ids for ids, _, _ in results]
+    return ServedRun(sum(len(t) for t in token_ids) / seconds, seconds, token_ids)
+
+
+@dataclass(frozen=True)
+class OfflineRun:
+    """One offline pass: output tokens per second, CPU seconds of the process during the pass, the tokens."""
+
+    output_tokens_per_s: float
+    cpu_s: float
+    token_ids: list[list[int]]
+
+
+def offline_pass(args: argparse.Namespace) -> OfflineRun:
+    """``bench offline``'s warm-up and one ``run_workload`` pass in a fresh process (same engine flags, threads)."""
+    cmd = [sys.executable, "-m", "kvserve.cluster.bench.served_vs_offline", "--offline-child", "--model", args.model,
+           "--workload", args.workload, "--cpus-per-worker", str(args.cpus_per_worker),
+           "--block-size", str(args.block_size)]  # fmt: skip
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    r = json.loads(out.strip().splitlines()[-1])
+    return OfflineRun(r["output_tokens_per_s"], r["cpu_s"], r["token_ids"])
+
+
+def _offline_child(args: argparse.Namespace) -> int:
+    """The offline pass itself: exactly ``kvserve bench offline --runs 1``'s engine, warm-up and loop."""
+    import torch
+
+    from kvserve.cluster.bench.offline import _warm_up, run_workload
+    from kvserve.workers.engine.config import EngineConfig
+    from kvserve.workers.engine.engine import LLMEngine
+
+    torch.set_num_threads(args.cpus_per_worker)
+    prompt_ids, max_tokens = prompts(args.workload)
+    engine = LLMEngine(EngineConfig(model=args.model, dtype="float32", block_size=args.block_size))
+    _warm_up(engine, engine.model_config.vocab_size)
+    engine.pool.reset_prefix_cache()
+    cpu0 = time.process_time()
+    result = run_workload(engine, prompt_ids, max_tokens)
+    cpu_s = time.process_time() - cpu0
+    print(json.dumps({"output_tokens_per_s": result.output_tokens_per_s, "cpu_s": cpu_s,
+                      "token_ids": result.token_ids}))  # fmt: skip
+    return 0
+
+
+def _thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds so far of each thread of process ``pid``, keyed ``tid`` (Ray names every thread alike)."""
+    out: dict[str, float] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out[tid] = _cpu_s(pid, tid)
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that just exited
+    return out
+
+
+def _cpu_s(pid: int, tid: str | None = None) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads) so far."""
+    path = f"/proc/{pid}/task/{tid}/stat" if tid else f"/proc/{pid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--workload", default="tiny", choices=sorted(WORKLOADS))
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--cpus-per-worker", type=int, default=2)
+    p.add_argument("--block-size", type=int, default=4)
+    p.add_argument("--no-offline", action="store_true", help="served passes only (e.g. while profiling)")
+    p.add_argument(
+        "--py-spy",
+        metavar="OUT",
+        help="record the worker and the router with py-spy during the first served pass "
+        "(collapsed stacks, --threads --idle --nonblocking) into OUT.worker and OUT.router",
+    )
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--offline-child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.offline_child:
+        return _offline_child(args)
+
+    from kvserve.cluster.launch import start_cluster
+    from kvserve.workers.engine.config import EngineConfig
+
+    prompt_ids, max_tokens = prompts(args.workload)
+    config = EngineConfig(model=args.model, dtype="float32", block_size=args.block_size)
+    cluster = start_cluster(config, 1, cpus_per_worker=args.cpus_per_worker)
+    served: list[float] = []
+    offline: list[float] = []
+    worker_cpu: list[float] = []  # worker process CPU seconds per served pass
+    router_cpu: list[float] = []
+    client_cpu: list[float] = []
+    offline_cpu: list[float] = []
+    thread_cpu: list[dict[str, float]] = []  # worker CPU seconds per served pass, by thread name
+    messages: list[int] = []  # WorkerLink messages the worker logged per served pass
+    coalesced: list[int] = []  # steps folded into an earlier step's messages per served pass
+    identical = True
+    try:
+        worker = next(iter(cluster.workers.values()))
+        worker_pid, router_pid = _actor_pid(worker), _actor_pid(cluster.router)
+        print(f"cluster up: router {cluster.address} (pid {router_pid}), worker pid {worker_pid}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        asyncio.run(served_pass(cluster.address, prompt_ids[:2], 4))  # warm-up
+        for i in range(args.rounds):
+            spies = []
+            if args.py_spy and i == 0:
+                spies = [
+                    _py_spy(pid, f"{args.py_spy}.{who}")
+                    for who, pid in (("worker", worker_pid), ("router", router_pid))
+                ]
+                time.sleep(1.0)  # NOTE: let py-spy attach before the pass starts
+            link0, threads0 = _link_counts(worker), _thread_cpu_s(worker_pid)
+            before = (_cpu_s(worker_pid), _cpu_s(router_pid), time.process_time())
+            run = asyncio.run(served_pass(cluster.address, prompt_ids, max_tokens))
+            after = (_cpu_s(worker_pid), _cpu_s(router_pid), time.process_time())
+            link1, threads1 = _link_counts(worker), _thread_cpu_s(worker_pid)
+            busy = {k: round(v - threads0.get(k, 0.0), 2) for k, v in threads1.items() if v - threads0.get(k, 0.0) > 0}
+            names = _thread_names(worker)
+            top = sorted(busy.items(), key=lambda kv: -kv[1])[:6]
+            thread_cpu.append({f"{names.get(int(tid), 'native')}/{tid}": v for tid, v in top})
+            messages.append(link1[0] - link0[0])
+            coalesced.append(link1[1] - link0[1])
+            for spy in spies:
+                spy.send_signal(signal.SIGINT)
+                spy.wait(timeout=60)
+            worker_cpu.append(after[0] - before[0])
+            router_cpu.append(after[1] - before[1])
+            client_cpu.append(after[2] - before[2])
+            served.append(run.output_tokens_per_s)
+            line = (f"round {i}: served {run.output_tokens_per_s:.0f} tok/s ({run.seconds:.2f}s; cpu s: worker "
+                    f"{worker_cpu[-1]:.2f} router {router_cpu[-1]:.2f} client {client_cpu[-1]:.2f}; "
+                f"{messages[-1]} link messages, {coalesced[-1]} steps coalesced)")  # fmt: skip
+            if not args.no_offline:
+                off = offline_pass(args)
+                offline.append(off.output_tokens_per_s)
+                offline_cpu.append(off.cpu_s)
+                same = off.token_ids == run.token_ids
+                identical &= same
+                line += f", offline {off.output_tokens_per_s:.0f} tok/s (cpu s {off.cpu_s:.2f}), identical: {same}"
+            print(line + f", load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+    finally:
+        cluster.shutdown()
+    summary = {
+        "workload": args.workload,
+        "cpus_per_worker": args.cpus_per_worker,
+        "served_output_tokens_per_s": [round(x, 1) for x in served],
+        "offline_output_tokens_per_s": [round(x, 1) for x in offline],
+        "served_median": statistics.median(served),
+        "offline_median": statistics.median(offline) if offline else None,
+        "ratio_of_medians": statistics.median(served) / statistics.median(offline) if offline else None,
+        "per_round_ratios": [round(s / o, 3) for s, o in zip(served, offline, strict=False)],
+        "identical_tokens": identical if offline else None,
+        "served_worker_cpu_s_median": statistics.median(worker_cpu),
+        "served_router_cpu_s_median": statistics.median(router_cpu),
+        "served_client_cpu_s_median": statistics.median(client_cpu),
+        "worker_thread_cpu_s": thread_cpu,
+        "link_messages": messages,
+        "steps_coalesced": coalesced,
+        "offline_cpu_s_median": statistics.median(offline_cpu) if offline_cpu else None,
+        "load_average_1m": os.getloadavg()[0],
+    }
+    print(json.dumps(summary) if args.json else "\n".join(f"{k}: {v}" for k, v in summary.items()))
+    return 0
+
+
+def _py_spy(pid: int, out: str) -> subprocess.Popen:
+    """``py-spy record`` of ``pid`` into ``out`` until SIGINT (py-spy sits beside this interpreter)."""
+    exe = str(Path(sys.executable).with_name("py-spy"))
+    cmd = [exe, "record", "--pid", str(pid), "--format", "raw", "--threads", "--idle", "--nonblocking",
+           "--rate", "200", "-o", out]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+
+
+def _thread_names(worker) -> dict[int, str]:  # noqa: ANN001 - a Worker actor handle
+    """Python thread names of the worker process by native thread id (OpenMP threads are not among them)."""
+    import ray
+
+    def names(_self: object) -> dict[int, str]:
+        import threading
+
+        return {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+
+    return ray.get(worker.__ray_call__.remote(names))
+
+
+def _link_counts(worker) -> tuple[int, int]:  # noqa: ANN001 - a Worker actor handle
+    """(messages logged so far, steps coalesced so far) of the worker's outbox."""
+    import ray
+
+    return ray.get(worker.__ray_call__.remote(lambda self: (self.core.outbox.last_seq, self.core.outbox.num_coalesced)))
+
+
+def _actor_pid(handle) -> int:  # noqa: ANN001 - a Ray actor handle
+    import ray
+
+    return ray.get(handle.__ray_call__.remote(lambda self: os.getpid()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

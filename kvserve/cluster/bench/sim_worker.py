@@ -1,0 +1,185 @@
+"""A simulated worker for the data-plane benchmark: the real worker's Ray methods and WorkerLink, with
+tokens emitted on a clock instead of by a model (no torch).
+
+Every ``step_ms`` it emits ``tokens_per_step`` tokens for each running request (one ``StepOutputs``
+for all of them, through the real ``Outbox`` and ``WorkerLinkClient``), until the request's
+``max_tokens``. Its pressure reports follow the real worker's policy (``PressurePolicy`` with the
+worker options' intervals: after a step that changed block counts, at most every
+``pressure_interval_ms``), over a pool whose used blocks are what its requests' tokens fill; each
+block a request fills is announced as the real pool does (one ``BlockStored`` event per block, in
+the step's ``BlockEvents``).
+Each output's ``text_delta`` carries the step's emission time (``time.monotonic_ns()``,
+system-wide on Linux), so a client on the same machine measures the latency the serving path adds
+to every token.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.workers.core.gc_pauses import settle_heap
+from kvserve.workers.core.identity import WorkerIdentity
+from kvserve.workers.core.request import WorkerRequest
+from kvserve.workers.core.sizes import blocks_for
+from kvserve.workers.core.step_columns import append_entry
+from kvserve.workers.core.tls import channel_credentials
+from kvserve.workers.transport.options import WorkerOptions
+from kvserve.workers.transport.outbox import Outbox
+from kvserve.workers.transport.pressure import PressurePolicy
+from kvserve.workers.transport.worker_link import WorkerLinkClient
+
+
+@dataclass(frozen=True)
+class SimSpec:
+    """What a simulated worker looks like and how fast it emits.
+
+    Raises:
+        ValueError: a non-positive size or rate.
+    """
+
+    step_ms: float = 20.0
+    tokens_per_step: int = 1
+    total_blocks: int = 1 << 16
+    block_size: int = 16
+    max_model_len: int = 1 << 16
+    vocab_size: int = 32000
+
+    def __post_init__(self) -> None:
+        for name in ("step_ms", "tokens_per_step", "total_blocks", "block_size", "max_model_len", "vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass
+class _Running:
+    request: WorkerRequest
+    emitted: int = 0
+
+
+class SimWorker:
+    """The methods the router calls on a worker (``ready``, ``add_request``, ``check_health``, ...)."""
+
+    def __init__(self, worker_id: str, options: WorkerOptions, spec: SimSpec) -> None:
+        self.worker_id, self.options, self.spec = worker_id, options, spec
+        self.incarnation = uuid.uuid4().hex
+        self.outbox = Outbox()
+        self._lock = threading.Lock()
+        self._running: dict[str, _Running] = {}
+        self._steps = 0
+        self._report_seq = 0
+        self._event_seq = 0
+        self._pressure = PressurePolicy.from_options(options)
+        self._stop = threading.Event()
+        self.link = WorkerLinkClient(
+            options.router_address or "",
+            self.outbox,
+            hello=lambda: self.identity().to_hello(self.incarnation),
+            on_connect=lambda: None,
+            on_command=self._on_command,
+            credential=options.credential,
+            credentials=channel_credentials(options.tls_ca, options.tls_cert, options.tls_key),
+        )
+        # As a real worker's process does once started (kvserve/workers/transport/worker.py).
+        _, self.gc_pauses = settle_heap(f"sim worker {worker_id}")
+        self.link.start()
+        self._thread = threading.Thread(target=self._run, name="sim-engine", daemon=True)
+        self._thread.start()
+
+    def identity(self) -> WorkerIdentity:
+        s = self.spec
+        return WorkerIdentity(self.worker_id, "sim", s.block_size, s.total_blocks, s.max_model_len, s.vocab_size)
+
+    def ready(self) -> WorkerIdentity:
+        return self.identity()
+
+    def add_request(self, request: WorkerRequest) -> None:
+        with self._lock:
+            self._running[request.request_id] = _Running(request, len(request.resume_output_ids))
+
+    def check_health(self) -> None:
+        if not self._thread.is_alive():
+            raise RuntimeError(f"simulated worker {self.worker_id}: its step thread died")
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.link.stop()
+
+    def _on_command(self, cmd: pb.RouterCommand) -> None:
+        kind = cmd.WhichOneof("command")
+        rid = cmd.abort.request_id if kind == "abort" else ""
+        with self._lock:
+            ok = self._running.pop(rid, None) is not None if kind == "abort" else kind == "request_snapshot"
+        if kind == "request_snapshot":
+            self.outbox.put(pb.WorkerMessage(block_snapshot=pb.BlockSnapshot()))
+        self.outbox.put(pb.WorkerMessage(ack=pb.CommandAck(command_seq=cmd.seq, request_id=rid, ok=ok)))
+
+    def _run(self) -> None:
+        period = self.spec.step_ms / 1000
+        next_step = time.monotonic()
+        while not self._stop.is_set():
+            next_step += period
+            self._stop.wait(max(0.0, next_step - time.monotonic()))
+            self._step()
+
+    def _step(self) -> None:
+        k = self.spec.tokens_per_step
+        stamp = f"{time.monotonic_ns()};"  # NOTE: ";" keeps stamps apart when responses merge
+        outputs, events = [], []
+        plain: list[tuple[str, list[int], int]] = []
+        size = self.spec.block_size
+        with self._lock:
+            for rid, run in list(self._running.items()):
+                n = min(k, run.request.params.max_tokens - run.emitted)
+                held = len(run.request.prompt) + run.emitted
+                run.emitted += n
+                for block in range(held // size, (held + n) // size):
+                    self._event_seq += 1
+                    stored = pb.BlockStored(hashes=[hash((rid, block)) & (2**64 - 1)])
+                    events.append(pb.BlockEvent(seq=self._event_seq, stored=stored))
+                done = run.emitted >= run.request.params.max_tokens
+                new = [(run.emitted + i) % self.spec.vocab_size for i in range(n)]
+                if done:
+                    del self._running[rid]
+                    outputs.append(pb.RequestOutput(
+                        request_id=rid, new_token_ids=new, text_delta=stamp, finish_reason="length",
+                        num_output_tokens=run.emitted, num_prompt_tokens=len(run.request.prompt),
+                    ))  # fmt: skip
+                else:  # NOTE: as a real worker sends a plain output (kvserve/workers/transport/worker.py)
+                    plain.append((rid, new, run.emitted))
+            running = len(self._running)
+            used = sum(blocks_for(len(r.request.prompt) + r.emitted, size) for r in self._running.values())
+        self._steps += 1
+        step = None
+        if outputs or plain:
+            step = pb.StepOutputs(decode_step=self._steps, outputs=outputs)
+            for rid, new, total in plain:
+                append_entry(step.columns, rid, new, total, stamp)
+        total = self.spec.total_blocks
+        report = pb.PressureReport(worker_id=self.worker_id, total_blocks=total, free_blocks=total - used,
+                                   used_blocks=used, num_running=running, decode_steps=self._steps,
+                                   step_latency_ms=self.spec.step_ms)  # fmt: skip
+        now = time.monotonic()
+        pressure = None
+        if self._pressure.due(now, report):
+            self._report_seq += 1
+            report.seq = self._report_seq
+            pressure = report
+        if self.outbox.put_step(step, pb.BlockEvents(events=events) if events else None, pressure):
+            self._pressure.sent(now, report)
+
+
+def sim_worker_actor_class():
+    """``ray.remote(SimWorker)`` (Ray is imported only here)."""
+    import ray
+
+    return ray.remote(num_cpus=0, max_concurrency=64)(SimWorker)

@@ -1,0 +1,407 @@
+"""Start (or join) a Ray cluster and bring up the router plus N workers.
+
+The router actor goes on the node that runs this code (the head, in a deployment), so its gRPC
+and metrics ports are where a Kubernetes Service or a user expects them. Workers get one GPU each
+on CUDA clusters, or ``cpus_per_worker`` CPUs (and as many torch threads) otherwise. With
+``spread=True`` the workers go into one placement group (strategy SPREAD: distinct nodes where
+there are enough), so a multi-node cluster serves from all of its nodes.
+
+Supervision (README "Failure behaviour"): worker actors have Ray ``max_restarts=-1``: Ray starts a
+killed worker's process again with the same arguments, and its new incarnation says Hello to the
+router, which takes it back with an empty pool (or retires it if it crash-loops: the router kills
+it with ``no_restart``). The router actor is restarted by ``kvserve serve``
+(``Cluster.poll_router`` finds it dead or unresponsive, ``Cluster.restart_router`` replaces it) on
+the same port. The new router gets every worker with its supervision record (restarts,
+retirement: ``kvserve/router/table/supervision.py``, kept here from the last poll) and without a call to the
+worker that could block (its identity is the one it gave at start-up, refreshed if it answers
+within ``WORKER_PROBE_TIMEOUT_S``); a retired worker stays retired, an unreachable one is taken
+back when its WorkerLink reconnects. A router restart never stops a worker, and every Ray call on
+this path has a timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvserve.router.config import RouterConfig
+from kvserve.router.table.supervision import WorkerSupervision
+from kvserve.workers.core.identity import WorkerIdentity
+from kvserve.workers.core.worker_credential import issue_worker_credential, new_worker_key
+from kvserve.workers.engine.config import EngineConfig
+from kvserve.workers.transport.options import WorkerOptions
+
+logger = logging.getLogger(__name__)
+
+ROUTER_CALL_TIMEOUT_S = 30.0  # a router call that answers from its tables (register, poll)
+ROUTER_START_TIMEOUT_S = 120.0  # a new router actor's process start and bind, on a loaded node
+WORKER_PROBE_TIMEOUT_S = 5.0  # a worker's ready() when re-registering it with a new router
+RECONNECT_WAIT_S = 60.0  # how long a restart waits for the workers' WorkerLinks before serving on
+
+
+class RouterPoll(enum.Enum):
+    """What one liveness poll of the router actor found."""
+
+    ALIVE = "alive"
+    DEAD = "dead"  # the actor is gone (Ray says so)
+    UNRESPONSIVE = "unresponsive"  # the call timed out: alive to Ray, but not answering
+
+
+def init_ray(address: str | None, num_cpus: int | None = None, **kwargs: Any) -> bool:
+    """Start a local Ray (``address`` None) or join one; True if this process started it.
+
+    The one Ray start-up of kvserve (``serve``, ``demo`` and ``start_cluster`` all come here), so
+    ``address=None`` means the same everywhere.
+
+    NOTE: a local start passes ``address="local"``: a bare ``ray.init()`` would join whatever
+    cluster ``ray start`` last recorded in /tmp/ray, which is not what "start a local Ray" means.
+    """
+    import ray
+
+    from kvserve.cluster.config import RAY_NAMESPACE
+
+    if ray.is_initialized():
+        return False
+    kwargs.setdefault("logging_level", logging.WARNING)
+    kwargs.setdefault("namespace", RAY_NAMESPACE)
+    if address is None:
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **kwargs)
+        return True
+    ray.init(address=address, **kwargs)
+    return False
+
+
+@dataclass
+class Cluster:
+    """Handles to a running router and its workers."""
+
+    router: Any
+    workers: dict[str, Any]
+    address: str  # router's gRPC host:port
+    metrics_port: int | None = None
+    owns_ray: bool = False
+    placement_group: Any = None  # the workers' placement group (spread=True), removed on shutdown
+    http_port: int | None = None  # the OpenAI-compatible HTTP API's port (None = off)
+    router_config: RouterConfig | None = None  # as started (its port the bound one), for a restart
+    router_name: str | None = None
+    router_restarts: int = 0
+    identities: dict[str, WorkerIdentity] = field(default_factory=dict)  # as each worker last told us
+    supervision: dict[str, WorkerSupervision] = field(default_factory=dict)  # from the last poll
+    # NOTE: the cluster's worker key: the router verifies worker credentials with it, and a
+    # restarted router needs the same one (the workers keep theirs). Never given to a worker.
+    worker_key: str = field(default="", repr=False)
+    # ``--frontends N`` (kvserve/cluster/frontends.py): their actors, their shared gRPC port (the HTTP API is
+    # theirs then: ``http_port``), and the key the router trusts them by.
+    frontends: list[Any] = field(default_factory=list)
+    frontend_port: int | None = None
+    frontend_key: str | None = field(default=None, repr=False)
+    _stopped: bool = field(default=False, repr=False)
+
+    def poll_router(self, timeout_s: float = ROUTER_CALL_TIMEOUT_S) -> RouterPoll:
+        """One liveness poll of the router; when it answers, keep its supervision records (for
+        the next router, should this one die)."""
+        import ray
+
+        try:
+            self.supervision.update(ray.get(self.router.supervision.remote(), timeout=timeout_s))
+        except ray.exceptions.RayActorError:
+            return RouterPoll.DEAD
+        except ray.exceptions.GetTimeoutError:
+            return RouterPoll.UNRESPONSIVE
+        return RouterPoll.ALIVE
+
+    def restart_router(self, reconnect_timeout_s: float = RECONNECT_WAIT_S) -> list[str]:
+        """Replace a dead or unresponsive router: a new actor (same name, same port) that gets
+        every worker with its supervision record; then wait (at most ``reconnect_timeout_s``) for
+        the WorkerLinks of the workers not retired. Touches no worker beyond a bounded ``ready``.
+
+        Returns:
+            The workers not retired whose WorkerLink did not reconnect in time (the router takes
+            each back when it does; a missing one is logged, never fatal).
+
+        Raises:
+            Exception: the new router did not start (the caller tries again later; the workers
+                keep running meanwhile).
+        """
+        import ray
+
+        assert self.router_config is not None
+        try:
+            ray.kill(self.router)  # NOTE: frees the name and the port, should the old one linger half-dead
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        # NOTE: with frontends the HTTP API is theirs; they reconnect to the new router on its port.
+        router, _ = _start_router(
+            self.router_config, self.metrics_port, self.router_name, None if self.frontends else self.http_port,
+            self.worker_key, self.frontend_key,
+        )
+        self.router = router
+        ray.get(router.expect_workers.remote(list(self.workers)), timeout=ROUTER_CALL_TIMEOUT_S)
+        self.router_restarts += 1
+        fresh, gone = _probe_workers(self.workers, WORKER_PROBE_TIMEOUT_S)
+        self.identities.update(fresh)
+        for worker_id in gone:
+            self.supervision[worker_id] = _retired(self.supervision.get(worker_id))
+        for worker_id, handle in self.workers.items():
+            record = self.supervision.get(worker_id)
+            ray.get(router.add_worker.remote(worker_id, handle, self.identities[worker_id], record),
+                    timeout=ROUTER_CALL_TIMEOUT_S)  # fmt: skip
+        expected = [w for w in self.workers if not (w in self.supervision and self.supervision[w].retired)]
+        try:
+            ray.get(router.wait_for_workers.remote(expected, reconnect_timeout_s),
+                    timeout=reconnect_timeout_s + ROUTER_CALL_TIMEOUT_S)  # fmt: skip
+            return []
+        except Exception:  # noqa: BLE001 - some never reconnected (yet): serve on without them
+            connected = set(ray.get(router.connected_workers.remote(), timeout=ROUTER_CALL_TIMEOUT_S))
+            missing = [w for w in expected if w not in connected]
+            logger.warning("router restarted; WorkerLinks not back after %.0fs (taken back when they are): %s",
+                           reconnect_timeout_s, ", ".join(missing))  # fmt: skip
+            return missing
+
+    def shutdown(self) -> None:
+        """Stop workers and router (and Ray, if this process started it). Idempotent."""
+        import ray
+
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.frontends:
+            from kvserve.cluster.frontends import stop_frontends
+
+            stop_frontends(self.frontends)
+        for handle in self.workers.values():
+            try:
+                ray.get(handle.shutdown.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - best effort on the way down
+                pass
+            ray.kill(handle)
+        try:
+            ray.get(self.router.stop.remote(), timeout=10)
+        except Exception:  # noqa: BLE001
+            pass
+        ray.kill(self.router)
+        if self.placement_group is not None:
+            try:
+                ray.util.remove_placement_group(self.placement_group)
+            except Exception:  # noqa: BLE001
+                pass
+        if self.owns_ray:
+            ray.shutdown()
+
+
+def start_cluster(
+    engine_config: EngineConfig,
+    num_workers: int,
+    router_config: RouterConfig | None = None,
+    *,
+    address: str | None = None,
+    metrics_port: int | None = None,
+    cpus_per_worker: int = 1,
+    use_gpus: bool | None = None,
+    worker_options: WorkerOptions | None = None,
+    name: str | None = None,
+    ready_timeout_s: float = 300.0,
+    spread: bool = False,
+    http_port: int | None = None,
+    frontends: int = 0,
+    frontend_port: int = 0,
+) -> Cluster:
+    """Bring up a serving cluster; returns once every worker's WorkerLink has said Hello.
+
+    Args:
+        engine_config: every worker's engine.
+        num_workers: worker actors to start.
+        router_config: the router's (host, port, auth, TLS, queue, placement...).
+        address: Ray address to join ("auto", "host:port"); None starts a local Ray (``init_ray``)
+            unless this process already runs one.
+        metrics_port: serve Prometheus ``/metrics`` here (None = off, 0 = a free port, see
+            ``Cluster.metrics_port``).
+        use_gpus: one GPU per worker; None = when the Ray cluster has GPUs.
+        name: name the router actor (detached) so ``kvserve status`` and a restarted CLI find it.
+        spread: place the workers on distinct nodes where possible (placement group, SPREAD).
+        http_port: serve the OpenAI-compatible HTTP API here too (None = off, 0 = a free port, see
+            ``Cluster.http_port``); on the frontends when there are any.
+        frontends: stateless frontends serving the client APIs on ``frontend_port`` (shared,
+            0 = a free one) and ``http_port``, relayed to the router (kvserve/cluster/frontends.py); 0 = none,
+            the router serves both itself.
+    """
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from kvserve.workers.transport.worker import worker_actor_class
+
+    if num_workers <= 0:
+        raise ValueError(f"num_workers must be positive, got {num_workers}")
+    router_config = router_config or RouterConfig(model=engine_config.model)
+    if router_config.auth_keys:  # NOTE: the router actor reads it; its working directory may differ
+        router_config = dataclasses.replace(router_config, auth_keys=str(Path(router_config.auth_keys).resolve()))
+    owns_ray = init_ray(address)
+    if use_gpus is None:
+        use_gpus = ray.cluster_resources().get("GPU", 0) >= 1
+    if metrics_port == 0:
+        metrics_port = _free_port(router_config.host)  # the router runs on this node
+    worker_key = new_worker_key()
+    from kvserve.cluster.frontends import frontend_key
+
+    fkey = frontend_key(needed=frontends > 0)
+    try:
+        router, router_http = _start_router(
+            router_config, metrics_port, name, None if frontends else http_port, worker_key, fkey
+        )
+    except BaseException:
+        if owns_ray:
+            ray.shutdown()
+        raise
+    router_address = ray.get(router.address.remote(), timeout=ROUTER_CALL_TIMEOUT_S)
+    bound_config = dataclasses.replace(router_config, port=int(router_address.rsplit(":", 1)[1]))
+    link_address = router_address
+    if router_config.host in ("0.0.0.0", "::"):
+        link_address = f"{ray.util.get_node_ip_address()}:{router_address.rsplit(':', 1)[1]}"
+    base = worker_options or WorkerOptions()
+    actor = worker_actor_class()
+    workers: dict[str, Any] = {}
+    resources = {"num_gpus": 1, "num_cpus": 1} if use_gpus else {"num_cpus": cpus_per_worker}
+    pg = None
+    if spread:
+        bundle = {"GPU": 1, "CPU": 1} if use_gpus else {"CPU": cpus_per_worker}
+        pg = ray.util.placement_group([dict(bundle) for _ in range(num_workers)], strategy="SPREAD")
+    worker_ids = [f"worker-{i}" for i in range(num_workers)]
+    ray.get(router.expect_workers.remote(worker_ids))
+    for i, worker_id in enumerate(worker_ids):
+        options = worker_options_for(base, worker_id, worker_key, link_address)
+        # NOTE: Ray restarts a dead worker forever; the router retires one that crash-loops.
+        opts: dict[str, Any] = dict(resources, max_restarts=-1)
+        if pg is not None:
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+        workers[worker_id] = actor.options(**opts).remote(
+            worker_id, engine_config, options, None if use_gpus else cpus_per_worker
+        )
+    t0 = time.monotonic()
+    try:
+        if pg is not None:
+            ray.get(pg.ready(), timeout=ready_timeout_s)
+        identities = _register_workers(router, workers, ready_timeout_s)
+    except BaseException:
+        Cluster(router, workers, router_address, metrics_port, owns_ray, pg).shutdown()
+        raise
+    logger.info("cluster up in %.1fs: router %s, %d workers", time.monotonic() - t0, router_address, num_workers)
+    cluster = Cluster(
+        router, workers, router_address, metrics_port, owns_ray, pg, router_http, bound_config, name,
+        identities=identities, worker_key=worker_key, frontend_key=fkey,
+    )  # fmt: skip
+    if frontends:
+        from kvserve.cluster.frontends import start_frontends
+
+        try:
+            cluster.frontends, cluster.frontend_port, cluster.http_port = start_frontends(
+                frontends, router_config, link_address, frontend_port, http_port, fkey or "",
+                (base.tls_ca, base.tls_cert, base.tls_key),
+            )
+        except BaseException:
+            cluster.shutdown()
+            raise
+    return cluster
+
+
+def worker_options_for(base: WorkerOptions, worker_id: str, worker_key: str, router_address: str) -> WorkerOptions:
+    """``base`` for one worker: the router's WorkerLink address and that worker's own credential
+    (only its own: docs/architecture.md section 4)."""
+    return dataclasses.replace(
+        base, router_address=router_address, credential=issue_worker_credential(worker_key, worker_id)
+    )
+
+
+def _start_router(
+    config: RouterConfig,
+    metrics_port: int | None,
+    name: str | None,
+    http_port: int | None,
+    worker_key: str,
+    frontend_key: str | None = None,
+) -> tuple[Any, int | None]:
+    """Create the router actor on this node (detached and named if ``name``) and start it; returns it
+    and its bound HTTP port (None = off).
+
+    Raises:
+        Exception: it did not start (e.g. the port is taken); no router is left behind.
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from kvserve.router.api.server import router_actor_class
+
+    here = ray.get_runtime_context().get_node_id()
+    opts: dict[str, Any] = {"scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)}
+    if name:
+        opts.update(name=name, lifetime="detached", get_if_exists=False)
+    router = router_actor_class().options(**opts).remote(
+        config, metrics_port, http_port, worker_key=worker_key, frontend_key=frontend_key
+    )
+    try:
+        ray.get(router.start.remote(), timeout=ROUTER_START_TIMEOUT_S)
+        http_port = ray.get(router.http_port.remote(), timeout=ROUTER_CALL_TIMEOUT_S)
+    except BaseException:  # e.g. the port is taken: leave no (detached) router behind
+        ray.kill(router)
+        raise
+    return router, http_port
+
+
+def _register_workers(router: Any, workers: dict[str, Any], timeout_s: float) -> dict[str, WorkerIdentity]:
+    """Register every worker (its identity from ``ready``) and wait for its WorkerLink; returns
+    the identities."""
+    import ray
+
+    ray.get(router.expect_workers.remote(list(workers)), timeout=ROUTER_CALL_TIMEOUT_S)
+    infos = ray.get([w.ready.remote() for w in workers.values()], timeout=timeout_s)
+    for (worker_id, handle), info in zip(workers.items(), infos, strict=True):
+        ray.get(router.add_worker.remote(worker_id, handle, info), timeout=ROUTER_CALL_TIMEOUT_S)
+    ray.get(router.wait_for_workers.remote(list(workers), timeout_s), timeout=timeout_s + ROUTER_CALL_TIMEOUT_S)
+    return dict(zip(workers, infos, strict=True))
+
+
+def _probe_workers(workers: dict[str, Any], timeout_s: float) -> tuple[dict[str, WorkerIdentity], set[str]]:
+    """Ask every worker's ``ready`` at once, for at most ``timeout_s``.
+
+    Returns:
+        The identities of those that answered, and the workers whose actor is dead for good.
+        NOTE: worker actors have ``max_restarts=-1``, so Ray restarts any dead one, except one the
+        router killed with ``no_restart`` (retired); one that is restarting, hung or slow is in
+        neither set (its last known identity stands).
+    """
+    import ray
+
+    refs = {w.ready.remote(): worker_id for worker_id, w in workers.items()}
+    done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    identities: dict[str, WorkerIdentity] = {}
+    gone: set[str] = set()
+    for ref in done:
+        try:
+            identities[refs[ref]] = ray.get(ref, timeout=0)
+        except ray.exceptions.ActorDiedError:
+            gone.add(refs[ref])
+        except Exception:  # noqa: BLE001 - unavailable for now (restarting): taken back when it says Hello
+            logger.debug("%s did not answer ready()", refs[ref], exc_info=True)
+    return identities, gone
+
+
+def _retired(record: WorkerSupervision | None) -> WorkerSupervision:
+    """The record of a worker found dead for good, i.e. retired by the dead router after the
+    launcher's last poll: at least one restart more than the record knew (the one that retired it)."""
+    if record is None:
+        return WorkerSupervision(restarts_total=1, retired=True, taken_at=time.time())
+    if record.retired:
+        return record
+    return dataclasses.replace(record, restarts_total=record.restarts_total + 1, retired=True)
+
+
+def _free_port(host: str) -> int:
+    """A port free on ``host`` right now (the kernel's pick; a race is possible but unlikely)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

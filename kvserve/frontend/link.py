@@ -1,0 +1,249 @@
+"""A frontend's connection to the router: every request it relays rides ONE ``GenerateStream`` per
+caller credential (``KVServe.GenerateStream``, kvserve/router/requests/mux.py), unbatched here by request id.
+
+Why one stream per credential, not one per frontend: the router applies a caller's API key (tenant
+scope, priority bound, rate, per-key streams: kvserve/router/gate/tenancy.py) to the stream it arrives on, so the
+frontend relays each caller on a stream opened with that caller's own ``authorization``. It holds no
+credential of its own that could widen what a key may do. Without API keys (no auth, or one bearer
+token) every request shares the one stream.
+
+The frontend credential (``kvserve/router/gate/auth.py`` ``frontend_trusted``) rides every stream; it lets the
+router count each relayed request against the end client the frontend names (``client``), so
+``max_streams_per_client`` still holds per client across all frontends.
+
+Guarantees carried over the relay:
+
+* order and de-duplication are the router's (kvserve/router/requests/demux.py): a request's responses leave the
+  router in order, once, and one stream keeps them in order;
+* deadlines: each request carries its caller's remaining deadline (``timeout_ms``); the router
+  queues it only if it can start in time, and the caller's call ending cancels it;
+* cancel: ``cancel`` sends ``cancel_request_id``; the router aborts the request (blocks freed). An id
+  stays taken here until the router says the request ended, so a reused id can never be mistaken
+  for the old one (the router ends the whole stream on an id in use);
+* slow consumers: more than ``max_buffered_responses`` responses a caller has not read: the request
+  is cancelled at the router and ends RESOURCE_EXHAUSTED, as on the router (README "Failure behaviour");
+* the router stream breaking (the router died or restarts): every request on it ends UNAVAILABLE
+  (before its first response the client library retries it); the next request opens a new stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections.abc import AsyncIterator
+
+import grpc
+
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.protos.kvserve.v1 import serving_pb2_grpc
+from kvserve.router.gate.auth import FRONTEND_CREDENTIAL_HEADER
+from kvserve.router.requests.demux import merge_responses
+from kvserve.router.requests.mux import batch_responses
+from kvserve.router.requests.request import RouterError
+
+logger = logging.getLogger(__name__)
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def request_error(err: spb.RequestError) -> RouterError:
+    """A ``RequestError`` of the mux as the RouterError the router raised for it."""
+    trailers = (("retry-after-ms", str(err.retry_after_ms)),) if err.retry_after_ms else ()
+    return RouterError(_CODES.get(err.code, grpc.StatusCode.UNKNOWN), err.message, trailers)
+
+
+class RelayedRequest:
+    """One request relayed on a ``MuxConnection``: its responses, in the router's order."""
+
+    def __init__(self, connection: MuxConnection, request_id: str, max_buffered: int) -> None:
+        self.connection, self.request_id, self.max_buffered = connection, request_id, max_buffered
+        self.queue: asyncio.Queue[spb.GenerateResponse | RouterError] = asyncio.Queue()
+        self.finished = False  # its final response or error is in ``queue`` (or it was dropped)
+        # The field a text or chat prompt was sent as (it reached the router as token ids).
+        self.prompt_field: str | None = None
+        self._first: spb.GenerateResponse | RouterError | None = None
+        self._answered = asyncio.Event()
+
+    def put(self, item: spb.GenerateResponse | RouterError) -> None:
+        if self.finished:
+            return
+        if isinstance(item, RouterError) and self.prompt_field and item.message.startswith("prompt.token_ids"):
+            item = RouterError(item.code, self.prompt_field + item.message.removeprefix("prompt.token_ids"),
+                               item.trailers)  # fmt: skip
+        if isinstance(item, RouterError) or item.finish_reason:
+            self.finished = True
+        elif self.queue.qsize() >= self.max_buffered:  # a slow consumer: as the router treats one
+            self.finished = True
+            while not self.queue.empty():
+                self.queue.get_nowait()
+            self.connection.send_cancel(self.request_id)
+            item = RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"client too slow: over {self.max_buffered} responses unread "
+                               "(limit max_buffered_responses)")  # fmt: skip
+        self.queue.put_nowait(item)
+        if self._first is None:
+            self._first = item
+            self._answered.set()
+
+    async def first(self) -> spb.GenerateResponse | RouterError:
+        """The router's first answer (a response or a refusal), left in the queue."""
+        await self._answered.wait()
+        assert self._first is not None
+        return self._first
+
+    async def responses(self) -> AsyncIterator[spb.GenerateResponse]:
+        """Responses until the final one; RouterError if the request ended abnormally. Responses
+        that waited are merged (same worker only), as ``kvserve/router/requests/demux.py`` ``stream_responses`` does."""
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, RouterError):
+                raise item
+            while not item.finish_reason and not self.queue.empty():
+                nxt = self.queue._queue[0]  # type: ignore[attr-defined]  # NOTE: peek
+                if isinstance(nxt, RouterError) or nxt.worker_id != item.worker_id:
+                    break
+                item = merge_responses(item, self.queue.get_nowait())  # type: ignore[arg-type]
+            yield item
+            if item.finish_reason:
+                return
+
+    def cancel(self) -> None:
+        """The caller went away (cancel, deadline, disconnect): abort it at the router unless it ended."""
+        if not self.finished:
+            self.finished = True
+            self.connection.send_cancel(self.request_id)
+            if self._first is None:  # NOTE: wakes an ``admitted`` wait on it
+                self._first = RouterError(grpc.StatusCode.CANCELLED, "cancelled by the client")
+                self._answered.set()
+
+
+class MuxConnection:
+    """One ``GenerateStream`` to the router for one caller credential."""
+
+    def __init__(self, stub: serving_pb2_grpc.KVServeStub, metadata: tuple[tuple[str, str], ...],
+                 max_buffered: int) -> None:  # fmt: skip
+        self.max_buffered = max_buffered
+        self.live: dict[str, RelayedRequest] = {}
+        self.closed = False
+        self._outbox: asyncio.Queue[spb.GenerateStreamRequest | None] = asyncio.Queue()
+        # NOTE: wait_for_ready: a router restarting on the same port is waited for (within each
+        # request's deadline), not failed at once.
+        self._call = stub.GenerateStream(self._requests(), metadata=metadata, wait_for_ready=True)
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _requests(self) -> AsyncIterator[spb.GenerateStreamRequest]:
+        while True:
+            msg = await self._outbox.get()
+            if msg is None:
+                return
+            yield msg
+
+    def submit(self, request: spb.GenerateRequest, timeout_s: float | None, client: str) -> RelayedRequest:
+        """Send ``request`` (its id set) on the stream.
+
+        Raises:
+            RouterError: ALREADY_EXISTS, its id is still live on this stream (as the router answers
+                an id in use); UNAVAILABLE, the stream is closed.
+        """
+        rid = request.request_id
+        if self.closed:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, "the frontend lost its stream to the router; retry")
+        if rid in self.live:
+            raise RouterError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is in use")
+        rr = RelayedRequest(self, rid, self.max_buffered)
+        self.live[rid] = rr
+        timeout_ms = 0 if timeout_s is None else max(1, math.ceil(timeout_s * 1000))
+        # NOTE: token_columns: plain decode tokens come as columns, the router's cheapest path
+        # (kvserve/router/requests/mux.py); on each request, not a message of its own, which a router that predates
+        # the field could not answer (it ignores the field and sends responses only).
+        self._outbox.put_nowait(spb.GenerateStreamRequest(generate=request, timeout_ms=timeout_ms, client=client,
+                                                          token_columns=True))  # fmt: skip
+        return rr
+
+    def send_cancel(self, request_id: str) -> None:
+        if not self.closed:
+            self._outbox.put_nowait(spb.GenerateStreamRequest(cancel_request_id=request_id))
+
+    async def _read(self) -> None:
+        why = "the router closed the stream"
+        try:
+            async for batch in self._call:
+                for resp in batch_responses(batch):
+                    rr = self.live.get(resp.request_id)
+                    if rr is None:
+                        continue
+                    rr.put(resp)
+                    if resp.finish_reason:
+                        del self.live[resp.request_id]
+                for err in batch.errors:
+                    rr = self.live.pop(err.request_id, None)
+                    if rr is not None:
+                        rr.put(request_error(err))
+        except grpc.aio.AioRpcError as e:
+            why = f"stream to the router ended {e.code().name}: {e.details()}"
+            if e.code() == grpc.StatusCode.UNAUTHENTICATED:  # NOTE: the caller's credential, not the link
+                self._fail_all(RouterError(e.code(), e.details() or "unauthenticated"))
+        except asyncio.CancelledError:
+            why = "the frontend is stopping"
+        finally:
+            self.closed = True
+            self._fail_all(RouterError(grpc.StatusCode.UNAVAILABLE, f"{why}; retry"))
+            logger.info("router stream closed: %s", why)
+
+    def _fail_all(self, error: RouterError) -> None:
+        for rr in self.live.values():
+            rr.put(error)
+        self.live.clear()
+
+    async def close(self) -> None:
+        self._outbox.put_nowait(None)
+        self._call.cancel()
+        self._reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._reader
+
+
+class RouterLink:
+    """Every ``MuxConnection`` of one frontend to one router, by caller credential.
+
+    Args:
+        channel: a ``grpc.aio`` channel to the router.
+        frontend_key: the cluster's frontend key (sent as the frontend credential; None: none sent,
+            so the router counts every relayed request against this frontend's address).
+        max_buffered: the slow-consumer bound (``router.max_buffered_responses``).
+    """
+
+    def __init__(self, channel: grpc.aio.Channel, frontend_key: str | None, max_buffered: int) -> None:
+        self.channel = channel
+        self.stub = serving_pb2_grpc.KVServeStub(channel)
+        self.frontend_key = frontend_key
+        self.max_buffered = max_buffered
+        self._connections: dict[str | None, MuxConnection] = {}
+
+    def metadata(self, authorization: str | None) -> tuple[tuple[str, str], ...]:
+        """What a call on behalf of a caller carries: its own ``authorization`` and the frontend credential."""
+        md: list[tuple[str, str]] = []
+        if authorization:
+            md.append(("authorization", authorization))
+        if self.frontend_key:
+            md.append((FRONTEND_CREDENTIAL_HEADER, self.frontend_key))
+        return tuple(md)
+
+    def submit(self, authorization: str | None, request: spb.GenerateRequest, timeout_s: float | None,
+               client: str) -> RelayedRequest:  # fmt: skip
+        """Relay one request (its ``request_id`` set) for a caller already authenticated here."""
+        conn = self._connections.get(authorization)
+        if conn is None or conn.closed:
+            conn = MuxConnection(self.stub, self.metadata(authorization), self.max_buffered)
+            self._connections[authorization] = conn
+        return conn.submit(request, timeout_s, client)
+
+    def live_requests(self) -> int:
+        return sum(len(c.live) for c in self._connections.values() if not c.closed)
+
+    async def close(self) -> None:
+        for conn in self._connections.values():
+            await conn.close()
+        self._connections.clear()

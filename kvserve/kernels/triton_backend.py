@@ -1,0 +1,20 @@
+"""The Triton backend: the kernels of ``kernels.attention`` and ``kernels.cache_ops`` under the names
+``kernels.get_backend()`` promises (same signatures as ``kernels.reference``).
+
+Importing this module imports triton; on CPU set ``TRITON_INTERPRET=1`` before that import.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.kernels import reference
+from kvserve.kernels.attention import decode_attention, prefill_attention
+from kvserve.kernels.cache_ops import copy_blocks, store_kv, swap_blocks
+
+__all__ = ["store_kv", "rope_store_kv", "decode_attention", "prefill_attention", "copy_blocks", "swap_blocks"]
+
+
+def rope_store_kv(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``reference.rope_store_kv`` with the Triton store (rope stays torch ops on the GPU)."""
+    return reference.rope_store_kv(*args, store=store_kv, **kwargs)

@@ -1,0 +1,319 @@
+# ruff: noqa
+from kvserve.protos.kvserve.v1 import serving_pb2 as _serving_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_DEVICE: _ClassVar[Tier]
+    TIER_HOST: _ClassVar[Tier]
+    TIER_DISK: _ClassVar[Tier]
+TIER_DEVICE: Tier
+TIER_HOST: Tier
+TIER_DISK: Tier
+
+class WorkerMessage(_message.Message):
+    __slots__ = ("seq", "hello", "step_outputs", "pressure", "block_events", "block_snapshot", "ack", "drain_me", "heartbeat", "step")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    STEP_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    PRESSURE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_ME_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    hello: Hello
+    step_outputs: StepOutputs
+    pressure: PressureReport
+    block_events: BlockEvents
+    block_snapshot: BlockSnapshot
+    ack: CommandAck
+    drain_me: DrainMe
+    heartbeat: StepHeartbeat
+    step: StepMessages
+    def __init__(self, seq: _Optional[int] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., step_outputs: _Optional[_Union[StepOutputs, _Mapping]] = ..., pressure: _Optional[_Union[PressureReport, _Mapping]] = ..., block_events: _Optional[_Union[BlockEvents, _Mapping]] = ..., block_snapshot: _Optional[_Union[BlockSnapshot, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., drain_me: _Optional[_Union[DrainMe, _Mapping]] = ..., heartbeat: _Optional[_Union[StepHeartbeat, _Mapping]] = ..., step: _Optional[_Union[StepMessages, _Mapping]] = ...) -> None: ...
+
+class StepMessages(_message.Message):
+    __slots__ = ("outputs", "events", "pressure")
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    PRESSURE_FIELD_NUMBER: _ClassVar[int]
+    outputs: StepOutputs
+    events: BlockEvents
+    pressure: PressureReport
+    def __init__(self, outputs: _Optional[_Union[StepOutputs, _Mapping]] = ..., events: _Optional[_Union[BlockEvents, _Mapping]] = ..., pressure: _Optional[_Union[PressureReport, _Mapping]] = ...) -> None: ...
+
+class DrainMe(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class StepHeartbeat(_message.Message):
+    __slots__ = ("step_elapsed_s", "step_cpu_s")
+    STEP_ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_CPU_S_FIELD_NUMBER: _ClassVar[int]
+    step_elapsed_s: float
+    step_cpu_s: float
+    def __init__(self, step_elapsed_s: _Optional[float] = ..., step_cpu_s: _Optional[float] = ...) -> None: ...
+
+class Hello(_message.Message):
+    __slots__ = ("worker_id", "model_id", "block_size", "total_blocks", "swap_blocks", "max_model_len", "node_id", "address", "incarnation", "last_command_seq", "vocab_size", "has_tokenizer")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    LAST_COMMAND_SEQ_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    model_id: str
+    block_size: int
+    total_blocks: int
+    swap_blocks: int
+    max_model_len: int
+    node_id: str
+    address: str
+    incarnation: str
+    last_command_seq: int
+    vocab_size: int
+    has_tokenizer: bool
+    def __init__(self, worker_id: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., swap_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[str] = ..., last_command_seq: _Optional[int] = ..., vocab_size: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ...) -> None: ...
+
+class StepOutputs(_message.Message):
+    __slots__ = ("decode_step", "outputs", "columns")
+    DECODE_STEP_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    decode_step: int
+    outputs: _containers.RepeatedCompositeFieldContainer[RequestOutput]
+    columns: DecodeColumns
+    def __init__(self, decode_step: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ..., columns: _Optional[_Union[DecodeColumns, _Mapping]] = ...) -> None: ...
+
+class DecodeColumns(_message.Message):
+    __slots__ = ("request_ids", "counts", "token_ids", "num_output_tokens", "text_deltas")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_DELTAS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_output_tokens: _containers.RepeatedScalarFieldContainer[int]
+    text_deltas: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_output_tokens: _Optional[_Iterable[int]] = ..., text_deltas: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RequestOutput(_message.Message):
+    __slots__ = ("request_id", "new_token_ids", "text_delta", "finish_reason", "num_cached_tokens", "num_prompt_tokens", "num_preemptions", "num_swaps", "error", "num_output_tokens", "logprobs")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_DELTA_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWAPS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text_delta: str
+    finish_reason: str
+    num_cached_tokens: int
+    num_prompt_tokens: int
+    num_preemptions: int
+    num_swaps: int
+    error: str
+    num_output_tokens: int
+    logprobs: _containers.RepeatedCompositeFieldContainer[_serving_pb2.TokenLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_swaps: _Optional[int] = ..., error: _Optional[str] = ..., num_output_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_serving_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+
+class PressureReport(_message.Message):
+    __slots__ = ("worker_id", "seq", "total_blocks", "free_blocks", "used_blocks", "cached_evictable_blocks", "swap_blocks_total", "swap_blocks_free", "num_running", "num_waiting", "num_swapped", "tokens_in_flight", "decode_steps", "step_latency_ms", "num_preemptions_total", "prefix_cache_query_tokens_total", "prefix_cache_hit_tokens_total", "num_swaps_total", "num_imports_total", "num_exports_total", "prefill_tokens_total", "host_cache_bytes_used", "host_cache_bytes_capacity", "disk_cache_bytes_used", "disk_cache_bytes_capacity", "host_load_ratio", "disk_load_ratio", "recompute_ms_per_block", "prefix_cache_host_hit_tokens_total", "prefix_cache_disk_hit_tokens_total", "tier_bytes_written_total", "tier_bytes_loaded_total", "tier_load_seconds_total", "tier_spills_dropped_total")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_EVICTABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SWAP_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWAPPED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEP_LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERY_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWAPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_IMPORTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPORTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    HOST_CACHE_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    HOST_CACHE_BYTES_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    DISK_CACHE_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    DISK_CACHE_BYTES_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    HOST_LOAD_RATIO_FIELD_NUMBER: _ClassVar[int]
+    DISK_LOAD_RATIO_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_MS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HOST_HIT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_DISK_HIT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TIER_BYTES_WRITTEN_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TIER_BYTES_LOADED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TIER_LOAD_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TIER_SPILLS_DROPPED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    seq: int
+    total_blocks: int
+    free_blocks: int
+    used_blocks: int
+    cached_evictable_blocks: int
+    swap_blocks_total: int
+    swap_blocks_free: int
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    tokens_in_flight: int
+    decode_steps: int
+    step_latency_ms: float
+    num_preemptions_total: int
+    prefix_cache_query_tokens_total: int
+    prefix_cache_hit_tokens_total: int
+    num_swaps_total: int
+    num_imports_total: int
+    num_exports_total: int
+    prefill_tokens_total: int
+    host_cache_bytes_used: int
+    host_cache_bytes_capacity: int
+    disk_cache_bytes_used: int
+    disk_cache_bytes_capacity: int
+    host_load_ratio: float
+    disk_load_ratio: float
+    recompute_ms_per_block: float
+    prefix_cache_host_hit_tokens_total: int
+    prefix_cache_disk_hit_tokens_total: int
+    tier_bytes_written_total: int
+    tier_bytes_loaded_total: int
+    tier_load_seconds_total: float
+    tier_spills_dropped_total: int
+    def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_evictable_blocks: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., decode_steps: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., num_preemptions_total: _Optional[int] = ..., prefix_cache_query_tokens_total: _Optional[int] = ..., prefix_cache_hit_tokens_total: _Optional[int] = ..., num_swaps_total: _Optional[int] = ..., num_imports_total: _Optional[int] = ..., num_exports_total: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., host_cache_bytes_used: _Optional[int] = ..., host_cache_bytes_capacity: _Optional[int] = ..., disk_cache_bytes_used: _Optional[int] = ..., disk_cache_bytes_capacity: _Optional[int] = ..., host_load_ratio: _Optional[float] = ..., disk_load_ratio: _Optional[float] = ..., recompute_ms_per_block: _Optional[float] = ..., prefix_cache_host_hit_tokens_total: _Optional[int] = ..., prefix_cache_disk_hit_tokens_total: _Optional[int] = ..., tier_bytes_written_total: _Optional[int] = ..., tier_bytes_loaded_total: _Optional[int] = ..., tier_load_seconds_total: _Optional[float] = ..., tier_spills_dropped_total: _Optional[int] = ...) -> None: ...
+
+class BlockEvents(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[BlockEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[BlockEvent, _Mapping]]] = ...) -> None: ...
+
+class BlockEvent(_message.Message):
+    __slots__ = ("seq", "stored", "removed", "cleared")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    stored: BlockStored
+    removed: BlockRemoved
+    cleared: AllBlocksCleared
+    def __init__(self, seq: _Optional[int] = ..., stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
+
+class BlockStored(_message.Message):
+    __slots__ = ("hashes", "tier")
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    hashes: _containers.RepeatedScalarFieldContainer[int]
+    tier: Tier
+    def __init__(self, hashes: _Optional[_Iterable[int]] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+
+class BlockRemoved(_message.Message):
+    __slots__ = ("hashes", "tier")
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    hashes: _containers.RepeatedScalarFieldContainer[int]
+    tier: Tier
+    def __init__(self, hashes: _Optional[_Iterable[int]] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+
+class AllBlocksCleared(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BlockSnapshot(_message.Message):
+    __slots__ = ("seq", "hashes", "host_hashes", "disk_hashes")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    HOST_HASHES_FIELD_NUMBER: _ClassVar[int]
+    DISK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    hashes: _containers.RepeatedScalarFieldContainer[int]
+    host_hashes: _containers.RepeatedScalarFieldContainer[int]
+    disk_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq: _Optional[int] = ..., hashes: _Optional[_Iterable[int]] = ..., host_hashes: _Optional[_Iterable[int]] = ..., disk_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CommandAck(_message.Message):
+    __slots__ = ("command_seq", "request_id", "ok", "error")
+    COMMAND_SEQ_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    command_seq: int
+    request_id: str
+    ok: bool
+    error: str
+    def __init__(self, command_seq: _Optional[int] = ..., request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class RouterCommand(_message.Message):
+    __slots__ = ("seq", "acked_seq", "abort", "preempt", "request_snapshot")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    ACKED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    PREEMPT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    acked_seq: int
+    abort: Abort
+    preempt: Preempt
+    request_snapshot: RequestSnapshot
+    def __init__(self, seq: _Optional[int] = ..., acked_seq: _Optional[int] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., preempt: _Optional[_Union[Preempt, _Mapping]] = ..., request_snapshot: _Optional[_Union[RequestSnapshot, _Mapping]] = ...) -> None: ...
+
+class Abort(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class Preempt(_message.Message):
+    __slots__ = ("request_id", "mode")
+    class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        MODE_UNSPECIFIED: _ClassVar[Preempt.Mode]
+        RECOMPUTE: _ClassVar[Preempt.Mode]
+        SWAP: _ClassVar[Preempt.Mode]
+    MODE_UNSPECIFIED: Preempt.Mode
+    RECOMPUTE: Preempt.Mode
+    SWAP: Preempt.Mode
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    mode: Preempt.Mode
+    def __init__(self, request_id: _Optional[str] = ..., mode: _Optional[_Union[Preempt.Mode, str]] = ...) -> None: ...
+
+class RequestSnapshot(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

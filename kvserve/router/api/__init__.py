@@ -1,0 +1,1 @@
+"""The router's served surfaces: the gRPC servicer and its Ray actor, the OpenAI HTTP API, admin, health."""

@@ -1,0 +1,621 @@
+"""gRPC servicers (client API + WorkerLink on one port) and the Router's Ray actor.
+
+One ``grpc.aio`` server on the router's event loop serves ``kvserve.v1.KVServe`` for clients,
+``kvserve.v1.WorkerLink`` for workers, the standard health service and server reflection (so
+``grpcurl`` works with no .proto at hand).
+
+Every client call goes through ``_guard``: request bytes that are not a valid message get
+INVALID_ARGUMENT (the methods are registered with a deserializer that never raises), and an
+unexpected exception is logged once with its traceback and answered INTERNAL with an incident id
+(the request id when there is one), never UNKNOWN with a class name. CANCELLED is produced here
+only by the Abort RPC (the client asked); grpc itself ends a call CANCELLED when the client
+cancels it.
+
+Health (``kvserve/router/api/health.py``): the standard health service answers readiness for ``""`` and
+``kvserve.v1.KVServe`` (SERVING iff some worker can serve now, in both directions, the same verdict
+as HTTP ``/health``) and liveness for ``kvserve.v1.Liveness`` (SERVING while the router runs). A
+Generate that arrives before any worker said Hello waits for one (bounded by its deadline and
+``ready_timeout_s``).
+
+With an HTTP port, the OpenAI-compatible API (``kvserve/router/api/http_api.py``) runs on the same loop and the
+same Router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hmac
+import logging
+import os
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.protos.kvserve.v1 import serving_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvserve.router.api.admin_api import AdminServicer
+from kvserve.router.api.health import HealthPublisher
+from kvserve.router.api.http_api import HttpApiServer
+from kvserve.router.api.keepalive import server_keepalive_options
+from kvserve.router.config import RouterConfig
+from kvserve.router.gate.auth import CallerAuthInterceptor, frontend_trusted
+from kvserve.router.gate.limits import Bounds, LimitExceeded, client_of_peer
+from kvserve.router.gate.tenancy import KeyRing, Principal, Tenancy
+from kvserve.router.gate.worker_auth import WorkerLinkGate
+from kvserve.router.observe import metrics
+from kvserve.router.observe.loop_lag import watch_loop_lag
+from kvserve.router.requests.demux import stream_responses
+from kvserve.router.requests.mux import StreamMux, stream_batches
+from kvserve.router.requests.request import RouterRequest
+from kvserve.router.requests.router import Router, RouterError
+from kvserve.router.table.supervision import WorkerSupervision
+from kvserve.workers.core.gc_pauses import settle_heap
+from kvserve.workers.core.identity import WorkerIdentity
+from kvserve.workers.core.tls import add_port
+from kvserve.workers.core.worker_credential import new_worker_key
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_WATCH_INTERVAL_MS = 500
+WATCH_SNAPSHOT_S = 0.025  # NOTE: half the shortest watch interval (50 ms): a watcher sees no staler data
+DEFAULT_READY_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """Stands in for a request whose bytes did not parse (the method answers INVALID_ARGUMENT)."""
+
+    message_type: str
+    error: str
+
+
+def _lenient_deserializer(message_class: type[Message]) -> Callable[[bytes], Message | Undecodable]:
+    """``message_class.FromString`` that returns ``Undecodable`` instead of raising.
+
+    NOTE: a raising deserializer makes grpc answer UNKNOWN with the exception's class name; the
+    client sent bad bytes, which is INVALID_ARGUMENT, and the method must be the one to say so.
+    """
+
+    def deserialize(data: bytes) -> Message | Undecodable:
+        try:
+            return message_class.FromString(data)
+        except (DecodeError, ValueError, RuntimeError) as e:  # upb raises DecodeError; be generous
+            return Undecodable(message_class.DESCRIPTOR.full_name, str(e) or "malformed message")
+
+    return deserialize
+
+
+async def _reject_undecodable(context: grpc.aio.ServicerContext, request: Undecodable) -> None:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable {request.message_type}: {request.error}")
+
+
+def _incident_id(request: object) -> str:
+    rid = getattr(request, "request_id", "")
+    return rid if isinstance(rid, str) and rid else f"incident-{uuid.uuid4().hex[:12]}"
+
+
+async def _answer_internal(context: grpc.aio.ServicerContext, method: str, request: object) -> None:
+    incident = _incident_id(request)
+    logger.exception("%s failed unexpectedly (id %s)", method, incident)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method} (id {incident}); see the router log")
+
+
+def _guard_unary(method: Callable[..., Any], name: str) -> Callable[..., Any]:
+    @functools.wraps(method)
+    async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, Undecodable):
+            await _reject_undecodable(context, request)
+        try:
+            return await method(request, context)
+        except grpc.aio.AbortError:
+            raise  # context.abort: the status is already chosen
+        except Exception:  # noqa: BLE001 - anything else is our bug: log it, answer INTERNAL
+            await _answer_internal(context, name, request)
+
+    return guarded
+
+
+def _guard_stream(method: Callable[..., AsyncIterator[Any]], name: str) -> Callable[..., AsyncIterator[Any]]:
+    @functools.wraps(method)
+    async def guarded(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        if isinstance(request, Undecodable):
+            await _reject_undecodable(context, request)
+        try:
+            async for response in method(request, context):
+                yield response
+        except grpc.aio.AbortError:
+            raise
+        except Exception:  # noqa: BLE001 - see _guard_unary
+            await _answer_internal(context, name, request)
+
+    return guarded
+
+
+def add_kvserve_servicer(servicer: Any, server: grpc.aio.Server, service_name: str = "KVServe") -> None:
+    """``add_KVServeServicer_to_server`` (or that of another service of serving.proto, e.g.
+    ``Admin``) with lenient deserializers and every method guarded."""
+    service = spb.DESCRIPTOR.services_by_name[service_name]
+    handlers = {}
+    for m in service.methods:
+        request_class = getattr(spb, m.input_type.name)
+        response_class = getattr(spb, m.output_type.name)
+        method = getattr(servicer, m.name)
+        if m.client_streaming:
+            handler = grpc.stream_stream_rpc_method_handler(
+                _guard_stream(method, m.name),
+                request_deserializer=_lenient_deserializer(request_class),
+                response_serializer=response_class.SerializeToString,
+            )
+        elif m.server_streaming:
+            handler = grpc.unary_stream_rpc_method_handler(
+                _guard_stream(method, m.name),
+                request_deserializer=_lenient_deserializer(request_class),
+                response_serializer=response_class.SerializeToString,
+            )
+        else:
+            handler = grpc.unary_unary_rpc_method_handler(
+                _guard_unary(method, m.name),
+                request_deserializer=_lenient_deserializer(request_class),
+                response_serializer=response_class.SerializeToString,
+            )
+        handlers[m.name] = handler
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
+class KVServeServicer(serving_pb2_grpc.KVServeServicer):
+    """The client API (register with ``add_kvserve_servicer``, which adds the guards).
+
+    Args:
+        router: The router.
+        ready_timeout_s: Longest a Generate arriving before any worker said Hello waits for one
+            (also bounded by the call's own deadline) before UNAVAILABLE.
+    """
+
+    def __init__(
+        self,
+        router: Router,
+        ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+        bounds: Bounds | None = None,
+        frontend_key: str | None = None,
+    ) -> None:
+        if not ready_timeout_s >= 0:
+            raise ValueError(f"ready_timeout_s must be >= 0, got {ready_timeout_s}")
+        self.router = router
+        self.frontend_key = frontend_key  # a GenerateStream carrying it may name its requests' clients
+        self.ready_timeout_s = ready_timeout_s
+        self.bounds = bounds or Bounds(router)
+        self._snapshot: tuple[float, spb.ClusterStatus] | None = None
+
+    async def _wait_until_ready(self, context: grpc.aio.ServicerContext) -> None:
+        """Wait for the first worker's Hello, at most ``ready_timeout_s`` and the call's deadline;
+        returns either way (``submit`` then answers UNAVAILABLE if there is still none)."""
+        ready = self.router.ready_event()
+        if ready.is_set():
+            return
+        remaining = context.time_remaining()
+        timeout = self.ready_timeout_s if remaining is None else min(self.ready_timeout_s, max(remaining, 0.0))
+        try:
+            await asyncio.wait_for(ready.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    async def Generate(  # noqa: N802 - gRPC method name
+        self, request: spb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[spb.GenerateResponse]:
+        await self._wait_until_ready(context)
+        who = self._principal(context)
+        try:
+            (r,) = await self.bounds.submit_all(
+                client_of_peer(context.peer()), [request], context.time_remaining, who
+            )
+        except RouterError as e:
+            await _abort(context, e)
+            return
+        try:
+            async for response in stream_responses(r):
+                if who is not None:  # the id as the tenant knows it
+                    response.request_id = self.bounds.tenancy.unscoped_id(who, response.request_id)  # type: ignore[union-attr]
+                yield response
+        except RouterError as e:
+            await _abort(context, e)
+        finally:
+            # Cancelled by the client, past its deadline, or aborted: free its blocks now.
+            if not r.finished:
+                self.router.cancel(r)
+
+    async def GenerateStream(  # noqa: N802 - gRPC method name
+        self, requests: AsyncIterator[spb.GenerateStreamRequest | Undecodable], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[spb.GenerateBatch]:
+        """Many requests over one stream, answered by one ``GenerateBatch`` per wake-up (router/requests/mux.py).
+
+        Ends when the client closed its side and every request it sent has ended; a request refused or
+        ended abnormally gets a ``RequestError``, not the stream's status. A message that cannot be
+        answered by id (undecodable, no request_id, an id in use on the stream) ends the stream
+        INVALID_ARGUMENT. Closing, cancelling or ending the stream cancels every request still running
+        on it (their blocks are freed)."""
+        await self._wait_until_ready(context)
+        mux = StreamMux()
+        live: dict[str, RouterRequest] = {}
+        who = self._principal(context)
+        trusted = frontend_trusted(context.invocation_metadata(), self.frontend_key)
+        caller = (client_of_peer(context.peer()), who, trusted)
+        reader = asyncio.get_running_loop().create_task(self._read_requests(requests, mux, live, caller))
+        # the ids as the tenant knows them
+        rename = None if who is None else functools.partial(self.bounds.tenancy.unscoped_id, who)  # type: ignore[union-attr]
+        try:
+            async for batch in stream_batches(mux, live, reader, rename):
+                yield batch
+        except RouterError as e:
+            await _abort(context, e)
+        finally:
+            reader.cancel()
+            for r in live.values():
+                if not r.finished:
+                    self.router.cancel(r)
+
+    async def _read_requests(
+        self,
+        requests: AsyncIterator[Any],
+        mux: StreamMux,
+        live: dict[str, RouterRequest],
+        caller: tuple[str, Principal | None, bool],
+    ) -> None:
+        peer, who, trusted = caller
+        try:
+            async for msg in requests:
+                if isinstance(msg, Undecodable):
+                    raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable {msg.message_type}: {msg.error}")
+                if msg.token_columns:
+                    mux.columns = True
+                    if msg.WhichOneof("kind") is None:  # NOTE: a message that only says so
+                        continue
+                if msg.WhichOneof("kind") == "cancel_request_id":
+                    r = live.get(msg.cancel_request_id)
+                    if r is not None and not r.finished:
+                        self.router.cancel(r)
+                        mux.put(r.request_id, RouterError(grpc.StatusCode.CANCELLED, "cancelled by the client"))
+                    continue
+                rid = msg.generate.request_id
+                if not rid or rid in live:
+                    # NOTE: the stream's status, not a RequestError: an answer to this request could not be
+                    # told from one to the request that holds the id.
+                    why = "missing" if not rid else f"{rid!r} already in use on this stream"
+                    raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
+                                      f"request_id {why}: GenerateStream requests need ids of their own")  # fmt: skip
+                # NOTE: a frontend relays many clients on one stream: each counts as itself (frontend/).
+                client = msg.client if trusted and msg.client else peer
+                try:
+                    # NOTE: the same bounds, tokenization off the loop and tenancy as Generate.
+                    (live[rid],) = await self.bounds.submit_all(
+                        client, [msg.generate], _time_remaining(msg.timeout_ms), who=who, mux=mux
+                    )
+                except RouterError as e:
+                    # NOTE: keyed as the router keys the request's responses (scoped), unscoped on the way out.
+                    mux.put(rid if who is None else self.bounds.tenancy.scoped_id(who, rid), e)  # type: ignore[union-attr]
+        finally:
+            mux.wake()  # NOTE: the writer then sees the reader done (the client closed its side, or failed)
+
+    async def Abort(self, request: spb.AbortRequest, context: grpc.aio.ServicerContext) -> spb.AbortResponse:  # noqa: N802
+        who = self._principal(context)
+        rid = request.request_id
+        if who is not None:  # NOTE: only the caller's tenant's requests are in its reach
+            rid = self.bounds.tenancy.scoped_id(who, rid)  # type: ignore[union-attr]
+        return spb.AbortResponse(found=self.router.abort(rid))
+
+    def _principal(self, context: grpc.aio.ServicerContext) -> Principal | None:
+        return self.bounds.principal(dict(context.invocation_metadata() or ()).get("authorization"))
+
+    async def GetClusterStatus(  # noqa: N802
+        self, request: spb.ClusterStatusRequest, context: grpc.aio.ServicerContext
+    ) -> spb.ClusterStatus:
+        return self.router.cluster_status()
+
+    async def WatchBlockPressure(  # noqa: N802
+        self, request: spb.WatchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[spb.ClusterStatus]:
+        interval = max(request.interval_ms or DEFAULT_WATCH_INTERVAL_MS, 50) / 1000
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(self.bounds.watchers.hold())
+            except LimitExceeded as e:
+                await context.abort(e.code, str(e))
+            while True:
+                yield self._shared_status()
+                await asyncio.sleep(interval)
+
+    def _shared_status(self) -> spb.ClusterStatus:
+        """One snapshot per ``WATCH_SNAPSHOT_S`` for every watcher: N watchers cost one build, not N
+        (each build walks the request table), so they cannot crowd the loop."""
+        now = time.monotonic()
+        if self._snapshot is None or now - self._snapshot[0] >= WATCH_SNAPSHOT_S:
+            self._snapshot = (now, self.router.cluster_status())
+        return self._snapshot[1]
+
+
+def _time_remaining(timeout_ms: int) -> Callable[[], float | None]:
+    """Seconds left of a GenerateStream request's own deadline (``timeout_ms`` from now; 0 = none)."""
+    if not timeout_ms:
+        return lambda: None
+    deadline = time.monotonic() + timeout_ms / 1000
+    return lambda: deadline - time.monotonic()
+
+
+async def _abort(context: grpc.aio.ServicerContext, e: RouterError) -> None:
+    if e.trailers:
+        context.set_trailing_metadata(e.trailers)
+    await context.abort(e.code, e.message)
+
+
+def build_server(
+    router: Router,
+    config: RouterConfig,
+    gate: WorkerLinkGate,
+    bounds: Bounds,
+    ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+    frontend_key: str | None = None,
+) -> tuple[grpc.aio.Server, int]:
+    """The gRPC server with every service registered and its port bound (not started).
+
+    Client calls are authenticated by ``CallerAuthInterceptor`` (kvserve/router/gate/auth.py), WorkerLink streams
+    by ``gate`` (kvserve/router/gate/worker_auth.py), which hands accepted ones to ``router.link``.
+    The health service starts NOT_SERVING; ``RouterService.start`` keeps it in step with the
+    workers (``kvserve/router/api/health.py``).
+    """
+    options = [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+        *server_keepalive_options(config),
+    ]
+    keys = bounds.tenancy.keys if bounds.tenancy is not None else None
+    server = grpc.aio.server(interceptors=[CallerAuthInterceptor(config.auth_token, keys)], options=options)
+    add_kvserve_servicer(KVServeServicer(router, ready_timeout_s, bounds, frontend_key), server)
+    add_kvserve_servicer(AdminServicer(router), server, "Admin")
+    worker_pb2_grpc.add_WorkerLinkServicer_to_server(gate, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (
+        spb.DESCRIPTOR.services_by_name["KVServe"].full_name,
+        spb.DESCRIPTOR.services_by_name["Admin"].full_name,
+        worker_pb2.DESCRIPTOR.services_by_name["WorkerLink"].full_name,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    )
+    reflection.enable_server_reflection(names, server)
+    address = f"{config.host}:{config.port}"
+    port = add_port(server, address, config.tls_cert, config.tls_key, config.tls_client_ca)
+    if port == 0:
+        raise OSError(f"cannot bind the router's gRPC port at {address}")
+    server._kvserve_health = health_servicer  # type: ignore[attr-defined]
+    return server, port
+
+
+class RouterService:
+    """Router + gRPC server + health loop + metrics endpoint on the current event loop.
+
+    Used directly in tests and wrapped as the ``RouterActor`` on a Ray cluster.
+    """
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        metrics_port: int | None = None,
+        http_port: int | None = None,
+        ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+        worker_key: str | None = None,
+        frontend_key: str | None = None,
+    ) -> None:
+        """
+        Args:
+            metrics_port: Prometheus ``/metrics`` (None = off).
+            http_port: the OpenAI-compatible HTTP API (None = off, 0 = a free port: see ``http_port()``).
+            worker_key: the cluster's worker key (``kvserve/workers/core/worker_credential.py``), from the
+                launcher, which issues each worker's credential from it. None: a fresh one no
+                worker holds, so no WorkerLink is accepted (a router without workers, in tests).
+            frontend_key: the cluster's frontend key (frontend/): a GenerateStream presenting it
+                may name each request's end client. None: no frontend is trusted.
+        """
+        from kvserve.workers.text.chat_template import ChatTemplate
+        from kvserve.workers.text.tokenizer import load_tokenizer
+
+        self.config = config
+        self.ready_timeout_s = ready_timeout_s
+        tokenizer = load_tokenizer(config.model) if config.model else None
+        template = ChatTemplate.from_dir(config.model) if config.model else None
+        self.router = Router(config, tokenizer=tokenizer, chat_template=template)
+        self.gate = WorkerLinkGate(self.router.link, worker_key or new_worker_key())
+        tenancy = Tenancy(KeyRing.load(config.auth_keys)) if config.auth_keys else None
+        self.bounds = Bounds(self.router, tenancy=tenancy)
+        self.frontend_key = frontend_key
+        self.metrics_port = metrics_port
+        self.port = 0
+        self._http_port = http_port
+        self._http: HttpApiServer | None = None
+        self._server: grpc.aio.Server | None = None
+        self._health_task: asyncio.Task | None = None
+        self._readiness_task: asyncio.Task | None = None
+        self._lag_task: asyncio.Task | None = None
+        self.health: HealthPublisher | None = None
+
+    async def start(self) -> str:
+        """Start serving; returns the bound ``host:port``. Readiness answers NOT_SERVING until a
+        worker can serve (and again whenever none can); liveness answers SERVING."""
+        server, self.port = build_server(
+            self.router, self.config, self.gate, self.bounds, self.ready_timeout_s, self.frontend_key
+        )
+        self.health = HealthPublisher(self.router, server._kvserve_health)  # type: ignore[attr-defined]
+        await self.health.start()
+        await server.start()
+        self._server = server
+        loop = asyncio.get_running_loop()
+        self._health_task = loop.create_task(self.router.table.health_loop())
+        self._readiness_task = loop.create_task(self.health.run())
+        lag = watch_loop_lag(metrics.LOOP_LAG.observe, observe_held=metrics.LOOP_HELD.observe)
+        self._lag_task = loop.create_task(lag)
+        metrics.ROUTER_QUEUE_REQUESTS.set_function(lambda: self.router.queue.num_requests)
+        metrics.ROUTER_QUEUE_BLOCKS.set_function(lambda: self.router.queue.num_blocks)
+        metrics.ROUTER_PROJECTED_WAIT.set_function(self._projected_wait_s)
+        if self.metrics_port is not None:
+            metrics.start_metrics_server(self.metrics_port, self.config.host, self._metrics_authorized())
+        if self._http_port is not None:
+            # NOTE: on this loop, beside grpc.aio: one Router, one request table, no extra hop.
+            c = self.config
+            self._http = HttpApiServer(self.router, c.host, self._http_port, c.auth_token, self.bounds, c.tls_files())
+            try:
+                self._http_port = await self._http.start()
+            except BaseException:
+                await self.stop()
+                raise
+        logger.info("router serving on %s:%d", self.config.host, self.port)
+        return f"{self.config.host}:{self.port}"
+
+    def _metrics_authorized(self) -> Callable[[str], bool] | None:
+        """The scrape check of ``router.metrics_auth`` (None: /metrics open)."""
+        token, tenancy = self.config.auth_token, self.bounds.tenancy
+        if not self.config.metrics_auth:
+            return None
+        expected = f"Bearer {token}".encode() if token else None
+
+        def authorized(header: str) -> bool:
+            got = header.encode("latin-1", "replace")
+            if expected is not None and hmac.compare_digest(got, expected):
+                return True
+            return tenancy is not None and tenancy.principal(got) is not None
+
+        return authorized
+
+    def _projected_wait_s(self) -> float:
+        wait = self.router.queue.projected_wait_s()
+        return float("nan") if wait is None else wait
+
+    async def expect_workers(self, worker_ids: list[str]) -> None:
+        """Let these workers' WorkerLinks in (their credentials must still be valid); the launcher
+        calls this before it starts them, as their Hello may come before ``add_worker``."""
+        self.gate.expect(worker_ids)
+
+    async def add_worker(
+        self, worker_id: str, handle: Any, identity: WorkerIdentity, supervision: WorkerSupervision | None = None
+    ) -> None:
+        """Register a worker; ``supervision`` carries its restarts and retirement over from a
+        previous router (``kvserve/router/table/supervision.py``): a retired worker stays retired."""
+        self.gate.expect([worker_id])
+        self.router.add_worker(worker_id, handle, identity, supervision)
+        entry = self.router.table[worker_id]
+        metrics.REPORT_AGE.labels(worker_id).set_function(
+            lambda: time.monotonic() - entry.report_time if entry.report is not None else float("nan")
+        )
+
+    async def supervision(self) -> dict[str, WorkerSupervision]:
+        """Every worker's supervision record now (``kvserve serve`` keeps the latest for the next
+        router; also its liveness poll of this router)."""
+        return self.router.table.supervision()
+
+    async def connected_workers(self) -> list[str]:
+        """The registered workers whose WorkerLink is connected now."""
+        return [w for w in self.router.workers if self.router.link.connected(w)]
+
+    async def pid(self) -> int:
+        """This router's OS process id (chaos tests kill it)."""
+        import os
+
+        return os.getpid()
+
+    async def worker_pid(self, worker_id: str) -> int:
+        """The OS pid of a registered worker's actor process; KeyError if unknown."""
+        return int(await self.router.table[worker_id].handle.pid.remote())
+
+    async def check_worker_integrity(self, worker_id: str) -> None:
+        """Run a worker's block-pool integrity check (raises on a broken invariant; tests)."""
+        await self.router.table[worker_id].handle.check_integrity.remote()
+
+    async def partition_worker_link_for_test(self, worker_id: str, seconds: float) -> int:
+        """Test hook (chaos tests, through Ray only): the worker drops its WorkerLink for ``seconds``
+        (``Worker.partition_link_for_test``); returns its link's connects before."""
+        return int(await self.router.table[worker_id].handle.partition_link_for_test.remote(seconds))
+
+    async def arm_migration_fault_for_test(self, phase: str, action: str, side: str) -> None:
+        """Test hook (chaos tests, through Ray only): at the next migration's ``phase`` boundary
+        (``Mover.fault``: "before_export", "before_import", "after_import"), SIGKILL ("kill") or
+        SIGSTOP ("hang") the process of that move's ``side`` ("src" or "dst") worker, then let the
+        move go on. Only a process in the Ray cluster can call it, as ``partition_worker_link_for_test``."""
+        if phase not in ("before_export", "before_import", "after_import") or action not in ("kill", "hang") \
+                or side not in ("src", "dst"):  # fmt: skip
+            raise ValueError(f"bad fault {phase!r}/{action!r}/{side!r}")
+        mover = self.router.mover
+
+        async def fault(at: str, r: RouterRequest, move: Any) -> None:
+            if at != phase:
+                return
+            mover.fault = None  # once
+            worker_id = move.src if side == "src" else move.dst
+            pid = int(await self.router.table[worker_id].handle.pid.remote())
+            os.kill(pid, signal.SIGKILL if action == "kill" else signal.SIGSTOP)
+            logger.warning("test fault: %s of %s worker %s (pid %d) at %s of %s", action, side, worker_id, pid,
+                           phase, r.request_id)  # fmt: skip
+
+        mover.fault = fault
+
+    async def wait_for_workers(self, worker_ids: list[str], timeout: float = 120.0) -> None:
+        await self.router.wait_for_workers(worker_ids, timeout)
+
+    async def cluster_status(self) -> bytes:
+        return self.router.cluster_status().SerializeToString()
+
+    async def migrate(self, request_id: str, dst_worker_id: str) -> bool:
+        return await self.router.mover.migrate(request_id, dst_worker_id)
+
+    async def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    async def http_port(self) -> int | None:
+        """The HTTP API's bound port (None = off)."""
+        return self._http_port if self._http is not None else None
+
+    async def stop(self, grace: float = 1.0) -> None:
+        for task in (self._health_task, self._readiness_task, self._lag_task):
+            if task is not None:
+                task.cancel()
+        if self._http is not None:
+            await self._http.stop()
+            self._http = None
+        if self._server is not None:
+            await self._server.stop(grace)
+            self._server = None
+        self.bounds.close()
+
+
+class RouterActor(RouterService):
+    """``RouterService`` in a process of its own (a Ray actor): once serving, it freezes its start-up
+    heap out of the garbage collector's scans and times the collections that remain
+    (``kvserve:router_gc_pause_seconds``). NOTE: not in ``RouterService`` itself: tests run that
+    inside the test process, whose heap is not the router's to freeze."""
+
+    async def start(self) -> str:
+        address = await super().start()
+        frozen, self.gc_pauses = settle_heap("router", metrics.observe_gc_pause)
+        metrics.GC_FROZEN.set(frozen)
+        return address
+
+    async def stop(self, grace: float = 1.0) -> None:
+        pauses = getattr(self, "gc_pauses", None)
+        if pauses is not None:
+            pauses.close()
+        await super().stop(grace)
+
+
+def router_actor_class():
+    """``ray.remote(RouterActor)`` as an async actor (Ray is imported only here)."""
+    import ray
+
+    return ray.remote(num_cpus=0, max_concurrency=1000)(RouterActor)

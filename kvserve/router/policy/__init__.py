@@ -1,0 +1,1 @@
+"""Decisions: placement (filters, scorers, pickers), admission, rebalancing, service times, prefix index."""

@@ -1,0 +1,193 @@
+"""Dispatch: a request's placements on workers, each under its own worker-side id, and its replay
+when its worker dies.
+
+Per-dispatch ids: the router sends each placement of a request to its worker as
+``<request_id>#<router incarnation>.<n>``, so outputs of an aborted or dead dispatch never reach a
+replay, a finished request's id is free at once, and outputs of a previous router's requests
+(orphans after a router restart) are recognised and aborted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import uuid
+from collections import OrderedDict
+
+import grpc
+
+from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.router.requests.pipeline import RequestPipeline
+from kvserve.router.requests.request import WORKER_UP, RouterRequest
+from kvserve.router.table.workers import WorkerState, actor_dead
+from kvserve.workers.core.request import WorkerRequest
+
+logger = logging.getLogger(__name__)
+
+_MAX_ORPHANS = 4096
+
+
+class Dispatcher:
+    """Sends requests to workers (Ray ``add_request``) and maps worker-side ids back to requests."""
+
+    def __init__(self, router: RequestPipeline) -> None:
+        self.router = router
+        self.incarnation = uuid.uuid4().hex[:8]
+        self._seq = itertools.count(1)
+        self.by_worker_rid: dict[str, RouterRequest] = {}  # current dispatches only
+        self._orphans: OrderedDict[str, None] = OrderedDict()  # stray dispatch ids already aborted
+        self._foreign_logged: set[str] = set()
+        self.adding: set[str] = set()  # dispatch ids whose add_request call has not resolved yet
+
+    def current(self, worker_rid: str) -> RouterRequest | None:
+        return self.by_worker_rid.get(worker_rid)
+
+    def holds_requests(self, worker_id: str) -> bool:
+        """Some request runs on, or is being dispatched to, ``worker_id`` (the liveness rule's "work")."""
+        return any(r.worker_id == worker_id or r.target == worker_id for r in self.router.requests.values())
+
+    def forget(self, r: RouterRequest) -> None:
+        self.by_worker_rid.pop(r.worker_rid, None)
+
+    def stop_stray(self, worker_id: str, out: pb.RequestOutput) -> None:
+        """An output of no current dispatch: nobody will read it, so abort it (once per dispatch id).
+
+        Usually it was stopped already (aborted, or its worker given up) and this is one of its last
+        outputs in flight; but an ``add_request`` that timed out after its request ended (cancelled
+        meanwhile) can still land, and an orphan a previous router placed has nobody at all: without
+        this they would run to ``max_tokens`` holding their blocks. An abort of an id the worker no
+        longer has is a no-op there."""
+        if out.finish_reason or out.request_id in self._orphans:
+            return
+        self._orphans[out.request_id] = None
+        while len(self._orphans) > _MAX_ORPHANS:
+            self._orphans.popitem(last=False)
+        self.router.link.send(worker_id, pb.RouterCommand(abort=pb.Abort(request_id=out.request_id)))
+
+    def foreign(self, worker_id: str, out: pb.RequestOutput, r: RouterRequest) -> None:
+        """An output for a current dispatch from a worker it is not on: never delivered (a worker
+        cannot write into another's streams); logged once per worker."""
+        if worker_id not in self._foreign_logged and len(self._foreign_logged) < _MAX_ORPHANS:
+            self._foreign_logged.add(worker_id)
+            logger.warning("worker %s sent output for %s, which runs on %s: dropped (logged once per worker)",
+                           worker_id, out.request_id, sorted(r.dispatch_workers))  # fmt: skip
+
+    def dispatch(self, r: RouterRequest, worker_id: str, promised_blocks: int) -> None:
+        """Send ``r`` to ``worker_id`` under a fresh dispatch id, promising ``promised_blocks`` there
+        until the worker's report shows them (the one dispatch path: placement, pump, preemption)."""
+        router = self.router
+        self.forget(r)
+        r.worker_rid = f"{r.request_id}#{self.incarnation}.{next(self._seq)}"
+        r.dispatch_workers = {worker_id}
+        self.by_worker_rid[r.worker_rid] = r
+        entry = router.table[worker_id]
+        entry.in_flight[r.worker_rid] = promised_blocks
+        self.adding.add(r.worker_rid)
+        router.pend(r, worker_id)
+        r.target = worker_id
+        if r.started_at is None:
+            r.started_at = time.monotonic()  # service time (kvserve/router/policy/service_times.py) counts from here
+        router.spawn(self._add_request(r, entry, r.worker_rid))
+
+    async def _add_request(self, r: RouterRequest, entry: WorkerState, worker_rid: str) -> None:
+        router = self.router
+        router.metrics.dispatched(time.monotonic() - r.arrival)
+        request = WorkerRequest(worker_rid, tuple(r.prompt_ids), r.params, r.priority, r.tenant or None,
+                                tuple(r.output_ids))  # fmt: skip
+        incarnation = entry.incarnation  # evidence from this call concerns this process only
+        # NOTE: the worker takes a request between two steps, so an answer slower than its stall
+        # threshold means it is stalled (kvserve/router/table/liveness.py): never wait longer.
+        try:
+            await self.router.table.bounded(entry, entry.handle.add_request.remote(request))
+        except TimeoutError:
+            self._release(entry, worker_rid)
+            if r.worker_rid != worker_rid or r.finished:
+                # NOTE: the call may still land: stop that copy (an abort of an unknown id is a no-op)
+                router.link.send(entry.worker_id, pb.RouterCommand(abort=pb.Abort(request_id=worker_rid)))
+                return
+            threshold = router.table.stall_threshold_s(entry)
+            r.target, r.worker_id = None, entry.worker_id
+            router.table.give_up(entry, f"add_request did not return in {threshold:.1f}s", incarnation)
+            if r.worker_id == entry.worker_id:  # NOTE: give_up replays it unless it did not apply
+                self.replay(r, entry.worker_id)
+            return
+        except Exception as e:  # noqa: BLE001 - Ray wraps the worker's exception
+            self._release(entry, worker_rid)
+            if r.worker_rid != worker_rid or r.finished:
+                return  # superseded meanwhile (its worker died and it was replayed, or it ended)
+            r.target = None
+            cause = getattr(e, "cause", e)
+            if isinstance(cause, ValueError):
+                router.fail(r, grpc.StatusCode.INVALID_ARGUMENT, str(cause))
+            elif actor_dead(e):
+                r.worker_id = entry.worker_id
+                router.table.down(entry, f"a call found its actor dead ({type(e).__name__})", incarnation)
+                if r.worker_id == entry.worker_id:  # a later process of it lives: continue elsewhere
+                    self.replay(r, entry.worker_id)
+            else:
+                logger.warning("dispatch of %s to %s failed: %r", r.request_id, entry.worker_id, e)
+                router.table.dispatch_failed(entry, repr(cause))  # its circuit breaker (router/table/breaker.py)
+                router.fail(r, grpc.StatusCode.UNAVAILABLE, f"worker {entry.worker_id} failed: {cause}")
+            return
+        router.table.dispatch_ok(entry)
+        if r.worker_rid != worker_rid or r.finished:
+            # Superseded, or ended (the client left), while the call was in flight: this copy
+            # landed and holds blocks on the worker, so stop it before releasing its promise.
+            await self._abort_landed(entry, worker_rid)
+            return
+        self.adding.discard(worker_rid)
+        r.target = None
+        r.worker_id = entry.worker_id
+        if entry.state != WORKER_UP:  # it died while the call was in flight
+            self.replay(r, entry.worker_id)
+
+    async def _abort_landed(self, entry: WorkerState, worker_rid: str) -> None:
+        """Abort a dispatch nobody reads any more whose ``add_request`` returned; its promised
+        blocks stay counted (placement, status) until the worker confirms, so the cluster never
+        looks idle while the copy still runs."""
+        try:
+            await self.router.table.bounded(entry, entry.handle.abort.remote(worker_rid))
+        except Exception:  # noqa: BLE001 - stalled or dead: the link's abort (or the process's end) stops it
+            self.router.link.send(entry.worker_id, pb.RouterCommand(abort=pb.Abort(request_id=worker_rid)))
+        finally:
+            self._release(entry, worker_rid)
+
+    def _release(self, entry: WorkerState, worker_rid: str) -> None:
+        """The dispatch's call resolved and no copy of it runs on ``entry``: its promise goes."""
+        self.adding.discard(worker_rid)
+        entry.in_flight.pop(worker_rid, None)
+
+    def replay_all(self, entry: WorkerState) -> None:
+        """``entry`` went down: continue each of its requests elsewhere."""
+        for r in [r for r in self.router.requests.values() if r.worker_id == entry.worker_id]:
+            self.replay(r, entry.worker_id)
+
+    def replay(self, r: RouterRequest, dead_worker_id: str) -> None:
+        """Continue ``r`` (its worker died) on a healthy worker after the tokens already streamed (the
+        worker fast-forwards text state and the seeded RNG), or end it UNAVAILABLE beyond
+        ``migration_limit`` replays."""
+        router = self.router
+        if r.finished:
+            return
+        self.forget(r)
+        # NOTE: if the worker only lost its link (same process), this stops the old dispatch
+        # when it reconnects; a new incarnation never gets it.
+        router.link.send(dead_worker_id, pb.RouterCommand(abort=pb.Abort(request_id=r.worker_rid)))
+        r.worker_id = None
+        r.held.clear()
+        if r.cancelled:
+            router.finish(r)
+            return
+        limit = router.config.migration_limit
+        if r.replays >= limit:
+            router.fail(r, grpc.StatusCode.UNAVAILABLE, f"worker {dead_worker_id} died; request {r.request_id} was "
+                        f"already replayed {r.replays} times (migration limit {limit})")  # fmt: skip
+            return
+        r.replays += 1
+        r.migrations += 1
+        router.replays_total += 1
+        router.metrics.replayed()
+        logger.info("replaying %s after %d tokens (worker %s died)", r.request_id, len(r.output_ids), dead_worker_id)
+        if not router.place(r) and not router.queue.offer(r, first=True):
+            router.fail(r, grpc.StatusCode.UNAVAILABLE, f"worker {dead_worker_id} died and no worker can take over")

@@ -1,0 +1,158 @@
+"""The router's end of WorkerLink: accepts each worker's stream, de-duplicates its messages by
+seq, acks them, and delivers commands (resending unapplied ones after a reconnect).
+Authentication is the server's ``BearerAuthInterceptor`` (kvserve/router/gate/auth.py).
+
+Message handling is delegated to a ``WorkerLinkHandler`` (the router's request table, prefix
+index and pressure table); this module only keeps the link honest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.protos.kvserve.v1 import worker_pb2_grpc
+from kvserve.workers.core.kv_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerLinkHandler:
+    """Callbacks, run on the router's event loop. Override what you need."""
+
+    def on_hello(self, worker_id: str, hello: pb.Hello, restarted: bool) -> None: ...
+
+    def on_message(self, worker_id: str, msg: pb.WorkerMessage) -> None: ...
+
+    def on_disconnect(self, worker_id: str) -> None: ...
+
+
+@dataclass
+class _Session:
+    incarnation: str = ""
+    last_seq: int = 0  # highest WorkerMessage.seq processed
+    acked_seq: int = 0  # highest seq acked to the worker
+    next_command_seq: int = 1
+    unapplied: dict[int, pb.RouterCommand] = field(default_factory=dict)
+    queue: asyncio.Queue | None = None
+    generation: int = 0
+
+
+class WorkerLinkService(worker_pb2_grpc.WorkerLinkServicer):
+    def __init__(
+        self,
+        handler: WorkerLinkHandler,
+        ack_every: int = 32,
+        ack_interval_s: float = 0.2,
+    ) -> None:
+        self.handler = handler
+        self.ack_every = ack_every
+        self.ack_interval_s = ack_interval_s
+        self.sessions: dict[str, _Session] = {}
+
+    def connected(self, worker_id: str) -> bool:
+        s = self.sessions.get(worker_id)
+        return s is not None and s.queue is not None
+
+    def send(self, worker_id: str, command: pb.RouterCommand) -> int:
+        """Queue a command for a worker (kept and resent until the worker reports applying it)."""
+        s = self.sessions.setdefault(worker_id, _Session())
+        command.seq = s.next_command_seq
+        s.next_command_seq += 1
+        s.unapplied[command.seq] = command
+        if s.queue is not None:
+            s.queue.put_nowait(command)
+        return command.seq
+
+    async def Connect(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[pb.WorkerMessage], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.RouterCommand]:
+        it = request_iterator.__aiter__()
+        async for cmd in self.serve(await anext(it, None), it, context):
+            yield cmd
+
+    async def serve(
+        self, first: pb.WorkerMessage | None, it: AsyncIterator[pb.WorkerMessage], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.RouterCommand]:
+        """``Connect`` once its first message was read (the worker-auth layer reads it to check the
+        Hello): the rest of the stream is read straight from gRPC's iterator, with no wrapper
+        generator in between (the link carries a message per worker step)."""
+        if first is None or first.WhichOneof("body") != "hello":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first WorkerLink message must be a Hello")
+        hello = first.hello
+        worker_id = hello.worker_id
+        s = self.sessions.setdefault(worker_id, _Session())
+        restarted = bool(s.incarnation) and s.incarnation != hello.incarnation
+        if s.incarnation != hello.incarnation:
+            # A new process numbers its messages from 1 again; commands for the old one are moot.
+            s.last_seq = s.acked_seq = 0
+            s.unapplied.clear()
+        s.incarnation = hello.incarnation
+        s.generation += 1
+        generation = s.generation
+        s.queue = queue = asyncio.Queue()
+        for seq in sorted(s.unapplied):
+            if seq > hello.last_command_seq:
+                queue.put_nowait(s.unapplied[seq])
+            else:
+                del s.unapplied[seq]
+        self.handler.on_hello(worker_id, hello, restarted)
+        reader = asyncio.create_task(self._read(worker_id, s, it))
+        try:
+            while not reader.done():
+                try:
+                    cmd = await asyncio.wait_for(queue.get(), timeout=self.ack_interval_s)
+                except TimeoutError:
+                    cmd = None
+                if cmd is None and s.last_seq == s.acked_seq:
+                    continue
+                out = pb.RouterCommand() if cmd is None else _copy(cmd)
+                out.acked_seq = s.acked_seq = s.last_seq
+                yield out
+        finally:
+            reader.cancel()
+            if s.generation == generation:
+                s.queue = None
+                self.handler.on_disconnect(worker_id)
+
+    async def _read(self, worker_id: str, s: _Session, it: AsyncIterator[pb.WorkerMessage]) -> None:
+        try:
+            async for msg in it:
+                if msg.seq <= s.last_seq:
+                    continue  # a replay after reconnect: already processed
+                s.last_seq = msg.seq
+                kind = msg.WhichOneof("body")
+                if kind == "ack":
+                    s.unapplied.pop(msg.ack.command_seq, None)
+                try:
+                    self.handler.on_message(worker_id, msg)
+                except Exception:  # noqa: BLE001 - one bad message must not cut the link
+                    logger.exception("handling %s from %s failed", kind, worker_id)
+                if s.last_seq - s.acked_seq >= self.ack_every and s.queue is not None:
+                    s.queue.put_nowait(None)
+        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            pass
+
+
+def _copy(cmd: pb.RouterCommand) -> pb.RouterCommand:
+    out = pb.RouterCommand()
+    out.CopyFrom(cmd)
+    return out
+
+
+_TIERS = {pb.TIER_DEVICE: "device", pb.TIER_HOST: "host", pb.TIER_DISK: "disk"}
+
+
+def block_event(e: pb.BlockEvent) -> BlockEvent:
+    """A WorkerLink block event as the prefix index's dataclass (kvserve/workers/core/kv_events.py)."""
+    kind = e.WhichOneof("kind")
+    if kind == "stored":
+        return BlockStored(e.seq, tuple(e.stored.hashes), _TIERS[e.stored.tier])
+    if kind == "removed":
+        return BlockRemoved(e.seq, tuple(e.removed.hashes), _TIERS[e.removed.tier])
+    return AllBlocksCleared(e.seq)

@@ -1,0 +1,623 @@
+"""The worker: an engine thread driving ``LLMEngine.step()``, an inbox, and the WorkerLink.
+
+Threading contract (docs/architecture.md): the engine thread owns all engine state. Ray method calls and
+the WorkerLink thread only enqueue closures into the inbox (and wait on a Future when they need
+an answer) or read immutable snapshots (``stats``). The engine thread runs the inbox between
+steps, so every command lands at a step boundary.
+
+``WorkerCore`` is the plain-Python worker (testable without Ray); ``Worker`` is its Ray actor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.workers.core.gc_pauses import settle_heap
+from kvserve.workers.core.identity import WorkerIdentity
+from kvserve.workers.core.kv_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
+from kvserve.workers.core.liveness import (
+    HEARTBEAT_S,
+    EngineDeadError,
+    EngineStalledError,
+    WorkerError,
+    computing,
+    stall_threshold_s,
+    step_ceiling_s,
+)
+from kvserve.workers.core.request import WorkerRequest
+from kvserve.workers.core.tls import channel_credentials
+from kvserve.workers.engine.config import EngineConfig
+from kvserve.workers.engine.engine import LLMEngine
+from kvserve.workers.engine.migration import MigrationState
+from kvserve.workers.engine.outputs import RequestOutput
+from kvserve.workers.engine.tiered_cache import TierReport
+from kvserve.workers.transport.options import WorkerOptions
+from kvserve.workers.transport.outbox import Outbox
+from kvserve.workers.transport.pressure import PressurePolicy
+from kvserve.workers.transport.worker_link import WorkerLinkClient
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_PREEMPT_MODES = {pb.Preempt.RECOMPUTE: "recompute", pb.Preempt.SWAP: "swap", pb.Preempt.MODE_UNSPECIFIED: None}
+
+
+def _thread_cpu_s(thread: threading.Thread) -> float:
+    """CPU seconds ``thread`` has used; the process's where Python cannot read a thread's clock
+    (``time.pthread_getcpuclockid`` is POSIX-only). Both ends of a delta read it the same way."""
+    if thread.ident is None or not hasattr(time, "pthread_getcpuclockid"):
+        return time.process_time()
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
+class WorkerCore:
+    def __init__(self, worker_id: str, engine_config: EngineConfig, options: WorkerOptions | None = None) -> None:
+        self.worker_id = worker_id
+        self.options = options or WorkerOptions()
+        self.engine = LLMEngine(engine_config)
+        self.incarnation = uuid.uuid4().hex
+        self._inbox: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.outbox = Outbox()
+        o = self.options
+        self._pressure = PressurePolicy.from_options(o)
+        self._report_seq = 0
+        self._step_latency_ms = 0.0
+        self._slowest_step_s = 0.0  # raises the stall threshold of a slow deployment
+        self._last_progress = time.monotonic()
+        self._busy = False
+        self._decode_steps = 0
+        self._num_imports = 0  # NOTE: engine-thread counters, read by _snapshot on that thread
+        self._num_exports = 0
+        self._report = self._pressure_report()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
+        # (monotonic, process CPU) when the running step began; None between steps (engine thread writes)
+        self._step_began: tuple[float, float] | None = None
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name=f"heartbeat-{worker_id}", daemon=True)
+        self.link: WorkerLinkClient | None = None
+        if o.router_address:
+            self.link = WorkerLinkClient(
+                o.router_address,
+                self.outbox,
+                hello=self._hello,
+                on_connect=lambda: self._submit(self._on_connect),
+                on_command=self._on_command,
+                credential=o.credential,
+                credentials=channel_credentials(o.tls_ca, o.tls_cert, o.tls_key),
+            )
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+        self._heartbeat.start()
+        if self.link is not None:
+            self.link.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self.link is not None:
+            self.link.stop()
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.engine.close()  # the engine thread is done with it: pending tier writes finish
+
+    # ---- API for any thread (Ray methods) ------------------------------------------------------
+    def add_request(self, request: WorkerRequest) -> None:
+        """Queue a request, or resume one whose worker died (``resume_output_ids``: the output
+        tokens its client already has; see ``LLMEngine.add_request``). Raises ValueError (bad
+        input) or WorkerError (draining/dead)."""
+
+        def add() -> None:
+            r = request
+            self.engine.add_request(r.request_id, r.prompt if isinstance(r.prompt, str) else list(r.prompt), r.params,
+                                    r.priority, r.cache_salt, resume_output_ids=r.resume_output_ids)  # fmt: skip
+
+        self._call(add)
+
+    def abort(self, request_id: str) -> bool:
+        return self._call(lambda: self._abort(request_id))
+
+    def preempt(self, request_id: str, mode: str | None = None) -> bool:
+        return self._call(lambda: self.engine.preempt_request(request_id, mode))
+
+    def export_request(self, request_id: str) -> MigrationState | None:
+        """Pause a request at a step boundary and return its state (see ``finish_export``)."""
+        return self._call(lambda: self.engine.export_request(request_id))
+
+    def finish_export(self, request_id: str, migrated: bool) -> bool:
+        """Free an exported request (``migrated``) or resume it here; False if none is exported."""
+
+        def finish() -> bool:
+            done = self.engine.finish_export(request_id, migrated)
+            self._num_exports += int(done and migrated)
+            return done
+
+        return self._call(finish)
+
+    def import_request(self, state: MigrationState) -> bool | None:
+        """Continue a migrated request here; None ("not now") if it does not fit."""
+
+        def import_() -> bool | None:
+            ok = self.engine.import_request(state)
+            self._num_imports += int(bool(ok))
+            return ok
+
+        return self._call(import_)
+
+    def stats(self) -> pb.PressureReport:
+        """The worker's pressure as of its last step (what its last report said, or would say)."""
+        return self._report
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError if the engine thread died, EngineStalledError if it has not
+        stepped for its stall threshold (``kvserve/workers/core/liveness.py``) while work is pending."""
+        if self._error is not None or not self._thread.is_alive():
+            raise EngineDeadError(f"worker {self.worker_id}: engine thread is dead ({self._error!r})")
+        stalled = time.monotonic() - self._last_progress
+        threshold = stall_threshold_s(self.options.stall_timeout_s, self._slowest_step_s)
+        if self._busy and stalled > threshold:
+            raise EngineStalledError(
+                f"worker {self.worker_id}: engine made no progress for {stalled:.1f}s with work pending"
+            )
+
+    def stall_for_test(self, seconds: float) -> None:
+        """Test hook: block the engine thread (as a hung kernel would)."""
+        self._submit(lambda: time.sleep(seconds))
+
+    def slow_step_for_test(self, seconds: float, computing: bool) -> None:
+        """Test hook: the next engine step first spends ``seconds`` computing (a long prefill under a
+        noisy neighbour) or sleeping (a step waiting on something that never comes)."""
+
+        def arm() -> None:
+            step = self.engine.step
+
+            def slow_step() -> Any:
+                self.engine.step = step  # type: ignore[method-assign]
+                end = time.monotonic() + seconds
+                while time.monotonic() < end:
+                    if not computing:
+                        time.sleep(end - time.monotonic())
+                return step()
+
+            self.engine.step = slow_step  # type: ignore[method-assign]
+
+        self._call(arm)
+
+    def identity(self) -> WorkerIdentity:
+        """Who this worker is and its pool geometry (what its Hello says)."""
+        e = self.engine
+        return WorkerIdentity(
+            worker_id=self.worker_id,
+            model_id=e.model_id,
+            block_size=e.config.block_size,
+            total_blocks=e.pool.num_blocks,
+            max_model_len=e.max_model_len,
+            vocab_size=e.model_config.vocab_size,
+            swap_blocks=e.swap_pool.num_blocks if e.swap_pool else 0,
+            has_tokenizer=e.tokenizer is not None,
+            node_id=_ray_node_id(),
+        )
+
+    # ---- inbox ---------------------------------------------------------------------------
+    def _submit(self, fn: Callable[[], T]) -> Future:
+        fut: Future = Future()
+        self._busy = True
+        self._inbox.put((fn, fut))
+        self._wake.set()
+        return fut
+
+    def _call(self, fn: Callable[[], T], timeout: float | None = None) -> T:
+        if not self._thread.is_alive():
+            raise WorkerError(f"worker {self.worker_id}: engine thread is not running")
+        return self._submit(fn).result(timeout)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                fn, fut = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - the caller gets the exception
+                fut.set_exception(e)
+            self._last_progress = time.monotonic()
+
+    # ---- the engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._wake.clear()
+                self._drain_inbox()
+                engine = self.engine
+                self._abort_orphans()
+                if engine.has_unfinished_requests():
+                    self._busy = True
+                    t0 = time.perf_counter()
+                    self._step_began = (time.monotonic(), _thread_cpu_s(self._thread))
+                    outputs = engine.step()
+                    self._step_began = None
+                    self._step_latency_ms = (time.perf_counter() - t0) * 1000
+                    self._slowest_step_s = max(self._slowest_step_s, self._step_latency_ms / 1000)
+                    # engine.step() returns news only for requests that sampled a token this step.
+                    self._decode_steps += int(bool(outputs))
+                    self._last_progress = time.monotonic()
+                    self._publish(outputs)
+                else:
+                    self._busy = not self._inbox.empty()
+                    self._publish([])
+                    # NOTE: a change the rate limit held back (the last request just finished) is reported
+                    # as soon as the limit allows, not an idle interval later: placement and migration
+                    # read it (a worker that looks busy for half a second is passed over).
+                    timeout = self.options.idle_report_s / 2
+                    pending = self._pressure.wait_s(time.monotonic(), self._report)
+                    self._wake.wait(timeout=min(timeout, pending) if pending > 0 else timeout)
+                    # NOTE: idle is not a stall: without this, the first command after a long idle
+                    # spell (or any add_request racing check_health) looks stalled at once.
+                    self._last_progress = time.monotonic()
+        except BaseException as e:
+            self._error = e
+            logger.exception("engine thread of worker %s died", self.worker_id)
+            raise
+
+    def _heartbeat_loop(self) -> None:
+        """While a step runs past a heartbeat interval and the engine thread computes, that is progress
+        (``kvserve/workers/core/liveness.py``): count it here and tell the router (``StepHeartbeat``).
+
+        NOTE: the engine thread's own CPU clock, not the process's: Ray's and gRPC's threads keep a
+        process busy enough to look computing while its engine thread sleeps. The engine thread runs
+        its share of every parallel op (OpenMP's calling thread is one of the team)."""
+        last: tuple[float, float] | None = None  # (monotonic, CPU) at the last check of this step
+        # NOTE: well inside the stall threshold, so a beat always lands before it runs out
+        interval = min(HEARTBEAT_S, self.options.stall_timeout_s / 4)
+        while not self._stop.wait(interval):
+            began = self._step_began
+            if began is None:
+                last = None
+                continue
+            now, cpu = time.monotonic(), _thread_cpu_s(self._thread)
+            if last is None or last[0] < began[0]:
+                last = began
+            ceiling = step_ceiling_s(self.options.stall_timeout_s, self._slowest_step_s)
+            computed = computing(cpu - last[1], now - last[0]) and now - began[0] <= ceiling
+            last = (now, cpu)
+            if not computed:
+                continue
+            self._last_progress = now
+            beat = pb.StepHeartbeat(step_elapsed_s=now - began[0], step_cpu_s=cpu - began[1])
+            self.outbox.put(pb.WorkerMessage(heartbeat=beat))
+
+    def _abort_orphans(self) -> None:
+        """Abort every request once the router has been gone for ``orphan_timeout_s``: their
+        clients' streams ended with it, so nobody reads them, and their blocks serve no one.
+
+        NOTE: a router that comes back sooner gets the outputs replayed and aborts what it no
+        longer knows itself (router.py ``_on_output``); this bounds the time without one.
+        """
+        if self.link is None or self.link.disconnected_for() <= self.options.orphan_timeout_s:
+            return
+        orphans = list(self.engine.requests)
+        for rid in orphans:
+            self._abort(rid)
+        if orphans:
+            logger.warning("worker %s: no router for %.0fs; aborted %d orphaned requests", self.worker_id,
+                           self.options.orphan_timeout_s, len(orphans))  # fmt: skip
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        """Outputs, then block events, then pressure: one ordered stream (docs/architecture.md).
+
+        The step's messages go to the outbox together (``Outbox.put_step``), which folds them into the
+        previous step's while the link has not sent those yet."""
+        step_outputs = _step_outputs(self.engine.num_steps, outputs) if outputs else None
+        self.engine.publish_tier_events()  # spills finished while idle reach the router too
+        events = self.engine.pool.drain_events()
+        block_events = pb.BlockEvents(events=[_event_proto(e) for e in events]) if events else None
+        self._report = report = self._pressure_report()
+        now = time.monotonic()
+        pressure = None
+        if self._pressure.due(now, report):
+            self._report_seq += 1
+            pressure = pb.PressureReport()
+            pressure.CopyFrom(report)
+            pressure.seq = self._report_seq
+        # NOTE: a report dropped while disconnected was not sent: the first _publish after a
+        # reconnect then reports at once instead of up to idle_report_s later.
+        if self.outbox.put_step(step_outputs, block_events, pressure):
+            self._pressure.sent(now, report)
+
+    def _pressure_report(self) -> pb.PressureReport:
+        """The one stats object: pool and scheduler state as the router, metrics and ``kvserve top`` see it."""
+        e = self.engine
+        ps = e.pool.stats()
+        sched = e.scheduler
+        return pb.PressureReport(
+            worker_id=self.worker_id,
+            total_blocks=ps.total,
+            free_blocks=ps.free,
+            used_blocks=ps.used,
+            cached_evictable_blocks=ps.cached_evictable,
+            swap_blocks_total=e.swap_pool.num_blocks if e.swap_pool else 0,
+            swap_blocks_free=e.swap_pool.num_free_blocks if e.swap_pool else 0,
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_swapped=len(sched.swapped),
+            tokens_in_flight=sched.tokens_in_flight(),
+            decode_steps=self._decode_steps,
+            step_latency_ms=self._step_latency_ms,
+            num_preemptions_total=sum(sched.num_preemptions.values()),
+            prefix_cache_query_tokens_total=sched.prefix_queries,
+            prefix_cache_hit_tokens_total=sched.prefix_hits,
+            num_swaps_total=sched.num_preemptions["swap"],
+            num_imports_total=self._num_imports,
+            num_exports_total=self._num_exports,
+            prefill_tokens_total=sched.prefill_tokens,
+            **_tier_fields(e.tiers.report(sched.tier_hits) if e.tiers is not None else TierReport()),
+        )
+
+    def _abort(self, request_id: str) -> bool:
+        out = self.engine.abort_request(request_id)
+        if out is None:
+            return False
+        self.outbox.put(pb.WorkerMessage(step_outputs=_step_outputs(self.engine.num_steps, [out])))
+        return True
+
+    def _hello(self) -> pb.Hello:
+        return self.identity().to_hello(self.incarnation)
+
+    def request_drain(self, reason: str) -> None:
+        """Ask the router to drain this worker (its requests moved away, then this process
+        restarted: kvserve/router/requests/drain.py). Rides the outbox, so a router that is away gets it when the
+        link is back. Any thread."""
+        logger.warning("worker %s: %s: asking the router to drain this worker", self.worker_id, reason)
+        self.outbox.put(pb.WorkerMessage(drain_me=pb.DrainMe(reason=reason)))
+
+    def _on_connect(self) -> None:
+        """A (re)connected router gets current pressure and the block snapshot at once, not after
+        the next change or idle interval (a restarted router starts from nothing)."""
+        self._pressure.reset()
+        self._send_snapshot()
+
+    def _send_snapshot(self) -> None:
+        pool = self.engine.pool
+        # Pending events are older than the snapshot; ship them first so seqs stay ordered.
+        self._publish([])
+        tiers = self.engine.tiers.tier_hashes() if self.engine.tiers is not None else {}
+        snapshot = pb.BlockSnapshot(seq=pool.event_seq, hashes=pool.cached_hashes(),
+                                    host_hashes=tiers.get("host", []), disk_hashes=tiers.get("disk", []))  # fmt: skip
+        self.outbox.put(pb.WorkerMessage(block_snapshot=snapshot))
+
+    # ---- router commands (WorkerLink thread -> inbox) ---------------------------------------------
+    def _on_command(self, cmd: pb.RouterCommand) -> None:
+        self._submit(lambda: self._apply_command(cmd))
+
+    def _apply_command(self, cmd: pb.RouterCommand) -> None:
+        kind = cmd.WhichOneof("command")
+        rid = ""
+        ok = True
+        if kind == "abort":
+            rid = cmd.abort.request_id
+            ok = self._abort(rid)
+        elif kind == "preempt":
+            rid = cmd.preempt.request_id
+            ok = self.engine.preempt_request(rid, _PREEMPT_MODES[cmd.preempt.mode])
+        elif kind == "request_snapshot":
+            self._send_snapshot()
+        if not ok:
+            logger.info("worker %s: %s for unknown or inapplicable request %r ignored", self.worker_id, kind, rid)
+        self.outbox.put(pb.WorkerMessage(ack=pb.CommandAck(command_seq=cmd.seq, request_id=rid, ok=ok)))
+
+
+def _ray_node_id() -> str:
+    """The Ray node this worker runs on ("" outside Ray), for ops views and placement checks."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+    except Exception:  # noqa: BLE001 - an ops label is not worth failing a worker over
+        return ""
+
+
+def _step_outputs(step: int, outputs: list[RequestOutput]) -> pb.StepOutputs:
+    """One step's outputs: the plain ones (``_is_plain``) as ``DecodeColumns``, the rest as messages.
+
+    NOTE: at one token per step a message object per request was most of what the router's data
+    plane paid per token (parse, field reads); a column is read once per step."""
+    msg = pb.StepOutputs(decode_step=step)
+    plain, other = [], []
+    for o in outputs:
+        (plain if _is_plain(o) else other).append(o)
+    if plain:
+        cols = msg.columns
+        cols.request_ids.extend([o.request_id for o in plain])
+        cols.counts.extend([len(o.new_token_ids) for o in plain])
+        cols.token_ids.extend([t for o in plain for t in o.new_token_ids])
+        cols.num_output_tokens.extend([o.num_output_tokens for o in plain])
+        cols.text_deltas.extend([o.text_delta for o in plain])
+    if other:
+        msg.outputs.extend([_output_message(o) for o in other])
+    return msg
+
+
+def _is_plain(o: RequestOutput) -> bool:
+    """Tokens and text only: running on, no logprobs, never preempted or swapped (the router keeps
+    the most preemptions and swaps any worker reported, so those go as messages)."""
+    return bool(o.new_token_ids) and not o.finish_reason and not (o.new_logprobs or o.num_preemptions or o.num_swaps)
+
+
+def _output_message(o: RequestOutput) -> pb.RequestOutput:
+    return pb.RequestOutput(
+        request_id=o.request_id,
+        new_token_ids=o.new_token_ids,
+        text_delta=o.text_delta,
+        finish_reason=o.finish_reason or "",
+        num_cached_tokens=o.num_cached_tokens,
+        num_prompt_tokens=o.num_prompt_tokens,
+        num_preemptions=o.num_preemptions,
+        num_swaps=o.num_swaps,
+        num_output_tokens=o.num_output_tokens,
+        logprobs=[
+            spb.TokenLogprobs(logprob=entry[token], logprobs=entry)
+            for token, entry in zip(o.new_token_ids, o.new_logprobs, strict=False)
+        ],
+    )
+
+
+_TIER_PROTO = {"device": pb.TIER_DEVICE, "host": pb.TIER_HOST, "disk": pb.TIER_DISK}
+
+
+def _tier_fields(t: TierReport) -> dict[str, float]:
+    """The PressureReport fields of the tiered prefix cache."""
+    return {
+        "host_cache_bytes_used": t.host_bytes_used,
+        "host_cache_bytes_capacity": t.host_bytes_capacity,
+        "disk_cache_bytes_used": t.disk_bytes_used,
+        "disk_cache_bytes_capacity": t.disk_bytes_capacity,
+        "host_load_ratio": t.host_load_ratio,
+        "disk_load_ratio": t.disk_load_ratio,
+        "recompute_ms_per_block": t.recompute_ms_per_block,
+        "prefix_cache_host_hit_tokens_total": t.host_hit_tokens,
+        "prefix_cache_disk_hit_tokens_total": t.disk_hit_tokens,
+        "tier_bytes_written_total": t.bytes_written,
+        "tier_bytes_loaded_total": t.bytes_loaded,
+        "tier_load_seconds_total": t.load_seconds,
+        "tier_spills_dropped_total": t.spills_dropped,
+    }
+
+
+def _event_proto(e: BlockEvent) -> pb.BlockEvent:
+    if isinstance(e, BlockStored):
+        return pb.BlockEvent(seq=e.seq, stored=pb.BlockStored(hashes=e.hashes, tier=_TIER_PROTO[e.tier]))
+    if isinstance(e, BlockRemoved):
+        return pb.BlockEvent(seq=e.seq, removed=pb.BlockRemoved(hashes=e.hashes, tier=_TIER_PROTO[e.tier]))
+    assert isinstance(e, AllBlocksCleared)
+    return pb.BlockEvent(seq=e.seq, cleared=pb.AllBlocksCleared())
+
+
+class Worker:
+    """The Ray actor around ``WorkerCore`` (create it with ``worker_actor_class()``).
+
+    Methods only enqueue into the engine inbox or read snapshots, so the actor runs threaded
+    (``max_concurrency`` > 1): a slow call never blocks ``stats`` or ``check_health``.
+    """
+
+    def __init__(
+        self,
+        worker_id: str,
+        engine_config: EngineConfig,
+        options: WorkerOptions | None = None,
+        num_threads: int | None = None,
+    ) -> None:
+        if num_threads:
+            import torch
+
+            torch.set_num_threads(num_threads)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.core = WorkerCore(worker_id, engine_config, options)
+        # NOTE: here, not in WorkerCore: this process is the worker's alone (tests run WorkerCore in
+        # theirs). The model is loaded and warmed: what exists now lives as long as the process.
+        _, self.gc_pauses = settle_heap(f"worker {worker_id}")
+        self.core.start()
+        self._drain_on_sigterm()
+
+    def _drain_on_sigterm(self) -> None:
+        """SIGTERM = drain this worker (README "Failure behaviour").
+
+        NOTE: Ray's own handler in an actor process raises SystemExit: the process dies as a
+        system error, Ray restarts it, and the router sees a crash (its requests replayed, the
+        restart counted toward retirement). Instead the first SIGTERM asks the router to drain
+        this worker, which restarts the process itself once its requests moved away; Ray's
+        handler is put back, so a second SIGTERM exits at once. Ray runs an actor's ``__init__``
+        on the process's main thread, the only one that may set a handler (checked).
+        """
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("worker %s: not on the main thread: SIGTERM keeps Ray's default", self.core.worker_id)
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            signal.signal(signal.SIGTERM, previous)
+            # NOTE: off the signal handler: it interrupts the main thread wherever it is.
+            threading.Thread(target=self.core.request_drain, args=("SIGTERM",), daemon=True).start()
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    def ready(self) -> WorkerIdentity:
+        """Identity and sizes (what the WorkerLink Hello says), once the engine is up."""
+        return self.core.identity()
+
+    def add_request(self, request: WorkerRequest) -> None:
+        """Queue a request; with ``resume_output_ids`` continue one after those output tokens
+        (failover replay: the router passes what it already streamed)."""
+        self.core.add_request(request)
+
+    def abort(self, request_id: str) -> bool:
+        return self.core.abort(request_id)
+
+    def preempt(self, request_id: str, mode: str | None = None) -> bool:
+        return self.core.preempt(request_id, mode)
+
+    def export_request(self, request_id: str) -> MigrationState | None:
+        return self.core.export_request(request_id)
+
+    def finish_export(self, request_id: str, migrated: bool) -> bool:
+        return self.core.finish_export(request_id, migrated)
+
+    def import_request(self, state: MigrationState) -> bool | None:
+        return self.core.import_request(state)
+
+    def stats(self) -> pb.PressureReport:
+        return self.core.stats()
+
+    def check_health(self) -> None:
+        self.core.check_health()
+
+    def check_integrity(self) -> None:
+        """Block-pool invariants, checked on the engine thread (tests)."""
+        self.core._call(self.core.engine.check_integrity)
+
+    def stall_for_test(self, seconds: float) -> None:
+        self.core.stall_for_test(seconds)
+
+    def slow_step_for_test(self, seconds: float, computing: bool) -> None:
+        self.core.slow_step_for_test(seconds, computing)
+
+    def partition_link_for_test(self, seconds: float) -> int:
+        """Test hook: drop this worker's WorkerLink from its side for ``seconds`` (it keeps
+        stepping; ``WorkerLinkClient.partition_for_test``); returns the link's connects so far
+        (0 seconds: only that). Only a process in the Ray cluster can call it."""
+        return self.core.link.partition_for_test(seconds) if self.core.link is not None else 0
+
+    def pid(self) -> int:
+        """This actor's OS process id (chaos tests kill it; operators correlate it with logs)."""
+        return os.getpid()
+
+    def incarnation(self) -> str:
+        """This process's incarnation (its Hello's): the router tells a live process whose link
+        broke from one Ray has restarted."""
+        return self.core.incarnation
+
+    def shutdown(self) -> None:
+        self.core.stop()
+
+
+def worker_actor_class(max_concurrency: int = 32):
+    """``ray.remote(Worker)`` with threaded concurrency; Ray is imported only here."""
+    import ray
+
+    return ray.remote(max_concurrency=max_concurrency)(Worker)

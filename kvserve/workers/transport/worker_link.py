@@ -1,0 +1,151 @@
+"""The worker's end of WorkerLink: one gRPC bidi stream to the router, reconnecting with backoff.
+
+Outgoing messages come from the ``Outbox`` (replayed after a reconnect); incoming commands are
+handed to ``on_command`` (which only enqueues into the engine's inbox). Acks for our messages
+ride on the router's commands (``acked_seq``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+
+from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.protos.kvserve.v1 import worker_pb2_grpc
+from kvserve.workers.core.worker_credential import WORKER_CREDENTIAL_HEADER
+from kvserve.workers.transport.outbox import Outbox
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerLinkClient:
+    """Keeps one Connect stream to ``address`` open until ``stop()``.
+
+    Args:
+        address: router's host:port.
+        outbox: the worker's message log.
+        hello: builds this connection's Hello (called on every connect).
+        on_connect: called after a (re)connect, e.g. to queue a block snapshot.
+        on_command: receives every RouterCommand with a command set (already de-duplicated).
+        credential: this worker's credential (``kvserve/workers/core/worker_credential.py``), sent as
+            ``kvserve-worker-credential`` metadata; the router refuses a WorkerLink without it.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        outbox: Outbox,
+        hello: Callable[[], pb.Hello],
+        on_connect: Callable[[], None],
+        on_command: Callable[[pb.RouterCommand], None],
+        credential: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        max_backoff_s: float = 2.0,
+    ) -> None:
+        self.address = address
+        self.outbox = outbox
+        self._hello = hello
+        self._on_connect = on_connect
+        self._on_command = on_command
+        self._metadata = ((WORKER_CREDENTIAL_HEADER, credential),) if credential else ()
+        self._credentials = credentials
+        self._max_backoff = max_backoff_s
+        self._stop = threading.Event()
+        self._connected = threading.Event()
+        self._disconnected_since = time.monotonic()
+        self.last_command_seq = 0
+        self.num_connects = 0
+        self._call: grpc.Future | None = None
+        self._partitioned_until = 0.0  # monotonic; see ``partition_for_test``
+        self._thread = threading.Thread(target=self._run, name="worker-link", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    def disconnected_for(self) -> float:
+        """Seconds since the link was last connected (0.0 while connected, counted from start
+        before the first connect)."""
+        return 0.0 if self._connected.is_set() else time.monotonic() - self._disconnected_since
+
+    def partition_for_test(self, seconds: float) -> int:
+        """Test hook (chaos tests): drop the stream now, from this side, and do not reconnect for
+        ``seconds``, as a network partition would, while the worker lives and keeps stepping
+        (``seconds`` <= 0: nothing). Returns how many times the link had connected before.
+
+        NOTE: reachable only through the worker's Ray actor (``Worker.partition_link_for_test``),
+        i.e. by a process inside the Ray cluster, which could kill the worker anyway; no client
+        API leads here.
+        """
+        connects = self.num_connects
+        if seconds > 0:
+            self._partitioned_until = time.monotonic() + seconds
+            call = self._call
+            if call is not None:
+                call.cancel()
+        return connects
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._call is not None:
+            self._call.cancel()
+        self.outbox.close()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        backoff = 0.05
+        while not self._stop.is_set():
+            if (partitioned := self._partitioned_until - time.monotonic()) > 0:
+                self._stop.wait(partitioned)
+                continue
+            try:
+                self._session()
+                backoff = 0.05
+            except grpc.RpcError as e:
+                code = e.code() if hasattr(e, "code") else None
+                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                    logger.error("router %s refused this worker: %s", self.address, e.details())
+                elif not self._stop.is_set():
+                    logger.info("WorkerLink to %s broken (%s); reconnecting in %.2fs", self.address, code, backoff)
+            except grpc.FutureTimeoutError:
+                logger.info("router %s not reachable yet; retrying in %.2fs", self.address, backoff)
+            except Exception:  # noqa: BLE001 - a link bug must not kill the worker; log and retry
+                logger.exception("WorkerLink session failed")
+            finally:
+                if self._connected.is_set():
+                    self._disconnected_since = time.monotonic()
+                self._connected.clear()
+                self.outbox.disconnected()
+            self._stop.wait(backoff)
+            backoff = min(backoff * 2, self._max_backoff)
+
+    def _session(self) -> None:
+        options = [("grpc.keepalive_time_ms", 10_000), ("grpc.max_receive_message_length", 64 << 20)]
+        if self._credentials is not None:
+            channel = grpc.secure_channel(self.address, self._credentials, options=options)
+        else:
+            channel = grpc.insecure_channel(self.address, options=options)
+        with channel:
+            grpc.channel_ready_future(channel).result(timeout=5)
+            stub = worker_pb2_grpc.WorkerLinkStub(channel)
+            hello = pb.WorkerMessage(hello=self._hello())
+            hello.hello.last_command_seq = self.last_command_seq
+            call = stub.Connect(self.outbox.open_stream([hello]), metadata=self._metadata)
+            self._call = call
+            self.num_connects += 1
+            self._connected.set()
+            self._on_connect()
+            for cmd in call:
+                if cmd.acked_seq:
+                    self.outbox.ack(cmd.acked_seq)
+                if cmd.WhichOneof("command") is None or cmd.seq <= self.last_command_seq:
+                    continue
+                self.last_command_seq = cmd.seq
+                self._on_command(cmd)
