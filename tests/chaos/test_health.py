@@ -81,7 +81,7 @@ def test_readiness_follows_the_workers_both_ways_and_grpc_and_http_agree() -> No
                 await _agree(stub, http, base, ready=True)
                 # A restarted "a" beyond the restart limit (0) is retired; "b" dies: nobody serves.
                 _connect(router, "a", "inc-2")
-                assert router.workers["a"].state == "retired"
+                assert router.table["a"].state == "retired"
                 router.on_disconnect("b")
                 await _agree(stub, http, base, ready=False)
                 await _live(stub, http, base)

@@ -57,7 +57,8 @@ def forged_traffic(worker_id: str, request_ids: list[str]) -> list[pb.WorkerMess
     outputs = [pb.RequestOutput(request_id=rid, new_token_ids=[7, 7, 7], num_output_tokens=3) for rid in request_ids]
     return [
         pb.WorkerMessage(seq=2, step_outputs=pb.StepOutputs(decode_step=1, outputs=outputs)),
-        pb.WorkerMessage(seq=3, pressure=pb.PressureReport(worker_id=worker_id, seq=1 << 40, total_blocks=64)),
+        pb.WorkerMessage(seq=3, step=pb.StepMessages(
+            pressure=pb.PressureReport(worker_id=worker_id, seq=1 << 40, total_blocks=64))),
     ]
 
 

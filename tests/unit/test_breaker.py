@@ -69,11 +69,11 @@ def test_a_worker_whose_dispatches_keep_failing_leaves_placement_for_the_backoff
             r = router.submit(_req(f"r{i}"))
             placed.append(r.target or r.worker_id)
             await _settle()
-        a = router.workers["a"]
+        a = router.table["a"]
         failures = len(workers["a"].added())
         assert failures == 2, f"a took {failures} dispatches; the breaker should open after 2"
         assert placed[failures:] == ["b"] * (6 - failures), placed
-        assert not router.table.serving(a) and router.table.serving(router.workers["b"])
+        assert not router.table.serving(a) and router.table.serving(router.table["b"])
         # A health probe that passes does not put it back (no flapping): the breaker decides.
         await router.table.probe(a)
         assert a.healthy and not router.table.serving(a)
@@ -99,7 +99,7 @@ def test_reopening_without_a_success_doubles_the_time_out_of_placement() -> None
         router.add_worker("b", FakeWorker(), _identity("b"))
         _connect(router, "a", "inc-1")
         _connect(router, "b", "inc-1")
-        a = router.workers["a"]
+        a = router.table["a"]
         router.table.dispatch_failed(a, "test")
         first = a.breaker.open_until
         await asyncio.sleep(0.21)
@@ -145,9 +145,9 @@ def test_failed_migration_imports_count_toward_the_destinations_breaker() -> Non
         assert src is not None
         dst = "b" if src == "a" else "a"
         assert not await router.mover.migrate(r.request_id, dst)
-        assert router.table.serving(router.workers[dst]), "one failure: still closed"
+        assert router.table.serving(router.table[dst]), "one failure: still closed"
         assert not await router.mover.migrate(r.request_id, dst)
-        assert not router.table.serving(router.workers[dst]), "two failed imports must open dst's breaker"
-        assert r.worker_id == src and router.table.serving(router.workers[src])
+        assert not router.table.serving(router.table[dst]), "two failed imports must open dst's breaker"
+        assert r.worker_id == src and router.table.serving(router.table[src])
 
     asyncio.run(test())

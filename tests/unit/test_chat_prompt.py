@@ -1,5 +1,5 @@
 """The router's chat input: GenerateRequest.messages validated, rendered and tokenized
-(``Router._prompt_ids``), every refusal a ValidationError naming its field."""
+(``kvserve.router.gate.prompts.prompt_ids``), every refusal a ValidationError naming its field."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 from kvserve.router.config import RouterConfig
+from kvserve.router.gate.prompts import prompt_ids
 from kvserve.router.gate.validation import MAX_CHAT_MESSAGES, ModelLimits, ValidationError
 from kvserve.router.requests.router import Router
 from kvserve.workers.models.random_model import IM_START_ID, write_tokenizer
@@ -28,6 +29,10 @@ def router(model_dir) -> Router:
     return Router(RouterConfig(), LIMITS, Tokenizer.from_dir(model_dir), ChatTemplate.from_dir(model_dir))
 
 
+def _ids(router: Router, request: spb.GenerateRequest) -> list[int]:
+    return prompt_ids(request, router.limits, router.tokenizer, router.chat_template)
+
+
 def chat(*pairs: tuple[str, str]) -> spb.GenerateRequest:
     return spb.GenerateRequest(
         messages=spb.ChatMessages(messages=[spb.ChatMessage(role=r, content=c) for r, c in pairs])
@@ -35,7 +40,7 @@ def chat(*pairs: tuple[str, str]) -> spb.GenerateRequest:
 
 
 def test_chat_renders_then_tokenizes_without_extra_specials(router, model_dir):
-    ids = router._prompt_ids(chat(("system", "Be brief."), ("user", "Hi")))
+    ids = _ids(router, chat(("system", "Be brief."), ("user", "Hi")))
     text = ChatTemplate.from_dir(model_dir).render([ChatMessage("system", "Be brief."), ChatMessage("user", "Hi")])
     assert ids == Tokenizer.from_dir(model_dir).encode(text, add_special_tokens=False)
     assert ids[0] == 1 and ids[1] == IM_START_ID  # the template's BOS, not a second one from the tokenizer
@@ -54,7 +59,7 @@ def test_chat_renders_then_tokenizes_without_extra_specials(router, model_dir):
 )
 def test_bad_chats_name_their_field(router, request_, field):
     with pytest.raises(ValidationError) as e:
-        router._prompt_ids(request_)
+        _ids(router, request_)
     assert e.value.field == field
 
 
@@ -62,8 +67,8 @@ def test_template_errors_and_missing_template_are_validation_errors(model_dir):
     tok = Tokenizer.from_dir(model_dir)
     strict = ChatTemplate("{% if messages[0]['role'] != 'system' %}{{ raise_exception('system first') }}{% endif %}x")
     with pytest.raises(ValidationError, match="system first") as e:
-        Router(RouterConfig(), LIMITS, tok, strict)._prompt_ids(chat(("user", "hi")))
+        _ids(Router(RouterConfig(), LIMITS, tok, strict), chat(("user", "hi")))
     assert e.value.field == "prompt.messages"
     with pytest.raises(ValidationError, match="no chat template") as e:
-        Router(RouterConfig(), LIMITS, tok, None)._prompt_ids(chat(("user", "hi")))
+        _ids(Router(RouterConfig(), LIMITS, tok, None), chat(("user", "hi")))
     assert e.value.field == "prompt.messages"

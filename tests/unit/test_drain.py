@@ -74,7 +74,7 @@ def test_a_drain_migrates_started_requests_hands_off_the_rest_restarts_and_takes
 
         follower = asyncio.get_running_loop().create_task(follow())
         # Out of placement at once: a new request goes to the other worker.
-        assert not router.table.serving(router.workers[src])
+        assert not router.table.serving(router.table[src])
         assert router.cluster_status().workers[[w.worker_id for w in router.cluster_status().workers].index(src)
                                                ].state == "draining"  # fmt: skip
         newcomer = router.submit(_req("new", max_tokens=8))
@@ -84,11 +84,11 @@ def test_a_drain_migrates_started_requests_hands_off_the_rest_restarts_and_takes
         assert kills == [(workers[src], False)], "a drain restarts the process (Ray restarts it)"
         assert started.worker_id == dst and workers[src].calls_of("export_request"), "started: migrated live"
         assert fresh.worker_id == dst and fresh.replays == 0, "not started: handed off, not counted as a replay"
-        assert router.workers[src].state == WORKER_DOWN and router.replays_total == 0
+        assert router.table[src].state == WORKER_DOWN and router.replays_total == 0
         _connect(router, src, "inc-2")  # the fresh process says Hello
         await asyncio.wait_for(drain.done.wait(), 5)
         await asyncio.wait_for(follower, 5)
-        entry = router.workers[src]
+        entry = router.table[src]
         assert entry.state == WORKER_UP and entry.restarts_total == 1 and not entry.restart_times
         assert router.table.serving(entry), "taken back into placement"
         assert drain.progress.phase == DONE and drain.progress.requests_migrated == 1
@@ -96,7 +96,7 @@ def test_a_drain_migrates_started_requests_hands_off_the_rest_restarts_and_takes
         assert seen[0] == MOVING and RESTARTING in seen and seen[-1] == DONE
         # A crash restart afterwards still counts (limit 0: retired).
         _connect(router, src, "inc-3")
-        assert router.workers[src].state == WORKER_RETIRED
+        assert router.table[src].state == WORKER_RETIRED
 
     asyncio.run(test())
 
@@ -107,18 +107,18 @@ def test_refusals_unknown_down_retired_and_the_last_serving_worker() -> None:
         with pytest.raises(RouterError) as e:
             router.drainer.start("nope")
         assert e.value.code == grpc.StatusCode.NOT_FOUND
-        router.table.down(router.workers["b"], "test")
+        router.table.down(router.table["b"], "test")
         with pytest.raises(RouterError) as e:
             router.drainer.start("b")
         assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "down" in e.value.message
         with pytest.raises(RouterError) as e:
             router.drainer.start("a")
         assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "last serving" in e.value.message
-        router.table.retire(router.workers["b"])
+        router.table.retire(router.table["b"])
         with pytest.raises(RouterError) as e:
             router.drainer.start("b")
         assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "retired" in e.value.message
-        assert router.table.serving(router.workers["a"]), "a refused drain changes nothing"
+        assert router.table.serving(router.table["a"]), "a refused drain changes nothing"
 
     asyncio.run(test())
 
@@ -141,9 +141,9 @@ def test_a_worker_not_back_in_time_fails_the_drain_and_leaves_placement_to_its_h
         drain = router.drainer.start("a")
         await asyncio.wait_for(drain.done.wait(), 5)
         assert drain.progress.phase == FAILED and "not back" in drain.progress.reason
-        assert router.workers["a"].drain is None and router.workers["a"].state == WORKER_DOWN
+        assert router.table["a"].drain is None and router.table["a"].state == WORKER_DOWN
         _connect(router, "a", "inc-2")  # later: a crash-free restart, but no drain awaits it any more
-        assert router.workers["a"].state == WORKER_RETIRED  # limit 0: counted like any restart
+        assert router.table["a"].state == WORKER_RETIRED  # limit 0: counted like any restart
 
     asyncio.run(test())
 
@@ -169,7 +169,7 @@ def test_sigterm_drain_me_starts_a_drain_and_refusal_is_only_logged(caplog: pyte
         router, _ = _setup()
         router.on_message("a", pb.WorkerMessage(seq=1, drain_me=pb.DrainMe(reason="SIGTERM")))
         drain = router.drainer.drains["a"]
-        assert drain.reason == "SIGTERM" and not router.table.serving(router.workers["a"])
+        assert drain.reason == "SIGTERM" and not router.table.serving(router.table["a"])
         router.on_message("b", pb.WorkerMessage(seq=1, drain_me=pb.DrainMe(reason="SIGTERM")))
         assert "b" not in router.drainer.drains and "last serving" in caplog.text
 

@@ -29,7 +29,7 @@ async def _call(router, body: dict) -> tuple[httpx.Response, float]:  # noqa: AN
 
 
 def _aborted(router, worker_rid: str) -> bool:  # noqa: ANN001
-    return any(c.abort.request_id == worker_rid for w in router.workers for c in _commands(router, w))
+    return any(c.abort.request_id == worker_rid for w in router.table.entries for c in _commands(router, w))
 
 
 def test_a_completion_without_a_client_deadline_ends_504_at_the_servers_and_is_aborted() -> None:

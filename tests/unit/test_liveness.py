@@ -93,14 +93,14 @@ def _disconnect(router: Router, worker_id: str) -> None:
 
 def _stall(router: Router, worker_id: str, seconds: float) -> None:
     """As if the router last saw ``worker_id`` step ``seconds`` ago."""
-    router.workers[worker_id].progress_time -= seconds
+    router.table[worker_id].progress_time -= seconds
 
 
 def _report(worker_id: str, seq: int, steps: int, running: int = 1, step_ms: float = 1.0) -> pb.WorkerMessage:
-    return pb.WorkerMessage(pressure=pb.PressureReport(
+    return pb.WorkerMessage(step=pb.StepMessages(pressure=pb.PressureReport(
         worker_id=worker_id, seq=seq, total_blocks=32, free_blocks=30, used_blocks=2, num_running=running,
         decode_steps=steps, step_latency_ms=step_ms,
-    ))  # fmt: skip
+    )))  # fmt: skip
 
 
 def test_the_rule_itself() -> None:
@@ -125,11 +125,11 @@ def test_a_stalled_worker_with_work_is_down_replayed_elsewhere_and_killed(kills:
         router._on_output(src, _out(r.worker_rid, [7, 8], 2))
         _stall(router, src, STALL_S / 2)
         router.table.check_liveness(time.monotonic())
-        assert router.workers[src].state == WORKER_UP  # not yet
+        assert router.table[src].state == WORKER_UP  # not yet
         _stall(router, src, STALL_S / 2 + 1)
         router.table.check_liveness(time.monotonic())
         await _settle()
-        assert router.workers[src].state == WORKER_DOWN and router.workers[dst].state == WORKER_UP
+        assert router.table[src].state == WORKER_DOWN and router.table[dst].state == WORKER_UP
         assert r.worker_id == dst and r.replays == 1
         ((added,), _), = workers[dst].added()
         assert added.resume_output_ids == (7, 8)
@@ -149,12 +149,12 @@ def test_an_idle_or_stepping_worker_is_never_stalled(kills: list) -> None:
         for i in range(1, 5):  # it steps: each report shows progress
             router.on_message(w, _report(w, i, steps=i))
             router.table.check_liveness(t0 + 0.1)
-        assert router.workers[w].state == WORKER_UP and not kills
+        assert router.table[w].state == WORKER_UP and not kills
         # Slow steps (3 s each) raise its threshold to 12 s: 8 s without a step is not a stall.
         router.on_message(w, _report(w, 5, steps=5, step_ms=3000))
         _stall(router, w, 8)
         router.table.check_liveness(time.monotonic())
-        assert router.workers[w].state == WORKER_UP and not kills
+        assert router.table[w].state == WORKER_UP and not kills
 
     asyncio.run(test())
 
@@ -169,11 +169,11 @@ def test_a_long_step_that_computes_is_not_a_stall_and_silence_after_it_is(kills:
             _stall(router, w, STALL_S - 1)
             router.on_message(w, pb.WorkerMessage(heartbeat=pb.StepHeartbeat(step_elapsed_s=1.0, step_cpu_s=0.9)))
             router.table.check_liveness(time.monotonic())
-            assert router.workers[w].state == WORKER_UP and not kills
+            assert router.table[w].state == WORKER_UP and not kills
         _stall(router, w, STALL_S + 1)  # then nothing: hung after all
         router.table.check_liveness(time.monotonic())
         await _settle()
-        assert router.workers[w].state == WORKER_DOWN and len(kills) == 1
+        assert router.table[w].state == WORKER_DOWN and len(kills) == 1
 
     asyncio.run(test())
 
@@ -186,12 +186,12 @@ def test_a_link_blip_within_the_grace_resumes_without_replay(kills: list) -> Non
         w, rid = r.worker_id, r.worker_rid
         _disconnect(router, w)
         await _settle()  # the process check: same incarnation, so it waits for the grace
-        assert router.workers[w].state == WORKER_UP and not router.table.serving(router.workers[w])
-        router.workers[w].link_lost_at -= GRACE_S / 2
+        assert router.table[w].state == WORKER_UP and not router.table.serving(router.table[w])
+        router.table[w].link_lost_at -= GRACE_S / 2
         router.table.check_liveness(time.monotonic())
         _connect(router, w, "inc-1")  # back, same process
         router.table.check_liveness(time.monotonic())
-        assert router.workers[w].state == WORKER_UP and router.table.serving(router.workers[w])
+        assert router.table[w].state == WORKER_UP and router.table.serving(router.table[w])
         assert r.worker_id == w and r.worker_rid == rid and r.replays == 0 and not kills
         assert len(workers["a"].added()) + len(workers["b"].added()) == 1
 
@@ -206,10 +206,10 @@ def test_a_link_down_past_the_grace_is_a_death(kills: list) -> None:
         w = r.worker_id
         _disconnect(router, w)
         await _settle()
-        router.workers[w].link_lost_at -= GRACE_S + 0.5
+        router.table[w].link_lost_at -= GRACE_S + 0.5
         router.table.check_liveness(time.monotonic())
         await _settle()
-        assert router.workers[w].state == WORKER_DOWN and r.worker_id not in (None, w) and r.replays == 1
+        assert router.table[w].state == WORKER_DOWN and r.worker_id not in (None, w) and r.replays == 1
         assert kills == [(workers[w], False)]
 
     asyncio.run(test())
@@ -224,7 +224,7 @@ def test_a_broken_link_to_a_replaced_process_is_a_death_at_once(kills: list) -> 
         workers[w].incarnation_value = "inc-2"  # SIGKILL: Ray already started another process
         _disconnect(router, w)
         await _settle()
-        assert router.workers[w].state == WORKER_DOWN and r.replays == 1 and not kills
+        assert router.table[w].state == WORKER_DOWN and r.replays == 1 and not kills
 
     asyncio.run(test())
 
@@ -233,9 +233,9 @@ def test_a_dead_engine_thread_is_a_death(kills: list) -> None:
     async def test() -> None:
         router, workers = _router()
         workers["a"].health_error = EngineDeadError("worker a: engine thread is dead")
-        await router.table.probe(router.workers["a"])
-        await router.table.probe(router.workers["b"])
-        assert router.workers["a"].state == WORKER_DOWN and router.workers["b"].state == WORKER_UP
+        await router.table.probe(router.table["a"])
+        await router.table.probe(router.table["b"])
+        assert router.table["a"].state == WORKER_DOWN and router.table["b"].state == WORKER_UP
         assert kills == [(workers["a"], False)]
 
     asyncio.run(test())
@@ -248,7 +248,7 @@ def test_a_hung_add_request_is_bounded_by_the_stall_threshold(kills: list) -> No
         first = r.target
         workers["b" if first == "a" else "a"].hang_add_request = False
         await asyncio.wait_for(_until(lambda: r.worker_id not in (None, first)), timeout=10)
-        assert router.workers[first].state == WORKER_DOWN and kills == [(workers[first], False)]
+        assert router.table[first].state == WORKER_DOWN and kills == [(workers[first], False)]
 
     asyncio.run(test())
 
@@ -262,7 +262,7 @@ def test_an_add_request_slower_than_the_threshold_while_the_worker_computes_is_w
             await asyncio.sleep(0.1)
             router.on_message(w, pb.WorkerMessage(heartbeat=pb.StepHeartbeat(step_elapsed_s=1.0, step_cpu_s=1.0)))
             router.table.check_liveness(time.monotonic())
-        assert router.workers[w].state == WORKER_UP and not kills
+        assert router.table[w].state == WORKER_UP and not kills
         workers[w].pending_adds[0].set_result(None)  # the step ends; the worker takes the request
         await _until(lambda: r.worker_id == w)
         assert r.replays == 0 and not kills
@@ -275,7 +275,7 @@ def test_an_add_request_that_lands_after_its_request_ended_is_aborted(kills: lis
         router, workers = _router_with_adds_hung(stall_timeout_s=0.2)
         r = router.submit(_req(max_tokens=20))
         w, rid = r.target, r.worker_rid
-        router.cancel(r)  # the client left while the call was in flight
+        router.lifecycle.cancel(r)  # the client left while the call was in flight
         await asyncio.sleep(0.5)  # the call times out (no progress): nobody reads what it may start
         assert any(c.abort.request_id == rid for c in _commands(router, w))
         # and an output of such a dispatch, or of any dispatch no longer current, is aborted once
@@ -292,15 +292,15 @@ def test_a_dispatch_that_lands_after_its_client_left_holds_its_promise_until_the
         router, workers = _router_with_adds_hung()
         r = router.submit(_req(max_tokens=20))
         w, rid = r.target, r.worker_rid
-        router.cancel(r)  # the client left while the call was in flight
+        router.lifecycle.cancel(r)  # the client left while the call was in flight
         # The call may still land: the cluster must not look idle (status, placement) meanwhile.
-        assert router.workers[w].promised_blocks > 0
+        assert router.table[w].promised_blocks > 0
         await _until(lambda: workers[w].pending_adds)
         workers[w].pending_adds[0].set_result(None)  # it lands
         await _until(lambda: any(n == "abort" for n, _, _ in workers[w].calls))
         assert [a for n, a, _ in workers[w].calls if n == "abort"] == [(rid,)]  # confirmed by the worker itself
         await _settle()
-        assert router.workers[w].promised_blocks == 0 and rid not in router.dispatcher.adding
+        assert router.table[w].promised_blocks == 0 and rid not in router.dispatcher.adding
 
     asyncio.run(test())
 
@@ -317,7 +317,7 @@ def test_a_crash_looping_worker_is_killed_for_good(kills: list) -> None:
         router, workers = _router(worker_restart_limit=1, worker_restart_window_s=600)
         _connect(router, "a", "inc-2")
         _connect(router, "a", "inc-3")
-        assert router.workers["a"].state == WORKER_RETIRED
+        assert router.table["a"].state == WORKER_RETIRED
         assert kills == [(workers["a"], True)]
 
     asyncio.run(test())
@@ -335,13 +335,13 @@ def test_evidence_about_an_earlier_process_never_takes_down_a_fresh_one(kills: l
         router, workers = _router()
         pending = asyncio.get_running_loop().create_future()
         workers["a"].health_future = pending
-        probe = asyncio.ensure_future(router.table.probe(router.workers["a"]))
+        probe = asyncio.ensure_future(router.table.probe(router.table["a"]))
         await _settle()
         _connect(router, "a", "inc-2")  # the old process died; Ray's new one says Hello
-        assert router.workers["a"].state == WORKER_UP
+        assert router.table["a"].state == WORKER_UP
         pending.set_exception(ActorDiedError("the old process is gone"))
         await probe
-        assert router.workers["a"].state == WORKER_UP and router.table.serving(router.workers["a"]) and not kills
+        assert router.table["a"].state == WORKER_UP and router.table.serving(router.table["a"]) and not kills
 
     asyncio.run(test())
 
@@ -356,7 +356,7 @@ def test_a_long_step_with_heartbeats_keeps_the_worker_healthy_and_silence_does_n
         for w in ("a", "b"):
             router.on_message(w, _report(w, seq=1, steps=1))
         stale = router.config.stale_report_s + 1
-        entry = router.workers["a"]
+        entry = router.table["a"]
         entry.report_time -= stale  # the last report is old: a step has run since
         entry.heard_time -= stale
         router.on_message("a", pb.WorkerMessage(heartbeat=pb.StepHeartbeat(step_elapsed_s=stale, step_cpu_s=stale)))

@@ -117,7 +117,7 @@ def test_an_import_that_fails_hangs_or_does_not_fit_resumes_the_source(how: str 
         assert r.worker_id == src and r.worker_rid == rid and not r.finished  # the one live copy: on src
         assert workers[src].calls_of("finish_export") == [(rid, False)]  # resumed, not left paused
         if how == "hang":  # a stalled destination: given up and killed; a late import is aborted
-            assert router.workers[dst].state == WORKER_DOWN and kills == [workers[dst]]
+            assert router.table[dst].state == WORKER_DOWN and kills == [workers[dst]]
             assert rid in _aborts(router, dst)
 
     asyncio.run(test())
@@ -131,7 +131,7 @@ def test_an_export_that_hangs_gives_up_the_source_and_replays_the_request(kills:
         workers[src].behaviour["export_request"] = "hang"
         assert not await router.mover.migrate(r.request_id, _dst(src))
         await _settle()
-        assert router.workers[src].state == WORKER_DOWN and kills == [workers[src]]
+        assert router.table[src].state == WORKER_DOWN and kills == [workers[src]]
         assert r.worker_id not in (None, src) and r.worker_rid != rid and r.replays == 1
         assert workers[src].calls_of("finish_export") == []  # nothing to resume: the process is killed
 
@@ -147,7 +147,7 @@ def test_a_client_cancel_during_the_import_leaves_no_copy() -> None:
 
         async def cancel_after_import(phase: str, req: Any, move: Any) -> None:
             if phase == "after_import":
-                router.cancel(req)
+                router.lifecycle.cancel(req)
 
         router.mover.fault = cancel_after_import
         assert not await router.mover.migrate(r.request_id, dst)
@@ -166,7 +166,7 @@ def test_a_source_death_during_the_import_keeps_only_the_replay() -> None:
 
         async def src_dies(phase: str, req: Any, move: Any) -> None:
             if phase == "after_import":
-                router.table.down(router.workers[src], "killed by the test")  # replays it elsewhere
+                router.table.down(router.table[src], "killed by the test")  # replays it elsewhere
 
         router.mover.fault = src_dies
         assert not await router.mover.migrate(r.request_id, dst)
@@ -186,10 +186,10 @@ def test_a_destination_death_after_the_commit_replays_the_request() -> None:
         workers[src].behaviour["finish_export"] = "raise"  # and the source dies too: its copy with it
         assert await router.mover.migrate(r.request_id, dst)
         assert r.worker_id == dst
-        router.table.down(router.workers[dst], "killed by the test")
+        router.table.down(router.table[dst], "killed by the test")
         await _settle()
         assert r.worker_id not in (None, dst) and r.replays == 1 and not r.finished
-        assert router.workers[src].state == WORKER_UP  # a failed finish_export alone is no death
+        assert router.table[src].state == WORKER_UP  # a failed finish_export alone is no death
 
     asyncio.run(test())
 
@@ -230,9 +230,9 @@ def test_an_import_slower_than_the_threshold_while_the_destination_computes_is_w
         for _ in range(8):  # 0.8 s, well past the 0.3 s threshold, heartbeating all along
             await asyncio.sleep(0.1)
             router.on_message(dst, pb.WorkerMessage(heartbeat=pb.StepHeartbeat(step_elapsed_s=1.0, step_cpu_s=1.0)))
-        assert not move.done() and router.workers[dst].state == WORKER_UP and not kills
+        assert not move.done() and router.table[dst].state == WORKER_UP and not kills
         await asyncio.sleep(STALL_S * 3)  # the heartbeats stop: now it is a stall
         assert not await move
-        assert router.workers[dst].state == WORKER_DOWN and kills == [workers[dst]] and r.worker_id == src
+        assert router.table[dst].state == WORKER_DOWN and kills == [workers[dst]] and r.worker_id == src
 
     asyncio.run(test())

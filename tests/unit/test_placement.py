@@ -83,7 +83,7 @@ def test_fully_cached_block_aligned_prompt_still_computes_last_block():
     # 4 full blocks, all cached: the last one is recomputed (1) + reserve (1) = 2 blocks.
     r = req(4 * BS, reserve=1)
     cands = Placement().candidates(r, [view("a", 2)], hits_table({"a": 4}))
-    assert cands[0].cached_blocks == 3 and cands[0].blocks_needed == 2
+    assert cands[0].cached_blocks == 3 and cands[0].promised_blocks == 2
     assert Placement().choose(r, [view("a", 1)], hits_table({"a": 4})) is None
 
 

@@ -194,8 +194,8 @@ def test_no_decision_targets_an_unhealthy_worker_or_one_without_room(world, poli
         ready = min(hit.cached, len(request.block_hashes), (request.num_prompt_tokens - 1) // BS)
         assert w.healthy
         assert request.blocks_needed_ever(BS) <= w.total_blocks
-        assert c.blocks_needed == -(-request.num_prompt_tokens // BS) - ready + request.decode_reserve_blocks
-        assert c.blocks_needed <= room_for(w, min(ready, hit.idle))
+        assert c.promised_blocks == -(-request.num_prompt_tokens // BS) - ready + request.decode_reserve_blocks
+        assert c.promised_blocks <= room_for(w, min(ready, hit.idle))
     if got is None:
         # Nothing fit: every healthy worker lacks room for the request now.
         assert not ranked

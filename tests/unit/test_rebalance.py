@@ -193,10 +193,10 @@ def test_preempts_the_least_important_running_request_that_makes_room():
     ]
     # The least important is low-new (latest arrival among priority 0); b then has 5 + 20 free.
     got = plan_preemption(WaitingRequest("vip", 5, 10), views, reqs)
-    assert got == Preemption("low-new", "b", swap=True, blocks_needed=10)
+    assert got == Preemption("low-new", "b", swap=True, promised_blocks=10)
     # Needing more than low-new frees on b: low-old's 3 blocks on a are not enough either -> mid.
     got = plan_preemption(WaitingRequest("vip", 5, 30), views, reqs)
-    assert got == Preemption("mid", "a", swap=False, blocks_needed=30)
+    assert got == Preemption("mid", "a", swap=False, promised_blocks=30)
 
 
 def test_never_preempts_equal_or_higher_priority_or_twice():

@@ -113,7 +113,7 @@ def test_replay_continues_on_another_worker_after_the_streamed_tokens() -> None:
         router._on_output(src, _out(first_rid, [10, 11], 2))
         router.on_disconnect(src)
         await _settle()
-        assert router.workers[src].state == WORKER_DOWN
+        assert router.table[src].state == WORKER_DOWN
         assert _worker_up(src) == 0.0
         ((added,), _), = workers[dst].added()
         assert added.request_id != first_rid and added.request_id.startswith("r1#")
@@ -130,7 +130,7 @@ def test_replay_continues_on_another_worker_after_the_streamed_tokens() -> None:
         # The old dispatch is aborted on its worker, should it ever come back with that process.
         assert any(c.abort.request_id == first_rid for c in _commands(router, src))
         _connect(router, src, "inc-2")  # its new incarnation says Hello: up again
-        assert router.workers[src].state == WORKER_UP and _worker_up(src) == 1.0
+        assert router.table[src].state == WORKER_UP and _worker_up(src) == 1.0
         assert router.cluster_status().router.replays_total == 1
 
     _run(test)
@@ -161,7 +161,7 @@ def test_a_finished_or_cancelled_id_is_reusable_at_once_and_its_late_outputs_are
         r = router.submit(_req("same"))
         await _settle()
         old_rid, wid = r.worker_rid, r.worker_id
-        router.cancel(r)
+        router.lifecycle.cancel(r)
         assert any(c.abort.request_id == old_rid for c in _commands(router, wid))
         r2 = router.submit(_req("same"))
         await _settle()
@@ -181,15 +181,15 @@ def test_a_crash_looping_worker_is_retired(monkeypatch) -> None:  # noqa: ANN001
     async def test() -> None:
         router, workers = _router(worker_restart_limit=1, worker_restart_window_s=600)
         _connect(router, "a", "inc-2")
-        assert router.workers["a"].state == WORKER_UP and router.workers["a"].restarts_total == 1
+        assert router.table["a"].state == WORKER_UP and router.table["a"].restarts_total == 1
         _connect(router, "a", "inc-3")
-        assert router.workers["a"].state == WORKER_RETIRED
+        assert router.table["a"].state == WORKER_RETIRED
         assert kills == [(workers["a"], True)], "a retired worker must be killed for good (no_restart)"
         st = router.cluster_status()
         a = next(w for w in st.workers if w.worker_id == "a")
         assert (a.state, a.healthy, a.restarts_total) == ("retired", False, 2)
         _connect(router, "a", "inc-4")  # a Hello from it still does not bring it back
-        assert router.workers["a"].state == WORKER_RETIRED
+        assert router.table["a"].state == WORKER_RETIRED
 
     _run(test)
 
@@ -224,7 +224,7 @@ def test_a_queued_request_past_its_deadline_leaves_the_queue_deadline_exceeded()
     async def test() -> None:
         router, workers = _router()
         for w in ("a", "b"):  # both pools full: the request queues
-            router.workers[w].report = pb.PressureReport(seq=1, total_blocks=32, free_blocks=0, used_blocks=32)
+            router.table[w].report = pb.PressureReport(seq=1, total_blocks=32, free_blocks=0, used_blocks=32)
         r = router.submit(_req(), time_remaining_s=remaining)
         assert len(router.queue) == 1
         err = await asyncio.wait_for(r.responses.get(), timeout=5)
@@ -264,9 +264,9 @@ def test_a_report_names_the_sending_worker_whatever_it_claims() -> None:
     async def test() -> None:
         router, _ = _router()
         claimed = "b" * 200
-        router.on_message("a", pb.WorkerMessage(seq=1, pressure=pb.PressureReport(
-            worker_id=claimed, seq=1, total_blocks=32, free_blocks=7, used_blocks=25)))  # fmt: skip
-        assert router.workers["a"].report.worker_id == "a"
+        router.on_message("a", pb.WorkerMessage(seq=1, step=pb.StepMessages(pressure=pb.PressureReport(
+            worker_id=claimed, seq=1, total_blocks=32, free_blocks=7, used_blocks=25))))  # fmt: skip
+        assert router.table["a"].report.worker_id == "a"
         assert REGISTRY.get_sample_value("kvserve:kv_blocks_free", {"worker": "a"}) == 7
         assert REGISTRY.get_sample_value("kvserve:kv_blocks_free", {"worker": claimed}) is None
 
@@ -286,19 +286,19 @@ def test_a_replay_that_meets_a_full_queue_waits_at_the_head_of_its_class() -> No
         assert src is not None
         dst = "b" if src == "a" else "a"
         router._on_output(src, _out(r1.worker_rid, [10, 11], 2))
-        router.workers[dst].report = pb.PressureReport(seq=1, total_blocks=32, free_blocks=0, used_blocks=32)
-        router.workers[src].report = pb.PressureReport(seq=1, total_blocks=32, free_blocks=0, used_blocks=32)
+        router.table[dst].report = pb.PressureReport(seq=1, total_blocks=32, free_blocks=0, used_blocks=32)
+        router.table[src].report = pb.PressureReport(seq=1, total_blocks=32, free_blocks=0, used_blocks=32)
         r2 = router.submit(_req("r2"))
         assert [q.request_id for q in router.queue] == ["r2"]  # the queue is at its bound now
         router.on_disconnect(src)
         await _settle()
-        assert router.workers[src].state == WORKER_DOWN
+        assert router.table[src].state == WORKER_DOWN
         got = _drain(r1.responses)
         assert not any(isinstance(g, RouterError) for g in got) and not r1.finished, f"replay refused: {got}"
         assert [t for g in got for t in g.token_ids] == [10, 11]
         assert [q.request_id for q in router.queue] == ["r1", "r2"]
-        router.on_message(dst, pb.WorkerMessage(pressure=pb.PressureReport(
-            seq=2, total_blocks=32, free_blocks=32, used_blocks=0)))  # fmt: skip
+        router.on_message(dst, pb.WorkerMessage(step=pb.StepMessages(pressure=pb.PressureReport(
+            seq=2, total_blocks=32, free_blocks=32, used_blocks=0))))  # fmt: skip
         await _settle()
         ((added, *_), _) = workers[dst].added()[0]
         assert added.request_id.startswith("r1#") and added.resume_output_ids == (10, 11)

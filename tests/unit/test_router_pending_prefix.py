@@ -138,7 +138,7 @@ def test_a_cancelled_request_leaves_no_pending_entry(monkeypatch: pytest.MonkeyP
         r1 = router.submit(_request("r1", SHARED, 1))
         await _settle(router)
         assert router.prefix_index.num_pending() == 1
-        router.cancel(r1)  # on a worker: an abort goes out, whose final output ends it there
+        router.lifecycle.cancel(r1)  # on a worker: an abort goes out, whose final output ends it there
         _finish(router, r1)
         assert router.prefix_index.num_pending() == 0
         assert router.prefix_index.affinity(r1.worker_id, r1.block_hashes) == 0

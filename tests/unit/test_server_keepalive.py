@@ -130,7 +130,7 @@ def test_a_worker_link_whose_peer_goes_silent_is_noticed_by_keepalive() -> None:
                 )
                 await asyncio.sleep(0.05)
             noticed = time.monotonic() - t0
-            assert router.workers["w"].link_lost_at is not None  # the liveness rule's grace clock runs
+            assert router.table["w"].link_lost_at is not None  # the liveness rule's grace clock runs
             return noticed
         finally:
             client.stop()

@@ -34,13 +34,13 @@ def test_a_retired_worker_and_restart_history_survive_a_new_router() -> None:
         new = Router(RouterConfig(port=0, worker_restart_limit=1, worker_restart_window_s=600))
         for w in ("a", "b"):
             new.add_worker(w, FakeWorker(), _identity(w), records[w])
-        assert new.workers["a"].state == WORKER_RETIRED and not new.table.serving(new.workers["a"])
+        assert new.table["a"].state == WORKER_RETIRED and not new.table.serving(new.table["a"])
         _connect(new, "a", "inc-3")  # its Hello (had it survived) does not bring it back
-        assert new.workers["a"].state == WORKER_RETIRED
+        assert new.table["a"].state == WORKER_RETIRED
         # "b" restarted once before the router died; once more now is its second within the window.
         _connect(new, "b", "inc-2")
         _connect(new, "b", "inc-3")
-        assert new.workers["b"].restarts_total == 2 and new.workers["b"].state == WORKER_RETIRED
+        assert new.table["b"].restarts_total == 2 and new.table["b"].state == WORKER_RETIRED
 
     _run(test)
 
@@ -53,6 +53,6 @@ def test_restart_ages_grow_by_the_routers_downtime_and_leave_the_window() -> Non
         router.add_worker("a", FakeWorker(), _identity("a"), record)
         _connect(router, "a", "inc-1")
         _connect(router, "a", "inc-2")
-        assert router.workers["a"].state == WORKER_UP and router.workers["a"].restarts_total == 2
+        assert router.table["a"].state == WORKER_UP and router.table["a"].restarts_total == 2
 
     _run(test)

@@ -243,11 +243,11 @@ def test_a_replays_first_tokens_release_its_promised_blocks_on_either_path(colum
         router.on_disconnect(src)
         await _settle()
         dst, rid = r.worker_id, r.worker_rid
-        assert dst not in (None, src) and rid != first and rid in router.workers[dst].in_flight
+        assert dst not in (None, src) and rid != first and rid in router.table[dst].in_flight
         router.on_message(dst, _message(columns, 1, (rid, [11], 2, "")))
         report = pb.PressureReport(seq=1, total_blocks=32, free_blocks=30, used_blocks=2, num_running=1)
-        router.on_message(dst, pb.WorkerMessage(pressure=report))
-        assert rid not in router.workers[dst].in_flight  # NOTE: else counted twice: promised and reported
+        router.on_message(dst, pb.WorkerMessage(step=pb.StepMessages(pressure=report)))
+        assert rid not in router.table[dst].in_flight  # NOTE: else counted twice: promised and reported
         client.read(mux.take())
         assert client.stream()["r1"][0] == [10, 11] and client.column_entries == (1 if columns else 0)
 

@@ -415,7 +415,7 @@ class RouterBackend:
 
     def expire(self, handle: RouterRequest, error: RouterError) -> None:
         if not handle.finished:
-            self.router.cancel(handle)
+            self.router.lifecycle.cancel(handle)
             handle.responses.put_nowait(error)
 
     def responses(self, handle: RouterRequest) -> AsyncIterator[spb.GenerateResponse]:
@@ -423,7 +423,7 @@ class RouterBackend:
 
     def cancel(self, handle: RouterRequest) -> None:
         if not handle.finished:
-            self.router.cancel(handle)
+            self.router.lifecycle.cancel(handle)
 
     def ready(self) -> tuple[bool, int | None]:
         return cluster_ready(self.router), serving_workers(self.router)

@@ -232,7 +232,7 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
         finally:
             # Cancelled by the client, past its deadline, or aborted: free its blocks now.
             if not r.finished:
-                self.router.cancel(r)
+                self.router.lifecycle.cancel(r)
 
     async def GenerateStream(  # noqa: N802 - gRPC method name
         self, requests: AsyncIterator[spb.GenerateStreamRequest | Undecodable], context: grpc.aio.ServicerContext
@@ -262,7 +262,7 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
             reader.cancel()
             for r in live.values():
                 if not r.finished:
-                    self.router.cancel(r)
+                    self.router.lifecycle.cancel(r)
 
     async def _read_requests(
         self,
@@ -283,7 +283,7 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
                 if msg.WhichOneof("kind") == "cancel_request_id":
                     r = live.get(msg.cancel_request_id)
                     if r is not None and not r.finished:
-                        self.router.cancel(r)
+                        self.router.lifecycle.cancel(r)
                         mux.put(r.request_id, RouterError(grpc.StatusCode.CANCELLED, "cancelled by the client"))
                     continue
                 rid = msg.generate.request_id
@@ -311,7 +311,7 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
         rid = request.request_id
         if who is not None:  # NOTE: only the caller's tenant's requests are in its reach
             rid = self.bounds.tenancy.scoped_id(who, rid)  # type: ignore[union-attr]
-        return spb.AbortResponse(found=self.router.abort(rid))
+        return spb.AbortResponse(found=self.router.lifecycle.abort(rid))
 
     def _principal(self, context: grpc.aio.ServicerContext) -> Principal | None:
         return self.bounds.principal(dict(context.invocation_metadata() or ()).get("authorization"))
@@ -523,7 +523,7 @@ class RouterService:
 
     async def connected_workers(self) -> list[str]:
         """The registered workers whose WorkerLink is connected now."""
-        return [w for w in self.router.workers if self.router.link.connected(w)]
+        return [w for w in self.router.table.entries if self.router.link.connected(w)]
 
     async def pid(self) -> int:
         """This router's OS process id (chaos tests kill it)."""
@@ -567,7 +567,7 @@ class RouterService:
         mover.fault = fault
 
     async def wait_for_workers(self, worker_ids: list[str], timeout: float = 120.0) -> None:
-        await self.router.wait_for_workers(worker_ids, timeout)
+        await self.router.table.wait_connected(worker_ids, timeout)
 
     async def cluster_status(self) -> bytes:
         return self.router.cluster_status().SerializeToString()

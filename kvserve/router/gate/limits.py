@@ -274,7 +274,7 @@ class Bounds:
                         admitted.append(self.router.submit(r, time_remaining_s(), *((mux,) if mux is not None else ())))
                 except RouterError:
                     for a in admitted:
-                        self.router.cancel(a)
+                        self.router.lifecycle.cancel(a)
                     if refund is not None:  # NOTE: the budgets count admitted requests only
                         refund()
                     raise

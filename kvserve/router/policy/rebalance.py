@@ -197,12 +197,12 @@ class Migration:
 @dataclass(frozen=True)
 class Preemption:
     """Preempt ``victim_id`` on ``worker_id`` (``swap``: to host memory, else recompute later) and
-    hand the waiting request, which needs ``blocks_needed`` blocks, to that worker."""
+    hand the waiting request, which needs ``promised_blocks`` blocks, to that worker."""
 
     victim_id: str
     worker_id: str
     swap: bool
-    blocks_needed: int
+    promised_blocks: int
 
 
 def may_migrate_off(src: WorkerView, watermarks: Watermarks, busy: Collection[str] = ()) -> bool:

@@ -88,6 +88,31 @@ def demux_output(r: RouterRequest, worker_id: str, out: pb.RequestOutput, now: f
     return deliveries
 
 
+def next_in_order(r: RouterRequest, worker_id: str, total: int, n: int) -> bool:
+    """``n`` tokens ending at ``total`` from ``worker_id`` are exactly ``r``'s next ones, from a worker
+    it runs on, past its first token, with nothing held before them: the in-order case, which a
+    step's column entry (kvserve/router/requests/columns.py) may deliver without a ``RequestOutput``."""
+    return (
+        not r.held and r.last_token_time is not None and r.tokens_received == total - n
+        and worker_id in r.dispatch_workers
+    )
+
+
+def advance(r: RouterRequest, new: list[int], now: float) -> tuple[float | None, float | None]:
+    """Append ``new`` (non-empty, in order) to ``r``'s output; returns (time to first token if these
+    are its first, mean inter-token gap otherwise)."""
+    ttft = itl = None
+    if r.first_token_time is None:
+        r.first_token_time = now
+        ttft = now - r.arrival
+    elif r.last_token_time is not None:
+        itl = (now - r.last_token_time) / len(new)
+    r.last_token_time = now
+    r.tokens_received += len(new)
+    r.output_ids.extend(new)
+    return ttft, itl
+
+
 def _start(out: pb.RequestOutput) -> int:
     return out.num_output_tokens - len(out.new_token_ids)
 
@@ -106,14 +131,7 @@ def _deliver(
     ttft = itl = None
     n = len(new)
     if n:
-        if r.first_token_time is None:
-            r.first_token_time = now
-            ttft = now - r.arrival
-        elif r.last_token_time is not None:
-            itl = (now - r.last_token_time) / n
-        r.last_token_time = now
-        r.tokens_received += n
-        r.output_ids.extend(new)
+        ttft, itl = advance(r, new, now)
     if (p := out.num_preemptions) > r.preemptions:  # NOTE: the most any worker reported (counts restart after a move)
         r.preemptions = p
     if (w := out.num_swaps) > r.swaps:

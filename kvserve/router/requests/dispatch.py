@@ -50,6 +50,15 @@ class Dispatcher:
     def forget(self, r: RouterRequest) -> None:
         self.by_worker_rid.pop(r.worker_rid, None)
 
+    def pend(self, r: RouterRequest, worker_id: str) -> None:
+        """Record ``r``'s prompt blocks as about to be on ``worker_id`` (placement affinity).
+
+        NOTE: keyed by the dispatch's worker-side id: a request id is reusable as soon as its stream
+        ended, and the old request's late clean-up must not drop the new one's entry.
+        """
+        self.router.prefix_index.drop_pending(r.worker_rid)
+        self.router.prefix_index.add_pending(worker_id, r.worker_rid, r.block_hashes)
+
     def stop_stray(self, worker_id: str, out: pb.RequestOutput) -> None:
         """An output of no current dispatch: nobody will read it, so abort it (once per dispatch id).
 
@@ -63,7 +72,7 @@ class Dispatcher:
         self._orphans[out.request_id] = None
         while len(self._orphans) > _MAX_ORPHANS:
             self._orphans.popitem(last=False)
-        self.router.link.send(worker_id, pb.RouterCommand(abort=pb.Abort(request_id=out.request_id)))
+        self.router.link.abort(worker_id, out.request_id)
 
     def foreign(self, worker_id: str, out: pb.RequestOutput, r: RouterRequest) -> None:
         """An output for a current dispatch from a worker it is not on: never delivered (a worker
@@ -82,9 +91,9 @@ class Dispatcher:
         r.dispatch_workers = {worker_id}
         self.by_worker_rid[r.worker_rid] = r
         entry = router.table[worker_id]
-        entry.in_flight[r.worker_rid] = promised_blocks
+        entry.placed(r.worker_rid, promised_blocks)
         self.adding.add(r.worker_rid)
-        router.pend(r, worker_id)
+        self.pend(r, worker_id)
         r.target = worker_id
         if r.started_at is None:
             r.started_at = time.monotonic()  # service time (kvserve/router/policy/service_times.py) counts from here
@@ -104,7 +113,7 @@ class Dispatcher:
             self._release(entry, worker_rid)
             if r.worker_rid != worker_rid or r.finished:
                 # NOTE: the call may still land: stop that copy (an abort of an unknown id is a no-op)
-                router.link.send(entry.worker_id, pb.RouterCommand(abort=pb.Abort(request_id=worker_rid)))
+                router.link.abort(entry.worker_id, worker_rid)
                 return
             threshold = router.table.stall_threshold_s(entry)
             r.target, r.worker_id = None, entry.worker_id
@@ -119,7 +128,7 @@ class Dispatcher:
             r.target = None
             cause = getattr(e, "cause", e)
             if isinstance(cause, ValueError):
-                router.fail(r, grpc.StatusCode.INVALID_ARGUMENT, str(cause))
+                router.lifecycle.fail(r, grpc.StatusCode.INVALID_ARGUMENT, str(cause))
             elif actor_dead(e):
                 r.worker_id = entry.worker_id
                 router.table.down(entry, f"a call found its actor dead ({type(e).__name__})", incarnation)
@@ -128,7 +137,7 @@ class Dispatcher:
             else:
                 logger.warning("dispatch of %s to %s failed: %r", r.request_id, entry.worker_id, e)
                 router.table.dispatch_failed(entry, repr(cause))  # its circuit breaker (router/table/breaker.py)
-                router.fail(r, grpc.StatusCode.UNAVAILABLE, f"worker {entry.worker_id} failed: {cause}")
+                router.lifecycle.fail(r, grpc.StatusCode.UNAVAILABLE, f"worker {entry.worker_id} failed: {cause}")
             return
         router.table.dispatch_ok(entry)
         if r.worker_rid != worker_rid or r.finished:
@@ -149,14 +158,14 @@ class Dispatcher:
         try:
             await self.router.table.bounded(entry, entry.handle.abort.remote(worker_rid))
         except Exception:  # noqa: BLE001 - stalled or dead: the link's abort (or the process's end) stops it
-            self.router.link.send(entry.worker_id, pb.RouterCommand(abort=pb.Abort(request_id=worker_rid)))
+            self.router.link.abort(entry.worker_id, worker_rid)
         finally:
             self._release(entry, worker_rid)
 
     def _release(self, entry: WorkerState, worker_rid: str) -> None:
         """The dispatch's call resolved and no copy of it runs on ``entry``: its promise goes."""
         self.adding.discard(worker_rid)
-        entry.in_flight.pop(worker_rid, None)
+        entry.released(worker_rid)
 
     def replay_all(self, entry: WorkerState) -> None:
         """``entry`` went down: continue each of its requests elsewhere."""
@@ -170,24 +179,20 @@ class Dispatcher:
         router = self.router
         if r.finished:
             return
-        self.forget(r)
-        # NOTE: if the worker only lost its link (same process), this stops the old dispatch
+        # NOTE: if the worker only lost its link (same process), the abort stops the old dispatch
         # when it reconnects; a new incarnation never gets it.
-        router.link.send(dead_worker_id, pb.RouterCommand(abort=pb.Abort(request_id=r.worker_rid)))
-        r.worker_id = None
-        r.held.clear()
+        router.lifecycle.stop_on(r, dead_worker_id)
         if r.cancelled:
-            router.finish(r)
+            router.lifecycle.finish(r)
             return
         limit = router.config.migration_limit
         if r.replays >= limit:
-            router.fail(r, grpc.StatusCode.UNAVAILABLE, f"worker {dead_worker_id} died; request {r.request_id} was "
-                        f"already replayed {r.replays} times (migration limit {limit})")  # fmt: skip
+            router.lifecycle.fail(r, grpc.StatusCode.UNAVAILABLE, f"worker {dead_worker_id} died; request "
+                                  f"{r.request_id} was already replayed {r.replays} times (migration limit {limit})")
             return
         r.replays += 1
         r.migrations += 1
         router.replays_total += 1
         router.metrics.replayed()
         logger.info("replaying %s after %d tokens (worker %s died)", r.request_id, len(r.output_ids), dead_worker_id)
-        if not router.place(r) and not router.queue.offer(r, first=True):
-            router.fail(r, grpc.StatusCode.UNAVAILABLE, f"worker {dead_worker_id} died and no worker can take over")
+        router.lifecycle.hand_off(r, dead_worker_id, f"worker {dead_worker_id} died and no worker can take over")

@@ -30,17 +30,13 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import grpc
 
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
-from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.router.requests.pipeline import RequestPipeline
 from kvserve.router.requests.request import WORKER_RETIRED, WORKER_UP, RouterError, RouterRequest
 from kvserve.router.table.workers import DrainMark, WorkerState
-
-if TYPE_CHECKING:
-    from kvserve.router.requests.router import Router
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +72,7 @@ class Drain:
 class Drainer:
     """The drains of one router (see the module docstring)."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: RequestPipeline) -> None:
         self.router = router
         self.drains: dict[str, Drain] = {}
 
@@ -224,15 +220,9 @@ class Drainer:
         """Continue ``r`` elsewhere after the tokens already streamed (as a replay does, but no
         worker failed, so not counted as one): its dispatch on ``worker_id`` is aborted."""
         router = self.router
-        router.dispatcher.forget(r)
-        router.link.send(worker_id, pb.RouterCommand(abort=pb.Abort(request_id=r.worker_rid)))
-        entry = router.table.get(worker_id)
-        if entry is not None:
-            entry.in_flight.pop(r.worker_rid, None)
-        r.worker_id = r.target = None
-        r.held.clear()
+        router.lifecycle.stop_on(r, worker_id)
+        r.target = None
         r.migrations += 1
         logger.info("drain: handing %s off after %d tokens (worker %s drains)", r.request_id,
                     len(r.output_ids), worker_id)  # fmt: skip
-        if not router.place(r) and not router.queue.offer(r, first=True):
-            router.fail(r, grpc.StatusCode.UNAVAILABLE, f"worker {worker_id} drains and no worker can take over")
+        router.lifecycle.hand_off(r, worker_id, f"worker {worker_id} drains and no worker can take over")

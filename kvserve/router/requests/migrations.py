@@ -136,7 +136,7 @@ class Mover:
             # Committed: the request lives on dst from now on (a src death no longer replays it).
             committed = True
             r.worker_id = dst.worker_id
-            router.pend(r, dst.worker_id)
+            router.dispatcher.pend(r, dst.worker_id)
             r.migrations += 1
             src.migrations_out += 1
             # NOTE: the blocks it holds as exported (it may have grown since the decision).
@@ -186,7 +186,7 @@ class Mover:
     def _abort_on(self, entry: WorkerState, rid: str) -> None:
         """Stop a copy of dispatch ``rid`` on ``entry`` (queued on its link: it lands when the
         worker reads commands again, or dies with the process)."""
-        self.router.link.send(entry.worker_id, pb.RouterCommand(abort=pb.Abort(request_id=rid)))
+        self.router.link.abort(entry.worker_id, rid)
 
     async def _fault(self, phase: str, r: RouterRequest, move: Migration) -> None:
         if self.fault is not None:
@@ -209,4 +209,4 @@ class Mover:
         command = pb.Preempt(request_id=victim.worker_rid, mode=mode)
         router.link.send(decision.worker_id, pb.RouterCommand(preempt=command))
         router.queue.remove(waiting.request_id)
-        router.dispatch(waiting, decision.worker_id, decision.blocks_needed)
+        router.dispatcher.dispatch(waiting, decision.worker_id, decision.promised_blocks)

@@ -7,11 +7,12 @@ one asyncio loop (the Ray actor's, or a test's), so the tables need no locks. Re
 workers by Ray calls; what comes back (outputs, pressure, block events) arrives over WorkerLink
 (``on_message``).
 
-Lifecycle of a request: ``submit`` validates and either places it (``dispatch``) or queues it
-(only if it is projected to start within its deadline and ``max_queue_wait_s``) or refuses it
-(RouterError with a gRPC status); its responses stream from ``r.responses`` (kvserve/router/requests/demux.py
-``stream_responses``). ``cancel`` (client gone, deadline, Abort) aborts it on its worker, which frees its
-blocks at the next step boundary; the request id is free again at once.
+Lifecycle of a request: ``submit`` validates and either places it (``place``: the dispatcher's
+one dispatch path) or queues it (only if it is projected to start within its deadline and
+``max_queue_wait_s``) or refuses it (RouterError with a gRPC status); its responses stream from
+``r.responses`` (kvserve/router/requests/demux.py ``stream_responses``). How it ends or leaves a
+worker (finish, fail, cancel, abort, hand-off) is ``RequestLifecycle``'s alone
+(kvserve/router/requests/lifecycle.py).
 
 Failure handling (README "Failure behaviour"): when the worker table marks a worker down, each
 request it held is replayed (kvserve/router/requests/dispatch.py), at most ``migration_limit`` times.
@@ -38,9 +39,11 @@ from kvserve.router.policy.admission import AdmissionQueue, RejectReason
 from kvserve.router.policy.placement import Decision, Placement, PlacementRequest, fits_anywhere_ever
 from kvserve.router.policy.prefix_index import PrefixIndex
 from kvserve.router.policy.rebalance import MigrationLedger, Watermarks
+from kvserve.router.requests.columns import deliver_columns
 from kvserve.router.requests.demux import demux_output
 from kvserve.router.requests.dispatch import Dispatcher
 from kvserve.router.requests.drain import Drainer
+from kvserve.router.requests.lifecycle import RequestLifecycle
 from kvserve.router.requests.migrations import Mover
 from kvserve.router.requests.mux import StreamMux
 from kvserve.router.requests.request import WORKER_DOWN, WORKER_RETIRED, WORKER_UP, RouterError, RouterRequest
@@ -50,7 +53,6 @@ from kvserve.router.table.workers import WorkerState, WorkerTable
 from kvserve.workers.core.block_hash import cache_extra, hash_blocks
 from kvserve.workers.core.identity import WorkerIdentity
 from kvserve.workers.core.sizes import blocks_for
-from kvserve.workers.core.step_columns import column_entries, entry_output
 from kvserve.workers.text.chat_template import ChatTemplate
 
 __all__ = ["WORKER_DOWN", "WORKER_RETIRED", "WORKER_UP", "Router", "RouterError", "RouterRequest", "WorkerState"]
@@ -83,6 +85,7 @@ class Router(WorkerLinkHandler):
         self.metrics = RouterMetrics()
         self.ledger = MigrationLedger()
         self.dispatcher = Dispatcher(self)
+        self.lifecycle = RequestLifecycle(self)
         self.table = WorkerTable(config, self.link, self.prefix_index, self.ledger, self.metrics,
                                  self.dispatcher.replay_all, self.dispatcher.holds_requests)  # fmt: skip
         self.mover = Mover(self)
@@ -91,10 +94,6 @@ class Router(WorkerLinkHandler):
         self.block_size = 16
         self.watermarks = Watermarks(config.high_watermark, config.low_watermark)
         self._tasks: set[asyncio.Task] = set()
-
-    @property
-    def workers(self) -> dict[str, WorkerState]:
-        return self.table.entries
 
     # ---- workers ---------------------------------------------------------------------------------
     def add_worker(
@@ -110,12 +109,9 @@ class Router(WorkerLinkHandler):
         """Set once a registered worker has said Hello: the cluster can serve (readiness)."""
         return self.table.ready
 
-    async def wait_for_workers(self, worker_ids: list[str], timeout: float) -> None:
-        await self.table.wait_connected(worker_ids, timeout)
-
     def on_hello(self, worker_id: str, hello: pb.Hello, restarted: bool) -> None:
         if self.table.hello(worker_id, hello, restarted):
-            self._pump()
+            self.pump()
 
     def on_disconnect(self, worker_id: str) -> None:
         entry = self.table.get(worker_id)
@@ -132,14 +128,10 @@ class Router(WorkerLinkHandler):
                 self._on_block_events(worker_id, step.events)
             if step.HasField("pressure"):
                 self._on_pressure(worker_id, step.pressure)
-        elif kind == "step_outputs":
+        elif kind == "step_outputs":  # one output outside a step (a request the engine refused)
             self._on_outputs(worker_id, msg.step_outputs)
-        elif kind == "pressure":
-            self._on_pressure(worker_id, msg.pressure)
         elif kind == "heartbeat":
             self.table.heartbeat(worker_id, msg.heartbeat)
-        elif kind == "block_events":
-            self._on_block_events(worker_id, msg.block_events)
         elif kind == "drain_me":
             self._drain_requested(worker_id, msg.drain_me.reason or "the worker asked")
         elif kind == "block_snapshot":
@@ -150,63 +142,15 @@ class Router(WorkerLinkHandler):
     def _on_outputs(self, worker_id: str, step: pb.StepOutputs) -> None:
         now = time.monotonic()  # NOTE: one clock read per step message, not per token
         if step.HasField("columns"):  # NOTE: first: a request's entries precede its output (worker.proto)
-            self._on_columns(worker_id, step.columns, now)
+            deliver_columns(self, worker_id, step.columns, now, self._on_output)
         for out in step.outputs:
             self._on_output(worker_id, out, now)
-        self._pump()
-
-    def _on_columns(self, worker_id: str, cols: pb.DecodeColumns, now: float) -> None:
-        """A step's plain outputs (kvserve/workers/core/step_columns.py): the data plane's fast path.
-
-        An entry is delivered here when it is the next tokens of a request that has had its first
-        token, holds nothing past a gap, is current on this worker and has room under
-        ``max_buffered_responses``: the demux's in-order case (kvserve/router/requests/demux.py ``_deliver`` with
-        nothing to skip and no finish) and its metrics, with the tokens going to the request's stream
-        as a column entry where its client reads them (kvserve/router/requests/mux.py ``put_plain``), else as a
-        response. Any other entry takes the general path (``_on_output``) as the ``RequestOutput`` it
-        stands for, so every rule (ordering, de-duplication, strays, slow consumers, first-token
-        timing) stays in one place.
-        """
-        current = self.dispatcher.by_worker_rid
-        entry = self.table.get(worker_id)
-        in_flight, started = (entry.in_flight, entry.started) if entry is not None else ({}, set())
-        limit = self.config.max_buffered_responses
-        itls: list[float] = []
-        streamed = 0
-        for rid, new, total, text in column_entries(cols):
-            n = len(new)
-            r = current.get(rid)
-            if r is not None:
-                mux = r.columns
-                unread = mux.unsent(r.request_id) if mux is not None else r.responses.qsize()
-            if (
-                r is None
-                or r.held
-                or r.last_token_time is None
-                or r.tokens_received != total - n
-                or worker_id not in r.dispatch_workers
-                or unread >= limit
-            ):
-                self._on_output(worker_id, entry_output(rid, new, total, text), now)
-                continue
-            if rid in in_flight:
-                started.add(rid)
-            itls.append((now - r.last_token_time) / n)
-            r.last_token_time = now
-            r.tokens_received = total
-            r.output_ids.extend(new)
-            streamed += n
-            if mux is not None:
-                mux.put_plain(worker_id, r.request_id, new, text)
-            else:
-                r.responses.put_nowait({"request_id": r.request_id, "token_ids": new, "text_delta": text,
-                                        "worker_id": worker_id})  # fmt: skip
-        self.metrics.streamed_plain(itls, streamed)
+        self.pump()
 
     def _on_pressure(self, worker_id: str, report: pb.PressureReport) -> None:
         entry = self.table.reported(worker_id, report)
         if entry is not None:
-            self._pump()
+            self.pump()
             self.mover.rebalance(entry)
 
     def _on_block_events(self, worker_id: str, events: pb.BlockEvents) -> None:
@@ -236,11 +180,11 @@ class Router(WorkerLinkHandler):
             RouterError: with the status to return (INVALID_ARGUMENT, ALREADY_EXISTS, UNAVAILABLE,
                 RESOURCE_EXHAUSTED with a ``retry-after-ms`` trailer).
         """
-        if self.limits is None or not self.workers:
+        if self.limits is None or not self.table.entries:
             raise RouterError(grpc.StatusCode.UNAVAILABLE, "no workers registered yet")
         try:
             validate_ids(request)
-            ids = self._prompt_ids(request)
+            ids = prompt_ids(request, self.limits, self.tokenizer, self.chat_template)
             params = sampling_params(request.sampling, len(ids), self.limits)
         except ValidationError as e:
             self.metrics.rejected("invalid")
@@ -299,12 +243,8 @@ class Router(WorkerLinkHandler):
         """Queued requests whose deadline passed leave the queue without touching a worker."""
         self._expiry = None
         for r in self.queue.expired():
-            self.fail(r, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed while queued at the router")
+            self.lifecycle.fail(r, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed while queued at the router")
         self._arm_expiry()
-
-    def _prompt_ids(self, request: spb.GenerateRequest) -> list[int]:
-        assert self.limits is not None
-        return prompt_ids(request, self.limits, self.tokenizer, self.chat_template)
 
     def _shape(self, r: RouterRequest) -> PlacementRequest:
         # Generation stops at max_model_len ("length"), as the worker's own fit check assumes. A
@@ -318,57 +258,23 @@ class Router(WorkerLinkHandler):
         """FIFO within priority: a newcomer never overtakes a queued request as important or more."""
         return any(q.priority >= r.priority for q in self.queue)
 
-    def _decide(self, r: RouterRequest) -> Decision | None:
+    def decide(self, r: RouterRequest) -> Decision | None:
+        """Where placement would put ``r`` now (None: nowhere has room); nothing is dispatched."""
         # NOTE: affinity counts prefixes placed but not yet reported stored, so same-prefix requests that
         # arrive close together follow each other instead of being placed by load alone.
         return self.placement.decide(self._shape(r), self.table.views(), self.prefix_index.affinity)
 
-    def decide(self, r: RouterRequest) -> Decision | None:
-        """Where placement would put ``r`` now (None: nowhere has room); nothing is dispatched."""
-        return self._decide(r)
-
-    def pump(self) -> None:
-        """Place queued requests that fit now."""
-        self._pump()
-
     def place(self, r: RouterRequest) -> bool:
-        decision = self._decide(r)
+        decision = self.decide(r)
         if decision is not None:
-            self.dispatch(r, decision.worker_id, decision.promised_blocks)
+            self.dispatcher.dispatch(r, decision.worker_id, decision.promised_blocks)
         return decision is not None
 
-    def _pump(self) -> None:
+    def pump(self) -> None:
         """Place queued requests that fit now (called whenever blocks may have freed)."""
         if len(self.queue):
-            for r in self.queue.pop_ready(lambda r: self._decide(r) is not None):
+            for r in self.queue.pop_ready(lambda r: self.decide(r) is not None):
                 self.place(r)
-
-    def dispatch(self, r: RouterRequest, worker_id: str, promised_blocks: int) -> None:
-        self.dispatcher.dispatch(r, worker_id, promised_blocks)
-
-    def cancel(self, r: RouterRequest) -> None:
-        """Client gone (cancel, deadline) or Abort: free everything the request holds. Its id is
-        free at once; its worker frees the blocks at its next step boundary."""
-        if r.finished:
-            return
-        r.cancelled = True
-        self.queue.remove(r.request_id)
-        if r.worker_id is not None:
-            self.send_abort(r)
-        # NOTE: a dispatch still in flight sees ``cancelled`` (or a superseded id) and aborts itself.
-        self.finish(r)
-
-    def abort(self, request_id: str) -> bool:
-        r = self.requests.get(request_id)
-        if r is None or r.finished or r.cancelled:
-            return False
-        self.cancel(r)
-        r.responses.put_nowait(RouterError(grpc.StatusCode.CANCELLED, "aborted by Abort RPC"))
-        return True
-
-    def send_abort(self, r: RouterRequest) -> None:
-        assert r.worker_id is not None
-        self.link.send(r.worker_id, pb.RouterCommand(abort=pb.Abort(request_id=r.worker_rid)))
 
     def _on_output(self, worker_id: str, out: pb.RequestOutput, now: float | None = None) -> None:
         r = self.dispatcher.current(out.request_id)
@@ -387,54 +293,13 @@ class Router(WorkerLinkHandler):
                 if r.started_at is not None and out.finish_reason in ("length", "stop"):
                     held = blocks_for(len(r.prompt_ids) + len(r.output_ids), self.block_size)
                     self.queue.service.observe(time.monotonic() - r.started_at, len(r.output_ids), held)
-                self.finish(r)
+                self.lifecycle.finish(r)
             if d.response is None:
                 continue
             if not d.finished and r.responses.qsize() >= self.config.max_buffered_responses:
-                self._overflow(r)
+                self.lifecycle.overflow(r)
                 return
             r.responses.put_nowait(d.response)
-
-    def _overflow(self, r: RouterRequest) -> None:
-        """The client left ``max_buffered_responses`` unread: abort the request (its blocks are
-        freed on its worker) and drop what it did not read; it ends RESOURCE_EXHAUSTED."""
-        logger.warning("request %s: client stopped reading (%d responses unread); aborted",
-                       r.request_id, r.responses.qsize())  # fmt: skip
-        if r.worker_id is not None:
-            self.send_abort(r)
-        self.finish(r)
-        while not r.responses.empty():
-            r.responses.get_nowait()
-        r.responses.put_nowait(RouterError(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"client did not read its stream ({self.config.max_buffered_responses} responses unread); aborted",
-        ))  # fmt: skip
-
-    def pend(self, r: RouterRequest, worker_id: str) -> None:
-        """Record ``r``'s prompt blocks as about to be on ``worker_id`` (placement affinity).
-
-        NOTE: keyed by the dispatch's worker-side id: a request id is reusable as soon as its stream
-        ended, and the old request's late clean-up must not drop the new one's entry.
-        """
-        self.prefix_index.drop_pending(r.worker_rid)
-        self.prefix_index.add_pending(worker_id, r.worker_rid, r.block_hashes)
-
-    def finish(self, r: RouterRequest) -> None:
-        r.finished = True
-        if self.requests.get(r.request_id) is r:
-            del self.requests[r.request_id]
-        self.dispatcher.forget(r)
-        self.prefix_index.drop_pending(r.worker_rid)
-        if r.worker_rid not in self.dispatcher.adding:  # else the dispatch releases it when its call resolves
-            for entry in self.workers.values():
-                entry.in_flight.pop(r.worker_rid, None)
-
-    def fail(self, r: RouterRequest, code: grpc.StatusCode, message: str) -> None:
-        if r.finished:
-            return
-        self.queue.remove(r.request_id)
-        self.finish(r)
-        r.responses.put_nowait(RouterError(code, message))
 
     def cluster_status(self) -> spb.ClusterStatus:
         in_flight = sum(1 for r in self.requests.values() if r.worker_id is not None)

@@ -69,6 +69,11 @@ class WorkerLinkService(worker_pb2_grpc.WorkerLinkServicer):
             s.queue.put_nowait(command)
         return command.seq
 
+    def abort(self, worker_id: str, worker_rid: str) -> int:
+        """Stop dispatch ``worker_rid`` on ``worker_id`` at its next step boundary (the one place an
+        ``Abort`` is built; an abort of an id the worker no longer has is a no-op there)."""
+        return self.send(worker_id, pb.RouterCommand(abort=pb.Abort(request_id=worker_rid)))
+
     async def Connect(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[pb.WorkerMessage], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.RouterCommand]:

@@ -124,6 +124,21 @@ class WorkerState:
     def promised_blocks(self) -> int:
         return sum(self.in_flight.values())
 
+    # NOTE: ``placed``/``released`` are the only writers of ``in_flight`` besides ``forget_promises``:
+    # a promise lives from the dispatch until the worker's report counts its blocks or it stops.
+    def placed(self, worker_rid: str, promised_blocks: int) -> None:
+        """A dispatch to this worker is under way: its blocks are promised here until reported."""
+        self.in_flight[worker_rid] = promised_blocks
+
+    def released(self, worker_rid: str) -> None:
+        """The dispatch's blocks are counted by a report now, or it no longer runs here."""
+        self.in_flight.pop(worker_rid, None)
+
+    def forget_promises(self) -> None:
+        """The worker went down: nothing promised there holds."""
+        self.in_flight.clear()
+        self.started.clear()
+
     def deltas(self, report: pb.PressureReport) -> CounterDeltas:
         """The counts ``report`` adds to the previous one's (a total that went down means a new
         incarnation whose totals began again: all of it is new)."""
@@ -392,8 +407,7 @@ class WorkerTable:
             logger.warning("worker %s is down: %s", entry.worker_id, why)
         entry.healthy = False
         entry.report = None
-        entry.in_flight.clear()
-        entry.started.clear()
+        entry.forget_promises()
         self.prefix_index.remove_worker(entry.worker_id)
         self.ledger.forget(entry.worker_id)
         self.on_down(entry)
@@ -530,7 +544,7 @@ class WorkerTable:
             entry.progress, entry.progress_time = marker, now  # it stepped, or it is idle (never stalled)
         entry.slowest_step_s = max(entry.slowest_step_s, report.step_latency_ms / 1000)
         for rid in entry.started:
-            entry.in_flight.pop(rid, None)
+            entry.released(rid)
         entry.started.clear()
         self.ledger.reported(worker_id, report.num_imports_total, report.num_exports_total)
         self.metrics.observe_pressure(report, entry.deltas(report))

@@ -1,4 +1,4 @@
-"""Filter: whether a request fits a worker now, and the one computation of its hits, room and need.
+"""Filter: whether a request fits a worker now, and the one computation of its hits, room and promised_blocks.
 
 Block arithmetic, per worker ``w`` (block_size ``bs``):
 
@@ -13,11 +13,11 @@ Block arithmetic, per worker ``w`` (block_size ``bs``):
 * ``tier_saved``: the prompt blocks after ``cached`` that w's node holds in its host or disk tier
   (``PrefixMatch.host`` / ``.disk``), each worth its tier's measured credit
   (``WorkerView.host_credit``: ``1 - load/recompute``), in prefill blocks. Loaded blocks land in
-  fresh blocks, so they are part of ``need``.
-* ``need = prompt_blocks - ready + decode_reserve_blocks``: what the placement promises.
+  fresh blocks, so they are part of ``promised_blocks``.
+* ``promised_blocks = prompt_blocks - ready + decode_reserve_blocks``: what the placement promises.
 * ``available = free + cached_evictable - min(idle_hits, cached_evictable) - blocks_in_flight
   - blocks_migrating_in`` (``room_for``)
-* feasible iff ``need <= available`` and the whole sequence
+* feasible iff ``promised_blocks <= available`` and the whole sequence
   ``ceil((num_prompt_tokens + max_tokens) / bs) <= total_blocks`` (a request that can never hold
   all its blocks at once would be preempted forever on that worker).
 
@@ -43,7 +43,7 @@ class Fit:
     Attributes:
         prompt_blocks: blocks of the prompt.
         cached: leading prompt blocks cached or pending there (capped).
-        need: blocks the placement takes there (the router promises exactly these).
+        promised_blocks: blocks the placement takes there (the router promises exactly these).
         available: room there before the placement.
         usage_after: fraction of the pool committed after the placement, 0..1.
         tier_saved: prefill blocks the node's host/disk tiers save there (module doc).
@@ -51,7 +51,7 @@ class Fit:
 
     prompt_blocks: int
     cached: int
-    need: int
+    promised_blocks: int
     available: int
     usage_after: float
     tier_saved: float = 0.0
@@ -80,11 +80,12 @@ def fit(request: PlacementRequest, worker: WorkerView, prefix_hits: PrefixHits) 
         host = max(0, min(match.host, cap - cached))
         disk = max(0, min(match.disk, cap - cached - host))
         tier_saved = host * worker.host_credit + disk * worker.disk_credit
-    need = prompt_blocks - ready + request.decode_reserve_blocks
+    promised_blocks = prompt_blocks - ready + request.decode_reserve_blocks
     available = room_for(worker, idle)
-    if need > available:
+    if promised_blocks > available:
         return None
-    return Fit(prompt_blocks, cached, need, available, min(1.0, (total - available + need) / total), tier_saved)
+    usage_after = min(1.0, (total - available + promised_blocks) / total)
+    return Fit(prompt_blocks, cached, promised_blocks, available, usage_after, tier_saved)
 
 
 def room_for(worker: WorkerView, idle_hits: int) -> int:

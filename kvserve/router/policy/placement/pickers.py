@@ -14,7 +14,7 @@ class Candidate:
     Attributes:
         worker_id: the worker.
         cached_blocks: leading prompt blocks cached or pending there (capped, kvserve/router/policy/placement/fit.py).
-        blocks_needed: blocks placing the request there takes (``Fit.need``).
+        promised_blocks: blocks placing the request there takes (``Fit.promised_blocks``).
         usage_after: fraction of the pool committed after placing it there, 0..1.
         requests: running + waiting requests on the worker.
         cost: the weighted sum of the policy's scorers (0 for a policy without scorers).
@@ -23,7 +23,7 @@ class Candidate:
 
     worker_id: str
     cached_blocks: int
-    blocks_needed: int
+    promised_blocks: int
     usage_after: float
     requests: int
     cost: float

@@ -66,7 +66,7 @@ class Decision:
         worker_id: the chosen worker.
         cached_blocks: leading prompt blocks cached or pending there.
         promised_blocks: blocks the placement takes there until the worker's report shows them
-            (``Fit.need``).
+            (``Fit.promised_blocks``).
     """
 
     worker_id: str
@@ -127,7 +127,8 @@ class Placement:
                 continue
             cost = sum(weight * scorer.score(request, w, f) for scorer, weight in self.scorers)
             tie = -tie_rank(request.block_hashes, w.worker_id)
-            found.append(Candidate(w.worker_id, f.cached, f.need, f.usage_after, w.running + w.waiting, cost, tie))
+            load = w.running + w.waiting
+            found.append(Candidate(w.worker_id, f.cached, f.promised_blocks, f.usage_after, load, cost, tie))
         return self.picker.rank(found)
 
     def decide(
@@ -149,7 +150,7 @@ class Placement:
             return None
         best = ranked[0]
         self.picker.chose(best.worker_id)
-        return Decision(best.worker_id, best.cached_blocks, best.blocks_needed)
+        return Decision(best.worker_id, best.cached_blocks, best.promised_blocks)
 
     def choose(self, request: PlacementRequest, workers: Sequence[WorkerView], prefix_hits: PrefixHits) -> str | None:
         """``decide``'s worker id (None: fits nowhere now)."""
