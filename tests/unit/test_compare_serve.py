@@ -297,10 +297,13 @@ def test_compare_serve_rounds_against_fake_vllm(
     assert [len(cpu[t]["rounds"]) for t in ("vllm", "vllm-router")] == [2, 2]
     for t in ("vllm", "vllm-router"):
         cores = cpu[t]["median_cores"]
-        assert 0.35 <= cores["client"] <= 0.75, cores
-        assert cores["engine"] == 0.0 and cores["all"] >= cores["client"], cores
-    busiest = json.loads((tmp_path / "logs" / "round-1" / "vllm" / "cpu.json").read_text())["processes"][0]
-    assert busiest["role"] == "client" and "bench serve" in busiest["cmdline"]
+        assert 0 < cores["client"] <= 0.75 and cores["all"] >= cores["client"], cores
+    # NOTE: the machine may be busy with other work (engines, clients of its own): find the fake client's
+    # process by its command line, not as the busiest, and read its own CPU time, not the machine's share.
+    logged = json.loads((tmp_path / "logs" / "round-1" / "vllm" / "cpu.json").read_text())["processes"]
+    ours = [p for p in logged if str(tmp_path / "peers") in p["cmdline"] and "bench serve" in p["cmdline"]]
+    assert len(ours) == 1 and ours[0]["role"] == "client", logged
+    assert 0.35 <= ours[0]["cpu_s"] <= 0.75, ours
     events = [json.loads(line) for line in log.read_text().splitlines()]
     servers = [e for e in events if e["kind"] != "bench"]
     # round 1: vllm, then the two engines and the router; round 2 the other way round

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -61,10 +62,14 @@ def test_a_zombie_keeps_the_role_it_had() -> None:
 def test_the_sampler_counts_a_client_that_exits_before_it_stops() -> None:
     """A process that burns ~0.5 s of CPU and exits while the sampler runs is counted (its last sample)."""
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass\n"
+    marker = f"cpu-share-test-{os.getpid()}"
     with CpuSampler(interval_s=0.05) as sampler:
         # argv ends "bench serve": the client's role, as `vllm bench serve` is
-        subprocess.run([sys.executable, "-c", burn, "bench", "serve"], check=True)
-    assert 0.4 <= sampler.cpu_seconds["client"] <= 1.5, sampler.cpu_seconds
-    assert sampler.cpu_seconds["engine"] == 0.0
+        subprocess.run([sys.executable, "-c", burn, marker, "bench", "serve"], check=True)
+    # NOTE: other work may run on this machine (its own clients, engines): find our process, not the busiest
+    ours = [p for p in sampler.processes if marker in p["cmdline"]]
+    assert len(ours) == 1, sampler.processes
+    assert ours[0]["role"] == "client" and ours[0]["cmdline"].endswith("bench serve ")
+    assert 0.4 <= ours[0]["cpu_s"] <= 1.5, ours
+    assert sampler.cpu_seconds["client"] >= ours[0]["cpu_s"] - 0.01, sampler.cpu_seconds
     assert set(sampler.cpu_seconds) == set(cpu_share.ROLE_NAMES)
-    assert sampler.processes[0]["role"] == "client" and sampler.processes[0]["cmdline"].endswith("bench serve ")

@@ -5,7 +5,9 @@ the ``Router`` class (no file-level import cycle)."""
 from __future__ import annotations
 
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
+
+import grpc
 
 from kvserve.router.config import RouterConfig
 from kvserve.router.gate.validation import ModelLimits
@@ -18,10 +20,43 @@ from kvserve.router.requests.request import RouterRequest
 from kvserve.router.table.worker_link import WorkerLinkService
 from kvserve.router.table.workers import WorkerTable
 
-if TYPE_CHECKING:  # NOTE: the parts that take the pipeline themselves; typing only
-    from kvserve.router.requests.dispatch import Dispatcher
-    from kvserve.router.requests.lifecycle import RequestLifecycle
-    from kvserve.router.requests.migrations import Mover
+
+# NOTE: the parts that take the pipeline themselves are seen through what their peers use of them
+# (kvserve/router/requests/dispatch.py, lifecycle.py, migrations.py implement these), so no module of
+# requests/ imports another that imports it back.
+class Dispatching(Protocol):
+    by_worker_rid: dict[str, RouterRequest]
+    adding: set[str]
+
+    def dispatch(self, r: RouterRequest, worker_id: str, promised_blocks: int) -> None:
+        """Send ``r`` to ``worker_id`` under a fresh dispatch id, promising ``promised_blocks`` there."""
+
+    def pend(self, r: RouterRequest, worker_id: str) -> None:
+        """Record ``r``'s prompt blocks as about to be on ``worker_id`` (placement affinity)."""
+
+    def forget(self, r: RouterRequest) -> None:
+        """``r``'s current dispatch id maps to nothing any more."""
+
+
+class Ending(Protocol):
+    def finish(self, r: RouterRequest) -> None:
+        """``r`` ended: forgotten everywhere, its promises released."""
+
+    def fail(self, r: RouterRequest, code: grpc.StatusCode, message: str) -> None:
+        """End ``r`` with a gRPC status."""
+
+    def stop_on(self, r: RouterRequest, worker_id: str) -> None:
+        """Abort ``r``'s dispatch on ``worker_id`` and release its promise there."""
+
+    def hand_off(self, r: RouterRequest, worker_id: str, why: str) -> None:
+        """Continue ``r`` elsewhere (placed, or first in the queue), else end it UNAVAILABLE ``why``."""
+
+
+class Moving(Protocol):
+    busy: set[str]
+
+    async def migrate(self, request_id: str, dst_worker_id: str) -> bool:
+        """Move a running request live to ``dst_worker_id``; True if it moved."""
 
 
 class RequestPipeline(Protocol):
@@ -37,9 +72,9 @@ class RequestPipeline(Protocol):
     limits: ModelLimits | None
     block_size: int
     replays_total: int
-    dispatcher: Dispatcher
-    lifecycle: RequestLifecycle
-    mover: Mover
+    dispatcher: Dispatching
+    lifecycle: Ending
+    mover: Moving
 
     def decide(self, r: RouterRequest) -> Decision | None:
         """Where placement would put ``r`` now (None: nowhere has room); nothing is dispatched."""
