@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.router.policy.placement import PlacementPolicy
+from kvserve.router.policy.placement.scorers import SCORERS, parse_weights
 from kvserve.workers.core.knobs import FRACTION, NON_NEGATIVE, PORT, POSITIVE, knob, validate
 
 
@@ -41,6 +42,10 @@ class RouterConfig:
     max_message_bytes: int = knob(16 << 20, help="largest gRPC message", check=POSITIVE)
     placement_policy: str = knob(
         PlacementPolicy.KV_AWARE.value, help="where a request goes", choices=[p.value for p in PlacementPolicy]
+    )
+    placement_scorers: str | None = knob(
+        None, help=f"kv_aware's scorers and weights as NAME=WEIGHT,... (names: {', '.join(SCORERS)}; "
+        "default prefix_affinity=2,backlog=1,pool_usage=0.5)",
     )
     max_queue_requests: int = knob(
         1024, help="requests queued at the router before RESOURCE_EXHAUSTED", check=NON_NEGATIVE
@@ -126,6 +131,10 @@ class RouterConfig:
     max_pending_prompts: int = knob(256, help="prompts waiting for those threads (beyond: RESOURCE_EXHAUSTED)",
                                     check=POSITIVE)  # fmt: skip
 
+    def placement_weights(self) -> dict[str, float] | None:
+        """``placement_scorers`` parsed (None: the policy's default set)."""
+        return None if self.placement_scorers is None else parse_weights(self.placement_scorers)
+
     def tls_files(self) -> tuple[str, str, str | None] | None:
         """``(cert, key, client CA or None)`` when the client ports serve TLS, else None."""
         return (self.tls_cert, self.tls_key, self.tls_client_ca) if self.tls_cert and self.tls_key else None
@@ -140,3 +149,5 @@ class RouterConfig:
             raise ValueError("metrics_auth needs auth_token or auth_keys")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key")
+        if self.placement_scorers is not None:
+            parse_weights(self.placement_scorers)  # NOTE: refused at start-up, not at the first request

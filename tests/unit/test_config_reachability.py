@@ -24,7 +24,7 @@ def _serve_flags() -> dict[str, tuple[str | None, str]]:
 # Valid non-default values for free-text fields whose check would refuse a path.
 SAMPLES = {"device": "cpu", "dtype": "float16", "kv_cache_memory": "1GiB", "address": "auto", "workers": 3,
            "high_watermark": 0.95, "low_watermark": 0.5, "host_cache_memory": "1GiB",
-           "disk_cache_size": "2GiB"}  # fmt: skip
+           "disk_cache_size": "2GiB", "placement_scorers": "prefix_affinity=3,migration_load=1"}  # fmt: skip
 
 
 def _sample_value(f: dataclasses.Field) -> object:

@@ -79,7 +79,7 @@ class Router(WorkerLinkHandler):
             cold_capacity=lambda: self.table.cold_capacity(running=len(self.requests) - len(self.queue)),
         )  # fmt: skip
         self._expiry: asyncio.TimerHandle | None = None
-        self.placement = Placement(config.placement_policy)
+        self.placement = Placement(config.placement_policy, weights=config.placement_weights())
         self.prefix_index = PrefixIndex()
         self.link = WorkerLinkService(self)
         self.metrics = RouterMetrics()

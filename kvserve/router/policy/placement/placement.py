@@ -7,9 +7,10 @@
 
 Policies are scorer sets, not branches (``POLICIES``):
 
-* ``kv_aware`` (default): prefix affinity x ``overlap_weight`` + backlog + pool usage x
-  ``usage_weight`` (``CostModel``), lowest first under the balance guard; ties by load, then
-  ``tie_rank``, then id.
+* ``kv_aware`` (default): a weighted set of registered scorers (``scorers.SCORERS``), by default
+  prefix affinity x ``overlap_weight`` + backlog + pool usage x ``usage_weight`` (``CostModel``),
+  or the set ``RouterConfig.placement_scorers`` names; lowest first under the balance guard; ties by
+  load, then ``tie_rank``, then id.
 * ``least_loaded``: no scorer; lowest ``(usage_after, running + waiting, -tie_rank, worker_id)``.
 * ``round_robin``: no scorer; the next feasible worker after the last choice, in id order.
 
@@ -23,13 +24,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 from dataclasses import dataclass
 
 from kvserve.router.policy.placement.cost import CostModel
 from kvserve.router.policy.placement.fit import fit, fits_anywhere_ever
 from kvserve.router.policy.placement.pickers import Candidate, LowestCost, RoundRobin
-from kvserve.router.policy.placement.scorers import Backlog, PoolUsage, PrefixAffinity, Scorer
+from kvserve.router.policy.placement.scorers import SCORERS, Scorer, default_weights
 from kvserve.router.policy.placement.views import PlacementRequest, PrefixHits, WorkerView, tie_rank
 
 
@@ -42,19 +44,25 @@ class PlacementPolicy(str, enum.Enum):
 Weighted = list[tuple[Scorer, float]]
 
 
-def _kv_aware(cost: CostModel) -> tuple[Weighted, LowestCost | RoundRobin]:
-    scorers: Weighted = [
-        (PrefixAffinity(), cost.overlap_weight),
-        (Backlog(cost.waiting_blocks, cost.running_blocks), 1.0),
-        (PoolUsage(), cost.usage_weight),
-    ]
+def _kv_aware(cost: CostModel, weights: Mapping[str, float] | None) -> tuple[Weighted, LowestCost | RoundRobin]:
+    chosen = default_weights(cost) if weights is None else weights
+    scorers: Weighted = [(SCORERS[name](cost), w) for name, w in chosen.items() if w]
     return scorers, LowestCost(balance=cost)
 
 
-POLICIES: dict[PlacementPolicy, Callable[[CostModel], tuple[Weighted, LowestCost | RoundRobin]]] = {
+def _unweighted(picker: Callable[[], LowestCost | RoundRobin]) -> Callable[..., tuple[Weighted, Any]]:
+    def build(cost: CostModel, weights: Mapping[str, float] | None) -> tuple[Weighted, LowestCost | RoundRobin]:
+        if weights is not None:
+            raise ValueError("placement scorers are weighted by the kv_aware policy only")
+        return [], picker()
+
+    return build
+
+
+POLICIES: dict[PlacementPolicy, Callable[..., tuple[Weighted, LowestCost | RoundRobin]]] = {
     PlacementPolicy.KV_AWARE: _kv_aware,
-    PlacementPolicy.LEAST_LOADED: lambda cost: ([], LowestCost()),
-    PlacementPolicy.ROUND_ROBIN: lambda cost: ([], RoundRobin()),
+    PlacementPolicy.LEAST_LOADED: _unweighted(LowestCost),
+    PlacementPolicy.ROUND_ROBIN: _unweighted(RoundRobin),
 }
 
 
@@ -81,9 +89,11 @@ class Placement:
         policy: a ``PlacementPolicy`` or its string value.
         cost: the ``kv_aware`` weights; ``overlap_weight`` / ``running_weight`` / ``waiting_weight``
             override its ``overlap_weight`` / ``running_blocks`` / ``waiting_blocks``.
+        weights: ``kv_aware``'s scorers by registered name and their weights (``scorers.parse_weights``);
+            None: ``scorers.default_weights(cost)``.
 
     Raises:
-        ValueError: unknown policy or a negative weight.
+        ValueError: unknown policy, a negative weight, an unknown scorer, or weights for another policy.
     """
 
     def __init__(
@@ -94,6 +104,7 @@ class Placement:
         overlap_weight: float | None = None,
         running_weight: float | None = None,
         waiting_weight: float | None = None,
+        weights: Mapping[str, float] | None = None,
     ) -> None:
         self.policy = PlacementPolicy(policy)
         overrides = {
@@ -106,7 +117,10 @@ class Placement:
             if value is not None
         }
         self.cost = dataclasses.replace(cost or CostModel(), **overrides)
-        self.scorers, self.picker = POLICIES[self.policy](self.cost)
+        unknown = set(weights or ()) - set(SCORERS)
+        if unknown:
+            raise ValueError(f"unknown placement scorers {sorted(unknown)}; registered: {sorted(SCORERS)}")
+        self.scorers, self.picker = POLICIES[self.policy](self.cost, weights)
 
     fits_anywhere_ever = staticmethod(fits_anywhere_ever)
 
