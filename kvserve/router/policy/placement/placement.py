@@ -25,8 +25,8 @@ import dataclasses
 import enum
 import itertools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 from kvserve.router.policy.placement.cost import CostModel
 from kvserve.router.policy.placement.fit import fit, fits_anywhere_ever
