@@ -173,3 +173,23 @@ def test_find_gguf(tmp_path: Path, llama_gguf: Path) -> None:
         find_gguf(two)
     with pytest.raises(ValueError, match="not a readable GGUF"):
         load_model(tmp_path / "x.gguf")
+
+
+def test_a_gguf_models_tokenizer_and_template_load_without_torch(llama_gguf: Path) -> None:
+    """What the router reads of a GGUF model (tokenizer, chat template, limits) needs no torch: a router
+    serving a GGUF model must not pay torch's import and memory (kvserve/workers/text/gguf_metadata.py)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from kvserve.workers.text.chat_template import ChatTemplate\n"
+        "from kvserve.workers.text.tokenizer import load_tokenizer\n"
+        f"tok = load_tokenizer({str(llama_gguf)!r})\n"
+        f"ChatTemplate.from_dir({str(llama_gguf)!r})\n"
+        "assert tok.encode('Hello world'), 'no ids'\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False", "loading a GGUF tokenizer imported torch"

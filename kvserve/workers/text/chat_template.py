@@ -101,11 +101,11 @@ class ChatTemplate:
         Raises:
             ChatTemplateError: a template is there but does not compile.
         """
-        from kvserve.workers.models.gguf_checkpoint import find_gguf, open_gguf
+        from kvserve.workers.text.gguf_metadata import find_gguf, open_gguf_metadata
 
         gguf = find_gguf(model_dir)
         if gguf is not None:  # a GGUF checkpoint carries its template in its metadata
-            return cls.from_config(open_gguf(gguf).tokenizer().tokenizer_config)
+            return cls.from_config(open_gguf_metadata(gguf).tokenizer().tokenizer_config)
         model_dir = Path(model_dir)
         config_path = model_dir / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}

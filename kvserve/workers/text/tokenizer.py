@@ -195,11 +195,11 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
     ``model_dir`` is an HF directory (``tokenizer.json``) or a GGUF checkpoint (a ``.gguf`` file or a
     directory holding one), whose tokenizer is rebuilt from its metadata.
     """
-    from kvserve.workers.models.gguf_checkpoint import find_gguf, open_gguf
+    from kvserve.workers.text.gguf_metadata import find_gguf, open_gguf_metadata
 
     gguf_path = find_gguf(model_dir)
     if gguf_path is not None:
-        ckpt = open_gguf(gguf_path)
+        ckpt = open_gguf_metadata(gguf_path)
         parts = ckpt.tokenizer()
         return Tokenizer.from_parts(
             parts.tokenizer,
