@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvserve.kernels import reference
+from kvserve.workers.core.request import WorkerRequest
 from kvserve.workers.core.sampling_params import SamplingParams
 from kvserve.workers.engine.config import EngineConfig
 from kvserve.workers.engine.engine import LLM, LLMEngine
@@ -136,7 +137,7 @@ def test_swap_and_migration_keep_tokens(tiny_llama_dir: Path, kind: str) -> None
     assert tight.engine.scheduler.num_preemptions["swap"] > 0
     a = LLMEngine(EngineConfig(model, block_size=4, num_gpu_blocks=64, kv_cache_dtype=kind, model_id="m"))
     b = LLMEngine(EngineConfig(model, block_size=4, num_gpu_blocks=64, kv_cache_dtype=kind, model_id="m"))
-    a.add_request("r", prompts[0], params)
+    a.add_request(WorkerRequest("r", prompts[0], params))
     tokens: list[int] = []
     for _ in range(5):
         tokens += [t for o in a.step() for t in o.new_token_ids]
@@ -156,7 +157,7 @@ def test_migration_between_kv_formats_is_refused_without_a_leak(tiny_llama_dir: 
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     a = LLMEngine(EngineConfig(model, block_size=4, num_gpu_blocks=32, kv_cache_dtype="int8", model_id="m"))
     b = LLMEngine(EngineConfig(model, block_size=4, num_gpu_blocks=32, kv_cache_dtype="fp8", model_id="m"))
-    a.add_request("r", list(range(10, 20)), params)
+    a.add_request(WorkerRequest("r", list(range(10, 20)), params))
     a.step()
     state = a.export_request("r")
     assert state is not None

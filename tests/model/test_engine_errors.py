@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kvserve.workers.core.request import WorkerRequest
 from kvserve.workers.core.sampling_params import SamplingParams
 from kvserve.workers.engine.engine import LLM, LLMEngine
 
@@ -56,11 +57,11 @@ def test_bad_prompt_raises_before_allocating(llm: LLM, hf_greedy, tiny_llama_dir
     engine = llm.engine
     before = _snapshot(engine)
     if match is None:
-        engine.add_request("edge", prompt, params)  # the boundary itself is accepted
+        engine.add_request(WorkerRequest("edge", prompt, params))  # the boundary itself is accepted
         engine.abort_request("edge")
     else:
         with pytest.raises(ValueError, match=match):
-            engine.add_request("bad", prompt, params)
+            engine.add_request(WorkerRequest("bad", prompt, params))
         assert "bad" not in engine.requests
     assert _snapshot(engine) == before
     engine.check_integrity()
@@ -73,11 +74,11 @@ def test_request_that_can_never_fit_the_pool(tiny_llama_dir: Path, hf_greedy) ->
     engine = llm.engine
     before = _snapshot(engine)
     with pytest.raises(ValueError, match="KV blocks"):
-        engine.add_request("long-prompt", [3] * 65, SamplingParams(max_tokens=1))
+        engine.add_request(WorkerRequest("long-prompt", [3] * 65, SamplingParams(max_tokens=1)))
     with pytest.raises(ValueError, match="prompt \\+ max_tokens"):
-        engine.add_request("long-output", [3] * 10, SamplingParams(max_tokens=55))
+        engine.add_request(WorkerRequest("long-output", [3] * 10, SamplingParams(max_tokens=55)))
     assert _snapshot(engine) == before
-    engine.add_request("fits", [3] * 10, SamplingParams(max_tokens=54, temperature=0.0))  # 64 tokens
+    engine.add_request(WorkerRequest("fits", [3] * 10, SamplingParams(max_tokens=54, temperature=0.0)))  # 64 tokens
     engine.abort_request("fits")
     _assert_serves(llm, hf_greedy(tiny_llama_dir, [PROMPT], N)[0])
 
@@ -90,10 +91,10 @@ def test_max_tokens_must_be_positive() -> None:
 
 def test_duplicate_request_id(llm: LLM, hf_greedy, tiny_llama_dir: Path) -> None:
     engine = llm.engine
-    first = engine.add_request("dup", PROMPT, GREEDY)
+    first = engine.add_request(WorkerRequest("dup", PROMPT, GREEDY))
     before = _snapshot(engine)
     with pytest.raises(ValueError, match="already in use"):
-        engine.add_request("dup", [1, 2, 3], GREEDY)
+        engine.add_request(WorkerRequest("dup", [1, 2, 3], GREEDY))
     assert _snapshot(engine) == before and engine.requests["dup"] is first
     tokens: list[int] = []
     while engine.has_unfinished_requests():
@@ -101,7 +102,7 @@ def test_duplicate_request_id(llm: LLM, hf_greedy, tiny_llama_dir: Path) -> None
             tokens.extend(out.new_token_ids)
         engine.check_integrity()
     assert tokens == hf_greedy(tiny_llama_dir, [PROMPT], N)[0]
-    engine.add_request("dup", PROMPT, SamplingParams(max_tokens=1))  # the id is free once finished
+    engine.add_request(WorkerRequest("dup", PROMPT, SamplingParams(max_tokens=1)))  # the id is free once finished
     engine.abort_request("dup")
 
 
@@ -123,7 +124,7 @@ def test_text_prompt_without_tokenizer(tiny_llama_dir: Path, tmp_path: Path, hf_
     llm = LLM(str(d), device="cpu", block_size=16, num_gpu_blocks=6)
     assert llm.engine.tokenizer is None
     with pytest.raises(ValueError, match="tokenizer"):
-        llm.engine.add_request("text", "hello world", GREEDY)
+        llm.engine.add_request(WorkerRequest("text", "hello world", GREEDY))
     assert llm.engine.requests == {} and llm.engine.pool.stats().used == 0
     out = llm.generate([PROMPT], GREEDY, check_integrity=True)[0]  # token ids still work
     assert out.token_ids == hf_greedy(tiny_llama_dir, [PROMPT], N)[0]
@@ -138,8 +139,8 @@ def test_text_prompt_with_tokenizer(llm: LLM) -> None:
 
 def test_abort_mid_generation_frees_blocks(llm: LLM) -> None:
     engine = llm.engine
-    engine.add_request("a", PROMPT, GREEDY)
-    engine.add_request("b", [7] * 20, GREEDY)
+    engine.add_request(WorkerRequest("a", PROMPT, GREEDY))
+    engine.add_request(WorkerRequest("b", [7] * 20, GREEDY))
     for _ in range(3):
         engine.step()
         engine.check_integrity()
@@ -160,8 +161,8 @@ def test_abort_swapped_request_frees_host_blocks(tiny_llama_dir: Path, hf_greedy
     llm = LLM(str(tiny_llama_dir), device="cpu", block_size=16, num_gpu_blocks=8, swap_space=0.001)
     engine = llm.engine
     assert engine.swap_pool is not None
-    engine.add_request("a", [3] * 20, GREEDY)
-    engine.add_request("b", PROMPT, GREEDY)
+    engine.add_request(WorkerRequest("a", [3] * 20, GREEDY))
+    engine.add_request(WorkerRequest("b", PROMPT, GREEDY))
     tokens: list[int] = []
     for _ in range(2):
         tokens += [t for o in engine.step() if o.request_id == "b" for t in o.new_token_ids]
@@ -181,7 +182,7 @@ def test_abort_swapped_request_frees_host_blocks(tiny_llama_dir: Path, hf_greedy
 
 def test_abort_while_waiting(llm: LLM) -> None:
     engine = llm.engine
-    engine.add_request("w", PROMPT, GREEDY)
+    engine.add_request(WorkerRequest("w", PROMPT, GREEDY))
     out = engine.abort_request("w")
     assert out is not None and out.finish_reason == "abort" and out.num_output_tokens == 0
     assert not engine.has_unfinished_requests() and engine.pool.stats().used == 0

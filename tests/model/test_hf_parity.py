@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvserve.workers.core.request import WorkerRequest
 from kvserve.workers.core.sampling_params import SamplingParams
 from kvserve.workers.engine.engine import LLM, LLMEngine
 from kvserve.workers.engine.outputs import CompletionOutput
@@ -213,11 +214,11 @@ def test_full_prefix_hit_on_blocks_in_use(tiny_qwen2_dir: Path, hf_greedy) -> No
         return inputs
 
     engine.runner.prepare_inputs = spy_prepare  # type: ignore[method-assign]
-    a = engine.add_request("a", PREFIX, GREEDY)
+    a = engine.add_request(WorkerRequest("a", PREFIX, GREEDY))
     step()  # a's prefill: its two full blocks are cached now, and still held by a
     shared = a.block_table[:2]
     kv_before = [layer[:, shared].clone() for layer in engine.kv_cache.layers]
-    b = engine.add_request("b", PREFIX, GREEDY)
+    b = engine.add_request(WorkerRequest("b", PREFIX, GREEDY))
     step()  # b recomputes its last prompt token for logits, but must not rewrite a's block
     assert b.block_table[:2] == shared
     assert [engine.pool.ref_cnt[x] for x in shared] == [2, 2]

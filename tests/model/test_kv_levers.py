@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvserve.workers.core.request import WorkerRequest
 from kvserve.workers.core.sampling_params import SamplingParams
 from kvserve.workers.engine.engine import LLM
 
@@ -40,7 +41,7 @@ def test_sliding_window_matches_hf_and_bounds_footprint(mistral_dir: Path, hf_gr
     engine = llm.engine
     params = SamplingParams(max_tokens=N_NEW, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
+        engine.add_request(WorkerRequest(str(i), p, params))
     got: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     peak_live = 0
     while engine.has_unfinished_requests():
@@ -64,7 +65,7 @@ def test_contiguous_allocator_admits_floor_pool_over_reservation(tiny_llama_dir:
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = [[7 + i] * 10 for i in range(6)]
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
+        engine.add_request(WorkerRequest(str(i), p, params))
     engine.step()
     assert len(engine.scheduler.running) == pool // (max_model_len // block_size)
     while engine.has_unfinished_requests():
@@ -88,7 +89,7 @@ def test_contiguous_reserve_max_tokens(tiny_llama_dir: Path) -> None:
     engine = llm.engine
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)  # 12 + 20 tokens -> 2 blocks
     for i in range(8):
-        engine.add_request(str(i), [3 + i] * 12, params)
+        engine.add_request(WorkerRequest(str(i), [3 + i] * 12, params))
     engine.step()
     assert len(engine.scheduler.running) == 6
     while engine.has_unfinished_requests():

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from kvserve.workers.core.request import WorkerRequest
 from kvserve.workers.core.sampling_params import SamplingParams
 from kvserve.workers.engine.config import EngineConfig
 from kvserve.workers.engine.engine import LLMEngine
@@ -39,7 +40,7 @@ def _engine(model_dir: Path) -> LLMEngine:
 
 
 def _run(engine: LLMEngine, params: SamplingParams, resume: list[int] | None = None) -> Run:
-    engine.add_request("r", PROMPT, params, resume_output_ids=resume or ())
+    engine.add_request(WorkerRequest("r", PROMPT, params, resume_output_ids=resume or ()))
     run = Run([], [], [], None)
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -105,7 +106,7 @@ def test_replay_rng_does_not_depend_on_batch_or_history(tiny_llama_dir: Path) ->
     """Another seeded request in the batch, started at a different time, changes nothing."""
     original = _run(_engine(tiny_llama_dir), SEEDED)
     engine = _engine(tiny_llama_dir)
-    engine.add_request("other", list(range(300, 305)), replace(SEEDED, seed=8))
+    engine.add_request(WorkerRequest("other", list(range(300, 305)), replace(SEEDED, seed=8)))
     engine.step()
     replay = _run(engine, SEEDED, original.tokens[:5])
     assert original.tokens[:5] + replay.tokens == original.tokens
@@ -115,12 +116,12 @@ def test_resume_rejects_what_cannot_continue(tiny_llama_dir: Path) -> None:
     engine = _engine(tiny_llama_dir)
     original = _run(engine, GREEDY)
     with pytest.raises(ValueError, match="max_tokens"):
-        engine.add_request("a", PROMPT, GREEDY, resume_output_ids=original.tokens)
+        engine.add_request(WorkerRequest("a", PROMPT, GREEDY, resume_output_ids=original.tokens))
     with pytest.raises(ValueError, match="vocabulary"):
-        engine.add_request("b", PROMPT, GREEDY, resume_output_ids=[10**9])
+        engine.add_request(WorkerRequest("b", PROMPT, GREEDY, resume_output_ids=[10**9]))
     stop_id = original.tokens[3]
     with pytest.raises(ValueError, match="finished"):
-        engine.add_request(
+        engine.add_request(WorkerRequest(
             "c", PROMPT, replace(GREEDY, stop_token_ids=(stop_id,)), resume_output_ids=original.tokens[:6]
-        )
+        ))
     assert not engine.requests and engine.pool.stats().used == 0

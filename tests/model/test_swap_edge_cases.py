@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvserve.workers.core.request import WorkerRequest
 from kvserve.workers.core.sampling_params import SamplingParams
 from kvserve.workers.engine.engine import LLM
 
@@ -22,10 +23,10 @@ def test_swap_out_in_a_step_that_schedules_nothing(tiny_llama_dir: Path) -> None
         watermark=0.0,
     )  # fmt: skip
     engine = llm.engine
-    engine.add_request("b", prompt_b, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    engine.add_request(WorkerRequest("b", prompt_b, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)))
     engine.step()
     assert engine.export_request("b") is not None  # paused: keeps its 4 blocks
-    engine.add_request("a", prompt_a, GREEDY)
+    engine.add_request(WorkerRequest("a", prompt_a, GREEDY))
     tokens: list[int] = []
     empty_step_with_swap = False
     for _ in range(200):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvserve.cluster.plan import PRESETS, Shape, kv_bytes_per_token, plan
+from kvserve.workers.core.request import WorkerRequest
 
 
 # int8 rows carry one fp32 scale each: 128 one-byte elements + 4 bytes.
@@ -64,7 +65,7 @@ def test_plan_matches_engine_admission(tiny_llama_dir: Path, plan_dtype: str, en
     engine = llm.engine
     assert engine.pool.num_blocks == row.total_blocks
     for i in range(row.max_users + 3):
-        engine.add_request(str(i), [11 + i] * 8, SamplingParams(max_tokens=2, temperature=0.0))
+        engine.add_request(WorkerRequest(str(i), [11 + i] * 8, SamplingParams(max_tokens=2, temperature=0.0)))
     engine.step()
     assert len(engine.scheduler.running) == row.max_users
     while engine.has_unfinished_requests():

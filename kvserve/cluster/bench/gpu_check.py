@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 
+from kvserve.workers.core.request import WorkerRequest
+
 SMOLLM2_ENV = "KVSERVE_SMOLLM2_DIR"
 # NOTE: a small share of the card: enough to prove the sizing path, and a pool of ~10^5 blocks rather
 # than the ~10^6 that 0.9 of an H200 holds for a tiny model (a BlockPool is Python: that costs seconds).
@@ -244,7 +246,7 @@ def check_swap_migration(cfg: CheckConfig) -> dict[str, Any]:
         del tight
         a = LLMEngine(EngineConfig(path, **cfg.engine_kwargs(num_gpu_blocks=64, model_id="m", **common)))
         b = LLMEngine(EngineConfig(path, **cfg.engine_kwargs(num_gpu_blocks=64, model_id="m", **common)))
-        a.add_request("r", prompts[0], params)
+        a.add_request(WorkerRequest("r", prompts[0], params))
         tokens: list[int] = []
         for _ in range(5):
             tokens += [t for o in a.step() for t in o.new_token_ids]

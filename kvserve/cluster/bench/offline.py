@@ -53,6 +53,7 @@ from typing import Any
 from kvserve.cluster.bench import peers
 from kvserve.cluster.bench.agreement import token_agreement
 from kvserve.cluster.bench.workloads import WORKLOADS, prompts
+from kvserve.workers.core.request import WorkerRequest
 from kvserve.workers.engine.progress import RequestProgress
 
 RESULT_KEYS = (
@@ -171,7 +172,7 @@ def run_workload(
     try:
         t_start, cpu_start = time.perf_counter(), time.process_time()
         for rid, p in zip(ids, prompt_ids, strict=True):
-            engine.add_request(rid, p, params)
+            engine.add_request(WorkerRequest(rid, p, params))
         while engine.has_unfinished_requests():
             t0 = time.perf_counter()
             outs = engine.step()
@@ -227,8 +228,8 @@ def _warm_up(engine: Any, vocab: int) -> None:
     """One short request through the engine (first-call allocations, lazy inits), then a clean cache."""
     from kvserve.workers.core.sampling_params import SamplingParams
 
-    engine.add_request("bench-warmup", [(7 * i + 3) % vocab for i in range(48)], SamplingParams(
-        max_tokens=4, temperature=0.0, ignore_eos=True))  # fmt: skip
+    engine.add_request(WorkerRequest("bench-warmup", [(7 * i + 3) % vocab for i in range(48)], SamplingParams(
+        max_tokens=4, temperature=0.0, ignore_eos=True)))  # fmt: skip
     while engine.has_unfinished_requests():
         engine.step()
 

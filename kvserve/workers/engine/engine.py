@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from kvserve.workers.core.request import WorkerRequest
 from kvserve.workers.core.sampling_params import SamplingParams
 from kvserve.workers.core.sizes import blocks_for
 from kvserve.workers.engine.block_pool import BlockPool
@@ -171,30 +172,20 @@ class LLMEngine:
         return n
 
     # ---- requests ------------------------------------------------------------------------
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | Sequence[int],
-        params: SamplingParams,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        *,
-        resume_output_ids: Sequence[int] = (),
-    ) -> Request:
+    def add_request(self, request: WorkerRequest) -> Request:
         """Validate and queue a request, or resume one (replay after its worker died).
 
         Args:
-            request_id: Unique among this engine's live requests.
-            prompt: The original prompt (text or token ids).
-            params: Sampling parameters; ``max_tokens`` is the whole budget, streamed tokens included.
-            priority: Larger is more important.
-            cache_salt: Prefix-cache isolation key.
-            resume_output_ids: Output tokens the client already has (replay): the request continues
-                exactly after them. Their K/V is recomputed (like a recompute preemption); outputs
-                report ``num_output_tokens`` counting them; the seeded RNG draws what it would have
-                drawn for token ``len(resume_output_ids)``; text held back (a stop string's prefix,
-                a split UTF-8 character) is rebuilt and released as the original would have.
-                Empty for a new request.
+            request: the one message a request enters a worker as (kvserve/workers/core/request.py):
+                ``request_id`` unique among this engine's live requests; ``prompt`` the original
+                prompt (text or token ids); ``params`` with ``max_tokens`` the whole budget, streamed
+                tokens included; ``priority`` (larger is more important); ``cache_salt`` (prefix-cache
+                isolation key); ``resume_output_ids``: output tokens the client already has (replay):
+                the request continues exactly after them. Their K/V is recomputed (like a recompute
+                preemption); outputs report ``num_output_tokens`` counting them; the seeded RNG draws
+                what it would have drawn for token ``len(resume_output_ids)``; text held back (a stop
+                string's prefix, a split UTF-8 character) is rebuilt and released as the original
+                would have. Empty for a new request.
 
         Returns:
             The queued request.
@@ -203,6 +194,9 @@ class LLMEngine:
             ValueError: bad input (nothing allocated), including a resume whose tokens are out of
                 the vocabulary, use up the budget, or already hit a stop rule.
         """
+        request_id, params = request.request_id, request.params
+        prompt = request.prompt if isinstance(request.prompt, str) else list(request.prompt)
+        resume_output_ids, priority, cache_salt = request.resume_output_ids, request.priority, request.cache_salt
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.encode(prompt)
@@ -506,7 +500,7 @@ class LLM:
         added: list[str] = []
         try:
             for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
-                engine.add_request(rid, prompt, p)
+                engine.add_request(WorkerRequest(rid, prompt, p))
                 added.append(rid)
         except ValueError:
             for rid in added:

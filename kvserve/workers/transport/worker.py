@@ -121,10 +121,8 @@ class WorkerCore:
         tokens its client already has; see ``LLMEngine.add_request``). Raises ValueError (bad
         input) or WorkerError (draining/dead)."""
 
-        def add() -> None:
-            r = request
-            self.engine.add_request(r.request_id, r.prompt if isinstance(r.prompt, str) else list(r.prompt), r.params,
-                                    r.priority, r.cache_salt, resume_output_ids=r.resume_output_ids)  # fmt: skip
+        def add() -> None:  # NOTE: the engine's Request stays on the engine thread; the caller gets None
+            self.engine.add_request(request)
 
         self._call(add)
 
