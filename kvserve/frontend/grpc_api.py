@@ -1,5 +1,5 @@
-"""A frontend's ``kvserve.v1.KVServe`` (register with ``kvserve/router/api/server.py`` ``add_kvserve_servicer``, which
-adds the lenient deserializers and the INTERNAL guard; ``kvserve/router/gate/auth.py`` ``CallerAuthInterceptor``
+"""A frontend's ``kvserve.v1.KVServe`` (register with kvserve/router/api/grpc_surface.py's ``add_kvserve_servicer``,
+which adds the lenient deserializers and the INTERNAL guard; ``kvserve/router/gate/auth.py`` ``CallerAuthInterceptor``
 checks the caller's token or key first, and refuses a worker credential).
 
 * ``Generate`` and ``GenerateStream``: relayed over the frontend's one stream to the router
@@ -23,7 +23,7 @@ from kvserve.frontend.link import RelayedRequest
 from kvserve.frontend.relay import Relay
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 from kvserve.protos.kvserve.v1 import serving_pb2_grpc
-from kvserve.router.api.server import Undecodable
+from kvserve.router.api.grpc_surface import read_generate_stream
 from kvserve.router.gate.limits import client_of_peer
 from kvserve.router.requests.mux import StreamMux, stream_batches
 from kvserve.router.requests.request import RouterError
@@ -93,34 +93,22 @@ class FrontendServicer(serving_pb2_grpc.KVServeServicer):
     async def _read_requests(self, requests: AsyncIterator[Any], mux: StreamMux, live: dict[str, RelayedRequest],
                              pumps: dict[str, asyncio.Task], caller: tuple[str, str | None]) -> None:  # fmt: skip
         client, authorization = caller
-        try:
-            async for msg in requests:
-                if isinstance(msg, Undecodable):
-                    raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable {msg.message_type}: {msg.error}")
-                if msg.token_columns and msg.WhichOneof("kind") is None:
-                    continue  # NOTE: this stream answers with responses only, which such a client reads too
-                if msg.WhichOneof("kind") == "cancel_request_id":
-                    rr = live.get(msg.cancel_request_id)
-                    if rr is not None and not rr.finished:
-                        rr.cancel()
-                        pumps.pop(rr.request_id).cancel()
-                        mux.put(rr.request_id, RouterError(grpc.StatusCode.CANCELLED, "cancelled by the client"))
-                    continue
-                rid = msg.generate.request_id
-                if not rid or rid in live:
-                    why = "missing" if not rid else f"{rid!r} already in use on this stream"
-                    raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
-                                      f"request_id {why}: GenerateStream requests need ids of their own")  # fmt: skip
-                try:
-                    timeout_s = msg.timeout_ms / 1000 if msg.timeout_ms else None
-                    (rr,) = await self.relay.submit(client, [msg.generate], authorization, timeout_s)
-                except RouterError as e:
-                    mux.put(rid, e)
-                    continue
-                live[rid] = rr
-                pumps[rid] = asyncio.get_running_loop().create_task(_pump(rr, mux, self.relay.link.max_buffered))
-        finally:
-            mux.wake()
+
+        async def submit(rid: str, msg: spb.GenerateStreamRequest) -> None:
+            try:
+                timeout_s = msg.timeout_ms / 1000 if msg.timeout_ms else None
+                (rr,) = await self.relay.submit(client, [msg.generate], authorization, timeout_s)
+            except RouterError as e:
+                mux.put(rid, e)
+                return
+            live[rid] = rr
+            pumps[rid] = asyncio.get_running_loop().create_task(_pump(rr, mux, self.relay.link.max_buffered))
+
+        def cancel(rr: RelayedRequest) -> None:
+            rr.cancel()
+            pumps.pop(rr.request_id).cancel()
+
+        await read_generate_stream(requests, mux, live, submit, cancel, columns=False)
 
     async def Abort(self, request: spb.AbortRequest, context: grpc.aio.ServicerContext) -> spb.AbortResponse:  # noqa: N802
         return await self._pass(context, self._stub.Abort, request)

@@ -36,9 +36,9 @@ from kvserve.frontend.http_backend import RelayBackend
 from kvserve.frontend.link import RouterLink
 from kvserve.frontend.relay import FrontendPrompts, Relay
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.router.api.grpc_surface import add_kvserve_servicer
 from kvserve.router.api.health import LIVENESS_SERVICE, READINESS_SERVICES
 from kvserve.router.api.http_api import HttpApiServer
-from kvserve.router.api.server import add_kvserve_servicer
 from kvserve.router.config import RouterConfig
 from kvserve.router.gate.auth import CallerAuthInterceptor
 from kvserve.router.gate.limits import InputLimits

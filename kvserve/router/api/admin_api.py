@@ -15,7 +15,7 @@ from kvserve.router.requests.router import Router
 
 
 class AdminServicer(serving_pb2_grpc.AdminServicer):
-    """The Admin service over one router (registered with kvserve/router/api/server.py ``add_kvserve_servicer``,
+    """The Admin service over one router (registered with kvserve/router/api/grpc_surface.py ``add_kvserve_servicer``,
     which adds the same guards as the client API's: undecodable bytes INVALID_ARGUMENT, a bug INTERNAL)."""
 
     def __init__(self, router: Router) -> None:

@@ -4,10 +4,11 @@ One ``grpc.aio`` server on the router's event loop serves ``kvserve.v1.KVServe``
 ``kvserve.v1.WorkerLink`` for workers, the standard health service and server reflection (so
 ``grpcurl`` works with no .proto at hand).
 
-Every client call goes through ``_guard``: request bytes that are not a valid message get
-INVALID_ARGUMENT (the methods are registered with a deserializer that never raises), and an
-unexpected exception is logged once with its traceback and answered INTERNAL with an incident id
-(the request id when there is one), never UNKNOWN with a class name. CANCELLED is produced here
+Every client call goes through the guard of kvserve/router/api/grpc_surface.py (shared with the
+frontends): request bytes that are not a valid message get INVALID_ARGUMENT (the methods are
+registered with a deserializer that never raises), and an unexpected exception is logged once
+with its traceback and answered INTERNAL with an incident id (the request id when there is one),
+never UNKNOWN with a class name. CANCELLED is produced here
 only by the Abort RPC (the client asked); grpc itself ends a call CANCELLED when the client
 cancels it.
 
@@ -31,19 +32,17 @@ import logging
 import os
 import signal
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 from kvserve.protos.kvserve.v1 import serving_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvserve.router.api.admin_api import AdminServicer
+from kvserve.router.api.grpc_surface import Undecodable, add_kvserve_servicer, read_generate_stream
 from kvserve.router.api.health import HealthPublisher
 from kvserve.router.api.http_api import HttpApiServer
 from kvserve.router.api.keepalive import server_keepalive_options
@@ -69,108 +68,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_WATCH_INTERVAL_MS = 500
 WATCH_SNAPSHOT_S = 0.025  # NOTE: half the shortest watch interval (50 ms): a watcher sees no staler data
 DEFAULT_READY_TIMEOUT_S = 60.0
-
-
-@dataclass(frozen=True)
-class Undecodable:
-    """Stands in for a request whose bytes did not parse (the method answers INVALID_ARGUMENT)."""
-
-    message_type: str
-    error: str
-
-
-def _lenient_deserializer(message_class: type[Message]) -> Callable[[bytes], Message | Undecodable]:
-    """``message_class.FromString`` that returns ``Undecodable`` instead of raising.
-
-    NOTE: a raising deserializer makes grpc answer UNKNOWN with the exception's class name; the
-    client sent bad bytes, which is INVALID_ARGUMENT, and the method must be the one to say so.
-    """
-
-    def deserialize(data: bytes) -> Message | Undecodable:
-        try:
-            return message_class.FromString(data)
-        except (DecodeError, ValueError, RuntimeError) as e:  # upb raises DecodeError; be generous
-            return Undecodable(message_class.DESCRIPTOR.full_name, str(e) or "malformed message")
-
-    return deserialize
-
-
-async def _reject_undecodable(context: grpc.aio.ServicerContext, request: Undecodable) -> None:
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable {request.message_type}: {request.error}")
-
-
-def _incident_id(request: object) -> str:
-    rid = getattr(request, "request_id", "")
-    return rid if isinstance(rid, str) and rid else f"incident-{uuid.uuid4().hex[:12]}"
-
-
-async def _answer_internal(context: grpc.aio.ServicerContext, method: str, request: object) -> None:
-    incident = _incident_id(request)
-    logger.exception("%s failed unexpectedly (id %s)", method, incident)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method} (id {incident}); see the router log")
-
-
-def _guard_unary(method: Callable[..., Any], name: str) -> Callable[..., Any]:
-    @functools.wraps(method)
-    async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if isinstance(request, Undecodable):
-            await _reject_undecodable(context, request)
-        try:
-            return await method(request, context)
-        except grpc.aio.AbortError:
-            raise  # context.abort: the status is already chosen
-        except Exception:  # noqa: BLE001 - anything else is our bug: log it, answer INTERNAL
-            await _answer_internal(context, name, request)
-
-    return guarded
-
-
-def _guard_stream(method: Callable[..., AsyncIterator[Any]], name: str) -> Callable[..., AsyncIterator[Any]]:
-    @functools.wraps(method)
-    async def guarded(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        if isinstance(request, Undecodable):
-            await _reject_undecodable(context, request)
-        try:
-            async for response in method(request, context):
-                yield response
-        except grpc.aio.AbortError:
-            raise
-        except Exception:  # noqa: BLE001 - see _guard_unary
-            await _answer_internal(context, name, request)
-
-    return guarded
-
-
-def add_kvserve_servicer(servicer: Any, server: grpc.aio.Server, service_name: str = "KVServe") -> None:
-    """``add_KVServeServicer_to_server`` (or that of another service of serving.proto, e.g.
-    ``Admin``) with lenient deserializers and every method guarded."""
-    service = spb.DESCRIPTOR.services_by_name[service_name]
-    handlers = {}
-    for m in service.methods:
-        request_class = getattr(spb, m.input_type.name)
-        response_class = getattr(spb, m.output_type.name)
-        method = getattr(servicer, m.name)
-        if m.client_streaming:
-            handler = grpc.stream_stream_rpc_method_handler(
-                _guard_stream(method, m.name),
-                request_deserializer=_lenient_deserializer(request_class),
-                response_serializer=response_class.SerializeToString,
-            )
-        elif m.server_streaming:
-            handler = grpc.unary_stream_rpc_method_handler(
-                _guard_stream(method, m.name),
-                request_deserializer=_lenient_deserializer(request_class),
-                response_serializer=response_class.SerializeToString,
-            )
-        else:
-            handler = grpc.unary_unary_rpc_method_handler(
-                _guard_unary(method, m.name),
-                request_deserializer=_lenient_deserializer(request_class),
-                response_serializer=response_class.SerializeToString,
-            )
-        handlers[m.name] = handler
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
-    server.add_registered_method_handlers(service.full_name, handlers)
 
 
 class KVServeServicer(serving_pb2_grpc.KVServeServicer):
@@ -272,39 +169,20 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
         caller: tuple[str, Principal | None, bool],
     ) -> None:
         peer, who, trusted = caller
-        try:
-            async for msg in requests:
-                if isinstance(msg, Undecodable):
-                    raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable {msg.message_type}: {msg.error}")
-                if msg.token_columns:
-                    mux.columns = True
-                    if msg.WhichOneof("kind") is None:  # NOTE: a message that only says so
-                        continue
-                if msg.WhichOneof("kind") == "cancel_request_id":
-                    r = live.get(msg.cancel_request_id)
-                    if r is not None and not r.finished:
-                        self.router.lifecycle.cancel(r)
-                        mux.put(r.request_id, RouterError(grpc.StatusCode.CANCELLED, "cancelled by the client"))
-                    continue
-                rid = msg.generate.request_id
-                if not rid or rid in live:
-                    # NOTE: the stream's status, not a RequestError: an answer to this request could not be
-                    # told from one to the request that holds the id.
-                    why = "missing" if not rid else f"{rid!r} already in use on this stream"
-                    raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
-                                      f"request_id {why}: GenerateStream requests need ids of their own")  # fmt: skip
-                # NOTE: a frontend relays many clients on one stream: each counts as itself (frontend/).
-                client = msg.client if trusted and msg.client else peer
-                try:
-                    # NOTE: the same bounds, tokenization off the loop and tenancy as Generate.
-                    (live[rid],) = await self.bounds.submit_all(
-                        client, [msg.generate], _time_remaining(msg.timeout_ms), who=who, mux=mux
-                    )
-                except RouterError as e:
-                    # NOTE: keyed as the router keys the request's responses (scoped), unscoped on the way out.
-                    mux.put(rid if who is None else self.bounds.tenancy.scoped_id(who, rid), e)  # type: ignore[union-attr]
-        finally:
-            mux.wake()  # NOTE: the writer then sees the reader done (the client closed its side, or failed)
+
+        async def submit(rid: str, msg: spb.GenerateStreamRequest) -> None:
+            # NOTE: a frontend relays many clients on one stream: each counts as itself (frontend/).
+            client = msg.client if trusted and msg.client else peer
+            try:
+                # NOTE: the same bounds, tokenization off the loop and tenancy as Generate.
+                (live[rid],) = await self.bounds.submit_all(
+                    client, [msg.generate], _time_remaining(msg.timeout_ms), who=who, mux=mux
+                )
+            except RouterError as e:
+                # NOTE: keyed as the router keys the request's responses (scoped), unscoped on the way out.
+                mux.put(rid if who is None else self.bounds.tenancy.scoped_id(who, rid), e)  # type: ignore[union-attr]
+
+        await read_generate_stream(requests, mux, live, submit, self.router.lifecycle.cancel, columns=True)
 
     async def Abort(self, request: spb.AbortRequest, context: grpc.aio.ServicerContext) -> spb.AbortResponse:  # noqa: N802
         who = self._principal(context)

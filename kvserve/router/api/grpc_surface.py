@@ -1,0 +1,186 @@
+"""The client-facing gRPC surface shared by the router and the frontends (no router state).
+
+* requests whose bytes do not parse become ``Undecodable`` (registered with a deserializer that never
+  raises), answered INVALID_ARGUMENT by the method, never UNKNOWN with a class name;
+* every method is guarded: an unexpected exception is logged once with its traceback and answered
+  INTERNAL with an incident id (the request id when there is one);
+* ``read_generate_stream``: the one reading of a ``GenerateStream``'s client side (ids, cancels,
+  token columns), whatever then runs the requests (the router's pipeline or a frontend's relay).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.router.requests.mux import StreamMux
+from kvserve.router.requests.request import RouterError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """Stands in for a request whose bytes did not parse (the method answers INVALID_ARGUMENT)."""
+
+    message_type: str
+    error: str
+
+
+def _lenient_deserializer(message_class: type[Message]) -> Callable[[bytes], Message | Undecodable]:
+    """``message_class.FromString`` that returns ``Undecodable`` instead of raising.
+
+    NOTE: a raising deserializer makes grpc answer UNKNOWN with the exception's class name; the
+    client sent bad bytes, which is INVALID_ARGUMENT, and the method must be the one to say so.
+    """
+
+    def deserialize(data: bytes) -> Message | Undecodable:
+        try:
+            return message_class.FromString(data)
+        except (DecodeError, ValueError, RuntimeError) as e:  # upb raises DecodeError; be generous
+            return Undecodable(message_class.DESCRIPTOR.full_name, str(e) or "malformed message")
+
+    return deserialize
+
+
+async def _reject_undecodable(context: grpc.aio.ServicerContext, request: Undecodable) -> None:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable {request.message_type}: {request.error}")
+
+
+def _incident_id(request: object) -> str:
+    rid = getattr(request, "request_id", "")
+    return rid if isinstance(rid, str) and rid else f"incident-{uuid.uuid4().hex[:12]}"
+
+
+async def _answer_internal(context: grpc.aio.ServicerContext, method: str, request: object) -> None:
+    incident = _incident_id(request)
+    logger.exception("%s failed unexpectedly (id %s)", method, incident)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method} (id {incident}); see the router log")
+
+
+def _guard_unary(method: Callable[..., Any], name: str) -> Callable[..., Any]:
+    @functools.wraps(method)
+    async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, Undecodable):
+            await _reject_undecodable(context, request)
+        try:
+            return await method(request, context)
+        except grpc.aio.AbortError:
+            raise  # context.abort: the status is already chosen
+        except Exception:  # noqa: BLE001 - anything else is our bug: log it, answer INTERNAL
+            await _answer_internal(context, name, request)
+
+    return guarded
+
+
+def _guard_stream(method: Callable[..., AsyncIterator[Any]], name: str) -> Callable[..., AsyncIterator[Any]]:
+    @functools.wraps(method)
+    async def guarded(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        if isinstance(request, Undecodable):
+            await _reject_undecodable(context, request)
+        try:
+            async for response in method(request, context):
+                yield response
+        except grpc.aio.AbortError:
+            raise
+        except Exception:  # noqa: BLE001 - see _guard_unary
+            await _answer_internal(context, name, request)
+
+    return guarded
+
+
+def add_kvserve_servicer(servicer: Any, server: grpc.aio.Server, service_name: str = "KVServe") -> None:
+    """``add_KVServeServicer_to_server`` (or that of another service of serving.proto, e.g.
+    ``Admin``) with lenient deserializers and every method guarded."""
+    service = spb.DESCRIPTOR.services_by_name[service_name]
+    handlers = {}
+    for m in service.methods:
+        request_class = getattr(spb, m.input_type.name)
+        response_class = getattr(spb, m.output_type.name)
+        method = getattr(servicer, m.name)
+        if m.client_streaming:
+            handler = grpc.stream_stream_rpc_method_handler(
+                _guard_stream(method, m.name),
+                request_deserializer=_lenient_deserializer(request_class),
+                response_serializer=response_class.SerializeToString,
+            )
+        elif m.server_streaming:
+            handler = grpc.unary_stream_rpc_method_handler(
+                _guard_stream(method, m.name),
+                request_deserializer=_lenient_deserializer(request_class),
+                response_serializer=response_class.SerializeToString,
+            )
+        else:
+            handler = grpc.unary_unary_rpc_method_handler(
+                _guard_unary(method, m.name),
+                request_deserializer=_lenient_deserializer(request_class),
+                response_serializer=response_class.SerializeToString,
+            )
+        handlers[m.name] = handler
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
+class LiveRequest(Protocol):
+    request_id: str  # the id the stream's responses are keyed by
+
+    @property
+    def finished(self) -> bool: ...
+
+
+async def read_generate_stream(
+    requests: AsyncIterator[Any],
+    mux: StreamMux,
+    live: Mapping[str, LiveRequest],
+    submit: Callable[[str, spb.GenerateStreamRequest], Awaitable[None]],
+    cancel: Callable[[Any], None],
+    *,
+    columns: bool,
+) -> None:
+    """Read a GenerateStream's requests until the client closes its side.
+
+    Args:
+        requests: the call's request iterator (``Undecodable`` where bytes did not parse).
+        mux: the stream's responses; woken when reading ends (the writer then sees the reader done).
+        live: the stream's requests by the client's id (``submit`` adds to it).
+        submit: runs ``msg.generate`` under the client's id ``rid``; a refusal is its own to answer.
+        cancel: stops a live request the client cancelled.
+        columns: whether this stream answers in token columns when the client asks (the router does; a
+            frontend answers with responses only, which such a client reads too).
+
+    Raises:
+        RouterError: INVALID_ARGUMENT for what cannot be answered by id (undecodable, no request_id, an
+            id in use on the stream): the stream's status, since an answer could not be told from one
+            to the request holding the id.
+    """
+    try:
+        async for msg in requests:
+            if isinstance(msg, Undecodable):
+                raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable {msg.message_type}: {msg.error}")
+            if msg.token_columns:
+                if columns:
+                    mux.columns = True
+                if msg.WhichOneof("kind") is None:  # NOTE: a message that only says so
+                    continue
+            if msg.WhichOneof("kind") == "cancel_request_id":
+                r = live.get(msg.cancel_request_id)
+                if r is not None and not r.finished:
+                    cancel(r)
+                    mux.put(r.request_id, RouterError(grpc.StatusCode.CANCELLED, "cancelled by the client"))
+                continue
+            rid = msg.generate.request_id
+            if not rid or rid in live:
+                why = "missing" if not rid else f"{rid!r} already in use on this stream"
+                raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"request_id {why}: GenerateStream requests need ids of their own")  # fmt: skip
+            await submit(rid, msg)
+    finally:
+        mux.wake()
