@@ -142,3 +142,31 @@ def test_auto_recomputes_when_loading_is_measured_slower(tiny_llama_dir: Path, t
     (out,) = llm.generate([PROMPT], GREEDY, check_integrity=True)
     assert engine.scheduler.tier_hits["host"] == 0 and out.num_cached_tokens == 0
     assert out.token_ids == tokens
+
+
+def test_two_kv_layouts_share_one_disk_directory(tiny_llama_dir: Path, tmp_path: Path, oracles) -> None:  # type: ignore[no-untyped-def]
+    """fp32 and bf16 KV of the same model (same block hashes, other bytes) in one ``--disk-cache-dir``:
+    after a restart each gets every block of its prompt from disk, its own, and its own tokens. (With
+    files named by the bare hash the second layout's spills found the first's files and were dropped:
+    0 disk hits for it, for good.)"""
+    disk = tmp_path / "disk"
+
+    def disk_only(kv: str) -> LLM:
+        return LLM(str(tiny_llama_dir), block_size=BS, num_gpu_blocks=16, kv_cache_dtype=kv,
+                   disk_cache_dir=str(disk), tier_load="always")  # fmt: skip
+
+    first: dict[str, list[int]] = {}
+    for kv in ("auto", "bf16"):
+        llm = disk_only(kv)
+        (out,) = llm.generate([PROMPT], GREEDY)
+        first[kv] = out.token_ids
+        _evict_prompt(llm)
+        llm.engine.close()
+    assert first["auto"] == oracles["greedy"][0]
+    for kv in ("auto", "bf16"):
+        llm = disk_only(kv)  # a restarted worker: an empty pool, the directory as it was left
+        (out,) = llm.generate([PROMPT], GREEDY, check_integrity=True)
+        assert llm.engine.scheduler.tier_hits["disk"] == len(PROMPT), kv
+        assert out.num_cached_tokens == len(PROMPT) and out.token_ids == first[kv], kv
+        assert llm.engine.tiers is not None and llm.engine.tiers.stores[0].num_rejected == 0
+        llm.engine.close()

@@ -74,12 +74,67 @@ def test_file_of_another_hash_is_not_served(tmp_path: Path) -> None:
     assert s.get(6) is None
 
 
-def test_other_model_file_is_a_miss_and_left_alone(tmp_path: Path) -> None:
+def _other_layout(ours: BlockStore, **kw: object) -> BlockStore:
+    """A store of another layout (the same model's bf16 KV) on ``ours``'s directory and budget."""
+    return BlockStore(ours.directory, ours.capacity_bytes, LAYOUT.replace("float16", "bfloat16"), PAYLOAD,
+                      ours.name, **kw)  # type: ignore[arg-type]  # fmt: skip
+
+
+def test_other_layout_file_is_a_miss_and_left_alone(tmp_path: Path) -> None:
     ours = _store(tmp_path, 4)
-    theirs = BlockStore(ours.directory, ours.capacity_bytes, LAYOUT.replace("model-a", "model-b"), PAYLOAD, "host")
+    theirs = _other_layout(ours)
     theirs.put(9, _payload(9))
-    assert ours.get(9) is None
-    assert ours.path(9).exists() and theirs.get(9) == _payload(9)
+    assert ours.get(9) is None and ours.hashes() == [] and ours.num_rejected == 0
+    assert theirs.path(9).exists() and theirs.get(9) == _payload(9)
+
+
+def test_two_layouts_store_the_same_hash_side_by_side(tmp_path: Path) -> None:
+    """The same block hash in two layouts (fp16 and bf16 KV of one model): each layout keeps and serves
+    its own file. (With names of the bare hash the second ``put`` found the first's file, kept it, and
+    its layout never got the block: a disk tier shared by two KV dtypes served one of them nothing.)"""
+    ours = _store(tmp_path, 4)
+    theirs = _other_layout(ours)
+    theirs_payload = bytes(reversed(_payload(3)))
+    assert ours.put(3, _payload(3)) is True
+    assert theirs.put(3, theirs_payload) is True
+    assert ours.get(3) == _payload(3) and theirs.get(3) == theirs_payload
+    assert ours.hashes() == [3] and theirs.hashes() == [3]
+    assert ours.used_bytes() == theirs.used_bytes() == 2 * ours.file_bytes  # one budget per directory
+
+
+def test_layouts_share_one_lru_and_each_is_demoted_under_its_own_name(tmp_path: Path) -> None:
+    disk = _store(tmp_path, 8, name="disk")
+    host = _store(tmp_path, 2, name="host", demote_to=disk)
+    other_host = _other_layout(host)
+    other_disk = _other_layout(disk)
+    other_host.put(1, _payload(1))
+    _age(other_host, 1, seconds_ago=100)  # the other layout's block is the oldest
+    host.put(1, _payload(11))
+    _age(host, 1, seconds_ago=90)
+    host.put(2, _payload(2))
+    ev = host.evict_to_budget()
+    assert ev.removed == [] and ev.demoted == []  # the victim was not this layout's: nothing to report
+    assert other_disk.get(1) == _payload(1) and not other_host.contains(1)
+    assert host.get(1) == _payload(11) and not disk.contains(1)
+    host.put(3, _payload(3))
+    _age(host, 1, seconds_ago=80)
+    assert host.evict_to_budget().demoted == [1] and disk.get(1) == _payload(11)
+
+
+def test_file_of_the_old_naming_is_never_served_but_is_swept(tmp_path: Path) -> None:
+    s = _store(tmp_path, 1)
+    legacy = s.directory / f"{5:016x}.kvb"
+    s.put(5, _payload(5))
+    os.replace(s.path(5), legacy)
+    _age_path(legacy, 100)
+    assert s.get(5) is None and s.hashes() == [] and s.used_bytes() == s.file_bytes
+    s.put(6, _payload(6))
+    assert s.evict_to_budget().removed == [] and not legacy.exists() and s.hashes() == [6]
+
+
+def _age_path(path: Path, seconds_ago: float) -> None:
+    t = time.time() - seconds_ago
+    os.utime(path, (t, t))
 
 
 def test_lru_eviction_keeps_most_recently_used(tmp_path: Path) -> None:

@@ -4,16 +4,18 @@ The host tier (a directory in ``/dev/shm``, shared by every worker on the node) 
 (``--disk-cache-dir``) are the same format and the same class; only the directory and the byte
 budget differ.
 
-File format, one file per block, named ``<block hash as 16 hex digits>.kvb``::
+File format, one file per block, named ``<layout fingerprint>-<block hash>.kvb`` (16 hex digits each)::
 
     header  magic "KVSBLK01" | version u32 | block hash u64 | layout digest (32 bytes) |
             payload length u64 | payload crc32 u32                      (little-endian)
     payload the block's KV, all layers contiguous (see ``kvserve/workers/engine/tiered_cache.py``)
 
-The layout digest is sha256 of the layout string: the model id, layer count, block shape and dtype.
-A file whose header or checksum does not match what a reader expects is never served: torn or
-corrupt files are removed, a file of another layout (another model sharing the directory) is left
-alone and treated as a miss.
+The layout digest is sha256 of the layout string: the model id, layer count, block shape and dtype;
+the fingerprint in the name is its first 8 bytes. A block's name thus belongs to one layout, so models
+and KV dtypes share a directory (and its byte budget) without ever claiming each other's names: a
+block of one layout is never shadowed by another layout's file of the same hash. (Names were the bare
+hash before; such a file is never served, only swept by the LRU.) A file whose header or checksum
+does not match what a reader expects is never served and is removed (torn, corrupt, or renamed).
 
 Contracts:
   * writes are atomic: a temporary file in the same directory, then ``os.replace``; a reader sees
@@ -95,6 +97,7 @@ class BlockStore:
         self.capacity_bytes = capacity_bytes
         self.layout = layout
         self.digest = layout_digest(layout)
+        self.fingerprint = self.digest[:8].hex()
         self.payload_bytes = payload_bytes
         self.name = name
         self.demote_to = demote_to
@@ -102,7 +105,11 @@ class BlockStore:
 
     # ---- names ---------------------------------------------------------------------------
     def path(self, block_hash: int) -> Path:
-        return self.directory / f"{block_hash:016x}{SUFFIX}"
+        return self.directory / self.file_name(block_hash)
+
+    def file_name(self, block_hash: int) -> str:
+        """``<layout fingerprint>-<hash>.kvb``: the name is this layout's alone."""
+        return f"{self.fingerprint}-{block_hash:016x}{SUFFIX}"
 
     def contains(self, block_hash: int) -> bool:
         """Whether a file for the hash exists (not yet verified: ``get`` checks it)."""
@@ -123,12 +130,13 @@ class BlockStore:
         self._write_file(block_hash, self.encode(block_hash, payload))
         return True
 
-    def _write_file(self, block_hash: int, data: bytes) -> None:
+    def _write_file(self, block_hash: int, data: bytes, name: str | None = None) -> None:
+        """Write ``data`` atomically under ``name`` (default: this layout's name of the hash)."""
         tmp = self.directory / f"{_TMP_PREFIX}{os.getpid()}-{block_hash:016x}-{time.monotonic_ns()}"
         try:
             with open(tmp, "wb") as f:
                 f.write(data)
-            os.replace(tmp, self.path(block_hash))
+            os.replace(tmp, self.directory / (name or self.file_name(block_hash)))
         except BaseException:
             with contextlib.suppress(OSError):
                 tmp.unlink()
@@ -158,17 +166,10 @@ class BlockStore:
         return payload
 
     def _verified_payload(self, block_hash: int, data: bytes, path: Path, remove_bad: bool = True) -> bytes | None:
-        """The payload if the header and checksum match this layout; else None (a torn or corrupt
-        file is removed when ``remove_bad``)."""
-        if len(data) < HEADER_BYTES:
-            return self._reject(path, remove_bad)
-        magic, version, h, digest, length, crc = _HEADER.unpack_from(data)
-        if magic != MAGIC or version != VERSION or h != block_hash:
-            return self._reject(path, remove_bad)
-        if digest != self.digest:
-            return self._reject(path, remove=False)  # another model's block: not ours to delete
-        payload = data[HEADER_BYTES:]
-        if length != self.payload_bytes or len(payload) != length or zlib.crc32(payload) != crc:
+        """The payload if the header and checksum match this layout; else None (the file is removed
+        when ``remove_bad``: under this layout's name, a file of another digest is not anyone's block)."""
+        payload = _intact_payload(block_hash, data)
+        if payload is None or _HEADER.unpack_from(data)[3] != self.digest or len(payload) != self.payload_bytes:
             return self._reject(path, remove_bad)
         return payload
 
@@ -180,8 +181,9 @@ class BlockStore:
         return None
 
     # ---- LRU -----------------------------------------------------------------------------
-    def _entries(self) -> Iterator[tuple[int, float, int, Path]]:
-        """(hash, mtime, size, path) of every block file; stale temporaries are removed on the way."""
+    def _entries(self) -> Iterator[tuple[str, int, float, int, Path]]:
+        """(fingerprint, hash, mtime, size, path) of every block file of every layout (fingerprint ""
+        for a file of the old, bare-hash naming); stale temporaries are removed on the way."""
         now = time.time()
         with os.scandir(self.directory) as it:
             for entry in it:
@@ -196,51 +198,71 @@ class BlockStore:
                     continue
                 if not entry.name.endswith(SUFFIX):
                     continue
+                fingerprint, _, hex_hash = entry.name[: -len(SUFFIX)].rpartition("-")
                 try:
-                    h = int(entry.name[: -len(SUFFIX)], 16)
+                    h = int(hex_hash, 16)
                 except ValueError:
                     continue
-                yield h, st.st_mtime, st.st_size, Path(entry.path)
+                yield fingerprint, h, st.st_mtime, st.st_size, Path(entry.path)
 
     def hashes(self) -> list[int]:
-        """Every block hash with a file here (the tier's snapshot for the router)."""
-        return [h for h, _, _, _ in self._entries()]
+        """Every block hash with a file of this layout here (the tier's snapshot for the router)."""
+        return [h for fp, h, _, _, _ in self._entries() if fp == self.fingerprint]
 
     def used_bytes(self) -> int:
-        return sum(size for _, _, size, _ in self._entries())
+        """Bytes of every layout's files: the directory's budget is one, whoever shares it."""
+        return sum(size for _, _, _, size, _ in self._entries())
 
     def evict_to_budget(self) -> Eviction:
         """Remove least recently used files until the directory fits its budget, demoting each.
 
         Sweeps of several processes are serialised by a lock file, so two of them do not both
-        demote the same victims; a file another process removed meanwhile is skipped.
+        demote the same victims; a file another process removed meanwhile is skipped. Every layout's
+        files compete in one LRU (one budget per directory) and are demoted under their own names;
+        ``Eviction`` lists only this layout's hashes (the ones this worker's router knows of).
         """
         out = Eviction()
         with open(self.directory / ".lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            entries = sorted(self._entries(), key=lambda e: e[1])
-            used = sum(e[2] for e in entries)
-            for h, _, size, path in entries:
+            entries = sorted(self._entries(), key=lambda e: e[2])
+            used = sum(e[3] for e in entries)
+            for fp, h, _, size, path in entries:
                 if used <= self.capacity_bytes:
                     break
                 used -= size
-                if self.demote_to is not None and self._demote(h, path):
+                ours = fp == self.fingerprint
+                if self.demote_to is not None and fp and self._demote(h, path) and ours:
                     out.demoted.append(h)
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
-                    out.removed.append(h)
+                    if ours:
+                        out.removed.append(h)
         return out
 
     def _demote(self, block_hash: int, path: Path) -> bool:
-        """Copy a verified file to the next tier (as is: the same format). False if it was not valid."""
+        """Copy an intact file (any layout's) to the next tier under its own name, as is (the same
+        format). False if it was not intact."""
         assert self.demote_to is not None
         try:
             data = path.read_bytes()
         except FileNotFoundError:
             return False
-        if self._verified_payload(block_hash, data, path, remove_bad=False) is None:
+        if _intact_payload(block_hash, data) is None:
             return False  # the sweep removes it
-        if self.demote_to.touch(block_hash):
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(self.demote_to.directory / path.name)
             return True
-        self.demote_to._write_file(block_hash, data)
+        self.demote_to._write_file(block_hash, data, name=path.name)
         return True
+
+
+def _intact_payload(block_hash: int, data: bytes) -> bytes | None:
+    """The payload of a whole block file of ``block_hash`` (magic, version, hash, length and checksum
+    as its header says), whatever its layout; None if it is torn, corrupt or another block's."""
+    if len(data) < HEADER_BYTES:
+        return None
+    magic, version, h, _, length, crc = _HEADER.unpack_from(data)
+    payload = data[HEADER_BYTES:]
+    if magic != MAGIC or version != VERSION or h != block_hash or len(payload) != length:
+        return None
+    return payload if zlib.crc32(payload) == crc else None
