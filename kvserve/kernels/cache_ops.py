@@ -56,9 +56,9 @@ def _saturate_fp8(x):
     """``x`` in fp32, clamped to the finite fp8 range (a plain cast would turn overflow into NaN) and rounded
     to the nearest float8_e4m3fn value (ties to even), so the cast to fp8 that follows is exact.
 
-    NOTE: GPUs round that cast correctly anyway; the Triton interpreter does not (a rounding carry is lost
-    when the exponent is odd, halving the value, and ties round away from zero), so rounding here keeps the
-    interpreter bit-identical to torch too, at a few integer ops per element on GPUs.
+    NOTE: GPUs round that cast correctly (``cvt.rn.satfinite``), so the store uses this only under the
+    interpreter, which does not (a rounding carry is lost when the exponent is odd, halving the value, and
+    ties round away from zero): rounding here keeps the interpreter bit-identical to torch.
     """
     x = tl.clamp(x.to(tl.float32), -_FP8_MAX, _FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     a = tl.abs(x)
@@ -111,6 +111,7 @@ def _store_kv_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,  # KV heads per program (power of two)
+    EXACT_FP8_ROUND: tl.constexpr,  # round to the fp8 grid in integer ops first (interpreter: _saturate_fp8)
 ):
     """One program = one token x BLOCK_H KV heads.
 
@@ -139,8 +140,13 @@ def _store_kv_kernel(
     k = tl.load(key_ptr + tok * stride_k_tok + heads * stride_k_head + offs_d[None, :], mask=mask, other=0)
     v = tl.load(value_ptr + tok * stride_v_tok + heads * stride_v_head + offs_d[None, :], mask=mask, other=0)
     if cache_ty == tl.float8e4nv:
-        k = _saturate_fp8(k)
-        v = _saturate_fp8(v)
+        if EXACT_FP8_ROUND:
+            k = _saturate_fp8(k)
+            v = _saturate_fp8(v)
+        else:
+            # GPUs: clamp, then the hardware cast (cvt.rn.satfinite: nearest-even, finite) does the rounding.
+            k = tl.clamp(k.to(tl.float32), -_FP8_MAX, _FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+            v = tl.clamp(v.to(tl.float32), -_FP8_MAX, _FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     if cache_ty == tl.int8:
         k, k_scale = _quantize_int8_rows(k)
         v, v_scale = _quantize_int8_rows(v)
@@ -310,7 +316,8 @@ def store_kv(
         kv_cache: one layer's cache (fp32/fp16/bf16, fp8 e4m3 or int8); blocks must be contiguous (a view of
             a bigger tensor is fine). fp8 stores the saturating cast, int8 the per-row quantization (see the
             module docstring).
-        slot_mapping: ``block_id * block_size + offset`` per token; negative = skip.
+        slot_mapping: ``block_id * block_size + offset`` per token; negative = skip. Non-negative slots must
+            be distinct: tokens are stored in parallel, so two tokens on one slot leave either one there.
         kv_scales: required for (only for) an int8 cache: receives each stored row's scale.
     Raises:
         ValueError: on shape/dtype/stride/device mismatches, a ``kv_scales`` that breaks the contract of
@@ -380,6 +387,7 @@ def store_kv(
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_H=block_h,
+        EXACT_FP8_ROUND=kv_cache.device.type != "cuda",
         num_warps=4,
         enable_fp_fusion=False,  # NOTE: x * inv + 0.5 must round twice, as in torch (not one FMA rounding)
     )

@@ -376,7 +376,7 @@ _AOT_SCRIPT = textwrap.dedent(
           dict(HEAD_DIM=128, HEAD_DIM_PAD=128, NUM_SPLITS=5, SPLITS_PAD=8), arch, num_warps=2)
     build(C._store_kv_kernel, dict(key_ptr="*fp32", value_ptr="*fp32", k_cache_ptr="*bf16",
           v_cache_ptr="*bf16", slot_mapping_ptr="*i64"),
-          dict(BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_H=8), arch)
+          dict(BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_H=8, EXACT_FP8_ROUND=False), arch)
     build(C._copy_blocks_kernel, dict(src_ptr="*i16", dst_ptr="*i16", src_ids_ptr="*i64", dst_ids_ptr="*i64",
           stride_src_block="i64"), dict(BLOCK_NUMEL=16384, CHUNK=2048), arch)
     print("compiled")

@@ -59,9 +59,15 @@ def test_store_kv_matches_reference(
     # key/value as strided slices of one fused [tokens, q + k + v heads, hd] projection output.
     fused = torch.randn(num_tokens, 2 * kvh + 3 * kvh, hd, generator=gen).to(kdt).to(DEV)
     key, value = fused[:, 3 * kvh : 4 * kvh], fused[:, 4 * kvh :]
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
-    slots[::5] = -1  # skipped tokens
-    slots[1] = num_blocks * block_size - 1  # the very last slot
+    perm = torch.randperm(num_blocks * block_size, generator=gen)
+    last = num_blocks * block_size - 1
+    # NOTE: slots must be distinct (two tokens on one slot race on a GPU: the winner is unspecified), so the
+    # very last slot is swapped into token 1 rather than written over it (block_size 1: 37 of 40 slots drawn).
+    perm = torch.cat([perm[perm != last][:1], torch.tensor([last]), perm[perm != last][1:]])
+    slots = perm[:num_tokens].clone()
+    slots[::5] = -1  # skipped tokens (token 1, the last slot, is kept)
+    kept = slots[slots >= 0]
+    assert kept.unique().numel() == kept.numel() and int(slots[1]) == last
     slot_mapping = slots.to(DEV)
     expected = cache.clone()
     reference.store_kv(key, value, expected, slot_mapping)

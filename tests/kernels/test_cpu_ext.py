@@ -30,6 +30,10 @@ def test_the_build_is_there_where_it_can_be() -> None:
         pytest.skip("no C++ compiler or no AVX2: the engine runs the plain-torch kernels")
     if os.environ.get("KVSERVE_CPU_EXT", "1") == "0":
         pytest.skip("KVSERVE_CPU_EXT=0")
+    if torch.cuda.is_available() and not cpu_ext.library_path().exists():
+        # NOTE: a CUDA machine's engine runs the Triton kernels; a checkout run there without `make setup`
+        # (gpu_check.sh) has no CPU build, and that is not a defect. A build that exists must still load.
+        pytest.skip(f"CUDA machine without a C++ CPU build ({cpu_ext.library_path()}): the engine runs Triton")
     assert cpu_ext.available(), cpu_ext.unusable_reason()
 
 
