@@ -46,3 +46,25 @@ def test_every_pressure_report_field_is_documented() -> None:
     section = DOC[DOC.index("- **PressureReport** fields"):DOC.index("- **Block events**")]
     missing = [f.name for f in pb.PressureReport.DESCRIPTOR.fields if f.name not in section]
     assert not missing, f"docs/architecture.md section 4 does not name PressureReport fields {missing}"
+
+
+def test_every_client_rpc_is_documented() -> None:
+    """Section 3b names each service of serving.proto and each of its methods."""
+    from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+
+    section = DOC[DOC.index("## 3b."):DOC.index("## 4.")]
+    for service in spb.DESCRIPTOR.services_by_name.values():
+        assert f"`{service.name}`" in section, f"docs/architecture.md 3b does not name service {service.name}"
+        missing = [m.name for m in service.methods if f"`{m.name}`" not in section]
+        assert not missing, f"docs/architecture.md 3b does not name {service.name} methods {missing}"
+
+
+def test_the_folder_map_matches_the_tree() -> None:
+    """Section 6 draws every folder of kvserve/router and kvserve/workers, and only folders that exist."""
+    section = DOC[DOC.index("## 6. Layering"):DOC.index("## 7.")]
+    for package in ("router", "workers"):
+        start = section.index(f"\n{package} ")
+        end = section.index("\n  ▼", start)
+        drawn = set(re.findall(r"^\s+(\w+)/\s", section[start:end] + "\n", re.M))
+        actual = {p.name for p in (ROOT / "kvserve" / package).iterdir() if (p / "__init__.py").is_file()}
+        assert drawn == actual, f"kvserve/{package}: drawn {sorted(drawn)}, on disk {sorted(actual)}"
