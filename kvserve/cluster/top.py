@@ -2,8 +2,8 @@
 
 One bar per worker splits its KV pool into used / cached-evictable / free blocks, beside swap,
 running/waiting/swapped requests, preemptions and migrations per second (deltas of the workers'
-totals between two snapshots), prefix-cache hit rate, the node's host tier (fill %/share of prompt
-tokens loaded from it), step latency and report age; a header line
+totals between two snapshots), prefix-cache hit rate, the node's host and disk tiers (each: fill %/share
+of the worker's prompt tokens loaded from it), step latency and report age; a header line
 shows the router queue, admission state and rejections.
 
 ``render_frame(prev, cur)`` is a pure function of two ``ClusterStatus`` snapshots (the older may be
@@ -99,6 +99,7 @@ _COLUMNS = (
     ("migr/s", "right", 8, 0),
     ("hit%", "right", 6, 4),
     ("host", "right", 9, 5),  # the node's host tier: fill %, share of prompt tokens loaded from it
+    ("disk", "right", 9, 5),  # the node's disk tier, likewise
     ("step ms", "right", 9, 2),
     ("age s", "right", 7, 3),
 )
@@ -128,13 +129,14 @@ def _layout(width: int | None, bar_width: int) -> tuple[dict[str, str], int]:
     return {name: header for name, header, _, _ in cols}, bar
 
 
-def _host_tier(w: spb.WorkerStatus) -> str:
-    """``<fill>%/<hit>%``: how full the node's host tier is and the share of this worker's prompt
-    tokens loaded from it (docs/architecture.md §3a); "-" without one."""
-    if not w.host_cache_bytes_capacity:
+def _tier(w: spb.WorkerStatus, tier: str) -> str:
+    """``<fill>%/<hit>%``: how full the node's ``tier`` ("host" or "disk") is and the share of this
+    worker's prompt tokens loaded from it (docs/architecture.md §3a); "-" without one."""
+    capacity = getattr(w, f"{tier}_cache_bytes_capacity")
+    if not capacity:
         return "-"
-    fill = w.host_cache_bytes_used / w.host_cache_bytes_capacity
-    return f"{100 * fill:.0f}%/{100 * w.prefix_cache_host_hit_rate:.0f}%"
+    fill = getattr(w, f"{tier}_cache_bytes_used") / capacity
+    return f"{100 * fill:.0f}%/{100 * getattr(w, f'prefix_cache_{tier}_hit_rate'):.0f}%"
 
 
 def render_frame(
@@ -213,7 +215,8 @@ def render_frame(
             "preempt/s": _rate(w.num_preemptions_total, p.num_preemptions_total if p else None, dt),
             "migr/s": _rate(w.num_migrations_total, p.num_migrations_total if p else None, dt),
             "hit%": f"{w.prefix_cache_hit_rate * 100:.0f}%",
-            "host": _host_tier(w),
+            "host": _tier(w, "host"),
+            "disk": _tier(w, "disk"),
             "step ms": f"{w.step_latency_ms:.1f}",
             "age s": "never" if w.last_report_age_s < 0 else f"{w.last_report_age_s:.1f}",
         }

@@ -69,7 +69,8 @@ def test_every_worker_and_its_state_is_shown() -> None:
                   "num_waiting": 2, "num_swapped": 1, "swap_blocks_total": 64, "swap_blocks_free": 60,
                   "node_id": "a" * 56, "prefix_cache_hit_rate": 0.25, "step_latency_ms": 12.5,
                   "last_report_age_s": 0.3, "host_cache_bytes_capacity": 1000, "host_cache_bytes_used": 400,
-                  "prefix_cache_host_hit_rate": 0.5},
+                  "prefix_cache_host_hit_rate": 0.5, "disk_cache_bytes_capacity": 4000, "disk_cache_bytes_used": 1000,
+                  "prefix_cache_disk_hit_rate": 0.125},
         worker_1={"used_blocks": 0, "free_blocks": 48, "healthy": False, "last_report_age_s": -1.0,
                   "node_id": "b" * 56},
     )  # fmt: skip
@@ -84,6 +85,7 @@ def test_every_worker_and_its_state_is_shown() -> None:
     assert (cells["swap"], cells["run"], cells["wait"], cells["swp"]) == ("4/64", "3", "2", "1")
     assert (cells["hit%"], cells["step_ms"], cells["age_s"]) == ("25%", "12.5", "0.3")
     assert cells["host"] == "40%/50%"  # the node's host tier: 40 % full, half the prompt tokens loaded from it
+    assert cells["disk"] == "25%/12%"  # and its disk tier (a worker with disk hits used to show none)
     down = row(text, "worker-1")
     assert down[1] == "✗" and down[-1] == "never", "an unhealthy worker is marked, a never-reported one says so"
 
@@ -125,7 +127,7 @@ def test_narrow_layout_keeps_the_essentials() -> None:
         assert name in cols
     assert bar >= 10
     full, bar_full = _layout(None, 30)
-    assert len(full) == 17 and bar_full == 30
+    assert len(full) == 18 and bar_full == 30
 
 
 def test_no_workers() -> None:

@@ -68,8 +68,10 @@ TIER_BYTES = Counter(
 )
 TIER_LOAD_SECONDS = Counter("kvserve:tier_load_seconds", "Time spent loading blocks from the tiers", _W)
 TIER_SPILLS_DROPPED = Counter("kvserve:tier_spills_dropped", "Evicted blocks not spilled (writer behind)", _W)
-TIER_BYTES_USED = Gauge("kvserve:tier_cache_bytes_used", "Bytes in the worker's node's tier", [*_W, "tier"])
-TIER_BYTES_CAPACITY = Gauge("kvserve:tier_cache_bytes_capacity", "Budget of the worker's node's tier", [*_W, "tier"])
+# NOTE: a node's tiers are shared by its workers, and each reports the same usage: one series per node
+# (not per worker), so that a sum over nodes counts each tier once.
+TIER_BYTES_USED = Gauge("kvserve:tier_cache_bytes_used", "Bytes in a node's tier", ["node", "tier"])
+TIER_BYTES_CAPACITY = Gauge("kvserve:tier_cache_bytes_capacity", "Budget of a node's tier", ["node", "tier"])
 TIER_LOAD_RATIO = Gauge(
     "kvserve:tier_load_recompute_ratio", "Measured load / recompute time of one block (0 = unmeasured)", [*_W, "tier"]
 )
@@ -135,8 +137,9 @@ class RouterMetrics:
         self._series: dict[str, _WorkerSeries] = {}
         self._recomputes, self._swaps = PREEMPTIONS.labels("recompute"), PREEMPTIONS.labels("swap")
 
-    def observe_pressure(self, r: pb.PressureReport, counted: CounterDeltas) -> None:
-        """A worker's report: gauges as it says, counters by what it ``counted`` since its last one."""
+    def observe_pressure(self, r: pb.PressureReport, counted: CounterDeltas, node: str = "") -> None:
+        """A worker's report: gauges as it says, counters by what it ``counted`` since its last one.
+        ``node``: the node the worker runs on (its tiers' usage is the node's)."""
         w = r.worker_id
         m = self._series.get(w)
         if m is None:
@@ -157,10 +160,10 @@ class RouterMetrics:
         m.prefix_hits.inc(counted["prefix_cache_hit_tokens_total"])
         m.prefill_tokens.inc(counted["prefill_tokens_total"])
         if r.host_cache_bytes_capacity or r.disk_cache_bytes_capacity:  # a worker with tiers (docs/architecture.md §3a)
-            self._observe_tiers(r, counted)
+            self._observe_tiers(r, counted, node)
 
     @staticmethod
-    def _observe_tiers(r: pb.PressureReport, counted: CounterDeltas) -> None:
+    def _observe_tiers(r: pb.PressureReport, counted: CounterDeltas, node: str) -> None:
         w = r.worker_id
         TIER_HITS.labels(w, "host").inc(counted["prefix_cache_host_hit_tokens_total"])
         TIER_HITS.labels(w, "disk").inc(counted["prefix_cache_disk_hit_tokens_total"])
@@ -172,8 +175,8 @@ class RouterMetrics:
                  ("disk", r.disk_cache_bytes_used, r.disk_cache_bytes_capacity, r.disk_load_ratio))  # fmt: skip
         for tier, used, capacity, ratio in tiers:
             if capacity:
-                TIER_BYTES_USED.labels(w, tier).set(used)
-                TIER_BYTES_CAPACITY.labels(w, tier).set(capacity)
+                TIER_BYTES_USED.labels(node, tier).set(used)
+                TIER_BYTES_CAPACITY.labels(node, tier).set(capacity)
                 TIER_LOAD_RATIO.labels(w, tier).set(ratio)
         RECOMPUTE_MS.labels(w).set(r.recompute_ms_per_block)
 

@@ -213,6 +213,7 @@ class WorkerState:
         q = r.prefix_cache_query_tokens_total
         w.prefix_cache_hit_rate = r.prefix_cache_hit_tokens_total / q if q else 0.0
         w.host_cache_bytes_used, w.host_cache_bytes_capacity = r.host_cache_bytes_used, r.host_cache_bytes_capacity
+        w.disk_cache_bytes_used, w.disk_cache_bytes_capacity = r.disk_cache_bytes_used, r.disk_cache_bytes_capacity
         w.prefix_cache_host_hit_rate = r.prefix_cache_host_hit_tokens_total / q if q else 0.0
         w.prefix_cache_disk_hit_rate = r.prefix_cache_disk_hit_tokens_total / q if q else 0.0
         w.host_load_ratio = r.host_load_ratio
@@ -547,7 +548,7 @@ class WorkerTable:
             entry.released(rid)
         entry.started.clear()
         self.ledger.reported(worker_id, report.num_imports_total, report.num_exports_total)
-        self.metrics.observe_pressure(report, entry.deltas(report))
+        self.metrics.observe_pressure(report, entry.deltas(report), node=entry.identity.node_id)
         return entry
 
     # ---- health ----------------------------------------------------------------------------------
