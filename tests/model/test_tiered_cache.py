@@ -129,15 +129,23 @@ def test_damaged_file_is_recomputed_not_served(tiny_llama_dir: Path, tmp_path: P
     del logprobs  # a partial hit computes a different chunk: tokens are the oracle here
 
 
-def test_auto_recomputes_when_loading_is_measured_slower(tiny_llama_dir: Path, tmp_path: Path, oracles) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("cheaper", ["slow_load", "fast_recompute"])
+def test_auto_recomputes_when_loading_is_measured_slower(tiny_llama_dir: Path, tmp_path: Path, oracles,  # type: ignore[no-untyped-def]
+                                                         cheaper: str) -> None:  # fmt: skip
+    """``--tier-load auto`` on a machine where recompute is the cheaper side (a GPU: prefill of a short
+    prefix beats a host read): the block is in the tier, yet it is recomputed, and the tokens are the same."""
     tokens, _ = oracles["greedy"]
     llm = _tiered(tiny_llama_dir, tmp_path, tier_load="auto")
     engine = llm.engine
     assert engine.tier_cost.ratio("host") is not None  # measured at start-up
     llm.generate([PROMPT], GREEDY)
     _evict_prompt(llm)
-    for _ in range(50):  # a machine where a load costs more than the whole prefill
-        engine.tier_cost.record_load("host", 1, 1.0)
+    assert engine.tiers is not None and set(_prompt_hashes(engine)) <= set(engine.tiers.tier_hashes()["host"])
+    for _ in range(50):  # the EMAs forget the start-up probe
+        if cheaper == "slow_load":  # a load costs more than the whole prefill
+            engine.tier_cost.record_load("host", 1, 1.0)
+        else:  # a prefill token costs a nanosecond: recomputing a block beats reading it
+            engine.tier_cost.record_prefill(1_000_000, 1e-3)
     assert not engine.tier_cost.load_pays("host")
     (out,) = llm.generate([PROMPT], GREEDY, check_integrity=True)
     assert engine.scheduler.tier_hits["host"] == 0 and out.num_cached_tokens == 0
