@@ -48,14 +48,14 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
 import grpc
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 from kvserve.router.api.health import cluster_ready, serving_workers
@@ -95,6 +95,23 @@ _FIELD_PREFIX = re.compile(r"([A-Za-z_][\w.\[\]]*): ")
 
 
 # ---- request bodies (types only; ranges are the router's) ---------------------------------------------
+def _unicode(s: str) -> str:
+    """Refuses a string protobuf cannot carry (a lone surrogate such as ``"\\ud800"`` is valid JSON but
+    not Unicode text): a 400 naming the field, not a 500 when the request proto is built."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid Unicode text (a lone surrogate at index {e.start})") from None
+    return s
+
+
+# NOTE: every string and token id a request proto will carry is bounded to what the proto field
+# holds (UTF-8 text, int32), so no JSON value can fail while the proto is built (issue 42: 2**40
+# in ``prompt`` and ``"\\ud800"`` were 500s). Ranges proper (vocab, lengths) stay the router's.
+Text = Annotated[str, AfterValidator(_unicode)]
+TokenId = Annotated[int, Field(ge=-(1 << 31), le=_INT32_MAX)]
+
+
 class _Body(BaseModel):
     # NOTE: strict: "0.5" for a number is a 400, as OpenAI answers it (ints still pass as floats).
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -111,31 +128,31 @@ class _SamplingBody(_Body):
     top_p: float | None = None
     top_k: int | None = Field(None, ge=-1, le=_UINT32_MAX)
     seed: int | None = Field(None, ge=0, lt=1 << 64)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     priority: int = Field(0, ge=-_INT32_MAX, le=_INT32_MAX)
     return_token_ids: bool = False  # extension (as vLLM): each choice/chunk carries its token ids
 
 
 class CompletionBody(_SamplingBody):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
 
 
 class TextPart(_Body):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class MessageBody(_Body):
-    role: str
-    content: str | list[TextPart] | None = None
+    role: Text
+    content: Text | list[TextPart] | None = None
 
 
 class ChatBody(_SamplingBody):
@@ -682,7 +699,10 @@ class OpenAIApi:
 
         @app.exception_handler(RequestValidationError)
         async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
-            err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
+            # NOTE: of a union's member errors ours (a lone surrogate) then the deepest say most ([2**40]
+            # for ``prompt``: the id is over int32, not "a valid string"); ties keep pydantic's order.
+            err = max(e.errors(), key=lambda x: (x.get("type") == "value_error", len(x.get("loc", ()))),
+                      default={"loc": (), "msg": "invalid request"})  # fmt: skip
             param = _loc(err.get("loc", ()))
             return ApiError(400, f"{param or 'body'}: {err.get('msg')}", "invalid_request_error", param).response()
 
