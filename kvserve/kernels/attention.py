@@ -61,9 +61,11 @@ def _load_kv_tile(
     stride_kv_block, stride_kv_slot, stride_s_block, stride_s_slot, BLOCK_SIZE: tl.constexpr,
 ):  # fmt: skip
     """K and V ``[TILE_N, HEAD_DIM_PAD]`` of key positions ``tok`` (through the sequence's block-table
-    row ``bt_row``) as stored, except that an int8 V comes back dequantized (fp32); plus K's int8 scales
-    ``[TILE_N]`` (unused otherwise), which the caller applies to the scores:
-    ``q . (scale * k) == scale * (q . k)``, TILE_N products instead of TILE_N x HEAD_DIM."""
+    row ``bt_row``) as stored (one wide load each, whatever the element size), plus an int8 cache's K and V
+    scales ``[TILE_N]`` (the mask as fp32 otherwise), each loaded once per tile. The caller dequantizes
+    without touching the ``TILE_N x HEAD_DIM`` elements: K's scales multiply the scores
+    (``q . (s * k) == s * (q . k)``) and V's the probabilities (``sum_n p_n (s_n v_n) == sum_n (p_n s_n) v_n``),
+    TILE_N products per query row instead of TILE_N x HEAD_DIM."""
     block_ids = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
     slot_off = block_ids * stride_kv_block + (tok % BLOCK_SIZE).to(tl.int64) * stride_kv_slot + head_off
     kv_mask = tok_mask[:, None] & d_mask[None, :]
@@ -73,10 +75,25 @@ def _load_kv_tile(
         s_off = block_ids * stride_s_block + (tok % BLOCK_SIZE).to(tl.int64) * stride_s_slot + kv_head
         k_scale = tl.load(k_scale_ptr + s_off, mask=tok_mask, other=0.0)
         v_scale = tl.load(v_scale_ptr + s_off, mask=tok_mask, other=0.0)
-        v = v.to(tl.float32) * v_scale[:, None]
     else:
         k_scale = tok_mask.to(tl.float32)
-    return k, v, k_scale
+        v_scale = k_scale
+    return k, v, k_scale, v_scale
+
+
+@triton.jit
+def _pv_int8(p, v_scale, v, DOT_PRECISION: tl.constexpr):
+    """``p @ (v_scale[:, None] * v)`` for an int8 V ``[TILE_N, D]`` (already cast to the compute dtype) and
+    probabilities ``p [M, TILE_N]`` (fp32), without dequantizing V: the scales go onto ``p``.
+
+    NOTE: ``p * v_scale`` is normalised by the tile's largest scale before the cast to a 16-bit dtype (and
+    the product scaled back after the dot): raw products (p ~1e-3 x scale ~1e-3) would fall into fp16's
+    subnormals and lose their precision there.
+    """
+    s_max = tl.max(v_scale, 0)
+    s_max = tl.where(s_max > 0.0, s_max, 1.0)
+    pv = (p * (v_scale / s_max)[None, :]).to(v.dtype)
+    return tl.dot(pv, v, input_precision=DOT_PRECISION) * s_max
 
 
 @triton.jit
@@ -161,7 +178,7 @@ def _paged_decode_kernel(
     for tile in range(tile_lo, tile_hi):
         tok = tile * TILE_N + offs_n  # [TILE_N]
         tok_mask = (tok < ctx) & (tok >= kv_lo)
-        k, v, k_scale = _load_kv_tile(
+        k, v, k_scale, v_scale = _load_kv_tile(
             k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row, tok, tok_mask, offs_d, d_mask, head_off,
             kv_head, stride_kv_block, stride_kv_slot, stride_s_block, stride_s_slot, BLOCK_SIZE,
         )  # fmt: skip
@@ -178,7 +195,10 @@ def _paged_decode_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])  # [GROUP_PAD, TILE_N]
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if KV_INT8:
+            acc = acc * alpha[:, None] + _pv_int8(p, v_scale, v, DOT_PRECISION)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -332,7 +352,7 @@ def _paged_prefill_kernel(
     for tile in range(kv_lo // TILE_N, tl.cdiv(kv_hi, TILE_N)):
         tok = tile * TILE_N + offs_n  # [TILE_N] key positions
         tok_mask = (tok < kv_hi) & (tok >= kv_lo)
-        k, v, k_scale = _load_kv_tile(
+        k, v, k_scale, v_scale = _load_kv_tile(
             k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row, tok, tok_mask, offs_d, d_mask, head_off,
             kv_head, stride_kv_block, stride_kv_slot, stride_s_block, stride_s_slot, BLOCK_SIZE,
         )  # fmt: skip
@@ -351,7 +371,10 @@ def _paged_prefill_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if KV_INT8:
+            acc = acc * alpha[:, None] + _pv_int8(p, v_scale, v, DOT_PRECISION)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     result = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -362,6 +385,23 @@ def _paged_prefill_kernel(
 
 
 # --------------------------------------------------------------------------------------------- policy
+
+
+def decode_tile_n(kv_element_size: int) -> int:
+    """K/V tokens per decode loop step for a cache of ``kv_element_size`` bytes per element.
+
+    A 1-byte cache (fp8, int8) takes twice ``DECODE_TILE_N`` tokens, so each step moves as many bytes
+    (and keeps as many in flight) as a 16-bit cache's step: at the same tokens per step a quantized
+    cache reads half the bytes per step in the same number of steps, and stays latency-bound.
+    """
+    return DECODE_TILE_N * 2 if kv_element_size == 1 else DECODE_TILE_N
+
+
+def min_tokens_per_split(kv_element_size: int) -> int:
+    """The split-K floor for a cache of ``kv_element_size`` bytes: the same bytes per split (twice the
+    tokens for a 1-byte cache), so a split still amortises its merge and its partial's write."""
+    return MIN_TOKENS_PER_SPLIT * 2 if kv_element_size == 1 else MIN_TOKENS_PER_SPLIT
+
 
 
 def choose_num_splits(
@@ -553,7 +593,12 @@ def decode_attention(
         if sliding_window is not None:
             max_context = min(max_context, int(sliding_window))
         num_splits = choose_num_splits(
-            num_seqs, num_kv_heads, max_context, block_size, num_sms=_num_sms(query.device)
+            num_seqs,
+            num_kv_heads,
+            max_context,
+            block_size,
+            num_sms=_num_sms(query.device),
+            min_tokens_per_split=min_tokens_per_split(kv_cache.element_size()),
         )
     if int(num_splits) < 1:
         raise ValueError(f"decode_attention: num_splits must be >= 1, got {num_splits}")
@@ -561,17 +606,19 @@ def decode_attention(
 
     k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, num_kv_heads, head_dim]
     head_dim_pad = triton.next_power_of_2(head_dim)
+    tile_n = decode_tile_n(kv_cache.element_size())
     common = dict(
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size,
-        TILE_N=DECODE_TILE_N,
+        TILE_N=tile_n,
         NUM_SPLITS=num_splits,
         USE_WINDOW=sliding_window is not None,
         DOT_PRECISION=_dot_precision(query.dtype),
-        num_warps=4 if head_dim_pad <= 128 else 8,
+        # NOTE: a 1-byte cache's 128-token tile is 16-bit in registers after the cast: 8 warps hold it.
+        num_warps=4 if tile_n * head_dim_pad <= 64 * 128 else 8,
         num_stages=2,
     )
     scales = _scales_or_dummy(kv_cache, kv_scales)  # [2, num_blocks, block_size, num_kv_heads]

@@ -163,6 +163,7 @@ class Case:
     q_lens: tuple[int, ...] | None = None  # None: decode (one query per sequence)
     window: int | None = None
     num_splits: int | None = None
+    scale_size: float = 0.05  # int8 scales drawn from [0, scale_size)
 
 
 @dataclasses.dataclass
@@ -190,7 +191,7 @@ def build(case: Case) -> Paged:
     else:
         cache = torch.randint(-127, 128, shape, dtype=INT8, generator=gen)
         scales = torch.full(shape[:4], float("nan"))
-        scales[:, ids] = torch.rand(2, used, BS, KVH, generator=gen) * 0.05
+        scales[:, ids] = torch.rand(2, used, BS, KVH, generator=gen) * case.scale_size
     table = torch.full((len(need), max(need) + 2), int(ids[0]), dtype=torch.int32)  # pad: a valid id
     start = 0
     for s, n in enumerate(need):
@@ -227,12 +228,16 @@ DECODE_CASES = {
     "int8-f32-split3": Case(INT8, F32, (1, 13, 37), num_splits=3),
     "int8-f16-window-split2": Case(INT8, F16, (5, 37), window=7, num_splits=2),
     "fp8-f16-window-auto": Case(FP8, F16, (5, 37), window=7),
+    # A quiet layer (|x| ~ 1e-3, scale ~ 1e-5): p * scale would be an fp16 subnormal without the kernel's
+    # per-tile normalisation of V's scales.
+    "int8-f16-tiny-scales-split2": Case(INT8, F16, (13, 37), num_splits=2, scale_size=1e-5),
 }
 PREFILL_CASES = {
     "int8-f32-prompt-and-extend": Case(INT8, F32, (9, 30), q_lens=(9, 12)),
     "fp8-f32-prompt-and-extend": Case(FP8, F32, (9, 30), q_lens=(9, 12)),
     "int8-f16-window-extend": Case(INT8, F16, (9, 30), q_lens=(3, 30), window=6),
     "fp8-f32-window-extend": Case(FP8, F32, (9, 30), q_lens=(3, 30), window=6),
+    "int8-f16-tiny-scales": Case(INT8, F16, (9, 30), q_lens=(9, 12), scale_size=1e-5),
 }
 
 
@@ -278,6 +283,36 @@ def test_prefill_equals_dequantize_then_reference(name: str) -> None:
     )
     assert out.dtype == case.q_dtype and not out.isnan().any()
     assert rel_err(out, ref) <= TOL[case.q_dtype]
+
+
+def test_tile_and_split_follow_the_cache_element_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 1-byte cache steps over twice the tokens per tile (the same bytes as a 16-bit cache's tile) and
+    keeps twice the tokens per split; the decode launcher passes that tile to the kernel."""
+    assert attention.decode_tile_n(1) == 2 * attention.decode_tile_n(2) == 2 * attention.decode_tile_n(4)
+    assert attention.min_tokens_per_split(1) == 2 * attention.min_tokens_per_split(2)
+    splits = {b: attention.choose_num_splits(1, 8, 32768, 16, min_tokens_per_split=attention.min_tokens_per_split(b))
+              for b in (1, 2)}  # fmt: skip
+    assert splits[1] >= 1 and splits[2] >= splits[1]
+    assert attention.choose_num_splits(1, 8, 2048, 16, min_tokens_per_split=attention.min_tokens_per_split(1)) == 4
+
+    seen: list[int] = []
+    real = attention._paged_decode_kernel
+
+    class Spy:
+        def __getitem__(self, grid: tuple[int, ...]):  # noqa: ANN204 - a launcher, as triton's
+            def launch(*args: object, **kwargs: object) -> None:
+                seen.append(int(kwargs["TILE_N"]))
+                real[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(attention, "_paged_decode_kernel", Spy())
+    for kv_dtype in (INT8, FP8):
+        p = build(Case(kv_dtype, F32, (37,), num_splits=1))
+        attention.decode_attention(p.query, p.kv_cache, p.block_tables, p.context_lens, 0.25, kv_scales=p.kv_scales)
+    p = build(Case(FP8, F32, (37,), num_splits=1))
+    attention.decode_attention(p.query, p.kv_cache.float(), p.block_tables, p.context_lens, 0.25)
+    assert seen == [32, 32, 16]  # the fixture's 16-token tile: doubled for the 1-byte caches only
 
 
 def test_kv_scales_mismatch_raises() -> None:
@@ -367,7 +402,7 @@ _AOT_SCRIPT = textwrap.dedent(
         t = dict(out_ptr="*fp32", lse_ptr="*fp32", q_ptr=f"*{dt}", k_cache_ptr=f"*{kv}", v_cache_ptr=f"*{kv}",
                  block_tables_ptr="*i32", context_lens_ptr="*i32", qk_scale="fp32", stride_kv_block="i64", **scales)
         build(A._paged_decode_kernel, t, dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16,
-              TILE_N=64, NUM_SPLITS=8, USE_WINDOW=True, WRITE_FINAL=False, DOT_PRECISION=prec), num_warps=4)
+              TILE_N=128, NUM_SPLITS=8, USE_WINDOW=True, WRITE_FINAL=False, DOT_PRECISION=prec), num_warps=8)
     for kv, dt in (("i8", "fp16"), ("fp8e4nv", "bf16")):
         t = dict(out_ptr=f"*{dt}", q_ptr=f"*{dt}", k_cache_ptr=f"*{kv}", v_cache_ptr=f"*{kv}", block_tables_ptr="*i32",
                  cu_seqlens_q_ptr="*i32", context_lens_ptr="*i32", qk_scale="fp32", **scales)
