@@ -51,6 +51,19 @@ within the bounds. Without a ``ColdCapacity`` (no serving pool) the wait is
 unknown: only a request with nobody ahead of it is queued, the others are refused with the
 "unknown" retry hint.
 Queued requests whose deadline passes are taken out by ``expired`` without ever reaching a worker.
+
+The work ahead (``work_start_s``), whenever a step time or completions are measured, cold or warm: the
+estimates above see blocks and rates, not how long what is already running will keep its blocks. A
+burst of long generations at a saturated cluster (each request holding most of a pool for hundreds
+of steps) passes every bound above while the queue grows past what can start before the deadline
+(admitted requests that never get a token). So the start is also projected from the decode work
+ahead: the pools run ``pool_blocks // blocks per request`` requests at once (the newcomer's whole
+sequence, or the typical measured request), each for its expected tokens (what it may still
+generate, capped at the typical completion once one is measured) at the measured seconds per token
+(``ServiceTimes``, else the workers' current step time); the running requests go first, then the
+queued ones ahead, list-scheduled on those slots. The projected start is the later of that and the
+estimate above. NOTE: it errs on refusing (a request may end early at EOS), never on queueing what
+cannot start: the refusal carries the projected start as its retry hint.
 """
 
 from __future__ import annotations
@@ -60,7 +73,7 @@ import heapq
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -122,12 +135,19 @@ class ColdCapacity:
         step_s: the fastest recent engine step among them, seconds (0 = none measured yet).
         pool_blocks: the blocks of their pools together.
         free_blocks: blocks free for new work now (free and evictable, less those promised).
+        running: requests placed and not finished.
+        step_now_s: their current step time, seconds (0 = none measured): the work estimate's
+            seconds per token before any completion is measured.
+        running_tokens: for each running request, the tokens it may still generate (empty: unknown,
+            then ``running`` requests of the typical length).
     """
 
     step_s: float
     pool_blocks: int
     free_blocks: int
     running: int = 0
+    step_now_s: float = 0.0  # the serving workers' current step time (mean of their last reports)
+    running_tokens: tuple[int, ...] = ()  # tokens each running request may still generate
 
     def estimated_start_s(self, requests_ahead: int, typical_s: float, typical_blocks: int) -> float:
         """When a newcomer behind ``requests_ahead`` queued ones could start, from measured
@@ -154,6 +174,28 @@ class ColdCapacity:
         if excess <= 0:
             return 0.0
         return math.ceil(excess / self.pool_blocks) * self.step_s
+
+
+def work_start_s(slots: int, running_s: Sequence[float], ahead_s: Sequence[float]) -> float:
+    """When a newcomer could start if ``slots`` requests run at once: the running requests (their
+    remaining seconds, ``running_s``) hold slots first, then the queued ones ahead of it
+    (``ahead_s``, in service order) take each slot as it frees (list scheduling).
+
+    Returns 0.0 when a slot is free for it now.
+
+    Raises:
+        ValueError: ``slots`` < 1.
+    """
+    if slots < 1:
+        raise ValueError(f"slots must be >= 1, got {slots}")
+    jobs = [*sorted(running_s), *ahead_s]
+    if len(jobs) < slots:
+        return 0.0
+    heap = jobs[:slots]
+    heapq.heapify(heap)
+    for job in jobs[slots:]:
+        heapq.heappush(heap, heapq.heappop(heap) + job)
+    return heap[0]
 
 
 class AdmissionState(str, enum.Enum):
@@ -244,6 +286,7 @@ class AdmissionQueue(Generic[T]):
         self._class_blocks: dict[int, int] = {}  # sum of num_blocks per priority class
         self._num_blocks = 0
         self._drains: deque[tuple[float, int]] = deque()  # (time, blocks) per item popped
+        self._tokens: dict[str, int] = {}  # max_tokens of each item queued by ``admit``
         self._rejections = {reason: 0 for reason in RejectReason}
 
     # ------------------------------------------------------------------ admission
@@ -301,7 +344,8 @@ class AdmissionQueue(Generic[T]):
         return True
 
     def admit(
-        self, item: T, *, fits_ever: bool = True, deadline: float | None = None, max_tokens: int = 0
+        self, item: T, *, fits_ever: bool = True, deadline: float | None = None, max_tokens: int = 0,
+        blocks_ever: int = 0,
     ) -> Refusal | None:
         """Queue ``item`` only if it fits the bounds and is projected to start in time, and, with a
         deadline, to finish by it (its start plus its expected service time, ``self.service``).
@@ -313,6 +357,8 @@ class AdmissionQueue(Generic[T]):
                 no deadline; the item leaves the queue through ``expired`` once it passes.
             max_tokens: the tokens it may still generate (its expected service time scales with
                 them, capped at the typical completion).
+            blocks_ever: the blocks its whole sequence holds at its longest (prompt + max_tokens;
+                0: its ``num_blocks``), how much of a pool it takes in the work estimate.
 
         Returns:
             None if queued; else the ``Refusal`` (counted in ``rejections_total``). NOTE: a refusal
@@ -329,10 +375,14 @@ class AdmissionQueue(Generic[T]):
         if reason is None:
             if deadline is not None and deadline <= now:
                 reason = RejectReason.WAIT_EXCEEDS_DEADLINE
-            elif wait is None or (len(self._drains) < MIN_TRUSTED_DRAINS and self.cold_capacity is not None):
-                # NOTE: cold: no rate, or one from a handful of pops over an arbitrary span (the
-                # first completions after a start), which would refuse what can start in time.
-                wait = self._cold_start_s(item)
+            else:
+                if wait is None or (len(self._drains) < MIN_TRUSTED_DRAINS and self.cold_capacity is not None):
+                    # NOTE: cold: no rate, or one from a handful of pops over an arbitrary span (the
+                    # first completions after a start), which would refuse what can start in time.
+                    wait = self._cold_start_s(item)
+                work = self._work_start_s(item, max_tokens, blocks_ever)
+                if work is not None and (wait is None or work > wait):
+                    wait = work
                 if wait is None:
                     if self._requests_ahead(item.priority) > 0:
                         reason = RejectReason.WAIT_UNKNOWN
@@ -340,12 +390,9 @@ class AdmissionQueue(Generic[T]):
                     reason = RejectReason.WAIT_EXCEEDS_DEADLINE
                 elif wait > self.max_wait_s:
                     reason = RejectReason.WAIT_EXCEEDS_MAX
-            elif deadline is not None and wait + service > deadline - now:
-                reason = RejectReason.WAIT_EXCEEDS_DEADLINE
-            elif wait > self.max_wait_s:
-                reason = RejectReason.WAIT_EXCEEDS_MAX
         if reason is None:
             self.offer(item, fits_ever=fits_ever)
+            self._tokens[item.request_id] = max_tokens
             if deadline is not None:
                 self._tie += 1
                 heapq.heappush(self._deadlines, (deadline, self._tie, item.request_id))
@@ -370,6 +417,29 @@ class AdmissionQueue(Generic[T]):
             ahead = self._requests_ahead(item.priority)
             return cap.estimated_start_s(ahead, typical, self.service.typical_blocks())
         return cap.earliest_start_s(self._blocks_ahead(item.priority) + item.num_blocks)
+
+    def _work_start_s(self, item: T, max_tokens: int, blocks_ever: int) -> float | None:
+        """When ``item`` could start given the decode work ahead of it (module doc), or None when
+        nothing measured gives a time per token (or there is no pool)."""
+        if self.cold_capacity is None:
+            return None
+        cap = self.cold_capacity()
+        per_token = self.service.per_token_s() or cap.step_now_s or cap.step_s
+        if per_token <= 0 or cap.pool_blocks <= 0:
+            return None
+        typical = self.service.typical_tokens()
+        size = self.service.typical_blocks() if typical is not None else max(blocks_ever, item.num_blocks, 1)
+        slots = max(1, cap.pool_blocks // size)
+
+        def seconds(tokens: int) -> float:
+            tokens = max(tokens, 1)
+            return per_token * (tokens if typical is None else min(tokens, typical))
+
+        running = cap.running_tokens or (typical or 1,) * cap.running
+        ahead = [seconds(self._tokens.get(q.request_id, 0))
+                 for p in sorted(self._classes, reverse=True) if p >= item.priority
+                 for q in self._classes[p].values()]  # fmt: skip
+        return work_start_s(slots, [seconds(t) for t in running], ahead)
 
     def expired(self) -> list[T]:
         """Take out, and return, queued items whose deadline (given to ``admit``) has passed.
@@ -455,6 +525,7 @@ class AdmissionQueue(Generic[T]):
     def _take(self, request_id: str) -> T:
         priority = self._priority_of.pop(request_id)
         self._deadline_of.pop(request_id, None)
+        self._tokens.pop(request_id, None)
         cls = self._classes[priority]
         item = cls.pop(request_id)
         if not cls:

@@ -56,6 +56,21 @@ class ServiceTimes:
         recent = self._recent()
         return max(1, int(statistics.median(b for *_, b in recent))) if recent else 1
 
+    def typical_tokens(self) -> int | None:
+        """The median output tokens of a recent completion; None with fewer than ``MIN_SAMPLES``."""
+        recent = self._recent()
+        if len(recent) < MIN_SAMPLES:
+            return None
+        return max(1, int(statistics.median(n for _, _, n, _ in recent)))
+
+    def per_token_s(self) -> float | None:
+        """The median seconds per output token of a recent completion (what a running request
+        takes per token under the load it ran in); None with fewer than ``MIN_SAMPLES``."""
+        recent = self._recent()
+        if len(recent) < MIN_SAMPLES:
+            return None
+        return statistics.median(s / n for _, s, n, _ in recent)
+
     def expected_s(self, max_tokens: int) -> float:
         """A newcomer's expected service time (module doc); 0.0 when there is no estimate."""
         typical = self.typical_s()

@@ -76,7 +76,10 @@ class Router(WorkerLinkHandler):
         self.replays_total = 0
         self.queue: AdmissionQueue[RouterRequest] = AdmissionQueue(
             config.max_queue_requests, config.max_queue_blocks, max_wait_s=config.max_queue_wait_s,
-            cold_capacity=lambda: self.table.cold_capacity(running=len(self.requests) - len(self.queue)),
+            cold_capacity=lambda: self.table.cold_capacity(tuple(  # what each running request may still generate
+                r.params.max_tokens - len(r.output_ids)
+                for r in self.requests.values() if r.request_id not in self.queue
+            )),
         )  # fmt: skip
         self._expiry: asyncio.TimerHandle | None = None
         self.placement = Placement(config.placement_policy, weights=config.placement_weights())
@@ -213,7 +216,8 @@ class Router(WorkerLinkHandler):
             self.metrics.admitted(len(ids))
             return r
         deadline = None if time_remaining_s is None else time.monotonic() + max(time_remaining_s, 0.0)
-        refusal = self.queue.admit(r, deadline=deadline, max_tokens=params.max_tokens)
+        refusal = self.queue.admit(r, deadline=deadline, max_tokens=params.max_tokens,
+                                   blocks_ever=blocks_for(len(ids) + params.max_tokens, self.block_size))
         if refusal is not None:
             self.metrics.rejected(refusal.reason.value)
             wait = "unknown" if refusal.projected_wait_s is None else f"{refusal.projected_wait_s:.1f} s"

@@ -325,15 +325,17 @@ class WorkerTable:
     def any_serving(self) -> bool:
         return any(self.serving(e) for e in self.entries.values())
 
-    def cold_capacity(self, running: int = 0) -> ColdCapacity:
+    def cold_capacity(self, running_tokens: tuple[int, ...] = ()) -> ColdCapacity:
         """What admission may rely on before any drain is measured (kvserve/router/policy/admission.py): the
-        fastest recent step, the pool blocks and the blocks free now of the serving workers, and
-        the ``running`` requests (placed, not finished) the router counts."""
+        fastest and the current (mean) step, the pool blocks and the blocks free now of the serving
+        workers, and the requests running (placed, not finished: the tokens each may still generate)."""
         serving = [e for e in self.entries.values() if self.serving(e)]
         steps = [e.report.step_latency_ms / 1000 for e in serving if e.report and e.report.step_latency_ms > 0]
         views = [e.view(True, self.ledger) for e in serving]
         free = sum(max(v.free_blocks + v.cached_evictable_blocks - v.blocks_in_flight, 0) for v in views)
-        return ColdCapacity(min(steps, default=0.0), sum(v.total_blocks for v in views), free, running)
+        now = sum(steps) / len(steps) if steps else 0.0
+        return ColdCapacity(min(steps, default=0.0), sum(v.total_blocks for v in views), free, len(running_tokens),
+                            now, running_tokens)  # fmt: skip
 
     def views(self) -> list[WorkerView]:
         return [e.view(self.serving(e), self.ledger) for e in self.entries.values()]
