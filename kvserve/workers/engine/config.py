@@ -17,6 +17,7 @@ ALLOCATORS = ("paged", "contiguous")
 RESERVES = ("max_model_len", "max_tokens")
 TIER_LOADS = ("auto", "always")
 CPU_WEIGHTS = ("fp32", "bf16")
+CPU_KV_CACHE_MEMORY = "2GiB"  # the KV pool where neither num_gpu_blocks nor kv_cache_memory is given, off CUDA
 
 WATERMARK = Check(lambda v: 0.0 <= v < 1.0, "must be in [0, 1)")
 _UTILIZATION = Check(lambda v: 0.0 < v <= 1.0, "must be in (0, 1]")
@@ -27,8 +28,9 @@ _DEVICE = Check(lambda v: v in ("auto", "cpu", "cuda") or v.startswith("cuda:"),
 class EngineConfig:
     """Args mirror vLLM's engine args where they overlap.
 
-    Pool size: ``num_gpu_blocks`` if given; else ``kv_cache_memory`` on CPU, and on CUDA
-    ``gpu_memory_utilization`` of the card minus weights and a profiled activation peak.
+    Pool size: ``num_gpu_blocks`` if given; else ``kv_cache_memory`` if given (2GiB by default on CPU);
+    else, on CUDA, ``gpu_memory_utilization`` of the card minus weights, a profiled activation peak and
+    the decode graphs' pool (no more than is free).
 
     Raises:
         ValueError: a bad value, ``"<field> must be ..., got <value>"``.
@@ -39,8 +41,11 @@ class EngineConfig:
     device: str = knob("auto", help="auto (cuda if available, else cpu) | cpu | cuda[:N]", check=_DEVICE)
     block_size: int = knob(16, help="tokens per KV block", check=POWER_OF_TWO)
     num_gpu_blocks: int | None = knob(None, help="pool size in blocks (overrides memory)", check=POSITIVE)
-    kv_cache_memory: str | int = knob("2GiB", help="KV pool size on CPU, e.g. 2GiB")
+    kv_cache_memory: str | int | None = knob(
+        None, help="KV pool size, e.g. 2GiB (default: 2GiB on CPU; on CUDA from gpu_memory_utilization)"
+    )
     gpu_memory_utilization: float = knob(0.9, help="fraction of the card for weights + KV", check=_UTILIZATION)
+    enforce_eager: bool = knob(False, help="CUDA: run decode steps eagerly (no CUDA graphs; as vLLM's flag)")
     # NOTE: an opt-in speed mode, off by default: tokens then match HF fp32 only as far as bf16-rounded weights
     # allow (kvserve/cluster/bench/RESULTS.md reports the agreement); fp32 keeps the engine token-exact.
     cpu_weights: str = knob(
@@ -86,7 +91,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         validate(self)
         try:
-            parse_bytes(self.kv_cache_memory)
+            parse_bytes(self.kv_cache_memory if self.kv_cache_memory is not None else CPU_KV_CACHE_MEMORY)
         except ValueError as e:
             raise ValueError(f"kv_cache_memory: {e}") from None
         for name in ("host_cache_memory", "disk_cache_size"):
@@ -101,7 +106,8 @@ class EngineConfig:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return parse_bytes(self.kv_cache_memory)
+        """The KV pool's size in bytes where memory decides it: ``kv_cache_memory``, else 2GiB."""
+        return parse_bytes(self.kv_cache_memory if self.kv_cache_memory is not None else CPU_KV_CACHE_MEMORY)
 
     @property
     def host_cache_bytes(self) -> int:

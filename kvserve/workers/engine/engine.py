@@ -23,6 +23,7 @@ from kvserve.workers.core.sampling_params import SamplingParams
 from kvserve.workers.core.sizes import blocks_for
 from kvserve.workers.engine.block_pool import BlockPool
 from kvserve.workers.engine.config import EngineConfig
+from kvserve.workers.engine.cuda_graphs import decode_buckets
 from kvserve.workers.engine.kv_cache import KVCache, bytes_per_block, kv_storage_dtype
 from kvserve.workers.engine.migration import MigrationState, rebuild_output_text
 from kvserve.workers.engine.model_runner import ModelRunner
@@ -96,6 +97,8 @@ class LLMEngine:
             self.model_id,
         )
         self.runner = ModelRunner(self.model, self.kv_cache, Sampler())
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.enable_decode_graphs()
         # NOTE: pack_for_cpu either packs bf16 as asked (cpu_gemm.choose raises where it cannot) or packs nothing
         if config.cpu_weights == "bf16" and self.model.gemm_choice is None:
             raise ValueError("cpu_weights=bf16: the CPU GEMMs could not be packed (oneDNN off or unavailable)")
@@ -138,7 +141,7 @@ class LLMEngine:
         c = self.config
         if c.num_gpu_blocks is not None:
             return c.num_gpu_blocks
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and c.kv_cache_memory is None:
             return self._profile_cuda_blocks(block_bytes)
         n = c.kv_cache_bytes // block_bytes
         if n <= 0:
@@ -147,29 +150,67 @@ class LLMEngine:
 
     @torch.inference_mode()
     def _profile_cuda_blocks(self, block_bytes: int) -> int:
-        """gpu_memory_utilization x card memory, minus weights and the activation peak of the
-        largest batch this engine will run."""
+        """KV blocks that fit in ``gpu_memory_utilization`` x card memory next to this engine's own use:
+        its weights, the activation peak of the largest batch it will run and, with decode graphs, their
+        memory pool (the activation peak of a decode at the largest bucket), and no more than is free.
+
+        NOTE: only this engine's memory is counted against its share (``max_memory_allocated`` alone would
+        also count whatever else the process holds, e.g. another engine's pool, and refuse to start);
+        memory held elsewhere is respected through the free-memory bound instead.
+        """
         c = self.config
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
+        weights = sum(t.numel() * t.element_size() for t in itertools.chain(self.model.parameters(),
+                                                                            self.model.buffers()))  # fmt: skip
         num_tokens = min(c.max_num_batched_tokens, self.max_model_len)
-        blocks = blocks_for(num_tokens, c.block_size)
-        scratch = KVCache(self.model_config, blocks, c.block_size, self.kv_dtype, self.device)
-        probe = Request("__profile__", [0] * num_tokens, SamplingParams(max_tokens=1, temperature=0.0))
-        probe.block_table = list(range(blocks))
-        ModelRunner(self.model, scratch, Sampler()).execute(SchedulerOutput(scheduled=[(probe, num_tokens)]))
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        del scratch
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        free_for_kv = int(total * c.gpu_memory_utilization) - peak
-        n = free_for_kv // block_bytes
+        activation = self._probe_peak([num_tokens])
+        graphs = 0 if c.enforce_eager else self._probe_peak([1] * decode_buckets(c.max_num_seqs)[-1])
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        share = int(total * c.gpu_memory_utilization) - weights - activation - graphs
+        n = min(share, free - activation - graphs) // block_bytes
+        logger.info("CUDA memory: %.2f GiB card x %.2f; weights %.2f GiB, activation peak %.2f GiB, decode graphs "
+                    "%.2f GiB, free %.2f GiB -> %d KV blocks", total / 2**30, c.gpu_memory_utilization,
+                    weights / 2**30, activation / 2**30, graphs / 2**30, free / 2**30, max(n, 0))  # fmt: skip
         if n <= 0:
             raise ValueError(
-                f"no memory left for the KV cache: {total / 2**30:.1f} GiB x {c.gpu_memory_utilization} "
-                f"< peak {peak / 2**30:.1f} GiB; raise gpu_memory_utilization or lower max_num_batched_tokens"
+                f"no memory left for the KV cache: {total / 2**30:.1f} GiB x {c.gpu_memory_utilization} = "
+                f"{total * c.gpu_memory_utilization / 2**30:.1f} GiB share, {free / 2**30:.1f} GiB free; this engine "
+                f"needs {(weights + activation + graphs) / 2**30:.1f} GiB besides its KV cache (weights "
+                f"{weights / 2**30:.1f}, activation peak {activation / 2**30:.1f}, "
+                f"decode graphs {graphs / 2**30:.1f}); "
+                "raise gpu_memory_utilization, lower max_num_batched_tokens or max_num_seqs, or pass --enforce-eager"
             )
         return n
+
+    def _probe_peak(self, counts: list[int]) -> int:
+        """Bytes allocated above the current level while one step runs requests of these token counts on a
+        scratch cache (the step's activation peak; the scratch cache itself is allocated before and not counted)."""
+        bs = self.config.block_size
+        per_req = [blocks_for(n, bs) for n in counts]
+        scratch = KVCache(self.model_config, sum(per_req), bs, self.kv_dtype, self.device)
+        probes, first = [], 0
+        for i, (n, blocks) in enumerate(zip(counts, per_req, strict=True)):
+            probe = Request(f"__profile_{i}__", [0] * n, SamplingParams(max_tokens=1, temperature=0.0))
+            probe.block_table, first = list(range(first, first + blocks)), first + blocks
+            probes.append((probe, n))
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        ModelRunner(self.model, scratch, Sampler()).execute(SchedulerOutput(scheduled=probes))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del scratch
+        return max(peak, 0)
+
+    def enable_decode_graphs(self, buckets: Sequence[int] | None = None) -> None:
+        """Decode steps replay graphs captured per padded batch size (``cuda_graphs``; default buckets
+        ``decode_buckets(max_num_seqs)``). The engine calls it at start-up on CUDA unless ``enforce_eager``;
+        on CPU it installs the graphs' eager twin (tests: the same padding and static buffers)."""
+        buckets = list(buckets) if buckets is not None else decode_buckets(self.config.max_num_seqs)
+        t0 = time.perf_counter()
+        self.runner.capture_decode_graphs(buckets, self.max_model_len)
+        logger.info("decode graphs for batch sizes %s ready in %.1f s", buckets, time.perf_counter() - t0)
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request: WorkerRequest) -> Request:

@@ -1,0 +1,123 @@
+"""Decode as CUDA graphs: the decode forward captured once per padded batch-size bucket, replayed on
+static input buffers (``input_buffers.DecodeBuffers``) filled in place.
+
+The capture is the only CUDA-only call, and it sits in one class (``CudaGraph``). Its CPU twin
+(``EagerGraph``) "replays" by running the same forward eagerly on the same padded static buffers, so
+the bucket choice, the padding and the buffer filling are the code CPU tests run.
+
+A step takes the graph path when every scheduled request decodes one token and the batch fits the
+largest bucket; prefill, mixed steps and bigger batches run eagerly (``ModelRunner``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kvserve.workers.engine.input_buffers import DecodeBuffers
+from kvserve.workers.engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+Forward = Callable[[torch.Tensor, torch.Tensor, object], torch.Tensor]  # (ids, positions, attn) -> hidden
+
+
+def decode_buckets(max_num_seqs: int, largest: int = 256) -> list[int]:
+    """Padded batch sizes to capture: 1, 2, 4, 8, then every 8 up to ``min(max_num_seqs, largest)``,
+    plus that bound itself (vLLM's and SGLang's spacing: at most 7 padded rows past 8)."""
+    top = max(1, min(max_num_seqs, largest))
+    sizes = {b for b in (1, 2, 4) if b <= top} | set(range(8, top + 1, 8)) | {top}
+    return sorted(sizes)
+
+
+class CudaGraph:
+    """One captured decode forward. ``replay()`` returns the static output tensor (rewritten by the next replay)."""
+
+    def __init__(self, run: Callable[[], torch.Tensor], pool: object, stream: torch.cuda.Stream) -> None:
+        # NOTE: one eager run first (Triton compiles and autotunes, cuBLAS picks its kernels), on a side
+        # stream as torch requires for a capture, then the capture itself.
+        with torch.cuda.stream(stream):
+            run()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
+            self.output = run()
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.output
+
+
+class EagerGraph:
+    """The CPU twin of ``CudaGraph``: each replay runs the forward eagerly on the same static buffers."""
+
+    def __init__(self, run: Callable[[], torch.Tensor], pool: object = None, stream: object = None) -> None:
+        self.run = run
+
+    def replay(self) -> torch.Tensor:
+        return self.run()
+
+
+class DecodeGraphs:
+    """The decode graphs of one model runner: static buffers, one graph per bucket, the bucket choice.
+
+    Args:
+        forward: the model's forward over (ids, positions, attention metadata); it must close over the
+            KV cache tensors, which must not be reallocated afterwards (a graph holds their addresses).
+        buckets: the padded batch sizes (``decode_buckets``).
+        max_blocks: block-table width (blocks of the longest sequence).
+    """
+
+    def __init__(self, forward: Forward, buckets: Sequence[int], max_blocks: int, device: torch.device) -> None:
+        self.buckets = sorted(set(buckets))
+        self.device = device
+        self.buffers = DecodeBuffers(self.buckets[-1], max_blocks, device)
+        self.forward = forward
+        self.graphs: dict[int, CudaGraph | EagerGraph] = {}
+        self.replays = 0  # decode steps that took the graph path (tests, the bench)
+
+    @property
+    def largest(self) -> int:
+        return self.buckets[-1]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first (the smaller ones reuse its memory pool). On CPU the
+        twin captures nothing. Padding rows store nowhere, so capturing writes no KV block."""
+        kind = CudaGraph if self.device.type == "cuda" else EagerGraph
+        pool = torch.cuda.graph_pool_handle() if kind is CudaGraph else None
+        stream = torch.cuda.Stream(self.device) if kind is CudaGraph else None
+        before = torch.cuda.memory_reserved(self.device) if kind is CudaGraph else 0
+        for b in reversed(self.buckets):
+            self.graphs[b] = kind(self._runner(b), pool, stream)
+        if kind is CudaGraph:
+            torch.cuda.synchronize(self.device)
+            used = torch.cuda.memory_reserved(self.device) - before
+            logger.info("captured %d decode graphs (batch %s), %.1f MiB", len(self.buckets),
+                        ",".join(map(str, self.buckets)), used / 2**20)  # fmt: skip
+
+    def _runner(self, batch_size: int) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            ids, positions, attn = self.buffers.inputs(batch_size)
+            return self.forward(ids, positions, attn)
+
+        return run
+
+    def bucket(self, num_seqs: int) -> int | None:
+        """The smallest bucket holding ``num_seqs`` decodes, or None (run eagerly)."""
+        i = bisect.bisect_left(self.buckets, num_seqs)
+        return self.buckets[i] if i < len(self.buckets) and self.graphs else None
+
+    def run(self, batch: list[tuple[Request, int]], block_size: int) -> tuple[torch.Tensor, list[int]]:
+        """Fill the static buffers with a decode batch (padded to its bucket) and replay that bucket's
+        graph. Returns the hidden states of the real rows ``[len(batch), hidden]`` (a view of the
+        graph's output: read it before the next replay) and the batch indices to sample."""
+        b = self.bucket(len(batch))
+        assert b is not None, f"{len(batch)} decodes past the largest graph ({self.largest})"
+        sample_reqs = self.buffers.stage(batch, block_size, b)
+        hidden = self.graphs[b].replay()
+        self.replays += 1
+        return hidden[: len(batch)], sample_reqs

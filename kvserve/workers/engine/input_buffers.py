@@ -1,0 +1,207 @@
+"""Persistent step inputs: a step's token ids, positions and attention metadata are written into buffers
+allocated once (host staging, pinned on CUDA) and reach the device with one copy per buffer.
+
+Two layouts, one filling rule (``_fill``):
+
+- ``StepBuffers`` (every eager step): one int64 and one int32 staging area, packed per step
+  (``[ids | positions | slots | sample rows]`` and ``[context lens | cu_seqlens_q | decode table |
+  prefill table]``), so a step uploads two copies whatever its shape; the step's tensors are views.
+  They grow (rarely, by doubling) when a step needs more room.
+- ``DecodeBuffers`` (the decode graphs): fixed addresses, because a captured CUDA graph reads the
+  device tensors it was captured on. Rows past the real batch are padding that reads block 0 and
+  stores nowhere (slot -1), so a padded row never writes into a real block.
+
+NOTE (contract): staging is rewritten by the next step. The runner reads the sampled tokens back to the
+host at the end of every step (one sync), so the previous step's non-blocking upload has finished by the
+time staging is written again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvserve.workers.engine.attention_metadata import AttentionMetadata
+from kvserve.workers.engine.request import Request
+
+
+@dataclass
+class StepInputs:
+    """One step's model inputs (views of persistent device buffers) and what gets sampled."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    attn: AttentionMetadata
+    sample_rows: torch.Tensor  # [num_sampled] int64, rows of the hidden states to sample
+    sample_reqs: list[int]  # their indices into the batch
+
+
+@dataclass
+class _Filled:
+    """Host-side (numpy) step layout shared by both buffer kinds."""
+
+    ids: np.ndarray  # [num_tokens] int64
+    positions: np.ndarray
+    slots: np.ndarray
+    ends: np.ndarray  # [num_reqs] context length after the step
+    cu: np.ndarray  # [num_reqs] cumulative token counts
+    table: np.ndarray  # [num_reqs, width] int64, zero-padded
+    num_decodes: int
+    sample_reqs: list[int]
+
+
+def _fill(batch: list[tuple[Request, int]], block_size: int) -> _Filled:
+    """The vectorised layout of a batch ordered [decodes | prefill chunks] (the only per-request Python:
+    list slices and one row copy each). Padding a block table with block 0 is safe: kernels never read
+    past a sequence's context length."""
+    bs = block_size
+    num_reqs = len(batch)
+    ids: list[int] = []
+    starts = np.empty(num_reqs, dtype=np.int64)
+    counts = np.empty(num_reqs, dtype=np.int64)
+    skip = np.empty(num_reqs, dtype=np.int64)
+    sample_reqs: list[int] = []
+    tables = [req.block_table for req, _ in batch]
+    width = max(map(len, tables), default=0)
+    table = np.zeros((num_reqs, width), dtype=np.int64)
+    for j, (req, n) in enumerate(batch):
+        start = req.num_computed_tokens
+        ids += req.all_token_ids[start : start + n]
+        starts[j], counts[j], skip[j] = start, n, req.skip_store_below
+        table[j, : len(tables[j])] = tables[j]
+        if start + n == req.num_tokens:
+            sample_reqs.append(j)
+    num_tokens = len(ids)
+    ends = starts + counts
+    # positions: start_j, start_j + 1, ... for each request j, concatenated.
+    row = np.repeat(np.arange(num_reqs), counts)  # [num_tokens] request of each token
+    cu = np.cumsum(counts)
+    pos = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - (cu - counts), counts)
+    slots = table[row, pos // bs] * bs + pos % bs
+    slots[pos < skip[row]] = -1
+    num_dec = int((counts == 1).sum())  # decodes (one new token) come first
+    return _Filled(np.asarray(ids, dtype=np.int64), pos, slots, ends, cu, table, num_dec, sample_reqs)
+
+
+def _width(context_lens: np.ndarray, block_size: int) -> int:
+    """Block-table columns the contexts reach."""
+    return int(-(-context_lens.max() // block_size)) if len(context_lens) else 0
+
+
+def _staging(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host buffer; pinned where the device is CUDA (so its upload can be asynchronous)."""
+    return torch.zeros(n, dtype=dtype, pin_memory=device.type == "cuda")
+
+
+class StepBuffers:
+    """The eager steps' inputs: two staging areas (int64, int32) and their device twins, packed per step.
+
+    On CPU the device buffers are the staging buffers themselves (nothing to upload).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._host = {torch.int64: _staging(0, torch.int64, device), torch.int32: _staging(0, torch.int32, device)}
+        self._dev = dict(self._host)
+
+    def _area(self, dtype: torch.dtype, n: int) -> tuple[np.ndarray, torch.Tensor]:
+        """Staging (numpy view) and device buffer of at least ``n`` elements."""
+        if self._host[dtype].numel() < n:
+            size = 1 << max(n - 1, 255).bit_length()  # NOTE: doubling: a few reallocations over a run
+            self._host[dtype] = _staging(size, dtype, self.device)
+            on_host = self.device.type == "cpu"
+            self._dev[dtype] = self._host[dtype] if on_host else torch.zeros(size, dtype=dtype, device=self.device)
+        return self._host[dtype].numpy(), self._dev[dtype]
+
+    def stage(self, batch: list[tuple[Request, int]], block_size: int) -> StepInputs:
+        """Write the batch's inputs and upload them (one copy per dtype); return views of the device buffers."""
+        f = _fill(batch, block_size)
+        t, r, d = len(f.ids), len(f.ends), f.num_decodes
+        p = r - d
+        s = len(f.sample_reqs)
+        dec_w, pre_w = _width(f.ends[:d], block_size), _width(f.ends[d:], block_size)
+        n64 = 3 * t + s
+        n32 = r + (p + 1) + d * dec_w + p * pre_w
+        h64, d64 = self._area(torch.int64, n64)
+        h32, d32 = self._area(torch.int32, n32)
+        h64[0:t], h64[t : 2 * t], h64[2 * t : 3 * t] = f.ids, f.positions, f.slots
+        h64[3 * t : n64] = f.cu[f.sample_reqs] - 1
+        h32[0:r] = f.ends
+        cu_off, dec_off = r, 2 * r - d + 1
+        h32[cu_off] = 0
+        h32[cu_off + 1 : dec_off] = f.cu[d:] - d
+        pre_off = dec_off + d * dec_w
+        h32[dec_off:pre_off].reshape(d, dec_w)[:] = f.table[:d, :dec_w]
+        h32[pre_off:n32].reshape(p, pre_w)[:] = f.table[d:, :pre_w]
+        if d64 is not self._host[torch.int64]:
+            d64[:n64].copy_(self._host[torch.int64][:n64], non_blocking=True)
+            d32[:n32].copy_(self._host[torch.int32][:n32], non_blocking=True)
+        attn = AttentionMetadata(
+            slot_mapping=d64[2 * t : 3 * t],
+            num_decode_tokens=d,
+            decode_block_tables=d32[dec_off:pre_off].view(d, dec_w),
+            decode_context_lens=d32[0:d],
+            prefill_block_tables=d32[pre_off:n32].view(p, pre_w),
+            prefill_cu_seqlens_q=d32[cu_off:dec_off],
+            prefill_context_lens=d32[d:r],
+        )
+        return StepInputs(d64[0:t], d64[t : 2 * t], attn, d64[3 * t : n64], f.sample_reqs)
+
+
+class DecodeBuffers:
+    """The decode graphs' static inputs for up to ``max_batch`` sequences of up to ``max_blocks`` blocks.
+
+    ``inputs(batch_size)`` gives the views a graph is captured on (or, on CPU, replayed with); ``stage``
+    fills the first rows with a decode batch and pads the rest up to the bucket.
+    """
+
+    def __init__(self, max_batch: int, max_blocks: int, device: torch.device) -> None:
+        self.max_batch, self.max_blocks, self.device = max_batch, max_blocks, device
+        # int64 rows: ids | positions | slots; padding rows: id 0 at position 0, stored nowhere.
+        self._h64 = _staging(3 * max_batch, torch.int64, device)
+        self._h32 = _staging(max_batch, torch.int32, device)  # context lens (padding: 1, reads block 0)
+        self._htable = _staging(max_batch * max_blocks, torch.int32, device)  # compact [rows, width] per step
+        self._d64 = torch.zeros(3 * max_batch, dtype=torch.int64, device=device)
+        self._d32 = torch.ones(max_batch, dtype=torch.int32, device=device)
+        self._dtable = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
+        self._d64[2 * max_batch :] = -1
+        self._empty_tables = torch.zeros(0, max_blocks, dtype=torch.int32, device=device)
+        self._empty_lens = torch.zeros(0, dtype=torch.int32, device=device)
+        self._cu0 = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def inputs(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Token ids, positions and metadata of a ``batch_size``-row decode (fresh views of the static
+        buffers: the CPU reference kernels key per-step caches on the tensor objects)."""
+        b, m = batch_size, self.max_batch
+        attn = AttentionMetadata(
+            slot_mapping=self._d64[2 * m : 2 * m + b],
+            num_decode_tokens=b,
+            decode_block_tables=self._dtable[:b],
+            decode_context_lens=self._d32[:b],
+            prefill_block_tables=self._empty_tables,
+            prefill_cu_seqlens_q=self._cu0,
+            prefill_context_lens=self._empty_lens,
+        )
+        return self._d64[:b], self._d64[m : m + b], attn
+
+    def stage(self, batch: list[tuple[Request, int]], block_size: int, batch_size: int) -> list[int]:
+        """Write a decode batch (every count 1, ``len(batch) <= batch_size <= max_batch``) into the first
+        rows, pad up to ``batch_size``, upload; return the batch indices whose token gets sampled."""
+        f = _fill(batch, block_size)
+        n, b, m = len(batch), batch_size, self.max_batch
+        assert f.num_decodes == n <= b <= m, (f.num_decodes, n, b, m)
+        w = min(_width(f.ends, block_size), self.max_blocks)
+        h64, h32 = self._h64.numpy(), self._h32.numpy()
+        for k, col in enumerate((f.ids, f.positions, f.slots)):
+            h64[k * m : k * m + n] = col
+            h64[k * m + n : k * m + b] = -1 if k == 2 else 0
+        h32[:n], h32[n:b] = f.ends, 1
+        table = self._htable[: b * w].numpy().reshape(b, w)
+        table[:n] = f.table[:, :w]
+        table[n:] = 0
+        self._d64.copy_(self._h64, non_blocking=True)
+        self._d32.copy_(self._h32, non_blocking=True)
+        self._dtable[:b, :w].copy_(self._htable[: b * w].view(b, w), non_blocking=True)
+        return f.sample_reqs
