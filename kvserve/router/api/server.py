@@ -42,7 +42,7 @@ from grpc_reflection.v1alpha import reflection
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 from kvserve.protos.kvserve.v1 import serving_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvserve.router.api.admin_api import AdminServicer
-from kvserve.router.api.grpc_surface import Undecodable, add_kvserve_servicer, read_generate_stream
+from kvserve.router.api.grpc_surface import Undecodable, abort_call, add_kvserve_servicer, read_generate_stream
 from kvserve.router.api.health import HealthPublisher
 from kvserve.router.api.http_api import HttpApiServer
 from kvserve.router.api.keepalive import server_keepalive_options
@@ -53,6 +53,7 @@ from kvserve.router.gate.tenancy import KeyRing, Principal, Tenancy
 from kvserve.router.gate.worker_auth import WorkerLinkGate
 from kvserve.router.observe import metrics
 from kvserve.router.observe.loop_lag import watch_loop_lag
+from kvserve.router.observe.metrics import RouterMetrics
 from kvserve.router.requests.demux import stream_responses
 from kvserve.router.requests.mux import StreamMux, stream_batches
 from kvserve.router.requests.request import RouterRequest
@@ -230,9 +231,7 @@ def _time_remaining(timeout_ms: int) -> Callable[[], float | None]:
 
 
 async def _abort(context: grpc.aio.ServicerContext, e: RouterError) -> None:
-    if e.trailers:
-        context.set_trailing_metadata(e.trailers)
-    await context.abort(e.code, e.message)
+    await abort_call(context, e)  # NOTE: quiet for a call its deadline already ended
 
 
 def build_server(
@@ -339,11 +338,10 @@ class RouterService:
         loop = asyncio.get_running_loop()
         self._health_task = loop.create_task(self.router.table.health_loop())
         self._readiness_task = loop.create_task(self.health.run())
-        lag = watch_loop_lag(metrics.LOOP_LAG.observe, observe_held=metrics.LOOP_HELD.observe)
-        self._lag_task = loop.create_task(lag)
-        metrics.ROUTER_QUEUE_REQUESTS.set_function(lambda: self.router.queue.num_requests)
-        metrics.ROUTER_QUEUE_BLOCKS.set_function(lambda: self.router.queue.num_blocks)
-        metrics.ROUTER_PROJECTED_WAIT.set_function(self._projected_wait_s)
+        lag_sink, held_sink = RouterMetrics.loop_lag_sinks()
+        self._lag_task = loop.create_task(watch_loop_lag(lag_sink, observe_held=held_sink))
+        queue = self.router.queue
+        RouterMetrics.watch_queue(lambda: queue.num_requests, lambda: queue.num_blocks, self._projected_wait_s)
         if self.metrics_port is not None:
             metrics.start_metrics_server(self.metrics_port, self.config.host, self._metrics_authorized())
         if self._http_port is not None:
@@ -390,8 +388,8 @@ class RouterService:
         self.gate.expect([worker_id])
         self.router.add_worker(worker_id, handle, identity, supervision)
         entry = self.router.table[worker_id]
-        metrics.REPORT_AGE.labels(worker_id).set_function(
-            lambda: time.monotonic() - entry.report_time if entry.report is not None else float("nan")
+        RouterMetrics.watch_report_age(
+            worker_id, lambda: time.monotonic() - entry.report_time if entry.report is not None else float("nan")
         )
 
     async def supervision(self) -> dict[str, WorkerSupervision]:
@@ -482,7 +480,7 @@ class RouterActor(RouterService):
     async def start(self) -> str:
         address = await super().start()
         frozen, self.gc_pauses = settle_heap("router", metrics.observe_gc_pause)
-        metrics.GC_FROZEN.set(frozen)
+        RouterMetrics.heap_settled(frozen)
         return address
 
     async def stop(self, grace: float = 1.0) -> None:

@@ -137,6 +137,30 @@ class RouterMetrics:
         self._series: dict[str, _WorkerSeries] = {}
         self._recomputes, self._swaps = PREEMPTIONS.labels("recompute"), PREEMPTIONS.labels("swap")
 
+    # ---- the router process's own gauges (read at scrape time) -----------------------------------------
+    @staticmethod
+    def watch_queue(requests: Callable[[], float], blocks: Callable[[], float], wait_s: Callable[[], float]) -> None:
+        """The admission queue's depth in requests and blocks and its projected wait, read at each scrape."""
+        ROUTER_QUEUE_REQUESTS.set_function(requests)
+        ROUTER_QUEUE_BLOCKS.set_function(blocks)
+        ROUTER_PROJECTED_WAIT.set_function(wait_s)
+
+    @staticmethod
+    def watch_report_age(worker_id: str, age_s: Callable[[], float]) -> None:
+        """Seconds since ``worker_id``'s last pressure report (NaN before its first), read at each scrape."""
+        REPORT_AGE.labels(worker_id).set_function(age_s)
+
+    @staticmethod
+    def loop_lag_sinks() -> tuple[Callable[[float], None], Callable[[float], None]]:
+        """Where the loop-lag watcher (kvserve/router/observe/loop_lag.py) puts its lag and held samples."""
+        return LOOP_LAG.observe, LOOP_HELD.observe
+
+    @staticmethod
+    def heap_settled(frozen_objects: int) -> Callable[[int, float], None]:
+        """The start-up heap was frozen (``frozen_objects``); returns where collections' pauses go."""
+        GC_FROZEN.set(frozen_objects)
+        return observe_gc_pause
+
     def observe_pressure(self, r: pb.PressureReport, counted: CounterDeltas, node: str = "") -> None:
         """A worker's report: gauges as it says, counters by what it ``counted`` since its last one.
         ``node``: the node the worker runs on (its tiers' usage is the node's)."""
