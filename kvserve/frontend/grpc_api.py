@@ -23,7 +23,7 @@ from kvserve.frontend.link import RelayedRequest
 from kvserve.frontend.relay import Relay
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 from kvserve.protos.kvserve.v1 import serving_pb2_grpc
-from kvserve.router.api.grpc_surface import read_generate_stream
+from kvserve.router.api.grpc_surface import abort_call, read_generate_stream
 from kvserve.router.gate.limits import client_of_peer
 from kvserve.router.requests.mux import StreamMux, stream_batches
 from kvserve.router.requests.request import RouterError
@@ -37,9 +37,7 @@ def _authorization(context: grpc.aio.ServicerContext) -> str | None:
 
 
 async def _abort(context: grpc.aio.ServicerContext, e: RouterError) -> None:
-    if e.trailers:
-        context.set_trailing_metadata(e.trailers)
-    await context.abort(e.code, e.message)
+    await abort_call(context, e)  # NOTE: quiet for a call its deadline already ended
 
 
 class FrontendServicer(serving_pb2_grpc.KVServeServicer):

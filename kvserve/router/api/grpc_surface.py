@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -60,8 +61,37 @@ def _incident_id(request: object) -> str:
     return rid if isinstance(rid, str) and rid else f"incident-{uuid.uuid4().hex[:12]}"
 
 
+def past_deadline(context: grpc.aio.ServicerContext) -> bool:
+    """The call's deadline has passed: grpc ends (or has ended) it DEADLINE_EXCEEDED itself."""
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= 0
+
+
+async def abort_call(context: grpc.aio.ServicerContext, e: RouterError) -> None:
+    """End the call with ``e``'s status (and its trailers, e.g. ``retry-after-ms``).
+
+    NOTE: a call whose deadline passed while its handler was busy (a loaded loop, the router's own
+    expiry firing as grpc's does) is already over in grpc's core: the abort then fails inside grpc
+    (``ExecuteBatchError``), and each failure became a traceback in the router log for what is an
+    ordinary expiry. The client has its DEADLINE_EXCEEDED; the handler just returns.
+    """
+    if e.trailers:
+        context.set_trailing_metadata(e.trailers)
+    try:
+        await context.abort(e.code, e.message)
+    except grpc.aio.AbortError:
+        raise
+    except Exception:
+        if not past_deadline(context):
+            raise
+        logger.debug("call already ended by its deadline; not answered %s", e.code.name)
+
+
 async def _answer_internal(context: grpc.aio.ServicerContext, method: str, request: object) -> None:
     incident = _incident_id(request)
+    if past_deadline(context):  # NOTE: the call is over (abort_call): one line, no INTERNAL to send
+        logger.warning("%s (id %s) failed after its deadline passed: %r", method, incident, sys.exc_info()[1])
+        return
     logger.exception("%s failed unexpectedly (id %s)", method, incident)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method} (id {incident}); see the router log")
 
