@@ -208,7 +208,7 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
             try:
                 held.enter_context(self.bounds.watchers.hold())
             except LimitExceeded as e:
-                await context.abort(e.code, str(e))
+                await _abort(context, RouterError(e.code, str(e), e.trailers))
             while True:
                 yield self._shared_status()
                 await asyncio.sleep(interval)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -39,12 +41,23 @@ if TYPE_CHECKING:
     from kvserve.router.requests.router import Router
 
 
-class LimitExceeded(Exception):
-    """A call over one of the limits: ``code`` to answer, ``limit`` the knob's name."""
+# The retry hint of a concurrency bound with nothing to estimate its release from (ms).
+UNKNOWN_RETRY_MS = 1_000
 
-    def __init__(self, code: grpc.StatusCode, limit: str, message: str) -> None:
+
+class LimitExceeded(Exception):
+    """A call over one of the limits: ``code`` to answer, ``limit`` the knob's name, and for
+    RESOURCE_EXHAUSTED the ``retry_after_ms`` hint its answer carries (every refusal has one)."""
+
+    def __init__(self, code: grpc.StatusCode, limit: str, message: str, retry_after_ms: int = UNKNOWN_RETRY_MS) -> None:
         super().__init__(f"{message} (limit {limit})")
-        self.code, self.limit = code, limit
+        self.code, self.limit, self.retry_after_ms = code, limit, retry_after_ms
+
+    @property
+    def trailers(self) -> tuple[tuple[str, str], ...]:
+        if self.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return ()
+        return (("retry-after-ms", str(self.retry_after_ms)),)
 
 
 @dataclass(frozen=True)
@@ -107,8 +120,11 @@ class ClientStreams:
 
     _SWEEP_AT = 4096  # clients remembered before every finished entry is swept
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, retry_after_ms: Callable[[Sequence[Any]], int] | None = None) -> None:
+        """``retry_after_ms``: the hint for a refused client from its live streams (when one is
+        expected to end); None: ``UNKNOWN_RETRY_MS``."""
         self.limit = limit
+        self.retry_after_ms = retry_after_ms
         self._live: dict[str, list[Any]] = {}
         self._reserved: Counter[str] = Counter()
 
@@ -132,10 +148,12 @@ class ClientStreams:
                 self.live(c)
         have = self.live(client) + self._reserved[client]
         if have + n > self.limit:
+            live = self._live.get(client, [])
             raise LimitExceeded(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 "max_streams_per_client",
                 f"this client has {have} streams open; at most {self.limit} at once",
+                self.retry_after_ms(live) if self.retry_after_ms is not None and live else UNKNOWN_RETRY_MS,
             )
         self._reserved[client] += n
         try:
@@ -225,7 +243,7 @@ class Bounds:
         self.router = router
         self.tenancy = tenancy
         self.limits = limits or InputLimits.from_config(router.config)
-        self.streams = ClientStreams(self.limits.max_streams_per_client)
+        self.streams = ClientStreams(self.limits.max_streams_per_client, self._stream_ends_ms)
         self.watchers = WatcherSlots(self.limits.max_pressure_watchers)
         self.prompts = PromptPreparer(router, self.limits.prompt_threads, self.limits.max_pending_prompts)
 
@@ -282,7 +300,7 @@ class Bounds:
                 return admitted
         except LimitExceeded as e:
             self.router.metrics.rejected(e.limit)
-            raise RouterError(e.code, str(e)) from e
+            raise RouterError(e.code, str(e), e.trailers) from e
         except ValidationError as e:
             self.router.metrics.rejected("invalid")
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
@@ -305,6 +323,16 @@ class Bounds:
                 by_prompt[key] = list(p.token_ids.ids)
             out.append(p)
         return out
+
+    def _stream_ends_ms(self, live: Sequence[RouterRequest]) -> int:
+        """When the first of ``live`` (a client's streams) is expected to end, in ms (at least 100):
+        its typical remaining service time (kvserve/router/policy/service_times.py); ``UNKNOWN_RETRY_MS``
+        with no completions measured."""
+        service, now = self.router.queue.service, time.monotonic()
+        ends = [service.expected_s(r.params.max_tokens) - (now - (r.started_at or now)) for r in live]
+        if service.typical_s() is None or not ends:
+            return UNKNOWN_RETRY_MS
+        return max(100, math.ceil(min(ends) * 1000))
 
     def close(self) -> None:
         self.prompts.close()
