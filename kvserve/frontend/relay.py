@@ -52,7 +52,7 @@ class FrontendPrompts:
         if self.pending >= self.max_pending:
             raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"{self.pending} prompts are waiting to be tokenized; at most {self.max_pending} "
-                              "(limit max_pending_prompts)")  # fmt: skip
+                              "(limit max_pending_prompts)", (("retry-after-ms", "1000"),))  # fmt: skip
         self.pending += 1
         try:
             loop = asyncio.get_running_loop()

@@ -66,3 +66,16 @@ def test_the_hint_is_when_the_first_live_stream_is_expected_to_end() -> None:
     hint = Bounds._stream_ends_ms(bounds, live)
     assert 900 <= hint <= 1000  # the older stream has about 1 s left
     assert Bounds._stream_ends_ms(bounds, [_Req(started_at=now - 60.0)]) == 100  # overdue: the floor
+
+
+def test_a_frontends_prompt_queue_refusal_has_a_retry_hint() -> None:
+    import asyncio
+
+    from kvserve.frontend.relay import FrontendPrompts
+    from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+    from kvserve.router.requests.request import RouterError
+
+    prompts = FrontendPrompts(tokenizer=None, template=None, threads=1, max_pending=0)
+    with pytest.raises(RouterError) as e:
+        asyncio.run(prompts.prepare(spb.GenerateRequest(text="hello")))
+    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry-after-ms" in dict(e.value.trailers)
