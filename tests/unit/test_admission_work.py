@@ -76,12 +76,22 @@ def test_measured_completions_cap_what_a_request_is_expected_to_take() -> None:
     to take the typical completion's tokens (here 50, 1 s), not its max_tokens."""
     clock, queue = _overloaded()
     for _ in range(4):
-        queue.service.observe(1.0, 50, blocks=FULL)  # 20 ms a token, 63 blocks held at the end
+        queue.service.observe(1.0, 50, blocks=FULL, stopped=True)  # 20 ms a token, 63 blocks held at the end
     refusals = [queue.admit(_Item(f"r{i}", blocks_for(PROMPT, BLOCK)), deadline=clock() + 60.0,
                             max_tokens=MAX_TOKENS, blocks_ever=FULL) for i in range(400)]  # fmt: skip
     admitted = sum(r is None for r in refusals)
     # Two slots, 1 s per request: the k-th starts at 1 + k // 2 s and must end (1 s later) by 60 s: k <= 117.
     assert admitted == 118
+
+
+def test_completions_that_ran_to_their_max_tokens_do_not_cap_longer_ones() -> None:
+    """Short probes (8 tokens, ended by length) say nothing of where a 900-token request stops."""
+    clock, queue = _overloaded()
+    for _ in range(8):
+        queue.service.observe(0.16, 8, blocks=8)  # 20 ms a token
+    refusals = [queue.admit(_Item(f"r{i}", blocks_for(PROMPT, BLOCK)), deadline=clock() + 60.0,
+                            max_tokens=MAX_TOKENS, blocks_ever=FULL) for i in range(400)]  # fmt: skip
+    assert sum(r is None for r in refusals) == 6  # as with nothing measured: 18 s each, two at a time
 
 
 def test_without_a_measured_step_nothing_bounds_the_work() -> None:

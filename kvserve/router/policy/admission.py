@@ -424,7 +424,8 @@ class AdmissionQueue(Generic[T]):
         if self.cold_capacity is None:
             return None
         cap = self.cold_capacity()
-        per_token = self.service.per_token_s() or cap.step_now_s or cap.step_s
+        # NOTE: the slower of the completions' pace and the current step: either may lag the load now.
+        per_token = max(self.service.per_token_s() or 0.0, cap.step_now_s) or cap.step_s
         if per_token <= 0 or cap.pool_blocks <= 0:
             return None
         typical = self.service.typical_tokens()

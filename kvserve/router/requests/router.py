@@ -296,7 +296,8 @@ class Router(WorkerLinkHandler):
             if d.finished:
                 if r.started_at is not None and out.finish_reason in ("length", "stop"):
                     held = blocks_for(len(r.prompt_ids) + len(r.output_ids), self.block_size)
-                    self.queue.service.observe(time.monotonic() - r.started_at, len(r.output_ids), held)
+                    self.queue.service.observe(time.monotonic() - r.started_at, len(r.output_ids), held,
+                                               stopped=out.finish_reason == "stop")
                 self.lifecycle.finish(r)
             if d.response is None:
                 continue
