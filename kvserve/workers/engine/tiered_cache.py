@@ -1,13 +1,15 @@
 """TieredCache: the engine's side of the host and disk tiers (docs/architecture.md §3a).
 
 * ``spill_evicted``: blocks the pool evicted are copied out of the KV cache (one gather per layer,
-  on the engine thread, before anything may overwrite them) and handed to a background writer,
+  issued on the engine thread before anything may overwrite them; on CUDA a side-stream copy into
+  pinned memory the engine never waits for: ``tier_copy.py``) and handed to a background writer,
   which packs, checksums and writes them to the first tier. Off the decode path: the engine never
   waits for a file; when the writer falls behind by more than ``max_pending_bytes`` a spill is
   dropped (it is a cache).
 * ``load``: on a prefix miss in its own pool the scheduler asks for the next hashes of the chain;
   each found (host, then disk), verified block is written into a fresh pool block, bit-identical
-  to what was computed, so the request's tokens are those of a recompute.
+  to what was computed, so the request's tokens are those of a recompute (on CUDA: staged in pinned
+  memory and copied on a side stream the compute stream waits for, not the engine thread).
 * The cost model (``TierCostModel``) is fed with every load and decides, per tier, whether
   loading pays at all (``tier_load="auto"``).
 * Tier events (stored / removed per tier) are collected by the writer and emitted into the pool's
@@ -39,6 +41,7 @@ from kvserve.workers.engine.block_pool import BlockPool
 from kvserve.workers.engine.block_store import BlockStore
 from kvserve.workers.engine.config import EngineConfig
 from kvserve.workers.engine.kv_cache import KVCache
+from kvserve.workers.engine.tier_copy import Gathered, TierCopier
 from kvserve.workers.engine.tier_cost import TierCostModel
 
 logger = logging.getLogger(__name__)
@@ -116,9 +119,8 @@ class TieredCache:
         self.cost = cost
         self.always_load = config.tier_load == "always"
         self.layout = layout_string(model_id, kv_cache)
-        self._layer_bytes = _block_bytes(kv_cache.layers[0])
-        self._scale_bytes = _block_bytes(kv_cache.scales[0]) if kv_cache.scales is not None else 0
-        payload = len(kv_cache.layers) * (self._layer_bytes + self._scale_bytes)
+        self.copier = TierCopier.for_cache(kv_cache)
+        payload = self.copier.payload_bytes
         disk = None
         if config.disk_cache_dir:
             disk = BlockStore(config.disk_cache_dir, config.disk_cache_bytes, self.layout, payload, "disk")
@@ -165,12 +167,9 @@ class TieredCache:
             self._pending_bytes += len(evicted) * self.payload_bytes
         if not evicted:
             return
-        idx = torch.tensor([b for b, _ in evicted], dtype=torch.int64, device=self.kv_cache.device)
-        # NOTE: one gather per layer, copied to host memory now; packing, checksums and files happen
-        # on the writer thread. On CUDA this copy is synchronous (TODO in the issue: pinned + async).
-        layers = [layer.view(torch.uint8)[:, idx].cpu() for layer in self.kv_cache.layers]
-        scales = [s.view(torch.uint8)[:, idx].cpu() for s in self.kv_cache.scales or []]
-        self._jobs.put(_Job([h for _, h in evicted], layers, scales))
+        # NOTE: one gather per layer, issued now (ordered before anything that rewrites the blocks);
+        # waiting for the host copy, packing, checksums and files happen on the writer thread.
+        self._jobs.put(_Job([h for _, h in evicted], self.copier.gather([b for b, _ in evicted])))
 
     def _write_loop(self) -> None:
         while True:
@@ -201,8 +200,8 @@ class TieredCache:
         self._sweep()
 
     def _pack(self, job: _Job, j: int) -> bytes:
-        parts = [t[:, j].reshape(-1) for t in job.layers] + [t[:, j].reshape(-1) for t in job.scales]
-        return torch.cat(parts).numpy().tobytes()
+        assert job.blocks is not None
+        return job.blocks.payload(j)  # on CUDA: waits for the side stream's device->host copy
 
     def _sweep(self) -> None:
         """Keep every tier within its budget (LRU), demoting down the tiers. Runs when this writer's
@@ -250,7 +249,7 @@ class TieredCache:
             if tier != self.stores[0].name:  # a lower tier's hit moves up again (the writer does it)
                 with self._pending_lock:
                     self._pending_bytes += self.payload_bytes
-                self._jobs.put(_Job([h], [], [], payload=payload))
+                self._jobs.put(_Job([h], None, payload=payload))
         return tiers
 
     def _find(self, block_hash: int) -> tuple[bytes, str] | None:
@@ -265,22 +264,14 @@ class TieredCache:
     def _write_into(self, block_ids: Sequence[int], payloads: list[bytes]) -> None:
         n = len(payloads)
         data = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(n, -1)
-        idx = torch.tensor(list(block_ids), dtype=torch.int64, device=self.kv_cache.device)
-        offset = 0
-        for layer in self.kv_cache.layers:
-            offset = _scatter(layer, idx, data, offset, self._layer_bytes)
-        for scales in self.kv_cache.scales or []:
-            offset = _scatter(scales, idx, data, offset, self._scale_bytes)
+        self.copier.scatter(block_ids, data)
 
     # ---- probe, events, lifecycle ---------------------------------------------------------------
     def probe(self, block_id: int) -> None:
         """Measure one block's load from each tier (write a probe file of ``block_id``'s content, time
         reading and writing it back, remove it). Call while ``block_id`` is free (at start-up)."""
-        idx = torch.tensor([block_id], dtype=torch.int64, device=self.kv_cache.device)
         probe = _probe_hash()
-        job = _Job([probe], [t.view(torch.uint8)[:, idx].cpu() for t in self.kv_cache.layers],
-                   [s.view(torch.uint8)[:, idx].cpu() for s in self.kv_cache.scales or []])  # fmt: skip
-        payload = self._pack(job, 0)
+        payload = self._pack(_Job([probe], self.copier.gather([block_id])), 0)
         for store in self.stores:
             store.put(probe, payload)
             try:
@@ -289,6 +280,7 @@ class TieredCache:
                     got = store.get(probe)
                     assert got is not None, f"{store.name} tier: probe block unreadable at {store.directory}"
                     self._write_into([block_id], [got])
+                    self.copier.synchronize()  # the whole load, device copy included (CUDA: async)
                     seconds = time.perf_counter() - t0
                 self.cost.record_load(store.name, 1, seconds)
             finally:
@@ -340,22 +332,8 @@ class TieredCache:
 
 @dataclass
 class _Job:
-    """Blocks for the writer: gathered per-layer bytes ``[2, n, ...]`` or one ready payload."""
+    """Blocks for the writer: gathered host copies (``TierCopier.gather``) or one ready payload."""
 
     hashes: list[int]
-    layers: list[torch.Tensor]
-    scales: list[torch.Tensor]
+    blocks: Gathered | None
     payload: bytes | None = None
-
-
-def _block_bytes(t: torch.Tensor) -> int:
-    """Bytes of one block of a ``[2, num_blocks, ...]`` tensor."""
-    return 2 * t[0, 0].numel() * t.element_size()
-
-
-def _scatter(target: torch.Tensor, idx: torch.Tensor, data: torch.Tensor, offset: int, size: int) -> int:
-    """Write ``data[:, offset:offset+size]`` (one slice per block) into blocks ``idx`` of ``target``."""
-    u8 = target.view(torch.uint8)  # [2, num_blocks, *block, bytes of the last dim]
-    chunk = data[:, offset : offset + size].reshape(len(idx), 2, *u8.shape[2:]).transpose(0, 1)
-    u8[:, idx] = chunk.to(target.device)
-    return offset + size
