@@ -1,5 +1,8 @@
-"""The Triton backend: the kernels of ``kernels.attention`` and ``kernels.cache_ops`` under the names
-``kernels.get_backend()`` promises (same signatures as ``kernels.reference``).
+"""The Triton backend: the kernels of ``kernels.attention``, ``kernels.prefill`` and ``kernels.cache_ops`` under
+the names ``kernels.get_backend()`` promises (same signatures as ``kernels.reference``).
+
+``prefill_attention`` is ``kernels.prefill.paged_prefill_attention`` (FlashAttention-2 tiling, autotuned on
+GPUs); ``kernels.attention.prefill_attention`` (query rows packed by GQA group) has the same contract.
 
 Importing this module imports triton; on CPU set ``TRITON_INTERPRET=1`` before that import.
 """
@@ -9,8 +12,9 @@ from __future__ import annotations
 import torch
 
 from kvserve.kernels import reference
-from kvserve.kernels.attention import decode_attention, prefill_attention
+from kvserve.kernels.attention import decode_attention
 from kvserve.kernels.cache_ops import copy_blocks, store_kv, swap_blocks
+from kvserve.kernels.prefill import paged_prefill_attention as prefill_attention
 
 __all__ = ["store_kv", "rope_store_kv", "decode_attention", "prefill_attention", "copy_blocks", "swap_blocks"]
 
