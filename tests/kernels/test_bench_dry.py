@@ -68,7 +68,7 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path: pathlib.Path) -> None:
     )
     summary = (out / "summary.txt").read_text()
     assert proc.returncode == 0, summary + proc.stdout[-3000:] + proc.stderr[-3000:]
-    for step in ("env", "parity", "kv_smoke", "swap_migration", "kernels", "offline"):
+    for step in ("env", "parity", "kv_smoke", "swap_migration", "tier", "kernels", "offline"):
         assert re.search(rf"^ok +{step} ", summary, re.MULTILINE), summary
     assert "skipped  ray:" in summary
     assert "rich: absent" in (out / "env.log").read_text()
@@ -84,6 +84,12 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path: pathlib.Path) -> None:
     swap = json.loads((out / "swap_migration.json").read_text())
     assert swap["passed"] and set(swap["kv"]) == {"auto", "int8"}
     assert all(r["swap_preemptions"] > 0 and r["migration_tokens_equal"] for r in swap["kv"].values())
+    tier = json.loads((out / "tier.json").read_text())
+    assert tier["passed"] and set(tier["kv"]) == {"auto", "int8"}
+    for kv, row in tier["kv"].items():  # each tier served the whole prompt, tokens as a recompute's
+        assert set(row) == {"host", "disk"}, kv
+        assert all(r["loaded_tokens"] == r["prompt_tokens"] and r["tokens_equal"] for r in row.values()), kv
+        assert all(r["copier"] == "TierCopier" and r["load_recompute_ratio"] > 0 for r in row.values()), kv
     offline = json.loads((out / "offline.json").read_text())
     assert offline["passed"] and offline["rows"]["tiny"]["num_requests"] == 4
 
@@ -109,3 +115,27 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path: pathlib.Path) -> None:
                 assert row["store_rel_err"] is None
             else:  # the store kernel quantized the K/V (not, say, left the cache zero)
                 assert 0 < row["store_rel_err"] <= result["store_tolerance"][kv], (kv, row)
+
+
+def test_engine_speed_steps_dry(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpu_check's engine_1b and decode_profile on CPU (tiny Llama; graphs "on" = the eager twin)."""
+    from kvserve.cluster.bench import gpu_check
+
+    monkeypatch.setenv("KVSERVE_GPU_CHECK_WORK", str(tmp_path / "work"))
+    for step in ("engine_1b", "decode_profile"):
+        assert gpu_check.main([step, "--device", "cpu", "--dry-run", "--out", str(tmp_path)]) == 0, step
+    engine = json.loads((tmp_path / "engine_1b.json").read_text())
+    assert engine["passed"] and engine["dry_run"] and engine["model"] == "llama-tiny"
+    rows = engine["rows"]
+    for name, n in (("decode_heavy", 16), ("mixed", 32)):
+        on, off = rows[f"{name}/graphs_on"], rows[f"{name}/graphs_off"]
+        assert on["graph_steps"] > 0 and off["graph_steps"] == 0, name
+        assert on["requests"] == off["requests"] == n and on["output_tokens_per_s"] > 0
+        assert rows[f"{name}/graphs_on_off_identical_requests"] == f"{n}/{n}"  # fp32: the same tokens
+    profile = json.loads((tmp_path / "decode_profile.json").read_text())
+    assert profile["passed"] and set(profile["rows"]) == {
+        f"batch_{b}/graphs_{g}" for b in (1, 2, 4) for g in ("on", "off")
+    }
+    for row in profile["rows"].values():
+        assert row["wall_ms_per_step"] > 0 and row["aten_ops_per_step"] > 0
+        assert row["launches_per_step"] is None and row["gpu_busy_share"] is None  # CUDA-only figures

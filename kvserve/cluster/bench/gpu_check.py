@@ -17,6 +17,12 @@ tiny sizes so that ``make test`` keeps it from rotting):
   blocks on CUDA) and an export/import of a running request between two engines: tokens identical to
   an undisturbed run, swaps happened, every block back in its pool. fp32 and int8 KV.
 * ``offline``: ``kvserve bench offline`` (``cluster.bench.offline``, no CLI extras) rows, JSON.
+* ``engine_1b``, ``decode_profile``: the engine's speed on a Llama-3.2-1B-shape bf16 model, decode graphs
+  on and off (throughput rows; profiler wall, GPU busy share, launches per step): ``engine_steps.py``.
+* ``tier``: the tiered prefix cache on the device, fp32 and int8 KV: a prompt's blocks evicted from the
+  pool come back from the host tier and, in a disk-only engine, from the disk tier (on CUDA through the
+  side-stream pinned copier), with greedy tokens identical to a recompute; the measured load/recompute
+  cost ratio per tier is reported (where it is >= 1, ``--tier-load auto`` recomputes).
 
 Nothing here imports Ray, rich, jinja2 or gguf: the GPU machine has torch, triton, transformers,
 safetensors, tokenizers, grpcio and protobuf only.
@@ -41,6 +47,7 @@ from typing import Any
 
 import torch
 
+from kvserve.cluster.bench import engine_steps
 from kvserve.workers.core.request import WorkerRequest
 
 SMOLLM2_ENV = "KVSERVE_SMOLLM2_DIR"
@@ -293,12 +300,77 @@ def check_offline(cfg: CheckConfig) -> dict[str, Any]:
     return {"passed": passed, "rows": rows}
 
 
+def check_tier(cfg: CheckConfig) -> dict[str, Any]:
+    """Evict a prompt's blocks, reload them from the host tier and from the disk tier: tokens identical."""
+    import shutil
+
+    from kvserve.workers.core.block_hash import cache_extra, hash_blocks
+    from kvserve.workers.engine.engine import LLM
+
+    path = random_checkpoint(cfg, "llama", "tiny" if cfg.dry_run else "small")
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    bs, pool_blocks = 4, 16
+    (prompt,) = random_prompts(1, 6 * bs, 6 * bs, vocab, seed=11)  # 6 full blocks
+    fillers = random_prompts(3, 10 * bs, 10 * bs, vocab, seed=12)  # 3 x 11 blocks: the pool turns over
+    params, fill = _greedy(8), _greedy(2)
+    rows: dict[str, Any] = {}
+    for kv in ("auto", "int8"):
+        common = {"block_size": bs, "kv_cache_dtype": kv}
+        (expected,) = LLM(str(path), **cfg.engine_kwargs(num_gpu_blocks=128, enable_prefix_caching=False,
+                                                         **common)).generate([prompt], params)  # fmt: skip
+        _free_device_memory()
+        row: dict[str, Any] = {}
+        for tier in ("host", "disk"):
+            d = cfg.work / f"tier-{kv}-{tier}"
+            shutil.rmtree(d, ignore_errors=True)
+            where = {"host_cache_memory": "64MiB", "host_cache_dir": str(d)} if tier == "host" else {
+                "disk_cache_dir": str(d)}  # fmt: skip
+            llm = LLM(str(path), **cfg.engine_kwargs(num_gpu_blocks=pool_blocks, tier_load="always", **where, **common))
+            engine = llm.engine
+            assert engine.tiers is not None
+            (first,) = llm.generate([prompt], params)
+            llm.generate(fillers, fill)
+            hashes = hash_blocks(prompt, bs, cache_extra(engine.model_id, None))
+            evicted = all(engine.pool.cached_block(h) is None for h in hashes)
+            engine.tiers.flush()
+            (again,) = llm.generate([prompt], params, check_integrity=True)
+            c = engine.tier_cost
+            load = c.load_s_per_block.get(tier)
+            row[tier] = {
+                "copier": type(engine.tiers.copier).__name__,
+                "evicted_from_pool": evicted,
+                "loaded_tokens": engine.scheduler.tier_hits[tier],
+                "prompt_tokens": len(prompt),
+                "tokens_equal": first.token_ids == expected.token_ids and again.token_ids == expected.token_ids,
+                "load_ms_per_block": None if load is None else round(1e3 * load, 4),
+                "recompute_ms_per_block": round(1e3 * (c.recompute_s_per_block() or 0.0), 4),
+                "load_recompute_ratio": c.ratio(tier),
+                "auto_would_load": c.load_pays(tier),
+            }
+            engine.close()
+            del llm, engine
+            _free_device_memory()
+            shutil.rmtree(d, ignore_errors=True)
+        rows[kv] = row
+    want_copier = "CudaTierCopier" if cfg.on_cuda else "TierCopier"
+    passed = all(
+        r["evicted_from_pool"] and r["tokens_equal"] and r["loaded_tokens"] == r["prompt_tokens"]
+        and r["copier"] == want_copier and r["load_recompute_ratio"] is not None
+        for row in rows.values() for r in row.values()
+    )  # fmt: skip
+    return {"passed": passed, "kv": rows, "block_size": bs}
+
+
 STEPS: dict[str, Callable[[CheckConfig], dict[str, Any]]] = {
     "parity": check_parity,
     "kv_smoke": check_kv_smoke,
     "swap_migration": check_swap_migration,
     "offline": check_offline,
+    "tier": check_tier,
 }
+
+# The engine-speed steps (decode graphs on/off, profiler figures) live in engine_steps.py.
+STEPS.update(engine_1b=engine_steps.check_engine_1b, decode_profile=engine_steps.check_decode_profile)
 
 
 def run_step(name: str, cfg: CheckConfig) -> bool:

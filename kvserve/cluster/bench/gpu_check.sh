@@ -10,18 +10,22 @@
 #     swap_migration  swap preemption (pinned host blocks) + export/import on device  -> swap_migration.json
 #     kernels         the kernel bench (checks + timings)                             -> kernels.json
 #     offline         bench offline rows, tiny and small                              -> offline.json
+#     engine_1b       Llama-3.2-1B shape bf16: decode-heavy + mixed, graphs on/off    -> engine_1b.json
+#     decode_profile  profiler: wall/step, GPU busy, launches/step at batch 1/32/256  -> decode_profile.json
+#     tier            evict, reload from host and disk tiers (side-stream pinned copies),
+#                     tokens identical, load/recompute cost ratio per tier            -> tier.json
 #   kvserve/cluster/bench/gpu_check.sh --dry-run  the same Python entry points on CPU with tiny sizes (Triton under
 #                                         its interpreter; no pytest step, no timing claims): make test runs it.
 #
 # Every file goes to $OUT (default .), with STEP.log beside it and summary.txt (one line per step). Each
-# step runs in its own process under `timeout` with the budget below (seconds; the sum is 455), so a hang
+# step runs in its own process under `timeout` with the budget below (seconds; the sum is 490), so a hang
 # costs one step. Steps needing Ray (worker actors, router) are not run: the GPU machine has no Ray.
 # Interpreter: $PYTHON, else .venv/bin/python, else python3. PYTHONPATH gets the checkout (and
 # $GPU_CHECK_SITE, default .gpu-site, if it exists: e.g. `pip install --target .gpu-site pytest` here and
 # carry it, where the GPU machine has no pytest). Extra arguments go to `python -m kvserve.cluster.bench.kernels`.
 # Exit status: non-zero if any step failed or timed out.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../../.."  # the checkout root (this file is kvserve/cluster/bench/)
 
 if [[ -n "${PYTHON:-}" ]]; then PY=$PYTHON; elif [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
 site=${GPU_CHECK_SITE:-.gpu-site}
@@ -77,12 +81,15 @@ if [[ "${1:-}" == "--dry-run" ]]; then
   shift
   # NOTE: generous budgets: the dry run is about code paths, on a possibly loaded CPU.
   run_step env 60 "$PY" -c "$ENV_REPORT"
-  for step in parity kv_smoke swap_migration; do
+  for step in parity kv_smoke swap_migration tier; do
     run_step "$step" 300 "$PY" -m kvserve.cluster.bench.gpu_check "$step" --device cpu --dry-run --out "$OUT_DIR"
   done
   run_step kernels 300 env TRITON_INTERPRET=1 "$PY" -m kvserve.cluster.bench.kernels --dry-run \
     --json-out "$OUT_DIR/kernels_dry.json" "$@"
   run_step offline 300 "$PY" -m kvserve.cluster.bench.gpu_check offline --device cpu --dry-run --out "$OUT_DIR"
+  for step in engine_1b decode_profile; do
+    run_step "$step" 300 "$PY" -m kvserve.cluster.bench.gpu_check "$step" --device cpu --dry-run --out "$OUT_DIR"
+  done
   skip kernel_tests "not in a dry run (make test runs tests/kernels itself)"
   skip ray "worker actors and the router need Ray; the dry run mirrors the GPU machine, which has none"
   exit "$status"
@@ -107,5 +114,8 @@ run_step kv_smoke 40 "$PY" -m kvserve.cluster.bench.gpu_check kv_smoke --device 
 run_step swap_migration 40 "$PY" -m kvserve.cluster.bench.gpu_check swap_migration --device cuda --out "$OUT_DIR"
 run_step kernels 80 "$PY" -m kvserve.cluster.bench.kernels --json-out "$OUT_DIR/kernels.json" "$@"
 run_step offline 40 "$PY" -m kvserve.cluster.bench.gpu_check offline --device cuda --out "$OUT_DIR"
+run_step tier 35 "$PY" -m kvserve.cluster.bench.gpu_check tier --device cuda --out "$OUT_DIR"
+run_step engine_1b 150 "$PY" -m kvserve.cluster.bench.gpu_check engine_1b --device cuda --out "$OUT_DIR"
+run_step decode_profile 60 "$PY" -m kvserve.cluster.bench.gpu_check decode_profile --device cuda --out "$OUT_DIR"
 skip ray "worker actors, router and migration over Ray need Ray, which the GPU machine lacks (CPU tests cover them)"
 exit "$status"
