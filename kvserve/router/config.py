@@ -127,7 +127,7 @@ class RouterConfig:
         256, help="requests one client (peer host) may have running or queued at once", check=POSITIVE
     )
     max_pressure_watchers: int = knob(64, help="WatchBlockPressure streams open at once", check=POSITIVE)
-    prompt_threads: int = knob(2, help="threads that tokenize and render prompts, off the event loop", check=POSITIVE)
+    prompt_threads: int = knob(2, help="processes that tokenize/render prompts off the loop+GIL", check=POSITIVE)
     max_pending_prompts: int = knob(256, help="prompts waiting for those threads (beyond: RESOURCE_EXHAUSTED)",
                                     check=POSITIVE)  # fmt: skip
 

@@ -77,11 +77,13 @@ class AnsweringWorker:
 class Served:
     """A RouterService (tiny Llama's tokenizer and chat template) on its own loop in a thread."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, max_model_len: int = 256, **config: Any) -> None:
+        self.max_model_len = max_model_len
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
-        config = RouterConfig(port=0, model=str(model_dir), default_max_tokens=4)
+        # NOTE: the fake worker reports no engine steps; a long stall timeout keeps it up for the whole run
+        config = RouterConfig(port=0, model=str(model_dir), default_max_tokens=4, stall_timeout_s=3600.0, **config)
         self.service = RouterService(config, http_port=0, ready_timeout_s=0.2)
         self._call(self._start())
         self.grpc_address = f"127.0.0.1:{self.service.port}"
@@ -91,7 +93,8 @@ class Served:
         s = self.service
         await s.start()
         vocab = s.router.tokenizer.vocab_size
-        identity = WorkerIdentity("w", "m", block_size=4, total_blocks=4096, max_model_len=256, vocab_size=vocab)
+        identity = WorkerIdentity("w", "m", block_size=4, total_blocks=4096, max_model_len=self.max_model_len,
+                                  vocab_size=vocab)  # fmt: skip
         await s.add_worker("w", AnsweringWorker(s), identity)
         session = s.router.link.sessions.setdefault("w", _Session())
         session.incarnation, session.queue = "inc", asyncio.Queue()

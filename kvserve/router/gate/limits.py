@@ -9,8 +9,14 @@ probes; a request that costs it seconds starves them all. So, on both APIs (gRPC
 - concurrency bounds (``ClientStreams``: streams per client; ``WatcherSlots``: WatchBlockPressure
   subscribers; ``PromptPreparer``: prompts waiting to be tokenized) answer RESOURCE_EXHAUSTED (HTTP
   429) naming the knob;
-- tokenization and chat-template rendering run in a bounded thread pool (``PromptPreparer``), off
-  the loop, so a huge prompt delays only itself.
+- a text or chat prompt that cannot fit ``max_model_len`` by its byte size alone is refused before
+  any tokenizing (``check_prompt_size``), and a key's request rate is charged before any work;
+- tokenization and chat-template rendering run in spawned prompt processes (``PromptPreparer``),
+  off the router's loop and GIL: rendering is Python (regexes and Jinja over the whole content,
+  a second per megabyte) and even the tokenizer, which releases the GIL while it encodes, takes it
+  back to build the ids, so in a thread either stalls the loop on a loaded machine (issue 42). A
+  router without a model directory (tests' fakes) uses a bounded thread pool instead. A huge prompt
+  delays only itself.
 
 Every bound is a ``RouterConfig`` knob (``kvserve/router/config.py``).
 """
@@ -19,21 +25,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
+import multiprocessing
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
-from kvserve.router.gate.prompts import prompt_ids, with_token_ids
+from kvserve.router.gate.prompts import (
+    check_prompt_size,
+    child_init,
+    child_prompt_ids,
+    longest_token_bytes,
+    prompt_ids,
+    with_token_ids,
+)
 from kvserve.router.gate.tenancy import Principal, Tenancy
 from kvserve.router.gate.validation import ValidationError
 from kvserve.router.requests.request import RouterError, RouterRequest
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from kvserve.router.config import RouterConfig
@@ -192,10 +210,13 @@ class WatcherSlots:
 
 
 class PromptPreparer:
-    """Text and chat prompts -> token ids in a bounded thread pool, off the router's event loop.
+    """Text and chat prompts -> token ids off the router's event loop and GIL.
 
     ``prepare`` returns the request with its prompt replaced by the token ids (validated with the
-    same field names ``Router.submit`` uses), so ``submit`` does no tokenizing on the loop.
+    same field names ``Router.submit`` uses), so ``submit`` does no tokenizing on the loop. Text and
+    chat prompts are tokenized (and rendered) in ``threads`` spawned processes that load the model
+    directory's tokenizer and template (``router.config.model``), so not under the router's GIL;
+    without a model directory, or once a prompt process died, in ``threads`` threads.
     """
 
     def __init__(self, router: Router, threads: int, max_pending: int) -> None:
@@ -203,6 +224,15 @@ class PromptPreparer:
         self.max_pending = max_pending
         self.pending = 0
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvserve-prompt")
+        self._processes: ProcessPoolExecutor | None = None
+        if router.tokenizer is not None:
+            longest_token_bytes(router.tokenizer)  # NOTE: once, at start-up, not in a request's path
+            model_dir = getattr(getattr(router, "config", None), "model", None)
+            if router.chat_template is not None and model_dir:
+                # NOTE: spawn, not fork: the router's process runs gRPC and Ray threads.
+                self._processes = ProcessPoolExecutor(threads, multiprocessing.get_context("spawn"),
+                                                      initializer=child_init, initargs=(str(model_dir),))  # fmt: skip
+                self._processes.submit(int)  # NOTE: start one now, not on the first chat request
 
     async def prepare(self, request: spb.GenerateRequest) -> spb.GenerateRequest:
         """Raises:
@@ -212,6 +242,8 @@ class PromptPreparer:
         r = self.router
         if request.WhichOneof("prompt") not in ("text", "messages") or r.limits is None or r.tokenizer is None:
             return request  # NOTE: ids are checked in submit (cheap); no kvserve/workers/tokenizer: submit says why
+        check_prompt_size(request, r.limits, r.tokenizer)  # NOTE: cheap, before the pool: a prompt that
+        # cannot fit is refused without waiting for (or costing) a tokenizer pass
         if self.pending >= self.max_pending:
             raise LimitExceeded(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -221,13 +253,25 @@ class PromptPreparer:
         self.pending += 1
         try:
             loop = asyncio.get_running_loop()
-            ids = await loop.run_in_executor(self._pool, prompt_ids, request, r.limits, r.tokenizer, r.chat_template)
+            ids = None
+            if self._processes is not None:
+                try:
+                    ids = await loop.run_in_executor(self._processes, child_prompt_ids, request.SerializeToString(),
+                                                     r.limits)  # fmt: skip
+                except BrokenProcessPool as e:  # NOTE: a prompt process died (OOM-killed...): threads from now on
+                    logger.error("the prompt processes broke (%s); tokenizing in threads from now on", e)
+                    self._processes = None
+            if ids is None:
+                ids = await loop.run_in_executor(self._pool, prompt_ids, request, r.limits, r.tokenizer,
+                                                 r.chat_template)  # fmt: skip
         finally:
             self.pending -= 1
         return with_token_ids(request, ids)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        pools: list[Executor] = [self._pool, *([self._processes] if self._processes is not None else [])]
+        for pool in pools:
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 class Bounds:
@@ -281,10 +325,22 @@ class Bounds:
             for r in requests:
                 check_request(r, self.limits, default_max_tokens)
             with self.streams.reserve(client, len(requests)):
-                prepared = await self._prepare_all(requests)
-                refund = None
+                refunds: list[Callable[[], None]] = []
                 if who is not None:
-                    refund = self.tenancy.charge(who, prepared, default_max_tokens)  # type: ignore[union-attr]
+                    # NOTE: the request rate is charged before any work (tokenizing, rendering): a key
+                    # limited to N requests a minute gets at most N prompts a minute tokenized (issue 42).
+                    # A prompt refused once tokenized keeps its charge (its work was done).
+                    refunds.append(self.tenancy.charge(who, requests, default_max_tokens,  # type: ignore[union-attr]
+                                                       budgets=("requests_per_minute",)))  # fmt: skip
+                try:
+                    prepared = await self._prepare_all(requests)
+                except LimitExceeded:  # NOTE: nothing was tokenized: no work to charge
+                    for refund in refunds:
+                        refund()
+                    raise
+                if who is not None:
+                    refunds.append(self.tenancy.charge(who, prepared, default_max_tokens,  # type: ignore[union-attr]
+                                                       budgets=("tokens_per_minute",)))  # fmt: skip
                 admitted: list[RouterRequest] = []
                 try:
                     for r in prepared:
@@ -293,7 +349,7 @@ class Bounds:
                 except RouterError:
                     for a in admitted:
                         self.router.lifecycle.cancel(a)
-                    if refund is not None:  # NOTE: the budgets count admitted requests only
+                    for refund in refunds:  # NOTE: the budgets count admitted (and tokenized) requests only
                         refund()
                     raise
                 self.streams.track(client, admitted)

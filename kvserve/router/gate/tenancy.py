@@ -196,24 +196,32 @@ class Tenancy:
         return request_id.removeprefix(f"{who.tenant}{SCOPE_SEPARATOR}")
 
     def charge(
-        self, who: Principal, requests: Sequence[spb.GenerateRequest], default_max_tokens: int
+        self,
+        who: Principal,
+        requests: Sequence[spb.GenerateRequest],
+        default_max_tokens: int,
+        budgets: Sequence[str] = ("requests_per_minute", "tokens_per_minute"),
     ) -> Callable[[], None]:
         """Take the requests (and their prompt + max_tokens) from the key's per-minute budgets;
         returns what gives them back (for requests the router then refused).
+
+        ``budgets`` picks which: ``requests_per_minute`` needs no prompt ids, so it is charged
+        before any work on the requests (kvserve/router/gate/limits.py: a key's rate bounds how
+        many of its prompts get tokenized, issue 42); ``tokens_per_minute`` once they are ids.
 
         Raises:
             RouterError: RESOURCE_EXHAUSTED with ``retry-after-ms`` when a budget is short (then
                 nothing is taken).
         """
         k, now = who.key, self.clock()
-        tokens = sum(
-            len(r.token_ids.ids) + (r.sampling.max_tokens or default_max_tokens) for r in requests
-        )  # NOTE: prompts are token ids by now (kvserve/router/gate/limits.py tokenized them)
         waits = []
-        if k.requests_per_minute is not None:
+        if k.requests_per_minute is not None and "requests_per_minute" in budgets:
             bucket = self._requests.setdefault(who.key_id, _Bucket(k.requests_per_minute, k.requests_per_minute, now))
             waits.append(("requests_per_minute", bucket, len(requests)))
-        if k.tokens_per_minute is not None:
+        if k.tokens_per_minute is not None and "tokens_per_minute" in budgets:
+            tokens = sum(
+                len(r.token_ids.ids) + (r.sampling.max_tokens or default_max_tokens) for r in requests
+            )  # NOTE: prompts are token ids by now (kvserve/router/gate/limits.py tokenized them)
             bucket = self._tokens.setdefault(who.key_id, _Bucket(k.tokens_per_minute, k.tokens_per_minute, now))
             waits.append(("tokens_per_minute", bucket, tokens))
         for i, (name, bucket, amount) in enumerate(waits):

@@ -25,7 +25,11 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]+")  # NOTE: fullmatch; "$" would adm
 class ValidationError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
-        self.field = field
+        self.field, self.message = field, message
+
+    def __reduce__(self) -> tuple:
+        # NOTE: raised in the prompt processes (kvserve/router/gate/limits.py) and pickled back to the router
+        return type(self), (self.field, self.message)
 
 
 @dataclass(frozen=True)
