@@ -161,6 +161,7 @@ def _flash_prefill_kernel(
     stride_s_block,  # kv_scales' block stride (slot stride next; head stride 1)
     stride_s_slot,
     stride_bt_seq,
+    q_len_bucket,  # unused in the kernel: the autotuner's key (the longest chunk, to a power of two)
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -259,7 +260,8 @@ def _flash_prefill_kernel(
     tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
-_HEURISTIC_KEYS = ["HEAD_DIM_PAD", "PAGED", "USE_WINDOW", "DOT_PRECISION"]
+# NOTE: tuned per head dim and per chunk-length bucket (a 64-token chunk and an 8k prompt want different tiles).
+_HEURISTIC_KEYS = ["q_len_bucket", "HEAD_DIM_PAD", "PAGED", "USE_WINDOW", "DOT_PRECISION"]
 _tuned_kernel = triton.autotune(configs=_CONFIGS, key=_HEURISTIC_KEYS, prune_configs_by={"early_config_prune": _prune})(
     _flash_prefill_kernel
 )
@@ -267,6 +269,7 @@ _tuned_kernel = triton.autotune(configs=_CONFIGS, key=_HEURISTIC_KEYS, prune_con
 
 def _launch(query: torch.Tensor, out: torch.Tensor, max_q: int, num_seqs: int, args: tuple, **meta: object) -> None:
     num_heads = query.shape[1]
+    args = (*args, min(max(triton.next_power_of_2(max_q), 64), 16384))
     if triton_interpreting() and query.device.type == "cpu":
         grid = (triton.cdiv(max_q, INTERPRET_BLOCK_M), num_seqs, num_heads)
         _flash_prefill_kernel[grid](*args, BLOCK_M=INTERPRET_BLOCK_M, BLOCK_N=INTERPRET_BLOCK_N, **meta)
