@@ -95,7 +95,7 @@ class FrontendServer:
         template = ChatTemplate.from_dir(c.model) if c.model else None
         self.tokenizer = tokenizer
         self.limits = InputLimits.from_config(c)
-        self.tenancy = Tenancy(KeyRing.load(c.auth_keys)) if c.auth_keys else None
+        self.tenancy = Tenancy(KeyRing.load(c.auth_keys), operator_token=c.auth_token) if c.auth_keys else None
         self._prompts = FrontendPrompts(
             tokenizer, template, self.limits.prompt_threads, self.limits.max_pending_prompts
         )

@@ -8,6 +8,10 @@ Attacks tried (issue 25, finding 2), by tenant A (key A) against tenant B (key B
 - Abort B's request by its id: not found, B's stream goes on;
 - ask for a priority above the key's: INVALID_ARGUMENT;
 - exceed the key's requests / tokens per minute: RESOURCE_EXHAUSTED with retry-after-ms.
+
+And by the holder of the ``--auth-token`` bearer when keys are configured (issue 42, finding 4), against
+tenant B: probe B's request id, abort B's request, claim B's tenant for its cache hits: the token is
+its own tenant (``OPERATOR_TENANT``), none of these reach B.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from kvserve.protos.kvserve.v1 import serving_pb2_grpc
 from kvserve.protos.kvserve.v1 import worker_pb2 as pb
 from kvserve.router.api.server import RouterService
 from kvserve.router.config import RouterConfig
-from kvserve.router.gate.tenancy import KeyRing, hash_key
+from kvserve.router.gate.tenancy import OPERATOR_TENANT, KeyRing, hash_key
 from kvserve.router.table.worker_link import _Session
 from kvserve.workers.core.identity import WorkerIdentity
 
@@ -79,9 +83,11 @@ async def start_with_fake_worker(service: RouterService) -> FakeWorker:
     return worker
 
 
-def run(tmp_path: Path, test: Callable[[RouterService, grpc.aio.Channel, FakeWorker], Awaitable[None]]) -> None:
+def run(
+    tmp_path: Path, test: Callable[[RouterService, grpc.aio.Channel, FakeWorker], Awaitable[None]], **extra: Any
+) -> None:
     async def main() -> None:
-        config = RouterConfig(port=0, auth_keys=str(_key_file(tmp_path)), default_max_tokens=8)
+        config = RouterConfig(port=0, auth_keys=str(_key_file(tmp_path)), default_max_tokens=8, **extra)
         service = RouterService(config, http_port=0, ready_timeout_s=0.2)
         worker = await start_with_fake_worker(service)
         try:
@@ -159,6 +165,36 @@ def test_a_tenant_cannot_reach_another_tenants_requests_or_cache(tmp_path: Path)
         assert got[-1].usage.cached_tokens == 8
 
     run(tmp_path, test)
+
+
+OPERATOR_TOKEN = "the-operators-token"
+
+
+def test_the_operator_token_cannot_reach_a_tenants_requests_or_cache(tmp_path: Path) -> None:
+    async def test(service: RouterService, channel: grpc.aio.Channel, worker: FakeWorker) -> None:
+        stub = serving_pb2_grpc.KVServeStub(channel)
+        b_call = await _admitted(stub, _req("b-job"), KEY_B, worker)
+        b_dispatch = worker.added[-1]
+        rb = service.router.dispatcher.current(b_dispatch.request_id)
+        # Probe B's id (ALREADY_EXISTS would say B uses it) while claiming B's tenant (its cache hits).
+        op_call = await _admitted(stub, _req("b-job", tenant="team-b", priority=99), OPERATOR_TOKEN, worker)
+        op_dispatch = worker.added[-1]
+        assert op_dispatch.cache_salt == OPERATOR_TENANT, "the token shares a tenant's prefix cache"
+        ro = service.router.dispatcher.current(op_dispatch.request_id)
+        assert ro is not None and rb is not None and ro.block_hashes != rb.block_hashes
+        # Abort B's request by its id: the token reaches its own request only, then nothing.
+        for _ in range(2):
+            await stub.Abort(spb.AbortRequest(request_id="b-job"), metadata=_md(OPERATOR_TOKEN), timeout=CALL_TIMEOUT)
+            assert not rb.cancelled, "the operator token aborted a tenant's request"
+        assert ro.cancelled and (await _stream_code(op_call))[0] == grpc.StatusCode.CANCELLED
+        # B's stream goes on, with its own id.
+        service.router._on_output("w", pb.RequestOutput(request_id=b_dispatch.request_id, new_token_ids=[5],
+                                                        num_output_tokens=1, finish_reason="length",
+                                                        num_prompt_tokens=9))  # fmt: skip
+        got = [resp async for resp in b_call]
+        assert [t for r in got for t in r.token_ids] == [5] and {r.request_id for r in got} == {"b-job"}
+
+    run(tmp_path, test, auth_token=OPERATOR_TOKEN)
 
 
 def test_request_ids_are_per_tenant_no_already_exists_oracle(tmp_path: Path) -> None:

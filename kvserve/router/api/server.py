@@ -312,7 +312,9 @@ class RouterService:
         template = ChatTemplate.from_dir(config.model) if config.model else None
         self.router = Router(config, tokenizer=tokenizer, chat_template=template)
         self.gate = WorkerLinkGate(self.router.link, worker_key or new_worker_key())
-        tenancy = Tenancy(KeyRing.load(config.auth_keys)) if config.auth_keys else None
+        # NOTE: with keys, the --auth-token bearer is the operator's own tenant (gate/tenancy.py), not all of them
+        keys = KeyRing.load(config.auth_keys) if config.auth_keys else None
+        tenancy = Tenancy(keys, operator_token=config.auth_token) if keys is not None else None
         self.bounds = Bounds(self.router, tenancy=tenancy)
         self.frontend_key = frontend_key
         self.metrics_port = metrics_port

@@ -23,11 +23,18 @@ tenant then decides, whatever the request says:
   continuously) RESOURCE_EXHAUSTED with a ``retry-after-ms`` trailer (HTTP 429 + Retry-After).
 
 Without a key file the single ``--auth-token`` (or none) is the simple mode: no tenancy.
+
+With both, the ``--auth-token`` bearer is the operator's credential, with a defined scope (issue 42):
+the Admin service (drain, rollout) as an admin key, and on the client API a tenant of its own,
+``OPERATOR_TENANT`` (no key file can name it: ``:`` is not a tenant character), so it can neither
+abort, probe (ALREADY_EXISTS) nor share the prefix cache of any key's requests. It has no rate
+limits and any priority.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import math
 import re
@@ -46,6 +53,8 @@ _TENANT = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _KEY_FIELDS = {"sha256", "tenant", "max_priority", "requests_per_minute", "tokens_per_minute", "admin"}
 SCOPE_SEPARATOR = ":"
+OPERATOR_TENANT = "kvserve:operator"  # NOTE: ":" keeps it out of every key file's tenants
+_OPERATOR_KEY_ID = "operator"
 
 
 @dataclass(frozen=True)
@@ -156,6 +165,9 @@ class Principal:
         return self.key.tenant
 
 
+OPERATOR = Principal(_OPERATOR_KEY_ID, ApiKey(OPERATOR_TENANT, max_priority=(1 << 31) - 1, admin=True))
+
+
 @dataclass
 class Tenancy:
     """The router-side half of API keys: who is calling, what it may do, and its ids' scope."""
@@ -164,8 +176,15 @@ class Tenancy:
     clock: Callable[[], float] = time.monotonic
     _requests: dict[str, _Bucket] = field(default_factory=dict)
     _tokens: dict[str, _Bucket] = field(default_factory=dict)
+    operator_token: str | None = None  # ``--auth-token``: the operator's principal (module docstring)
 
     def principal(self, authorization: str | bytes | None) -> Principal | None:
+        """The caller's principal: an API key's, the operator's (the ``--auth-token`` bearer), or None."""
+        if self.operator_token and authorization:
+            got = authorization.encode("latin-1", "replace") if isinstance(authorization, str) else authorization
+            # NOTE: constant-time, as every token compare (kvserve/router/gate/auth.py)
+            if hmac.compare_digest(got, f"Bearer {self.operator_token}".encode()):
+                return OPERATOR
         found = self.keys.lookup(authorization)
         return None if found is None else Principal(*found)
 
