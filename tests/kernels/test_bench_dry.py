@@ -92,6 +92,8 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path: pathlib.Path) -> None:
         assert all(r["copier"] == "TierCopier" and r["load_recompute_ratio"] > 0 for r in row.values()), kv
     offline = json.loads((out / "offline.json").read_text())
     assert offline["passed"] and offline["rows"]["tiny"]["num_requests"] == 4
+    for step in ("engine_1b", "decode_profile"):  # their figures: test_engine_speed_steps_dry
+        assert re.search(rf"^ok +{step} ", summary, re.MULTILINE), summary
 
     result = json.loads((out / "kernels_dry.json").read_text())
     assert result["mode"] == "dry-run" and result["checks_passed"]
