@@ -44,7 +44,8 @@ def _gpu_machine_python(tmp: pathlib.Path) -> pathlib.Path:
 def test_arguments_parse() -> None:
     parser = bench.add_arguments(argparse.ArgumentParser())
     args = parser.parse_args(["--batches", "1,16", "--check-dtypes", "bf16,fp16", "--json-out", "x.json"])
-    assert args.batches == [1, 16] and args.contexts == [512, 4096, 32768] and args.block_sizes == [16, 32]
+    assert args.batches == [1, 16] and args.contexts == [4096, 32768] and args.block_sizes == [16]
+    assert args.prefix_lens == [1024, 8192] and args.prefix_new_tokens == 512 and args.prefill_lens == [2048, 8192]
     assert args.check_dtypes == ["bfloat16", "float16"] and args.json_out == "x.json" and not args.dry_run
     with pytest.raises(SystemExit):
         parser.parse_args(["--check-dtypes", "int8"])
@@ -98,6 +99,7 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path: pathlib.Path) -> None:
     result = json.loads((out / "kernels_dry.json").read_text())
     assert result["mode"] == "dry-run" and result["checks_passed"]
     assert result["decode"] and result["prefill"]
+    _check_prefill_rows(result)
     assert all(row["checks"] for row in result["decode"])
     assert any(name.endswith("-split") for row in result["decode"] for name in row["checks"])
     assert all(row["time_us"] is None for row in result["decode"])  # no timing claims in dry mode
@@ -117,6 +119,42 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path: pathlib.Path) -> None:
                 assert row["store_rel_err"] is None
             else:  # the store kernel quantized the K/V (not, say, left the cache zero)
                 assert 0 < row["store_rel_err"] <= result["store_tolerance"][kv], (kv, row)
+
+
+def _check_prefill_rows(result: dict) -> None:
+    """No-prefix rows check the paged kernel, its contiguous twin and SDPA; prefix rows the paged kernel
+    reading the cached prefix through the block table, and SDPA on the gathered K/V; all within tolerance."""
+    plain = [r for r in result["prefill"] if not r["prefix"]]
+    prefixed = [r for r in result["prefill"] if r["prefix"]]
+    assert plain and prefixed and {r["prefix"] for r in prefixed} == {17, 40}
+    for row in result["prefill"]:
+        kinds = {name.partition("/")[2] for name in row["checks"]}
+        assert kinds == ({"", "sdpa", "contiguous"} if not row["prefix"] else {"", "sdpa"}), row
+        for name, err in row["checks"].items():
+            assert err <= result["tolerance"][name.partition("/")[0]], (row, name)
+        assert row["triton_us"] is None and row["sdpa_gather_us"] is None  # no timing claims in dry mode
+    assert result["reference_bandwidth_gbs"] is None and result["nominal_bandwidth_gbs"] is None
+
+
+def test_kernels_dry_run_prints_rows_as_it_goes(tmp_path: pathlib.Path) -> None:
+    """The kernel bench alone: a line per row while it runs (before the tables), the prefix rows included."""
+    out = tmp_path / "k.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "COLUMNS": "200"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvserve.cluster.bench.kernels", "--dry-run", "--json-out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    _check_prefill_rows(result)
+    lines = proc.stdout.splitlines()
+    first_table = next(i for i, line in enumerate(lines) if "paged decode (" in line)
+    streamed = lines[:first_table]
+    assert sum(line.startswith("decode block=") for line in streamed) == len(result["decode"])
+    assert sum(line.startswith("prefill block=") for line in streamed) == len(result["prefill"])
+    assert any(line.startswith("prefill block=16 batch=1 prefix=40 new=9: ") for line in streamed)
+    assert bench.nominal_bandwidth_gbs("NVIDIA H200") == 4800.0 and bench.nominal_bandwidth_gbs("cpu") is None
+    assert bench.nominal_bandwidth_gbs("NVIDIA H100 80GB HBM3") == 3350.0
 
 
 def test_engine_speed_steps_dry(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:

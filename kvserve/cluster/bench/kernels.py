@@ -11,8 +11,18 @@ On a GPU, for every (block size, batch, context) of the grid it
    ``kernels.cache_ops.store_kv`` from random K/V, checked against the fp32 reference run on the
    dequantized cache (``kernels.reference.dequantize_cache``), and its bandwidth counts K/V at one byte
    per element plus, for int8, the scales (4 bytes per token per KV head, for K and for V),
-3. times prefill (no cached prefix) against ``torch.nn.functional.scaled_dot_product_attention`` on the
-   same data laid out contiguously, and checks the two outputs agree.
+3. times prefill (no cached prefix; ``kernels.prefill``, the Triton backend's prefill, paged and contiguous)
+   against ``torch.nn.functional.scaled_dot_product_attention`` on the same data laid out contiguously, and
+   checks the outputs agree,
+4. times a paged prefill with a cached prefix (``--prefix-lens`` cached tokens, ``--prefix-new-tokens`` new
+   ones, keys read through the block table) beside SDPA, which cannot read a paged cache: once on K/V
+   gathered beforehand and once including that gather (what a caller without a paged kernel pays).
+
+Each row is printed (and flushed) as soon as it is measured; the tables follow at the end. The bandwidth
+reference is measured on a 4 GiB buffer after a warm-up, as a device-to-device copy (read + write bytes)
+and as a read-only reduction (the access pattern of decode), and printed with the card's nominal bandwidth
+where the device is known (``NOMINAL_BANDWIDTH_GBS``). The default grid is sized to finish in about a
+minute on an H200 (the points of the issue's targets); widen it with the options.
 
 ``--dry-run`` runs on CPU under the Triton interpreter (``TRITON_INTERPRET=1``) with tiny sizes: it checks
 that everything parses, launches and matches the reference, and makes no timing claims.
@@ -96,9 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="CPU/interpreter smoke run with tiny sizes: parse, launch, verify; no timing",
     )
     parser.add_argument("--json-out", default=None, metavar="PATH", help="write the results as JSON here")
-    parser.add_argument("--batches", type=_ints, default=[1, 16, 64, 256], help="decode batch sizes")
-    parser.add_argument("--contexts", type=_ints, default=[512, 4096, 32768], help="decode context lengths")
-    parser.add_argument("--block-sizes", type=_ints, default=[16, 32], help="KV block sizes")
+    parser.add_argument("--batches", type=_ints, default=[1, 16, 256], help="decode batch sizes")
+    parser.add_argument("--contexts", type=_ints, default=[4096, 32768], help="decode context lengths")
+    parser.add_argument("--block-sizes", type=_ints, default=[16], help="KV block sizes")
     parser.add_argument("--num-heads", type=int, default=32)
     parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -122,18 +132,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="check decode against the reference only when batch*context <= this",
     )
     parser.add_argument("--max-kv-gib", type=float, default=48.0, help="skip configs whose K/V exceed this")
-    parser.add_argument(
-        "--prefill-lens", type=_ints, default=[512, 2048, 8192], help="prefill sequence lengths"
-    )
+    parser.add_argument("--prefill-lens", type=_ints, default=[2048, 8192], help="prefill sequence lengths")
     parser.add_argument("--prefill-batches", type=_ints, default=[1, 4], help="prefill batch sizes")
+    parser.add_argument(
+        "--prefix-lens", type=_ints, default=[1024, 8192], help="cached prefix lengths of the prefix rows"
+    )
+    parser.add_argument("--prefix-new-tokens", type=int, default=512, help="new tokens after the cached prefix")
+    parser.add_argument("--prefix-batches", type=_ints, default=[1], help="batch sizes of the prefix rows")
     parser.add_argument(
         "--no-cuda-graph",
         dest="cuda_graph",
         action="store_false",
         help="time eager launches (includes Python launch overhead) instead of a CUDA graph",
     )
-    parser.add_argument("--warmup-ms", type=int, default=25)
-    parser.add_argument("--rep-ms", type=int, default=100)
+    parser.add_argument("--warmup-ms", type=int, default=10)
+    parser.add_argument("--rep-ms", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -151,7 +164,8 @@ class DecodeRow:
     time_us: float | None = None
     bytes_moved: int | None = None
     bandwidth_gbs: float | None = None
-    fraction_of_copy: float | None = None
+    fraction_of_reference: float | None = None  # of the measured reference (best of copy and read)
+    fraction_of_nominal: float | None = None  # of the card's nominal bandwidth, where known
     skipped: str | None = None
 
 
@@ -160,10 +174,13 @@ class PrefillRow:
     block_size: int
     batch: int
     seq_len: int
-    checks: dict[str, float]  # dtype -> relative error vs reference (dry run) or vs SDPA (GPU)
+    checks: dict[str, float]  # dtype (or "dtype/contiguous") -> rel. error vs reference (dry run) or SDPA (GPU)
+    prefix: int = 0  # cached tokens before the seq_len new ones (read through the block table)
     timing: str | None = None
-    triton_us: float | None = None
-    sdpa_us: float | None = None
+    triton_us: float | None = None  # the paged kernel (kernels.prefill.paged_prefill_attention)
+    contiguous_us: float | None = None  # the same kernel on contiguous K/V (no prefix rows only)
+    sdpa_us: float | None = None  # SDPA on contiguous K/V (gathered beforehand for prefix rows)
+    sdpa_gather_us: float | None = None  # prefix rows: gathering K/V out of the paged cache, then SDPA
     triton_tflops: float | None = None
     sdpa_tflops: float | None = None
     skipped: str | None = None
@@ -278,21 +295,65 @@ class Timer:
         ms = self._eager(fn, warmup=self.args.warmup_ms, rep=self.args.rep_ms, return_mode="median")
         return ms, "eager"
 
+    def eager(self, fn: Any) -> float:
+        """Median ms of eager launches (for references whose graph capture would change what is measured)."""
+        return self._eager(fn, warmup=self.args.warmup_ms, rep=self.args.rep_ms, return_mode="median")
 
-def _copy_bandwidth(device: str, timer: Timer) -> float:
-    """Device-to-device copy bandwidth in GB/s, counting read + write bytes."""
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device=device)
+
+# Nominal HBM bandwidth (GB/s) by device-name substring, most specific first: the vendor's figure, printed
+# beside the measured reference so a reading can be judged against the card, not only against a copy.
+NOMINAL_BANDWIDTH_GBS = (
+    ("H200", 4800.0),
+    ("H100 NVL", 3900.0),
+    ("H100 PCIe", 2000.0),
+    ("H100", 3350.0),
+    ("H20", 4000.0),
+    ("GH200", 4000.0),
+    ("B200", 8000.0),
+    ("A100-SXM4-80GB", 2039.0),
+    ("A100 80GB PCIe", 1935.0),
+    ("A100", 1555.0),
+    ("L40S", 864.0),
+    ("L4", 300.0),
+    ("A10G", 600.0),
+)
+REFERENCE_BUFFER_BYTES = 4 << 30  # far beyond L2 (50-60 MB), so the reference streams HBM as decode does
+
+
+def nominal_bandwidth_gbs(device_name: str) -> float | None:
+    """The vendor's HBM bandwidth for a device name (``torch.cuda.get_device_name()``), None if unknown."""
+    for key, gbs in NOMINAL_BANDWIDTH_GBS:
+        if key.lower() in device_name.lower():
+            return gbs
+    return None
+
+
+def _reference_bandwidth(device: str, timer: Timer, nbytes: int = REFERENCE_BUFFER_BYTES) -> dict[str, float]:
+    """Measured HBM bandwidth in GB/s: ``copy`` (device-to-device, read + write bytes) and ``read`` (a sum
+    over the buffer, read bytes; decode's own pattern), each on ``nbytes`` after warm-up launches.
+
+    NOTE: a 1 GiB copy timed inside a CUDA graph read 2.7 TB/s on an H200 while decode reached 4.1 TB/s:
+    the reference is timed eagerly (many back-to-back launches) on a bigger buffer, and read-only too.
+    """
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
-    ms, _ = timer(lambda src=src, dst=dst: dst.copy_(src))
-    del src, dst
-    return 2 * n / (ms * 1e-3) / 1e9
+    sink = torch.empty((), dtype=torch.float32, device=device)
+    copy_fn = lambda: dst.copy_(src)  # noqa: E731
+    read_fn = lambda: torch.sum(src, out=sink)  # noqa: E731
+    result = {}
+    for name, fn, moved in (("copy", copy_fn, 2 * nbytes), ("read", read_fn, nbytes)):
+        for _ in range(3):  # warm-up: clocks up, allocator and kernels ready
+            fn()
+        torch.cuda.synchronize()
+        ms = timer.eager(fn)
+        result[name] = moved / (ms * 1e-3) / 1e9
+    return result  # NOTE: the buffers go with this frame; the caller empties the cache
 
 
 def _time_decode(
     row: DecodeRow,
     timer: Timer,
-    copy_gbs: float | None,
+    ref_gbs: tuple[float | None, float | None],
     q: torch.Tensor,
     kv: torch.Tensor,
     kv_scales: torch.Tensor | None,
@@ -315,7 +376,43 @@ def _time_decode(
     row.time_us = ms * 1e3
     row.bytes_moved = moved
     row.bandwidth_gbs = moved / (ms * 1e-3) / 1e9
-    row.fraction_of_copy = row.bandwidth_gbs / copy_gbs if copy_gbs else None
+    measured, nominal = ref_gbs
+    row.fraction_of_reference = row.bandwidth_gbs / measured if measured else None
+    row.fraction_of_nominal = row.bandwidth_gbs / nominal if nominal else None
+
+
+def _checks_text(checks: dict[str, float], store: float | None = None) -> str:
+    items = [f"{_short(k)}={v:.1e}" for k, v in checks.items()]
+    if store is not None:
+        items.insert(0, f"store={store:.1e}")
+    return " ".join(items) or "-"
+
+
+def _emit_decode(row: DecodeRow) -> None:
+    """One line per decode row, flushed as soon as it is measured (a long grid shows progress in the log)."""
+    what = row.skipped or _checks_text(row.checks, row.store_rel_err)
+    timing = ""
+    if row.time_us is not None:
+        timing = f" {row.time_us:.1f} us {row.bandwidth_gbs:.0f} GB/s"
+        if row.fraction_of_reference is not None:
+            timing += f" ({100 * row.fraction_of_reference:.0f}% of ref"
+            timing += f", {100 * row.fraction_of_nominal:.0f}% of nominal)" if row.fraction_of_nominal else ")"
+    print(f"decode block={row.block_size} batch={row.batch} ctx={row.context} kv={row.kv_cache_dtype} "
+          f"splits={row.num_splits}: {what}{timing}", flush=True)  # fmt: skip
+
+
+def _emit_prefill(row: PrefillRow) -> None:
+    what = row.skipped or _checks_text(row.checks)
+    timing = ""
+    if row.triton_us is not None:
+        timing = f" triton {row.triton_us:.1f} us ({row.triton_tflops:.1f} TF/s) sdpa {row.sdpa_us:.1f} us"
+        timing += f" ({row.sdpa_tflops:.1f} TF/s)"
+        if row.contiguous_us is not None:
+            timing += f" triton-contiguous {row.contiguous_us:.1f} us"
+        if row.sdpa_gather_us is not None:
+            timing += f" gather+sdpa {row.sdpa_gather_us:.1f} us"
+    print(f"prefill block={row.block_size} batch={row.batch} prefix={row.prefix} new={row.seq_len}: {what}{timing}",
+          flush=True)  # fmt: skip
 
 
 def _check_splits(
@@ -327,7 +424,7 @@ def _check_splits(
 
 
 def _bench_decode(
-    args: argparse.Namespace, device: str, timer: Timer | None, copy_gbs: float | None
+    args: argparse.Namespace, device: str, timer: Timer | None, ref_gbs: tuple[float | None, float | None]
 ) -> list[DecodeRow]:
     from kvserve.kernels import attention, reference
 
@@ -358,9 +455,11 @@ def _bench_decode(
                         kv_bytes = 2 * tokens * kvh * (hd + (4 if kv_name == "int8" else 0))
                     if kv_bytes > args.max_kv_gib * (1 << 30):
                         row.skipped = f"K/V {kv_bytes / (1 << 30):.1f} GiB > --max-kv-gib"
+                        _emit_decode(row)
                         continue
                     if kv_name == "fp8" and not fp8_ok:
                         row.skipped = "fp8 KV needs compute capability >= 8.9"
+                        _emit_decode(row)
                         continue
                     gen = _generator(device, args.seed)
                     if kv_name == "auto":
@@ -376,7 +475,7 @@ def _bench_decode(
                         if timer is not None:
                             kv, bt, cl = _paged(batch, ctx, bs, kvh, hd, time_dtype, device, gen)
                             q = torch.randn((batch, h, hd), dtype=time_dtype, device=device, generator=gen)
-                            _time_decode(row, timer, copy_gbs, q, kv, None, bt, cl, scale, kv_bytes)
+                            _time_decode(row, timer, ref_gbs, q, kv, None, bt, cl, scale, kv_bytes)
                             del kv, bt, cl, q
                     else:
                         # One quantized cache (K/V drawn in the timed dtype, stored by the store kernel) serves
@@ -409,74 +508,122 @@ def _bench_decode(
                             del deq
                         if timer is not None:
                             q = torch.randn((batch, h, hd), dtype=time_dtype, device=device, generator=gen)
-                            _time_decode(row, timer, copy_gbs, q, kv, sc, bt, cl, scale, kv_bytes)
+                            _time_decode(row, timer, ref_gbs, q, kv, sc, bt, cl, scale, kv_bytes)
                             del q
                         del kv, sc, bt, cl
+                    _emit_decode(row)
                     if device == "cuda":
                         torch.cuda.empty_cache()
     return rows
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal SDPA on [B, H, L, D] with GQA K/V [B, Hkv, L, D]."""
+    """Causal SDPA on queries [B, H, L, D] over GQA K/V [B, Hkv, S, D]; the queries are the last L of the S
+    positions (S > L: a cached prefix, causal mask aligned to the lower right)."""
+    lq, lk = q.shape[2], k.shape[2]
+    group = q.shape[1] // k.shape[1]
+    if lq == lk:
+        try:
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=scale, enable_gqa=True
+            )
+        except TypeError:  # torch < 2.5 has no enable_gqa
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    from torch.nn.attention.bias import causal_lower_right
+
+    bias = causal_lower_right(lq, lk)
     try:
-        return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=scale, enable_gqa=True
-        )
-    except TypeError:  # torch < 2.5 has no enable_gqa
-        group = q.shape[1] // k.shape[1]
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
+    except (TypeError, RuntimeError, ValueError):  # a torch whose CausalBias path takes no GQA
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+
+
+def _gather_kv(kv: torch.Tensor, bt: torch.Tensor, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of every sequence's first ``ctx`` tokens out of the paged cache, contiguous [B, Hkv, ctx, D]:
+    what SDPA needs first, as it cannot follow a block table."""
+    blocks = bt.long()
+    k = kv[0][blocks].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
+    v = kv[1][blocks].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
+    return k, v
+
+
+def _prefill_case(
+    args: argparse.Namespace, row: PrefillRow, name: str, device: str, timer: Timer | None, contiguous: bool
+) -> None:
+    """Check (and time, for the timed dtype) one prefill point: ``row.batch`` sequences of ``row.seq_len`` new
+    tokens after ``row.prefix`` cached ones, K/V all in a paged cache."""
+    from kvserve.kernels import prefill, reference
+
+    h, kvh, hd = args.num_heads, args.num_kv_heads, args.head_dim
+    scale = hd**-0.5
+    dtype = DTYPES[name]
+    batch, new, ctx = row.batch, row.seq_len, row.prefix + row.seq_len
+    gen = _generator(device, args.seed)
+    kv, bt, cl = _paged(batch, ctx, row.block_size, kvh, hd, dtype, device, gen)
+    q = torch.randn((batch * new, h, hd), dtype=dtype, device=device, generator=gen)
+    cu = torch.arange(0, batch + 1, dtype=torch.int32, device=device) * new
+    out = torch.empty_like(q)
+
+    def triton_call() -> torch.Tensor:
+        return prefill.paged_prefill_attention(q, kv, bt, cu, cl, scale, out=out, max_query_len=new)
+
+    qs = q.view(batch, new, h, hd).transpose(1, 2).contiguous()  # [B, H, new, D]
+
+    def gather_sdpa_call() -> torch.Tensor:
+        return _sdpa(qs, *_gather_kv(kv, bt, ctx), scale)
+
+    triton_call()
+    k, v = _gather_kv(kv, bt, ctx)  # [B, Hkv, ctx, D]
+    sdpa_out = _sdpa(qs, k, v, scale).transpose(1, 2).reshape(batch * new, h, hd)
+    timing = timer is not None
+    ref = sdpa_out if timing else reference.prefill_attention(q, kv, bt, cu, cl, scale)
+    checked = name in args.check_dtypes
+    if checked:
+        row.checks[name] = _rel_err(out, ref)
+        if not timing:  # the dry run also checks the SDPA path the GPU rows compare against
+            row.checks[f"{name}/sdpa"] = _rel_err(sdpa_out, ref)
+    kc = vc = None
+    if contiguous:  # the same kernel on K/V held contiguously, [tokens, Hkv, D]
+        kc = k.transpose(1, 2).reshape(batch * new, kvh, hd)
+        vc = v.transpose(1, 2).reshape(batch * new, kvh, hd)
+        out_c = prefill.flash_attention_varlen(q, kc, vc, cu, scale, max_seqlen=new)
+        if checked:
+            row.checks[f"{name}/contiguous"] = _rel_err(out_c, ref)
+        del out_c
+    if timing and name == args.time_dtype[0]:
+        flops = 4 * batch * h * hd * new * (row.prefix + (new + 1) / 2)  # causal: QK^T and PV
+        t_ms, row.timing = timer(triton_call)
+        s_ms, _ = timer(lambda: _sdpa(qs, k, v, scale))
+        row.triton_us, row.sdpa_us = t_ms * 1e3, s_ms * 1e3
+        row.triton_tflops = flops / (t_ms * 1e-3) / 1e12
+        row.sdpa_tflops = flops / (s_ms * 1e-3) / 1e12
+        if kc is not None:
+            out_c = torch.empty_like(q)
+            c_ms, _ = timer(lambda: prefill.flash_attention_varlen(q, kc, vc, cu, scale, out=out_c, max_seqlen=new))
+            row.contiguous_us = c_ms * 1e3
+        if row.prefix:
+            row.sdpa_gather_us = timer(gather_sdpa_call)[0] * 1e3
 
 
 def _bench_prefill(args: argparse.Namespace, device: str, timer: Timer | None) -> list[PrefillRow]:
-    from kvserve.kernels import attention, reference
-
+    """The no-prefix rows (``--prefill-lens`` x ``--prefill-batches``), then the cached-prefix rows
+    (``--prefix-lens`` x ``--prefix-batches``, ``--prefix-new-tokens`` new tokens each)."""
     rows = []
-    h, kvh, hd = args.num_heads, args.num_kv_heads, args.head_dim
-    scale = hd**-0.5
     timing = timer is not None
     names = args.check_dtypes if not timing else sorted({*args.check_dtypes, args.time_dtype[0]})
-    for bs in args.block_sizes:
-        for batch in args.prefill_batches:
-            for seq_len in args.prefill_lens:
-                row = PrefillRow(bs, batch, seq_len, checks={})
-                for name in names:
-                    dtype = DTYPES[name]
-                    gen = _generator(device, args.seed)
-                    kv, bt, cl = _paged(batch, seq_len, bs, kvh, hd, dtype, device, gen)
-                    q = torch.randn((batch * seq_len, h, hd), dtype=dtype, device=device, generator=gen)
-                    cu = torch.arange(0, batch + 1, dtype=torch.int32, device=device) * seq_len
-                    out = torch.empty_like(q)
-
-                    def triton_call(q=q, kv=kv, bt=bt, cu=cu, cl=cl, out=out, max_len=seq_len):
-                        return attention.prefill_attention(
-                            q, kv, bt, cu, cl, scale, out=out, max_query_len=max_len
-                        )
-
-                    triton_call()
-                    # The same K/V, contiguous: [B, Hkv, L, D].
-                    blocks = bt.long()
-                    k = kv[0][blocks].flatten(1, 2)[:, :seq_len].transpose(1, 2).contiguous()
-                    v = kv[1][blocks].flatten(1, 2)[:, :seq_len].transpose(1, 2).contiguous()
-                    qs = q.view(batch, seq_len, h, hd).transpose(1, 2).contiguous()  # [B, H, L, D]
-                    if timing:
-                        ref = _sdpa(qs, k, v, scale).transpose(1, 2).reshape(batch * seq_len, h, hd)
-                    else:
-                        ref = reference.prefill_attention(q, kv, bt, cu, cl, scale)
-                    if name in args.check_dtypes:
-                        row.checks[name] = _rel_err(out, ref)
-                    if timing and name == args.time_dtype[0]:
-                        flops = 4 * batch * h * hd * seq_len * (seq_len + 1) / 2  # causal: QK^T and PV
-                        t_ms, row.timing = timer(triton_call)
-                        s_ms, _ = timer(lambda qs=qs, k=k, v=v: _sdpa(qs, k, v, scale))
-                        row.triton_us, row.sdpa_us = t_ms * 1e3, s_ms * 1e3
-                        row.triton_tflops = flops / (t_ms * 1e-3) / 1e12
-                        row.sdpa_tflops = flops / (s_ms * 1e-3) / 1e12
-                    del kv, bt, cl, q, cu, out, k, v, qs, ref
-                if device == "cuda":
-                    torch.cuda.empty_cache()
-                rows.append(row)
+    points = [(bs, b, n, 0) for bs in args.block_sizes for b in args.prefill_batches for n in args.prefill_lens]
+    new = args.prefix_new_tokens
+    points += [(bs, b, new, p) for bs in args.block_sizes for b in args.prefix_batches for p in args.prefix_lens]
+    for bs, batch, new, prefix in points:
+        row = PrefillRow(bs, batch, new, checks={}, prefix=prefix)
+        for name in names:
+            _prefill_case(args, row, name, device, timer, contiguous=prefix == 0)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        rows.append(row)
+        _emit_prefill(row)
     return rows
 
 
@@ -490,35 +637,47 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def _print_tables(result: dict[str, Any]) -> None:
-    copy = result.get("copy_bandwidth_gbs")
+    ref = result.get("reference_bandwidth_gbs") or {}
+    nominal = result.get("nominal_bandwidth_gbs")
     title = f"paged decode ({result['device']}, timed in {result['time_dtype']}, kv auto = query dtype"
-    title += f", D2D copy {copy:.0f} GB/s)" if copy else ", no timing)"
-    decode_rows = []
-    for r in result["decode"]:
-        items = [f"{_short(k)}={v:.1e}" for k, v in r["checks"].items()]
-        if r.get("store_rel_err") is not None:
-            items.insert(0, f"store={r['store_rel_err']:.1e}")
-        frac = r["fraction_of_copy"]
-        decode_rows.append([
-            str(r["block_size"]), str(r["batch"]), str(r["context"]), r.get("kv_cache_dtype", "auto"),
-            str(r["num_splits"]), r["skipped"] or " ".join(items) or "-", _fmt(r["time_us"], ".1f"),
-            _fmt(r["bandwidth_gbs"], ".0f"), "-" if frac is None else f"{100 * frac:.0f}%",
-        ])  # fmt: skip
-    prefill_rows = [
+    if ref:
+        title += f"; HBM copy {ref['copy']:.0f}, read {ref['read']:.0f} GB/s measured"
+        title += f", nominal {nominal:.0f} GB/s)" if nominal else ", nominal unknown)"
+    else:
+        title += ", no timing)"
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.0f}%"
+
+    decode_rows = [
         [
-            str(r["block_size"]), str(r["batch"]), str(r["seq_len"]),
-            r["skipped"] or " ".join(f"{_short(k)}={v:.1e}" for k, v in r["checks"].items()) or "-",
+            str(r["block_size"]), str(r["batch"]), str(r["context"]), r.get("kv_cache_dtype", "auto"),
+            str(r["num_splits"]), r["skipped"] or _checks_text(r["checks"], r.get("store_rel_err")),
+            _fmt(r["time_us"], ".1f"), _fmt(r["bandwidth_gbs"], ".0f"), pct(r["fraction_of_reference"]),
+            pct(r["fraction_of_nominal"]),
+        ]
+        for r in result["decode"]
+    ]  # fmt: skip
+
+    def prefill_row(r: dict[str, Any], extra: list[str]) -> list[str]:
+        return [
+            str(r["block_size"]), str(r["batch"]), *extra, r["skipped"] or _checks_text(r["checks"]),
             _fmt(r["triton_us"], ".1f"), _fmt(r["sdpa_us"], ".1f"), _fmt(r["triton_tflops"], ".1f"),
             _fmt(r["sdpa_tflops"], ".1f"),
-        ]
-        for r in result["prefill"]
-    ]  # fmt: skip
+        ]  # fmt: skip
+
+    plain = [prefill_row(r, [str(r["seq_len"])]) + [_fmt(r["contiguous_us"], ".1f")]
+             for r in result["prefill"] if not r["prefix"]]  # fmt: skip
+    prefixed = [prefill_row(r, [str(r["prefix"]), str(r["seq_len"])]) + [_fmt(r["sdpa_gather_us"], ".1f")]
+                for r in result["prefill"] if r["prefix"]]  # fmt: skip
+    timing_cols = ("triton us", "sdpa us", "triton TF/s", "sdpa TF/s")
     tables = [
-        (title, ("block", "batch", "context", "kv", "splits", "check rel err", "time us", "GB/s", "of copy"),
-         decode_rows),
-        ("prefill (no cached prefix) vs torch SDPA on contiguous K/V",
-         ("block", "batch", "seq len", "check rel err", "triton us", "sdpa us", "triton TF/s", "sdpa TF/s"),
-         prefill_rows),
+        (title, ("block", "batch", "context", "kv", "splits", "check rel err", "time us", "GB/s", "of ref",
+                 "of nominal"), decode_rows),
+        ("prefill (no cached prefix): paged Triton vs torch SDPA on contiguous K/V",
+         ("block", "batch", "seq len", "check rel err", *timing_cols, "triton contiguous us"), plain),
+        ("prefill after a cached prefix: paged Triton vs SDPA on K/V gathered beforehand (and with the gather)",
+         ("block", "batch", "prefix", "new", "check rel err", *timing_cols, "gather+sdpa us"), prefixed),
     ]  # fmt: skip
     verdict = "all passed" if result["checks_passed"] else "FAILED"
     try:
@@ -547,6 +706,7 @@ def _apply_dry_run_sizes(args: argparse.Namespace, device: str) -> None:
     args.batches, args.contexts, args.block_sizes = [1, 2], [17, 40], [16, 32]
     args.num_heads, args.num_kv_heads, args.head_dim = 4, 2, 64
     args.prefill_lens, args.prefill_batches = [5, 33], [1, 2]
+    args.prefix_lens, args.prefix_new_tokens, args.prefix_batches = [17, 40], 9, [1, 2]
     if device == "cpu":  # NOTE: the interpreter has no bfloat16
         args.check_dtypes = ["float16", "float32"]
         args.time_dtype = ["float16"]
@@ -587,9 +747,18 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
 
     timer = Timer(args) if timing else None
-    copy_gbs = _copy_bandwidth(device, timer) if timer is not None else None
     started = time.perf_counter()
-    decode = _bench_decode(args, device, timer, copy_gbs)
+    device_name = torch.cuda.get_device_name() if has_cuda else "cpu (triton interpreter)"
+    ref_bw = _reference_bandwidth(device, timer) if timer is not None else None
+    nominal = nominal_bandwidth_gbs(device_name) if has_cuda else None
+    if ref_bw is not None:
+        print(f"{device_name}: HBM copy {ref_bw['copy']:.0f} GB/s, read {ref_bw['read']:.0f} GB/s (measured, "
+              f"{REFERENCE_BUFFER_BYTES >> 30} GiB), nominal " + (f"{nominal:.0f} GB/s" if nominal else "unknown"),
+              flush=True)  # fmt: skip
+    best = max(ref_bw.values()) if ref_bw else None
+    if has_cuda:
+        torch.cuda.empty_cache()
+    decode = _bench_decode(args, device, timer, (best, nominal))
     prefill = _bench_prefill(args, device, timer)
     errors = [
         (name.partition("/")[0], err) for row in [*decode, *prefill] for name, err in row.checks.items()
@@ -602,13 +771,14 @@ def run(args: argparse.Namespace) -> int:
     )
     result = {
         "mode": "dry-run" if args.dry_run else "full",
-        "device": torch.cuda.get_device_name() if has_cuda else "cpu (triton interpreter)",
+        "device": device_name,
         "torch": torch.__version__,
         "triton": __import__("triton").__version__,
         "time_dtype": args.time_dtype[0],
         "kv_cache_dtypes": args.kv_cache_dtypes,
         "model": {"num_heads": args.num_heads, "num_kv_heads": args.num_kv_heads, "head_dim": args.head_dim},
-        "copy_bandwidth_gbs": copy_gbs,
+        "reference_bandwidth_gbs": ref_bw,  # {"copy": read + write, "read": read only}; None in a dry run
+        "nominal_bandwidth_gbs": nominal,
         "tolerance": TOLERANCE,
         "store_tolerance": STORE_TOLERANCE,
         "decode": [dataclasses.asdict(r) for r in decode],
