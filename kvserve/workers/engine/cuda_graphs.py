@@ -39,6 +39,7 @@ class CudaGraph:
     def __init__(self, run: Callable[[], torch.Tensor], pool: object, stream: torch.cuda.Stream) -> None:
         # NOTE: one eager run first (Triton compiles and autotunes, cuBLAS picks its kernels), on a side
         # stream as torch requires for a capture, then the capture itself.
+        stream.wait_stream(torch.cuda.current_stream())  # the static buffers' initial values
         with torch.cuda.stream(stream):
             run()
         torch.cuda.current_stream().wait_stream(stream)

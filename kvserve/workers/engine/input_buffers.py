@@ -11,9 +11,9 @@ Two layouts, one filling rule (``_fill``):
   device tensors it was captured on. Rows past the real batch are padding that reads block 0 and
   stores nowhere (slot -1), so a padded row never writes into a real block.
 
-NOTE (contract): staging is rewritten by the next step. The runner reads the sampled tokens back to the
-host at the end of every step (one sync), so the previous step's non-blocking upload has finished by the
-time staging is written again.
+NOTE (contract): staging is rewritten by the next step, so on CUDA each buffer records an event after its
+upload and waits for it before writing staging again (a step that samples nothing, e.g. a prefill chunk,
+ends without the token read-back that would otherwise have synchronised).
 """
 
 from __future__ import annotations
@@ -95,6 +95,21 @@ def _staging(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.zeros(n, dtype=dtype, pin_memory=device.type == "cuda")
 
 
+class _UploadFence:
+    """On CUDA: the event after the last upload from a staging buffer, waited for before it is rewritten."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._event = torch.cuda.Event() if device.type == "cuda" else None
+
+    def before_write(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()  # NOTE: no-op where nothing was recorded yet
+
+    def after_upload(self) -> None:
+        if self._event is not None:
+            self._event.record()
+
+
 class StepBuffers:
     """The eager steps' inputs: two staging areas (int64, int32) and their device twins, packed per step.
 
@@ -105,6 +120,7 @@ class StepBuffers:
         self.device = device
         self._host = {torch.int64: _staging(0, torch.int64, device), torch.int32: _staging(0, torch.int32, device)}
         self._dev = dict(self._host)
+        self._fence = _UploadFence(device)
 
     def _area(self, dtype: torch.dtype, n: int) -> tuple[np.ndarray, torch.Tensor]:
         """Staging (numpy view) and device buffer of at least ``n`` elements."""
@@ -118,6 +134,7 @@ class StepBuffers:
     def stage(self, batch: list[tuple[Request, int]], block_size: int) -> StepInputs:
         """Write the batch's inputs and upload them (one copy per dtype); return views of the device buffers."""
         f = _fill(batch, block_size)
+        self._fence.before_write()
         t, r, d = len(f.ids), len(f.ends), f.num_decodes
         p = r - d
         s = len(f.sample_reqs)
@@ -138,6 +155,7 @@ class StepBuffers:
         if d64 is not self._host[torch.int64]:
             d64[:n64].copy_(self._host[torch.int64][:n64], non_blocking=True)
             d32[:n32].copy_(self._host[torch.int32][:n32], non_blocking=True)
+            self._fence.after_upload()
         attn = AttentionMetadata(
             slot_mapping=d64[2 * t : 3 * t],
             num_decode_tokens=d,
@@ -170,6 +188,7 @@ class DecodeBuffers:
         self._empty_tables = torch.zeros(0, max_blocks, dtype=torch.int32, device=device)
         self._empty_lens = torch.zeros(0, dtype=torch.int32, device=device)
         self._cu0 = torch.zeros(1, dtype=torch.int32, device=device)
+        self._fence = _UploadFence(device)
 
     def inputs(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Token ids, positions and metadata of a ``batch_size``-row decode (fresh views of the static
@@ -193,6 +212,7 @@ class DecodeBuffers:
         n, b, m = len(batch), batch_size, self.max_batch
         assert f.num_decodes == n <= b <= m, (f.num_decodes, n, b, m)
         w = min(_width(f.ends, block_size), self.max_blocks)
+        self._fence.before_write()
         h64, h32 = self._h64.numpy(), self._h32.numpy()
         for k, col in enumerate((f.ids, f.positions, f.slots)):
             h64[k * m : k * m + n] = col
@@ -204,4 +224,5 @@ class DecodeBuffers:
         self._d64.copy_(self._h64, non_blocking=True)
         self._d32.copy_(self._h32, non_blocking=True)
         self._dtable[:b, :w].copy_(self._htable[: b * w].view(b, w), non_blocking=True)
+        self._fence.after_upload()
         return f.sample_reqs
