@@ -18,14 +18,17 @@ queries. Quantized caches read as in ``kernels.attention`` (fp8 cast; int8 per-(
 applied to the scores and to the probabilities).
 
 On a GPU the tile shape, warps and pipeline depth (``num_stages``: K/V tiles prefetched while the current
-one is multiplied) are autotuned per head dimension from ``_CONFIGS``; under the interpreter one small
-configuration runs (``INTERPRET_BLOCK_M`` x ``INTERPRET_BLOCK_N``), so tests reach every branch on tiny
-inputs.
+one is multiplied) are autotuned per head dimension and chunk-length bucket from ``_CONFIGS``
+(``KVSERVE_PREFILL_AUTOTUNE=0``: the first candidate that fits, no tuning runs, e.g. for tests); under the
+interpreter one small configuration runs (``INTERPRET_BLOCK_M`` x ``INTERPRET_BLOCK_N``), so tests reach
+every branch on tiny inputs.
 
 NOTE: offsets are int64 (a big pool's ``block_id * stride_block`` overflows int32).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -55,9 +58,9 @@ def _config(block_m: int, block_n: int, warps: int, stages: int) -> triton.Confi
 
 # Hopper-sized candidates (FlashAttention-2 on H100/H200 runs 128 x 64..128 tiles, 4-8 warps, 2-4 stages);
 # _prune keeps the ones that fit the head dimension and dtype.
-_CONFIGS = [
-    _config(128, 128, 8, 2),
+_CONFIGS = [  # the first that fits is the untuned default (KVSERVE_PREFILL_AUTOTUNE=0)
     _config(128, 64, 8, 3),
+    _config(128, 128, 8, 2),
     _config(128, 64, 4, 3),
     _config(128, 32, 4, 4),
     _config(64, 64, 4, 3),
@@ -65,19 +68,23 @@ _CONFIGS = [
 ]
 
 
-def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
-    """Drop tiles whose K/V stages or accumulators cannot fit: wide heads and fp32 inputs take smaller tiles."""
+def _prune(
+    configs: list[triton.Config], named_args: dict, smem_limit: int = 200 * 1024, **kwargs: object
+) -> list[triton.Config]:
+    """The configs whose pipeline fits shared memory and whose fp32 accumulator fits registers: wide heads
+    and fp32 inputs get smaller tiles. (Autotuning also drops a config that fails to launch; the untuned
+    default, with a tighter ``smem_limit``, must not.)"""
     head_dim = int(kwargs.get("HEAD_DIM_PAD", named_args.get("HEAD_DIM_PAD", 128)))
     q = named_args["q_ptr"]
     elem = q.element_size() if hasattr(q, "element_size") else 2
     kept = []
     for c in configs:
         bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
-        # shared memory: Q tile + num_stages x (K and V tiles), at the input's element size
-        smem = (bm + 2 * c.num_stages * bn) * head_dim * elem
-        if smem <= 200 * 1024 and not (head_dim > 128 and bm * bn > 128 * 64):
+        smem = (bm + 2 * c.num_stages * bn) * head_dim * elem  # Q tile + num_stages x (K and V tiles)
+        acc_regs = bm * head_dim // (32 * c.num_warps)  # fp32 accumulator per thread
+        if smem <= smem_limit and acc_regs <= 128:
             kept.append(c)
-    return kept or [_config(64, 32, 4, 2)]
+    return kept or [_config(32, 32, 4, 1)]
 
 
 @triton.jit
@@ -278,6 +285,12 @@ def _launch(query: torch.Tensor, out: torch.Tensor, max_q: int, num_seqs: int, a
     def grid(m: dict) -> tuple[int, int, int]:
         return (triton.cdiv(max_q, m["BLOCK_M"]), num_seqs, num_heads)
 
+    if os.environ.get("KVSERVE_PREFILL_AUTOTUNE", "1").strip().lower() in ("0", "false", "off", "no"):
+        cfg = _prune(_CONFIGS, {"q_ptr": query}, smem_limit=160 * 1024, **meta)[0]
+        _flash_prefill_kernel[grid(cfg.kwargs)](
+            *args, **cfg.kwargs, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages
+        )
+        return
     _tuned_kernel[grid](*args, **meta)
 
 

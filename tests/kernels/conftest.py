@@ -13,3 +13,7 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+else:
+    # NOTE: the prefill kernel's untuned default on a GPU: autotuning every test shape would spend the
+    # device minutes on tuning runs; test_prefill_flash.py's autotuned test turns it back on for itself.
+    os.environ.setdefault("KVSERVE_PREFILL_AUTOTUNE", "0")

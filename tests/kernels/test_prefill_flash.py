@@ -20,7 +20,9 @@ from tests.kernels.test_attention import TOL, Case, build, rel_err
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = "cuda" if HAS_CUDA else "cpu"
-F32, F16 = torch.float32, torch.float16
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 
 PAGED_CASES = {
     # prompts only (no prefix), ragged lengths, one under a tile
@@ -212,3 +214,33 @@ def test_flash_prefill_compiles_for_cuda_sm90(tmp_path) -> None:  # noqa: ANN001
     proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-4000:]
+
+
+# ------------------------------------------------------------------------------------------------- GPU
+
+
+def _bf16_vs_fp32_reference(case: Case) -> float:
+    p = build(case, "cuda", BF16)
+    out = prefill.paged_prefill_attention(
+        p.query, p.kv_cache, p.block_tables, p.cu_seqlens_q, p.context_lens, p.scale, case.window
+    )
+    ref = reference.prefill_attention(p.query.float(), p.kv_cache.float(), p.block_tables, p.cu_seqlens_q,
+                                      p.context_lens, p.scale, case.window)  # fmt: skip
+    assert not out.isnan().any()
+    return rel_err(out, ref)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("name", list(PAGED_CASES))
+def test_paged_prefill_bf16_cuda(name: str) -> None:
+    assert _bf16_vs_fp32_reference(PAGED_CASES[name]) <= TOL[BF16]
+
+
+@gpu
+@needs_cuda
+def test_paged_prefill_autotuned_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The autotuned launch (every fitting config timed, the best kept) on a long prefix: 300 cached tokens,
+    a 200-token chunk, GQA 4, head_dim 128."""
+    monkeypatch.setenv("KVSERVE_PREFILL_AUTOTUNE", "1")
+    assert _bf16_vs_fp32_reference(Case(BF16, 16, 2, 4, 128, (500, 130), q_lens=(200, 130))) <= TOL[BF16]
