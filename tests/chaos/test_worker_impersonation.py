@@ -8,8 +8,15 @@ worker credential calling the client API. Each is refused; the sessions table do
 real workers keep serving, and a stream running through the attack gets exactly the tokens of an
 undisturbed run.
 
+Attacks tried (issue 42, finding 2): a *copied* valid credential of worker-1, replayed from another
+process with fresh incarnations (a "restart"), with no link proof, with a guessed one, and with the
+real process's proof; the real process's own Hello and proof replayed after it connected (its nonce
+is spent) and after its actor restarted (an old incarnation). Each is refused before any session:
+0 sessions accepted, 0 restarts counted; the real process (which gets its nonce through Ray) connects.
+
 The gate is tested in-process first (no Ray: a router with a known worker key, so valid, forged
-and foreign credentials can be made), then against a real ``kvserve serve --auth-token``.
+and foreign credentials can be made, and a fake actor handle that receives the link nonces), then
+against a real ``kvserve serve --auth-token``.
 """
 
 from __future__ import annotations
@@ -30,7 +37,15 @@ from kvserve.protos.kvserve.v1 import serving_pb2_grpc
 from kvserve.protos.kvserve.v1 import worker_pb2 as pb
 from kvserve.router.api.server import RouterService
 from kvserve.router.config import RouterConfig
-from kvserve.workers.core.worker_credential import WORKER_CREDENTIAL_HEADER, issue_worker_credential, new_worker_key
+from kvserve.workers.core.identity import WorkerIdentity
+from kvserve.workers.core.worker_credential import (
+    LINK_PROOF_HEADER,
+    WORKER_CREDENTIAL_HEADER,
+    issue_worker_credential,
+    link_proof,
+    new_link_nonce,
+    new_worker_key,
+)
 from tests.chaos.conftest import NUM_WORKERS, serve_cluster, stop_cluster
 from tests.chaos.streams import Stream, prompt, request
 
@@ -41,15 +56,56 @@ CALL_TIMEOUT = 10.0
 ATTEMPTS = 5  # before the fix, 4 fresh incarnations within the restart window retired the worker
 
 
-def hello(worker_id: str) -> pb.WorkerMessage:
-    """A Hello as a real worker's, with a fresh incarnation (a "restart")."""
+def hello(worker_id: str, incarnation: str | None = None) -> pb.WorkerMessage:
+    """A Hello as a real worker's, with a fresh incarnation (a "restart") unless one is given."""
     return pb.WorkerMessage(
         seq=1,
         hello=pb.Hello(
             worker_id=worker_id, model_id="m", block_size=16, total_blocks=64, max_model_len=2048,
-            vocab_size=1000, incarnation=uuid.uuid4().hex,
+            vocab_size=1000, incarnation=incarnation or uuid.uuid4().hex,
         ),
     )  # fmt: skip
+
+
+class FakeActor:
+    """A worker's actor handle as the router sees it: ``bind_link`` delivers a nonce to "the live
+    process" (recorded here) and returns its incarnation; other calls answer None."""
+
+    def __init__(self, incarnation: str) -> None:
+        self.incarnation, self.nonces = incarnation, []
+
+    def __getattr__(self, name: str) -> object:
+        actor = self
+
+        class Method:
+            def remote(self, *args: object) -> asyncio.Future:
+                fut = asyncio.get_running_loop().create_future()
+                if name == "bind_link":
+                    actor.nonces.append(args[0])
+                fut.set_result(actor.incarnation if name == "bind_link" else None)
+                return fut
+
+        return Method()
+
+
+async def _registered(service: RouterService, worker_id: str, incarnation: str) -> FakeActor:
+    """Register ``worker_id`` with a fake actor; returns once the router handed it a nonce."""
+    actor = FakeActor(incarnation)
+    identity = WorkerIdentity(worker_id, "m", block_size=16, total_blocks=64, max_model_len=2048, vocab_size=1000)
+    await service.add_worker(worker_id, actor, identity)
+    for _ in range(200):
+        if actor.nonces and service.gate._bound.get(worker_id):
+            return actor
+        await asyncio.sleep(0.01)
+    raise AssertionError("the router never handed the actor a link nonce")
+
+
+async def _connected(service: RouterService, worker_id: str, want: bool = True) -> None:
+    for _ in range(200):
+        if service.router.link.connected(worker_id) == want:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{worker_id} connected != {want}")
 
 
 def forged_traffic(worker_id: str, request_ids: list[str]) -> list[pb.WorkerMessage]:
@@ -154,20 +210,60 @@ def test_a_credential_speaks_for_its_own_worker_only() -> None:
 
 
 def test_own_credential_opens_the_link() -> None:
-    """The positive control: without it the refusals above could be a link that admits no one."""
+    """The positive control: without it the refusals above could be a link that admits no one. The
+    real process proves the nonce its actor got through Ray."""
 
     async def test(service: RouterService, channel: grpc.aio.Channel, key: str) -> None:
-        own = (_credential_header(issue_worker_credential(key, "worker-1")),)
-        call = _connect(channel, own, [hello("worker-1")])
+        actor = await _registered(service, "worker-1", "real-1")
+        credential = issue_worker_credential(key, "worker-1")
+        own = (_credential_header(credential), (LINK_PROOF_HEADER, link_proof(credential, "real-1", actor.nonces[-1])))
+        call = _connect(channel, own, [hello("worker-1", "real-1")])
         try:
-            for _ in range(200):
-                if service.router.link.connected("worker-1"):
-                    break
-                await asyncio.sleep(0.05)
-            assert service.router.link.connected("worker-1")
+            await _connected(service, "worker-1")
             assert list(service.router.link.sessions) == ["worker-1"]
         finally:
             call.cancel()
+
+    run(test)
+
+
+def test_a_copied_credential_is_worthless_outside_its_process() -> None:
+    async def test(service: RouterService, channel: grpc.aio.Channel, key: str) -> None:
+        actor = await _registered(service, "worker-1", "real-1")
+        credential = issue_worker_credential(key, "worker-1")  # the copy: byte for byte the real one
+        copied = _credential_header(credential)
+        real_proof = link_proof(credential, "real-1", actor.nonces[-1])
+        attempts = [
+            (copied,),  # no proof
+            (copied, (LINK_PROOF_HEADER, link_proof(credential, "fresh", new_link_nonce()))),  # a guessed nonce
+            (copied, (LINK_PROOF_HEADER, real_proof)),  # the real process's proof, another incarnation
+        ]
+        for metadata in attempts:
+            for _ in range(ATTEMPTS):
+                code = await _refused(channel, metadata, [hello("worker-1")])  # a fresh incarnation: a "restart"
+                assert code == grpc.StatusCode.FAILED_PRECONDITION, code
+        assert service.router.link.sessions == {}, "a copied credential got a session"
+        # The real process gets in with its own proof (its first session: no restart) ...
+        real = _connect(channel, (copied, (LINK_PROOF_HEADER, real_proof)), [hello("worker-1", "real-1")])
+        await _connected(service, "worker-1")
+        real.cancel()
+        await _connected(service, "worker-1", want=False)
+        # ... and its Hello and proof, replayed, do not: the nonce is spent (then: its actor restarted).
+        code = await _refused(channel, (copied, (LINK_PROOF_HEADER, real_proof)), [hello("worker-1", "real-1")])
+        assert code == grpc.StatusCode.FAILED_PRECONDITION
+        actor.incarnation = "real-2"  # Ray restarted it
+        service.gate.bind_interval_s = 0.0  # NOTE: the next refusal re-binds at once (no throttle to wait out)
+        code = await _refused(channel, (copied, (LINK_PROOF_HEADER, real_proof)), [hello("worker-1", "real-1")])
+        assert code == grpc.StatusCode.FAILED_PRECONDITION
+        for _ in range(100):
+            if service.gate._bound.get("worker-1", ("",))[0] == "real-2":
+                break
+            await asyncio.sleep(0.02)
+        old = link_proof(credential, "real-1", service.gate._bound["worker-1"][1])  # even with the new nonce
+        code = await _refused(channel, (copied, (LINK_PROOF_HEADER, old)), [hello("worker-1", "real-1")])
+        assert code == grpc.StatusCode.FAILED_PRECONDITION
+        supervision = service.router.table.supervision()["worker-1"]
+        assert supervision.restarts_total == 0 and not supervision.retired, supervision
 
     run(test)
 

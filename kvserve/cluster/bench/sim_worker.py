@@ -96,6 +96,11 @@ class SimWorker:
     def ready(self) -> WorkerIdentity:
         return self.identity()
 
+    def bind_link(self, nonce: str) -> str:
+        """As ``Worker.bind_link``: the router's nonce for this process; returns its incarnation."""
+        self.link.bind(nonce)
+        return self.incarnation
+
     def add_request(self, request: WorkerRequest) -> None:
         with self._lock:
             self._running[request.request_id] = _Running(request, len(request.resume_output_ids))

@@ -311,7 +311,7 @@ class RouterService:
         tokenizer = load_tokenizer(config.model) if config.model else None
         template = ChatTemplate.from_dir(config.model) if config.model else None
         self.router = Router(config, tokenizer=tokenizer, chat_template=template)
-        self.gate = WorkerLinkGate(self.router.link, worker_key or new_worker_key())
+        self.gate = WorkerLinkGate(self.router.link, worker_key or new_worker_key(), bind=self._bind_link)
         # NOTE: with keys, the --auth-token bearer is the operator's own tenant (gate/tenancy.py), not all of them
         keys = KeyRing.load(config.auth_keys) if config.auth_keys else None
         tenancy = Tenancy(keys, operator_token=config.auth_token) if keys is not None else None
@@ -389,10 +389,19 @@ class RouterService:
         previous router (``kvserve/router/table/supervision.py``): a retired worker stays retired."""
         self.gate.expect([worker_id])
         self.router.add_worker(worker_id, handle, identity, supervision)
+        self.gate.bind_soon(worker_id)  # NOTE: its process's link nonce, before its first Hello if we can
         entry = self.router.table[worker_id]
         RouterMetrics.watch_report_age(
             worker_id, lambda: time.monotonic() - entry.report_time if entry.report is not None else float("nan")
         )
+
+    async def _bind_link(self, worker_id: str, nonce: str) -> str | None:
+        """Hand ``worker_id``'s live actor its link nonce through Ray (kvserve/router/gate/worker_auth.py);
+        its incarnation, or None when no actor is registered under that id."""
+        entry = self.router.table.entries.get(worker_id)
+        if entry is None:
+            return None
+        return await asyncio.wait_for(entry.handle.bind_link.remote(nonce), self.config.link_grace_s)
 
     async def supervision(self) -> dict[str, WorkerSupervision]:
         """Every worker's supervision record now (``kvserve serve`` keeps the latest for the next

@@ -8,7 +8,14 @@ A WorkerLink stream is accepted only when
    client token or no credential at all gets this);
 2. the id it proves is one the launcher registered (``expect``) — else PERMISSION_DENIED;
 3. its first message is a ``Hello`` for that same id — else PERMISSION_DENIED (INVALID_ARGUMENT
-   when it is no Hello; DEADLINE_EXCEEDED when none comes within ``hello_timeout_s``).
+   when it is no Hello; DEADLINE_EXCEEDED when none comes within ``hello_timeout_s``);
+4. (with ``bind``, as the router always runs) the Hello's ``incarnation`` is the one this router last
+   gave a nonce to through Ray, and its ``kvserve-worker-link-proof`` metadata proves that nonce
+   (``kvserve/workers/core/worker_credential.py``; each nonce opens one session: once used, the live
+   process is handed the next) — else FAILED_PRECONDITION, and the router (at most
+   every ``BIND_INTERVAL_S`` per worker) hands the worker's live actor a fresh nonce, so a real
+   process that lacks one (just started or restarted, or a new router) gets in on its next try,
+   while a copied credential in any other process never does (issue 42).
 
 A refused stream never reaches ``WorkerLinkService`` (its sessions table does not grow, no restart
 is counted, no command is delivered). Each refusal is logged once per (peer host, reason), in a
@@ -20,20 +27,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
 import grpc
 
 from kvserve.protos.kvserve.v1 import worker_pb2 as pb
 from kvserve.protos.kvserve.v1 import worker_pb2_grpc
 from kvserve.router.table.worker_link import WorkerLinkService
-from kvserve.workers.core.worker_credential import WORKER_CREDENTIAL_HEADER, verify_worker_credential
+from kvserve.workers.core.worker_credential import (
+    LINK_PROOF_HEADER,
+    WORKER_CREDENTIAL_HEADER,
+    issue_worker_credential,
+    new_link_nonce,
+    verify_link_proof,
+    verify_worker_credential,
+)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_HELLO_TIMEOUT_S = 10.0
+BIND_INTERVAL_S = 0.5  # NOTE: bounds the Ray calls refused Hellos can cause (one per worker per interval)
 _MAX_LOGGED_REFUSALS = 1024
+# (worker id, nonce) -> the incarnation of the worker's live actor, now holding the nonce (None: no actor)
+Binder = Callable[[str, str], Awaitable[str | None]]
 
 
 class WorkerLinkGate(worker_pb2_grpc.WorkerLinkServicer):
@@ -43,10 +61,16 @@ class WorkerLinkGate(worker_pb2_grpc.WorkerLinkServicer):
         link: the router's WorkerLink service (sessions, seq de-dup, commands).
         worker_key: this cluster's worker key (hex), from the launcher.
         hello_timeout_s: longest an authenticated stream may take to send its Hello.
+        bind: hands a worker's live actor a nonce through Ray (``Worker.bind_link``) and returns its
+            incarnation; None (only for tests of other layers, with no actors) leaves out rule 4.
     """
 
     def __init__(
-        self, link: WorkerLinkService, worker_key: str, hello_timeout_s: float = DEFAULT_HELLO_TIMEOUT_S
+        self,
+        link: WorkerLinkService,
+        worker_key: str,
+        hello_timeout_s: float = DEFAULT_HELLO_TIMEOUT_S,
+        bind: Binder | None = None,
     ) -> None:
         bytes.fromhex(worker_key)  # NOTE: fail at start-up on a malformed key, not on the first worker
         self.link = link
@@ -55,6 +79,42 @@ class WorkerLinkGate(worker_pb2_grpc.WorkerLinkServicer):
         self._expected: set[str] = set()
         self._logged: OrderedDict[tuple[str, str], None] = OrderedDict()
         self.refusals_total = 0
+        self._bind = bind
+        self._bound: dict[str, tuple[str, str]] = {}  # worker id -> (incarnation, nonce) it was given
+        self._binding: dict[str, asyncio.Task] = {}
+        self._last_bind: dict[str, float] = {}
+        self.bind_interval_s = BIND_INTERVAL_S
+
+    def bind_soon(self, worker_id: str) -> None:
+        """Give ``worker_id``'s live actor a fresh nonce (in the background; at most one call in
+        flight and one per ``bind_interval_s`` per worker)."""
+        if self._bind is None or worker_id not in self._expected:
+            return
+        task = self._binding.get(worker_id)
+        now = time.monotonic()
+        recent = now - self._last_bind.get(worker_id, float("-inf")) < self.bind_interval_s
+        if (task is not None and not task.done()) or recent:
+            return
+        self._last_bind[worker_id] = now
+        self._binding[worker_id] = asyncio.get_running_loop().create_task(self._bind_one(worker_id))
+
+    async def _bind_one(self, worker_id: str) -> None:
+        assert self._bind is not None
+        nonce = new_link_nonce()
+        try:
+            incarnation = await self._bind(worker_id, nonce)
+        except Exception as e:  # noqa: BLE001 - Ray errors of many kinds: the next refused Hello retries
+            logger.info("worker %s: could not hand its actor a link nonce (%s)", worker_id, type(e).__name__)
+            return
+        if incarnation:
+            self._bound[worker_id] = (incarnation, nonce)
+
+    def _proven(self, worker_id: str, incarnation: str, proof: object) -> bool:
+        """Rule 4: the Hello's incarnation holds this router's nonce, and the proof shows it."""
+        bound = self._bound.get(worker_id)
+        if bound is None or bound[0] != incarnation or not isinstance(proof, str | bytes):
+            return False
+        return verify_link_proof(issue_worker_credential(self._key, worker_id), incarnation, bound[1], proof)
 
     def expect(self, worker_ids: Iterable[str]) -> None:
         """Admit these worker ids (the launcher calls this before it starts their actors)."""
@@ -91,6 +151,20 @@ class WorkerLinkGate(worker_pb2_grpc.WorkerLinkServicer):
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"the credential of {worker_id!r} cannot say Hello as {first.hello.worker_id[:64]!r}",
             )
+        if self._bind is not None and not self._proven(worker_id, first.hello.incarnation,
+                                                       metadata.get(LINK_PROOF_HEADER)):  # fmt: skip
+            self.bind_soon(worker_id)  # NOTE: reaches the live actor only: a copy elsewhere never gets it
+            await self._refuse(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"worker {worker_id!r}: this process holds no link nonce of this router for its incarnation "
+                "(the router hands one to the worker's actor through Ray; retry)",
+            )
+        if self._bind is not None:
+            # NOTE: one-time: the nonce is spent on this Hello (a replay of it is refused), and the live
+            # process gets its next one now, for its next reconnect.
+            self._bound.pop(worker_id, None)
+            self.bind_soon(worker_id)
         # NOTE: aclosing: when the stream ends, the session's finally (on_disconnect) runs now.
         async with contextlib.aclosing(self.link.serve(first, it, context)) as commands:
             async for cmd in commands:

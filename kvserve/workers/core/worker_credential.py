@@ -10,6 +10,17 @@ MAC from the id the credential names, and the ``Hello`` must name the same id. S
   launcher never issued has no valid credential;
 - the key never leaves the launcher and the router, so a worker's credential leaks only itself.
 
+A credential alone is not enough (issue 42: a copied one, replayed from outside Ray with a fresh
+incarnation, was taken for a restart of its worker). The link is also bound to the *process*:
+the router hands each incarnation of a worker's actor a one-time random nonce through Ray (the
+actor's ``bind_link`` method, which only a process inside the Ray cluster holding the actor's
+handle can call, and which reaches only the live process), and a WorkerLink must carry
+``link_proof`` = ``HMAC-SHA256(credential, incarnation, nonce)`` as the
+``kvserve-worker-link-proof`` metadata beside its ``Hello`` (whose ``incarnation`` it covers).
+The router accepts a Hello only for the incarnation its last nonce went to, with that proof
+(``kvserve/router/gate/worker_auth.py``): a copied credential from another process, or an old
+incarnation's proof, is refused before any session (and never counts as a restart).
+
 NOTE: a leaf module (stdlib only), shared by the router (verifies) and the workers (send).
 """
 
@@ -20,6 +31,8 @@ import hmac
 import secrets
 
 WORKER_CREDENTIAL_HEADER = "kvserve-worker-credential"
+LINK_PROOF_HEADER = "kvserve-worker-link-proof"
+_LINK_DOMAIN = b"kvserve WorkerLink incarnation v1\0"
 _DOMAIN = b"kvserve WorkerLink v1\0"  # NOTE: binds the MAC to this use, should the key be reused
 _MAC_HEX_LEN = 64
 MAX_WORKER_ID_LEN = 128
@@ -63,3 +76,24 @@ def verify_worker_credential(key: str, credential: str | bytes | None) -> str | 
     if hmac.compare_digest(mac.encode(), _mac(key, worker_id).encode()):
         return worker_id
     return None
+
+
+def new_link_nonce() -> str:
+    """A fresh one-time nonce for one incarnation of a worker (128 bits, hex)."""
+    return secrets.token_hex(16)
+
+
+def link_proof(credential: str, incarnation: str, nonce: str) -> str:
+    """The proof a worker process sends beside its Hello: its credential's MAC over its incarnation
+    and the nonce the router gave that incarnation (hex)."""
+    msg = _LINK_DOMAIN + incarnation.encode() + b"\0" + nonce.encode()
+    return hmac.new(credential.encode(), msg, hashlib.sha256).hexdigest()
+
+
+def verify_link_proof(credential: str, incarnation: str, nonce: str, proof: str | bytes | None) -> bool:
+    """Whether ``proof`` is ``link_proof(credential, incarnation, nonce)`` (constant-time)."""
+    if isinstance(proof, str):
+        proof = proof.encode("latin-1", "replace")
+    if not proof:
+        return False
+    return hmac.compare_digest(proof, link_proof(credential, incarnation, nonce).encode())

@@ -610,6 +610,14 @@ class Worker:
         broke from one Ray has restarted."""
         return self.core.incarnation
 
+    def bind_link(self, nonce: str) -> str:
+        """The router's one-time nonce for this process (kvserve/workers/core/worker_credential.py):
+        its WorkerLink proves it from the next connect on. Returns this process's incarnation, the
+        one the nonce is now bound to. Only a holder of this actor's handle (inside Ray) can call it."""
+        if self.core.link is not None:
+            self.core.link.bind(nonce)
+        return self.core.incarnation
+
     def shutdown(self) -> None:
         self.core.stop()
 

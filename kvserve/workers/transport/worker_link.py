@@ -16,7 +16,7 @@ import grpc
 
 from kvserve.protos.kvserve.v1 import worker_pb2 as pb
 from kvserve.protos.kvserve.v1 import worker_pb2_grpc
-from kvserve.workers.core.worker_credential import WORKER_CREDENTIAL_HEADER
+from kvserve.workers.core.worker_credential import LINK_PROOF_HEADER, WORKER_CREDENTIAL_HEADER, link_proof
 from kvserve.workers.transport.outbox import Outbox
 
 logger = logging.getLogger(__name__)
@@ -33,6 +33,8 @@ class WorkerLinkClient:
         on_command: receives every RouterCommand with a command set (already de-duplicated).
         credential: this worker's credential (``kvserve/workers/core/worker_credential.py``), sent as
             ``kvserve-worker-credential`` metadata; the router refuses a WorkerLink without it.
+            Once the router has given this process its nonce (``bind``), each connect also carries
+            the proof binding it to this incarnation (``kvserve-worker-link-proof``).
     """
 
     def __init__(
@@ -51,7 +53,9 @@ class WorkerLinkClient:
         self._hello = hello
         self._on_connect = on_connect
         self._on_command = on_command
+        self._credential = credential
         self._metadata = ((WORKER_CREDENTIAL_HEADER, credential),) if credential else ()
+        self._nonce: str | None = None  # the router's one-time nonce for this process (``bind``)
         self._credentials = credentials
         self._max_backoff = max_backoff_s
         self._stop = threading.Event()
@@ -65,6 +69,11 @@ class WorkerLinkClient:
 
     def start(self) -> None:
         self._thread.start()
+
+    def bind(self, nonce: str) -> None:
+        """The router's nonce for this process (it comes through Ray: ``Worker.bind_link``); the next
+        connect proves it. A later nonce replaces it (a new router, or the router re-issued one)."""
+        self._nonce = nonce
 
     @property
     def connected(self) -> bool:
@@ -137,7 +146,11 @@ class WorkerLinkClient:
             stub = worker_pb2_grpc.WorkerLinkStub(channel)
             hello = pb.WorkerMessage(hello=self._hello())
             hello.hello.last_command_seq = self.last_command_seq
-            call = stub.Connect(self.outbox.open_stream([hello]), metadata=self._metadata)
+            metadata = self._metadata
+            if self._credential and self._nonce:
+                proof = link_proof(self._credential, hello.hello.incarnation, self._nonce)
+                metadata = (*metadata, (LINK_PROOF_HEADER, proof))
+            call = stub.Connect(self.outbox.open_stream([hello]), metadata=metadata)
             self._call = call
             self.num_connects += 1
             self._connected.set()
