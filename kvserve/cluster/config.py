@@ -8,6 +8,7 @@ listen) and three sections whose keys are exactly the fields of the frozen confi
     workers: auto                     # N, or "auto" = one per GPU (2 CPU workers without GPUs)
     host: 0.0.0.0
     port: 50051                       # gRPC client API + WorkerLink (0 = pick a free port)
+    worker_link_address: null         # HOST:PORT workers dial for the WorkerLink (a proxy; null = the router's)
     metrics_port: 9400                # Prometheus /metrics on the router host (null = off)
     http_port: null                   # OpenAI-compatible HTTP API (null = off, 0 = a free port)
     frontends: 0                      # stateless frontends serving the client APIs (0 = the router does)
@@ -104,6 +105,8 @@ class ClusterConfig:
             relayed to the router (``frontend/``); 0 = none: the router serves both APIs itself.
         frontend_port: the frontends' shared gRPC port (0 = pick a free one).
         host: the router's bind address (API, WorkerLink and metrics).
+        worker_link_address: where the workers dial the router's WorkerLink when that is not the
+            router's own address (a TCP proxy or load balancer in front of it; the chaos tests' relay).
         cpus_per_worker: Ray CPUs (and torch threads) per CPU worker.
         spread: put workers on distinct nodes where possible (placement group, SPREAD).
         ready_timeout_s: how long to wait for every worker to say Hello.
@@ -129,6 +132,10 @@ class ClusterConfig:
     frontends: int = knob(0, help="stateless frontend processes serving the client APIs (0 = the router does)")
     frontend_port: int = knob(50052, help="the frontends' shared gRPC port (0 = pick a free one)")
     host: str = knob("127.0.0.1", help="bind address of the API and metrics")
+    worker_link_address: str | None = knob(
+        None, help="HOST:PORT the workers dial for the router's WorkerLink (a TCP proxy in front of it; "
+        "default: the router's own address)"
+    )
     cpus_per_worker: int = knob(1, help="Ray CPUs and torch threads per CPU worker")
     spread: bool = knob(False, help="place workers on distinct nodes (placement group SPREAD)")
     ready_timeout_s: float = knob(600.0, help="seconds to wait for every worker's Hello", flag="--ready-timeout")
@@ -151,6 +158,8 @@ class ClusterConfig:
             _check_port("metrics_port", self.metrics_port)
         if self.http_port is not None:
             _check_port("http_port", self.http_port)
+        if self.worker_link_address is not None and not _is_host_port(self.worker_link_address):
+            raise ValueError(f"worker_link_address: must be HOST:PORT, got {self.worker_link_address!r}")
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"host: must be a non-empty string, got {self.host!r}")
         if not (_is_int(self.cpus_per_worker) and self.cpus_per_worker > 0):

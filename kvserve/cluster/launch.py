@@ -211,6 +211,7 @@ def start_cluster(
     http_port: int | None = None,
     frontends: int = 0,
     frontend_port: int = 0,
+    worker_link_address: str | None = None,
 ) -> Cluster:
     """Bring up a serving cluster; returns once every worker's WorkerLink has said Hello.
 
@@ -230,6 +231,8 @@ def start_cluster(
         frontends: stateless frontends serving the client APIs on ``frontend_port`` (shared,
             0 = a free one) and ``http_port``, relayed to the router (kvserve/cluster/frontends.py); 0 = none,
             the router serves both itself.
+        worker_link_address: the address workers dial for the router's WorkerLink (a TCP proxy in
+            front of it); None: the router's own.
     """
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -274,7 +277,7 @@ def start_cluster(
     worker_ids = [f"worker-{i}" for i in range(num_workers)]
     ray.get(router.expect_workers.remote(worker_ids))
     for i, worker_id in enumerate(worker_ids):
-        options = worker_options_for(base, worker_id, worker_key, link_address)
+        options = worker_options_for(base, worker_id, worker_key, worker_link_address or link_address)
         # NOTE: Ray restarts a dead worker forever; the router retires one that crash-loops.
         opts: dict[str, Any] = dict(resources, max_restarts=-1)
         if pg is not None:

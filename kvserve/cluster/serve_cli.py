@@ -175,6 +175,7 @@ def serve(cfg, *, out=None, poll_s: float = 0.5) -> int:  # noqa: ANN001 - Clust
                 http_port=cfg.http_port,
                 frontends=cfg.frontends,
                 frontend_port=cfg.frontend_port,
+                worker_link_address=cfg.worker_link_address,
             )
             names = ", ".join(cluster.workers)
             print(f"kvserve: API listening on {cluster.address} (gRPC kvserve.v1.KVServe; workers: {names})", file=out)
