@@ -125,12 +125,6 @@ class ServedCluster:
             return False
         return True
 
-    def partition_link(self, worker_id: str, seconds: float) -> int:
-        """The worker drops its WorkerLink from its side for ``seconds`` (its process lives and
-        keeps stepping: a network partition; ``Worker.partition_link_for_test``); returns how
-        many times its link had connected before (``seconds`` 0: only that)."""
-        return int(self._ask({"op": "partition", "worker_id": worker_id, "seconds": seconds}))  # type: ignore[arg-type]
-
     def arm_migration_fault(self, phase: str, action: str, side: str) -> None:
         """At the next migration's ``phase`` boundary the router SIGKILLs ("kill") or SIGSTOPs ("hang")
         the ``side`` ("src"/"dst") worker's process (``arm_migration_fault_for_test``, through Ray)."""

@@ -6,8 +6,6 @@ Usage: ``python -m tests.chaos.ray_probe GCS_ADDRESS``; then write lines:
 ``{"op": "integrity"}`` -> ``{"ok": true, "value": {"worker-0": null, ...}}`` (error text or null;
 ``"worker_ids": [...]`` checks only those)
 ``{"op": "router_pid"}`` -> ``{"ok": true, "value": 12345}``
-``{"op": "partition", "worker_id": "worker-0", "seconds": 1.0}`` -> the worker drops its WorkerLink
-for that long (``Worker.partition_link_for_test``)
 ``{"op": "arm_migration_fault", "phase": "before_import", "action": "kill", "side": "src"}`` -> the next
 migration SIGKILLs (or, "hang", SIGSTOPs) that side's worker at that phase boundary
 ``{"op": "migrate", "request_id": "r1", "dst": "worker-1"}`` -> whether the router's live migration moved it
@@ -60,9 +58,6 @@ def main(gcs_address: str) -> None:
                 value = ray.get(router.pid.remote(), timeout=TIMEOUT_S)
             elif cmd["op"] == "pid":
                 value = ray.get(router.worker_pid.remote(cmd["worker_id"]), timeout=TIMEOUT_S)
-            elif cmd["op"] == "partition":
-                value = ray.get(router.partition_worker_link_for_test.remote(cmd["worker_id"], cmd["seconds"]),
-                                timeout=TIMEOUT_S)  # fmt: skip
             elif cmd["op"] == "arm_migration_fault":
                 value = ray.get(router.arm_migration_fault_for_test.remote(cmd["phase"], cmd["action"], cmd["side"]),
                                 timeout=TIMEOUT_S)  # fmt: skip

@@ -1,15 +1,10 @@
-"""Faults on one 3-worker ``kvserve serve`` (tiny model, CPU): two workers SIGKILLed at once, and
-a WorkerLink partition (the worker process alive and stepping) shorter and longer than
-``--link-grace-s``.
+"""Faults on one 3-worker ``kvserve serve`` (tiny model, CPU): two workers SIGKILLed at once.
 
 * Two of three killed together: the streams of both continue on the third, token-identical
   (greedy and seeded); both come back (new incarnations) and serve.
-* A partition shorter than the grace: nothing is replayed (``num_replays`` 0 on every stream), no
-  token is lost or duplicated (streams equal the undisturbed run), the same process reconnects.
-* A partition longer than the grace: the worker is down, its requests are replayed elsewhere
-  token-identical, the router kills it, Ray starts it again and it comes back.
 
-The partition is the worker-side test hook ``Worker.partition_link_for_test`` (through Ray only).
+WorkerLink partitions (the process alive and stepping, shorter and longer than ``--link-grace-s``)
+are real ones, through a TCP relay: tests/chaos/test_partition.py.
 Every test ends with the cluster idle: all blocks free, every pool's integrity intact.
 """
 
@@ -31,8 +26,6 @@ from tests.chaos.test_failover import RESTART_TIMEOUT_S, _held_at, _wait_status,
 
 NUM_WORKERS = 3
 LINK_GRACE_S = 3.0  # above a reconnect on a loaded 1-core box, below the stall threshold (5 s)
-SHORT_PARTITION_S = 0.5
-LONG_PARTITION_S = 3 * LINK_GRACE_S  # the router gives up (and kills it) long before it ends
 MAX_TOKENS = 160
 
 
@@ -131,74 +124,3 @@ def test_two_of_three_workers_killed_at_once_continue_on_the_third_and_both_retu
           f"{sorted(s.final.num_replays for s in moved)}), identical {identical}/{len(streams)}; "
           f"out of placement {t_detect:.2f}s; both back up {t_restart:.1f}s after the kill "
           f"(restarts {[_worker(back, v).restarts_total for v in victims]}); blocks leaked 0")  # fmt: skip
-
-
-def test_a_link_partition_shorter_than_the_grace_replays_nothing(cluster: ServedCluster) -> None:
-    c = cluster
-    reqs = _requests(200, 6)
-    reference = _reference(c, reqs)
-    status_before = c.status()
-    streams = _start(c, reqs)
-    victim = max(_holders(streams).items(), key=lambda kv: kv[1])[0]
-    incarnation_pid = c.worker_pid(victim)
-    t0 = time.monotonic()
-    connects_before = c.partition_link(victim, SHORT_PARTITION_S)
-    for s in streams:
-        s.wait(240)
-    on_victim = [s for s in streams if _held_at(s, t0) == victim]
-    assert on_victim, "no stream was on the partitioned worker"
-
-    _check_identical(streams, reference)
-    assert all(s.final.num_replays == 0 and s.final.num_migrations == 0 for s in streams), [
-        s.final.num_replays for s in streams if s.final
-    ]
-    assert all(set(s.worker_ids) == {victim} for s in on_victim), "a stream of the partitioned worker moved"
-    after = c.wait_idle()
-    # The same process reconnected (one more connect), and nobody gave up on it.
-    assert c.partition_link(victim, 0) == connects_before + 1
-    assert c.worker_pid(victim) == incarnation_pid
-    assert after.router.replays_total == status_before.router.replays_total
-    assert _worker(after, victim).restarts_total == _worker(status_before, victim).restarts_total
-    print(f"\nFIGURES link partition {SHORT_PARTITION_S}s (grace {LINK_GRACE_S}s): streams {len(streams)}, "
-          f"on the partitioned worker {len(on_victim)}, replays 0, identical {len(streams)}/{len(streams)}, "
-          f"reconnected (same process); blocks leaked 0")  # fmt: skip
-
-
-def test_a_link_partition_longer_than_the_grace_replays_and_the_worker_is_restarted(cluster: ServedCluster) -> None:
-    c = cluster
-    reqs = _requests(400, 6)
-    reference = _reference(c, reqs)
-    streams = _start(c, reqs)
-    victim = max(_holders(streams).items(), key=lambda kv: kv[1])[0]
-    restarts_before = _worker(c.status(), victim).restarts_total
-    pid = c.worker_pid(victim)
-    t0 = time.monotonic()
-    c.partition_link(victim, LONG_PARTITION_S)
-    _wait_status(c, lambda st: _worker(st, victim).state != "up", 4 * LINK_GRACE_S, f"{victim} down")
-    t_detect = time.monotonic() - t0
-    for s in streams:
-        s.wait(240)
-    on_victim = [s for s in streams if _held_at(s, t0) == victim]
-    assert on_victim, "no stream was on the partitioned worker"
-
-    _check_identical(streams, reference)
-    assert all(s.final.num_replays == 1 and s.last_worker != victim for s in on_victim), [
-        (s.final.num_replays, s.last_worker) for s in on_victim if s.final
-    ]
-    resumed = [s.resumed_after(t0, victim) for s in on_victim]
-    assert all(r is not None for r in resumed)
-    back = _wait_status(
-        c, lambda st: (w := _worker(st, victim)).state == "up" and w.healthy and w.restarts_total > restarts_before,
-        RESTART_TIMEOUT_S, f"{victim} back up",
-    )  # fmt: skip
-    t_restart = time.monotonic() - t0
-    assert c.worker_pid(victim) != pid, "the partitioned process was not replaced"
-    after = run_all(c.address, [request(prompt(90 + i), 8) for i in range(6)])
-    assert all(s.code == grpc.StatusCode.OK for s in after)
-    assert victim in {w for s in after for w in s.worker_ids}, "the restarted worker got no request"
-    c.wait_idle()
-    print(f"\nFIGURES link partition {LONG_PARTITION_S}s (grace {LINK_GRACE_S}s): streams {len(streams)}, on the "
-          f"partitioned worker {len(on_victim)}, continued {len(on_victim)} (slowest {max(resumed):.2f}s after the "
-          f"partition), identical {len(streams)}/{len(streams)}; down {t_detect:.2f}s after it; a fresh process "
-          f"up {t_restart:.1f}s after it (restarts {_worker(back, victim).restarts_total}); "
-          "blocks leaked 0")  # fmt: skip

@@ -37,7 +37,7 @@ def test_ray_calls_match_what_the_router_calls() -> None:
     for path in (ROOT / "kvserve" / "router").rglob("*.py"):
         called |= set(re.findall(r"handle\.(\w+)\.remote\(", path.read_text()))
     # RouterService's test and ops helpers, not the request path
-    called -= {"pid", "check_integrity", "partition_link_for_test"}
+    called -= {"pid", "check_integrity"}
     label = "Ray calls, router → worker (methods of `kvserve/workers/transport/worker.py` `Worker`):"
     assert _doc_list(label) - {"Worker"} == called
 

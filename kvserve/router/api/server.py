@@ -426,16 +426,11 @@ class RouterService:
         """Run a worker's block-pool integrity check (raises on a broken invariant; tests)."""
         await self.router.table[worker_id].handle.check_integrity.remote()
 
-    async def partition_worker_link_for_test(self, worker_id: str, seconds: float) -> int:
-        """Test hook (chaos tests, through Ray only): the worker drops its WorkerLink for ``seconds``
-        (``Worker.partition_link_for_test``); returns its link's connects before."""
-        return int(await self.router.table[worker_id].handle.partition_link_for_test.remote(seconds))
-
     async def arm_migration_fault_for_test(self, phase: str, action: str, side: str) -> None:
         """Test hook (chaos tests, through Ray only): at the next migration's ``phase`` boundary
         (``Mover.fault``: "before_export", "before_import", "after_import"), SIGKILL ("kill") or
         SIGSTOP ("hang") the process of that move's ``side`` ("src" or "dst") worker, then let the
-        move go on. Only a process in the Ray cluster can call it, as ``partition_worker_link_for_test``."""
+        move go on. Only a process in the Ray cluster can call it."""
         if phase not in ("before_export", "before_import", "after_import") or action not in ("kill", "hang") \
                 or side not in ("src", "dst"):  # fmt: skip
             raise ValueError(f"bad fault {phase!r}/{action!r}/{side!r}")

@@ -595,12 +595,6 @@ class Worker:
     def slow_step_for_test(self, seconds: float, computing: bool) -> None:
         self.core.slow_step_for_test(seconds, computing)
 
-    def partition_link_for_test(self, seconds: float) -> int:
-        """Test hook: drop this worker's WorkerLink from its side for ``seconds`` (it keeps
-        stepping; ``WorkerLinkClient.partition_for_test``); returns the link's connects so far
-        (0 seconds: only that). Only a process in the Ray cluster can call it."""
-        return self.core.link.partition_for_test(seconds) if self.core.link is not None else 0
-
     def pid(self) -> int:
         """This actor's OS process id (chaos tests kill it; operators correlate it with logs)."""
         return os.getpid()

@@ -64,7 +64,6 @@ class WorkerLinkClient:
         self.last_command_seq = 0
         self.num_connects = 0
         self._call: grpc.Future | None = None
-        self._partitioned_until = 0.0  # monotonic; see ``partition_for_test``
         self._thread = threading.Thread(target=self._run, name="worker-link", daemon=True)
 
     def start(self) -> None:
@@ -84,23 +83,6 @@ class WorkerLinkClient:
         before the first connect)."""
         return 0.0 if self._connected.is_set() else time.monotonic() - self._disconnected_since
 
-    def partition_for_test(self, seconds: float) -> int:
-        """Test hook (chaos tests): drop the stream now, from this side, and do not reconnect for
-        ``seconds``, as a network partition would, while the worker lives and keeps stepping
-        (``seconds`` <= 0: nothing). Returns how many times the link had connected before.
-
-        NOTE: reachable only through the worker's Ray actor (``Worker.partition_link_for_test``),
-        i.e. by a process inside the Ray cluster, which could kill the worker anyway; no client
-        API leads here.
-        """
-        connects = self.num_connects
-        if seconds > 0:
-            self._partitioned_until = time.monotonic() + seconds
-            call = self._call
-            if call is not None:
-                call.cancel()
-        return connects
-
     def stop(self) -> None:
         self._stop.set()
         if self._call is not None:
@@ -111,9 +93,6 @@ class WorkerLinkClient:
     def _run(self) -> None:
         backoff = 0.05
         while not self._stop.is_set():
-            if (partitioned := self._partitioned_until - time.monotonic()) > 0:
-                self._stop.wait(partitioned)
-                continue
             try:
                 self._session()
                 backoff = 0.05
