@@ -22,6 +22,7 @@ from kvserve.protos.kvserve.v1 import worker_pb2 as pb
 from kvserve.router.api.server import RouterService
 from kvserve.router.config import RouterConfig
 from kvserve.router.gate.auth import FRONTEND_CREDENTIAL_HEADER
+from kvserve.router.gate.tenancy import OPERATOR_TENANT
 from kvserve.workers.core.worker_credential import WORKER_CREDENTIAL_HEADER, issue_worker_credential, new_worker_key
 from tests.chaos.test_tenancy import (
     KEY_A,
@@ -114,6 +115,28 @@ def test_keys_through_a_frontend_are_enforced_as_at_the_router(tmp_path: Path) -
             assert r.status_code == 400 and "max_priority" in r.json()["error"]["message"]
 
     run(tmp_path, test)
+
+
+def test_the_operator_token_through_a_frontend_reaches_no_tenants_requests(tmp_path: Path) -> None:
+    """Issue 42, finding 4, through a frontend: with keys, the --auth-token bearer is its own tenant."""
+    token = "the-operators-token"
+
+    async def test(service: RouterService, front: FrontendServer, worker: FakeWorker, address: str) -> None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = serving_pb2_grpc.KVServeStub(channel)
+            b_call = stub.Generate(_req("b-job"), metadata=_md(KEY_B), timeout=CALL_TIMEOUT)
+            await _dispatched(worker, 1)
+            op_call = stub.Generate(_req("b-job", tenant="team-b"), metadata=_md(token), timeout=CALL_TIMEOUT)
+            await _dispatched(worker, 2)  # no ALREADY_EXISTS: B's id is not probed
+            assert [d.cache_salt for d in worker.added] == ["team-b", OPERATOR_TENANT]
+            for _ in range(2):  # its own "b-job", then nothing: never B's
+                await stub.Abort(spb.AbortRequest(request_id="b-job"), metadata=_md(token), timeout=10)
+            assert (await _stream_code(op_call))[0] == grpc.StatusCode.CANCELLED
+            rb = service.router.dispatcher.current(worker.added[0].request_id)
+            assert rb is not None and not rb.cancelled
+            b_call.cancel()
+
+    run(tmp_path, test, auth_token=token)
 
 
 def test_a_frontend_cannot_pose_as_a_worker_nor_a_worker_use_a_frontend(tmp_path: Path) -> None:
