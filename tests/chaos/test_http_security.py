@@ -80,3 +80,50 @@ def test_metrics_behind_the_client_apis_auth() -> None:
             assert r.status_code == 200 and "kvserve:" in r.text
 
     run(RouterConfig(port=0, auth_token="metrics-token", metrics_auth=True), test, metrics_port=port)
+
+
+def test_worker_links_under_mtls_need_the_certificate_and_the_process_nonce(pki: dict[str, str]) -> None:
+    """Issue 42 (TLS in the attack suite): under mTLS a WorkerLink needs a client certificate before its
+    credential is even read, and with one, a copied credential still needs its process's nonce."""
+    import grpc
+
+    from kvserve.workers.core.worker_credential import (
+        LINK_PROOF_HEADER,
+        issue_worker_credential,
+        link_proof,
+        new_worker_key,
+    )
+    from tests.chaos.test_worker_impersonation import _connect, _connected, _credential_header, _refused, _registered
+    from tests.chaos.test_worker_impersonation import hello as worker_hello
+
+    key = new_worker_key()
+    ca, cert, client_key = (open(pki[k], "rb").read() for k in ("ca", "client_cert", "client_key"))
+
+    async def main() -> None:
+        config = RouterConfig(port=0, tls_cert=pki["server_cert"], tls_key=pki["server_key"], tls_client_ca=pki["ca"])
+        service = RouterService(config, ready_timeout_s=0.2, worker_key=key)
+        await service.start()
+        try:
+            actor = await _registered(service, "worker-1", "real-1")
+            credential = issue_worker_credential(key, "worker-1")
+            proof = link_proof(credential, "real-1", actor.nonces[-1])
+            own = (_credential_header(credential), (LINK_PROOF_HEADER, proof))
+            address = f"127.0.0.1:{service.port}"
+            no_cert = grpc.ssl_channel_credentials(root_certificates=ca)
+            with_cert = grpc.ssl_channel_credentials(ca, private_key=client_key, certificate_chain=cert)
+            real_hello = [worker_hello("worker-1", "real-1")]
+            async with grpc.aio.insecure_channel(address) as plain:
+                assert await _refused(plain, own, real_hello) == grpc.StatusCode.UNAVAILABLE
+            async with grpc.aio.secure_channel(address, no_cert) as anonymous:
+                assert await _refused(anonymous, own, real_hello) == grpc.StatusCode.UNAVAILABLE
+            async with grpc.aio.secure_channel(address, with_cert) as channel:
+                copied = await _refused(channel, own, [worker_hello("worker-1")])  # a fresh incarnation
+                assert copied == grpc.StatusCode.FAILED_PRECONDITION
+                assert service.router.link.sessions == {}
+                call = _connect(channel, own, [worker_hello("worker-1", "real-1")])  # the real process
+                await _connected(service, "worker-1")
+                call.cancel()
+        finally:
+            await service.stop(grace=0)
+
+    asyncio.run(main())
