@@ -179,7 +179,9 @@ def _one_target(
             _run_client(clients.vllm_bench_command(vllm, base_url, spec, result_file), work / "vllm-bench.log",
                         args.client_timeout)  # fmt: skip
         out["vllm bench serve"] = clients.read_vllm_bench(result_file)
-        cpu_use = {"cpu_seconds": cpu.cpu_seconds, "duration_s": clients.read_vllm_bench_duration(result_file)}
+        cpu_use = {"cpu_seconds": cpu.cpu_seconds, "duration_s": clients.read_vllm_bench_duration(result_file),
+                   "stack_seconds": cpu.stack_seconds,
+                   "output_tokens": clients.read_vllm_bench_output_tokens(result_file)}  # fmt: skip
         (work / "cpu.json").write_text(json.dumps({**cpu_use, "processes": cpu.processes}, indent=1))
         if guidellm is not None:
             gl_dir = work / "guidellm"

@@ -84,6 +84,15 @@ def read_vllm_bench(result_file: Path) -> ClientResult:
         raise ResultError(f"cannot read the vllm bench serve result {result_file}: {e}") from e
 
 
+def read_vllm_bench_output_tokens(result_file: Path) -> int | None:
+    """The tokens the benchmark streamed (``total_output_tokens`` of the saved result), or None."""
+    try:
+        value = json.loads(result_file.read_text()).get("total_output_tokens")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
 def read_vllm_bench_duration(result_file: Path) -> float | None:
     """The benchmark's duration in seconds (``duration`` of the saved result), or None without one."""
     try:

@@ -167,16 +167,23 @@ def format_table(summary: dict, title: str) -> str:
 
 def cpu_summary(cpu_rounds: dict[str, list[dict]]) -> dict:
     """Per target: its rounds' ``{"cpu_seconds": {role: s}, "duration_s": d}`` and, over the rounds that
-    have a duration, the median cores by role (CPU seconds / duration) and in all."""
+    have a duration, the median cores by role (CPU seconds / duration) and in all; over the rounds that
+    say how many tokens they streamed (``output_tokens``), kvserve's router and frontends' median CPU
+    microseconds per streamed token (``stack_seconds``, ``kvserve/cluster/bench/cpu_share.py``)."""
     out: dict = {}
     for target, rounds in cpu_rounds.items():
+        counted = [r for r in rounds if r.get("output_tokens") and r.get("stack_seconds")]
+        us_per_token = {
+            part: statistics.median(r["stack_seconds"][part] / r["output_tokens"] * 1e6 for r in counted)
+            for part in (counted[0]["stack_seconds"] if counted else ())
+        }  # fmt: skip
         cores = [
             {role: s / r["duration_s"] for role, s in r["cpu_seconds"].items()} for r in rounds if r.get("duration_s")
         ]
         median_cores = {role: statistics.median(c[role] for c in cores) for role in cores[0]} if cores else {}
         if cores:
             median_cores["all"] = statistics.median(sum(c.values()) for c in cores)
-        out[target] = {"rounds": rounds, "median_cores": median_cores}
+        out[target] = {"rounds": rounds, "median_cores": median_cores, "median_us_per_token": us_per_token}
     return out
 
 
@@ -193,4 +200,8 @@ def format_cpu_table(summary: dict, machine_cores: int | None) -> str:
     for name, entry in summary.items():
         med = entry["median_cores"]
         lines.append(f"| {name} | " + " | ".join(_fmt(med.get(role), 2) for role in roles) + " |")
+    per_token = [f"{name}: " + ", ".join(f"{part} {_fmt(us, 1)}" for part, us in entry["median_us_per_token"].items())
+                 for name, entry in summary.items() if any(entry.get("median_us_per_token", {}).values())]  # fmt: skip
+    if per_token:
+        lines += ["", "**CPU per streamed token** (us, medians): " + "; ".join(per_token)]
     return "\n".join(lines)

@@ -131,6 +131,20 @@ def by_process(first: dict[int, ProcessCpu], last: dict[int, ProcessCpu]) -> lis
     return sorted(out, key=lambda row: -row[0])
 
 
+# The serving stack's parts that issue 41 measures per streamed token, by the comm of their processes.
+STACK_PARTS = (("router", "ray::RouterActo"), ("frontends", "ray::FrontendAc"))
+
+
+def by_stack_part(first: dict[int, ProcessCpu], last: dict[int, ProcessCpu]) -> dict[str, float]:
+    """CPU seconds of kvserve's router and of its frontends (all of them) between two snapshots."""
+    out = dict.fromkeys((name for name, _ in STACK_PARTS), 0.0)
+    for spent, _, p in by_process(first, last):
+        for name, comm in STACK_PARTS:
+            if p.comm.startswith(comm):
+                out[name] += spent
+    return out
+
+
 def by_role(first: dict[int, ProcessCpu], last: dict[int, ProcessCpu]) -> dict[str, float]:
     """CPU seconds per role between two snapshots (see ``by_process``)."""
     out = dict.fromkeys(ROLE_NAMES, 0.0)
@@ -151,6 +165,7 @@ class CpuSampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.cpu_seconds: dict[str, float] = {}
+        self.stack_seconds: dict[str, float] = {}  # kvserve's router and frontends (``by_stack_part``)
         self.processes: list[dict] = []  # the busiest processes, for the log: what each role holds
 
     def start(self) -> CpuSampler:
@@ -172,6 +187,7 @@ class CpuSampler:
             self._thread.join()
         merge(self._seen, snapshot())
         self.cpu_seconds = by_role(self._first, self._seen)
+        self.stack_seconds = by_stack_part(self._first, self._seen)
         # NOTE: the busiest processes, and every client whatever its rank: on a machine busy with other
         # work the benchmark's own client must still be there to read.
         self.processes = [
