@@ -117,9 +117,23 @@ _CHILD: tuple[ModelLimits | None, Any, ChatTemplate | None] = (None, None, None)
 
 
 def child_init(model_dir: str) -> None:
-    """A prompt process's start (``kvserve/router/gate/limits.py``): its own tokenizer and chat template."""
+    """A prompt process's start (``kvserve/router/gate/limits.py``): its own tokenizer and chat template,
+    and a watchdog that ends it when the router's process is gone (a SIGKILLed router, whose pool
+    never shuts down, must not leave its prompt processes behind)."""
+    import os
+    import threading
+    import time
+
     from kvserve.workers.text.tokenizer import load_tokenizer
 
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="kvserve-prompt-parent-watch", daemon=True).start()
     global _CHILD
     _CHILD = (None, load_tokenizer(model_dir), ChatTemplate.from_dir(model_dir))
 
