@@ -7,6 +7,12 @@ then alternates, ``--rounds`` times: a *served* pass (every request of the workl
 cluster sits idle). Alternating keeps both figures under the same machine load; medians are reported.
 The served tokens are checked against the offline run's (greedy, so they must be identical).
 
+What the serving path costs per token (issue 41): each served pass's CPU seconds (``/proc``) of the router
+process, of the frontends (``--frontends N``: the clients then call their shared port) and of the client,
+divided by the tokens the pass streamed, as ``*_cpu_us_per_token``. ``--workers N`` serves with N
+workers (the offline pass stays one engine: its tokens are the same, greedy). The machine's CPU model
+and load average are in the summary: on a shared machine the figures carry others' load.
+
 Usage::
 
     python -m kvserve.cluster.bench.served_vs_offline --model /tmp/m-tiny --rounds 3 [--json]
@@ -116,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", default="tiny", choices=sorted(WORKLOADS))
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cpus-per-worker", type=int, default=2)
+    p.add_argument("--workers", type=int, default=1, help="served workers (the offline pass is one engine)")
+    p.add_argument("--frontends", type=int, default=0, help="frontends in front of the router (clients call them)")
     p.add_argument("--block-size", type=int, default=4)
     p.add_argument("--no-offline", action="store_true", help="served passes only (e.g. while profiling)")
     p.add_argument(
@@ -135,12 +143,15 @@ def main(argv: list[str] | None = None) -> int:
 
     prompt_ids, max_tokens = prompts(args.workload)
     config = EngineConfig(model=args.model, dtype="float32", block_size=args.block_size)
-    cluster = start_cluster(config, 1, cpus_per_worker=args.cpus_per_worker)
+    cluster = start_cluster(config, args.workers, cpus_per_worker=args.cpus_per_worker, frontends=args.frontends)
+    address = f"127.0.0.1:{cluster.frontend_port}" if args.frontends else cluster.address
     served: list[float] = []
     offline: list[float] = []
     worker_cpu: list[float] = []  # worker process CPU seconds per served pass
     router_cpu: list[float] = []
+    frontend_cpu: list[float] = []
     client_cpu: list[float] = []
+    per_token: dict[str, list[float]] = {"router": [], "frontends": [], "client": []}  # CPU us per streamed token
     offline_cpu: list[float] = []
     thread_cpu: list[dict[str, float]] = []  # worker CPU seconds per served pass, by thread name
     messages: list[int] = []  # WorkerLink messages the worker logged per served pass
@@ -149,9 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         worker = next(iter(cluster.workers.values()))
         worker_pid, router_pid = _actor_pid(worker), _actor_pid(cluster.router)
+        frontend_pids = [_actor_pid(f) for f in cluster.frontends]
         print(f"cluster up: router {cluster.address} (pid {router_pid}), worker pid {worker_pid}",
               file=sys.stderr, flush=True)  # fmt: skip
-        asyncio.run(served_pass(cluster.address, prompt_ids[:2], 4))  # warm-up
+        asyncio.run(served_pass(address, prompt_ids[:2], 4))  # warm-up
         for i in range(args.rounds):
             spies = []
             if args.py_spy and i == 0:
@@ -161,9 +173,10 @@ def main(argv: list[str] | None = None) -> int:
                 ]
                 time.sleep(1.0)  # NOTE: let py-spy attach before the pass starts
             link0, threads0 = _link_counts(worker), _thread_cpu_s(worker_pid)
-            before = (_cpu_s(worker_pid), _cpu_s(router_pid), time.process_time())
-            run = asyncio.run(served_pass(cluster.address, prompt_ids, max_tokens))
-            after = (_cpu_s(worker_pid), _cpu_s(router_pid), time.process_time())
+            before = (_cpu_s(worker_pid), _cpu_s(router_pid), time.process_time(), sum(map(_cpu_s, frontend_pids)))
+            run = asyncio.run(served_pass(address, prompt_ids, max_tokens))
+            after = (_cpu_s(worker_pid), _cpu_s(router_pid), time.process_time(), sum(map(_cpu_s, frontend_pids)))
+            streamed = sum(len(t) for t in run.token_ids)
             link1, threads1 = _link_counts(worker), _thread_cpu_s(worker_pid)
             busy = {k: round(v - threads0.get(k, 0.0), 2) for k, v in threads1.items() if v - threads0.get(k, 0.0) > 0}
             names = _thread_names(worker)
@@ -177,9 +190,13 @@ def main(argv: list[str] | None = None) -> int:
             worker_cpu.append(after[0] - before[0])
             router_cpu.append(after[1] - before[1])
             client_cpu.append(after[2] - before[2])
+            frontend_cpu.append(after[3] - before[3])
+            for who, cpu in (("router", router_cpu), ("frontends", frontend_cpu), ("client", client_cpu)):
+                per_token[who].append(cpu[-1] / max(streamed, 1) * 1e6)
             served.append(run.output_tokens_per_s)
-            line = (f"round {i}: served {run.output_tokens_per_s:.0f} tok/s ({run.seconds:.2f}s; cpu s: worker "
-                    f"{worker_cpu[-1]:.2f} router {router_cpu[-1]:.2f} client {client_cpu[-1]:.2f}; "
+            line = (f"round {i}: served {run.output_tokens_per_s:.0f} tok/s ({run.seconds:.2f}s, {streamed} tokens; "
+                    f"cpu s: worker {worker_cpu[-1]:.2f} router {router_cpu[-1]:.2f} frontends {frontend_cpu[-1]:.2f} "
+                    f"client {client_cpu[-1]:.2f}; router {per_token['router'][-1]:.1f} us/token; "
                 f"{messages[-1]} link messages, {coalesced[-1]} steps coalesced)")  # fmt: skip
             if not args.no_offline:
                 off = offline_pass(args)
@@ -204,6 +221,11 @@ def main(argv: list[str] | None = None) -> int:
         "served_worker_cpu_s_median": statistics.median(worker_cpu),
         "served_router_cpu_s_median": statistics.median(router_cpu),
         "served_client_cpu_s_median": statistics.median(client_cpu),
+        "workers": args.workers,
+        "frontends": args.frontends,
+        "streamed_tokens_per_pass": len(prompt_ids) * max_tokens,
+        **{f"{who}_cpu_us_per_token_median": round(statistics.median(v), 2) for who, v in per_token.items()},
+        "cpu_model": _cpu_model(),
         "worker_thread_cpu_s": thread_cpu,
         "link_messages": messages,
         "steps_coalesced": coalesced,
@@ -212,6 +234,16 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(json.dumps(summary) if args.json else "\n".join(f"{k}: {v}" for k, v in summary.items()))
     return 0
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``) and the cores this process may use."""
+    try:
+        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), "unknown")  # fmt: skip
+    except OSError:
+        model = "unknown"
+    return f"{model} ({len(os.sched_getaffinity(0))} cores)"
 
 
 def _py_spy(pid: int, out: str) -> subprocess.Popen:
