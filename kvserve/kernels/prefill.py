@@ -168,7 +168,7 @@ def _flash_prefill_kernel(
     stride_s_block,  # kv_scales' block stride (slot stride next; head stride 1)
     stride_s_slot,
     stride_bt_seq,
-    q_len_bucket,  # unused in the kernel: the autotuner's key (the longest chunk, to a power of two)
+    q_len_bucket,  # unused in the kernel: the autotuner's key (``q_len_bucket`` of the longest chunk)
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -274,9 +274,15 @@ _tuned_kernel = triton.autotune(configs=_CONFIGS, key=_HEURISTIC_KEYS, prune_con
 )
 
 
+def q_len_bucket(max_q: int) -> int:
+    """The autotuner's chunk-length key: three buckets (chunks, mid prompts, long prompts), so a server tunes
+    each (head dim, variant) at most three times: each tuning compiles and times every fitting config."""
+    return 512 if max_q <= 512 else 2048 if max_q <= 2048 else 8192
+
+
 def _launch(query: torch.Tensor, out: torch.Tensor, max_q: int, num_seqs: int, args: tuple, **meta: object) -> None:
     num_heads = query.shape[1]
-    args = (*args, min(max(triton.next_power_of_2(max_q), 64), 16384))
+    args = (*args, q_len_bucket(max_q))
     if triton_interpreting() and query.device.type == "cpu":
         grid = (triton.cdiv(max_q, INTERPRET_BLOCK_M), num_seqs, num_heads)
         _flash_prefill_kernel[grid](*args, BLOCK_M=INTERPRET_BLOCK_M, BLOCK_N=INTERPRET_BLOCK_N, **meta)
