@@ -228,7 +228,7 @@ class PromptPreparer:
         if router.tokenizer is not None:
             longest_token_bytes(router.tokenizer)  # NOTE: once, at start-up, not in a request's path
             model_dir = getattr(getattr(router, "config", None), "model", None)
-            if router.chat_template is not None and model_dir:
+            if model_dir:
                 # NOTE: spawn, not fork: the router's process runs gRPC and Ray threads.
                 self._processes = ProcessPoolExecutor(threads, multiprocessing.get_context("spawn"),
                                                       initializer=child_init, initargs=(str(model_dir),))  # fmt: skip
