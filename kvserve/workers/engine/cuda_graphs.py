@@ -22,7 +22,10 @@ from kvserve.workers.engine.request import Request
 
 logger = logging.getLogger(__name__)
 
-Forward = Callable[[torch.Tensor, torch.Tensor, object], torch.Tensor]  # (ids, positions, attn) -> hidden
+# (ids, positions, attn) -> (hidden states [rows, hidden], greedy token ids [rows]): the greedy head is part
+# of the graph, so a greedy decode step is one replay plus the uploads and the ids' read-back.
+Outputs = tuple[torch.Tensor, torch.Tensor]
+Forward = Callable[[torch.Tensor, torch.Tensor, object], Outputs]
 
 
 def decode_buckets(max_num_seqs: int, largest: int = 256) -> list[int]:
@@ -34,9 +37,9 @@ def decode_buckets(max_num_seqs: int, largest: int = 256) -> list[int]:
 
 
 class CudaGraph:
-    """One captured decode forward. ``replay()`` returns the static output tensor (rewritten by the next replay)."""
+    """One captured decode forward. ``replay()`` returns the static outputs (rewritten by the next replay)."""
 
-    def __init__(self, run: Callable[[], torch.Tensor], pool: object, stream: torch.cuda.Stream) -> None:
+    def __init__(self, run: Callable[[], Outputs], pool: object, stream: torch.cuda.Stream) -> None:
         # NOTE: one eager run first (Triton compiles and autotunes, cuBLAS picks its kernels), on a side
         # stream as torch requires for a capture, then the capture itself.
         stream.wait_stream(torch.cuda.current_stream())  # the static buffers' initial values
@@ -47,7 +50,7 @@ class CudaGraph:
         with torch.cuda.graph(self.graph, pool=pool, stream=stream):
             self.output = run()
 
-    def replay(self) -> torch.Tensor:
+    def replay(self) -> Outputs:
         self.graph.replay()
         return self.output
 
@@ -55,10 +58,10 @@ class CudaGraph:
 class EagerGraph:
     """The CPU twin of ``CudaGraph``: each replay runs the forward eagerly on the same static buffers."""
 
-    def __init__(self, run: Callable[[], torch.Tensor], pool: object = None, stream: object = None) -> None:
+    def __init__(self, run: Callable[[], Outputs], pool: object = None, stream: object = None) -> None:
         self.run = run
 
-    def replay(self) -> torch.Tensor:
+    def replay(self) -> Outputs:
         return self.run()
 
 
@@ -100,8 +103,8 @@ class DecodeGraphs:
             logger.info("captured %d decode graphs (batch %s), %.1f MiB", len(self.buckets),
                         ",".join(map(str, self.buckets)), used / 2**20)  # fmt: skip
 
-    def _runner(self, batch_size: int) -> Callable[[], torch.Tensor]:
-        def run() -> torch.Tensor:
+    def _runner(self, batch_size: int) -> Callable[[], Outputs]:
+        def run() -> Outputs:
             ids, positions, attn = self.buffers.inputs(batch_size)
             return self.forward(ids, positions, attn)
 
@@ -112,13 +115,14 @@ class DecodeGraphs:
         i = bisect.bisect_left(self.buckets, num_seqs)
         return self.buckets[i] if i < len(self.buckets) and self.graphs else None
 
-    def run(self, batch: list[tuple[Request, int]], block_size: int) -> tuple[torch.Tensor, list[int]]:
+    def run(self, batch: list[tuple[Request, int]], block_size: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Fill the static buffers with a decode batch (padded to its bucket) and replay that bucket's
-        graph. Returns the hidden states of the real rows ``[len(batch), hidden]`` (a view of the
-        graph's output: read it before the next replay) and the batch indices to sample."""
+        graph. Returns the real rows' hidden states ``[len(batch), hidden]`` and greedy token ids
+        ``[len(batch)]`` (views of the graph's outputs: read them before the next replay) and the batch
+        indices to sample."""
         b = self.bucket(len(batch))
         assert b is not None, f"{len(batch)} decodes past the largest graph ({self.largest})"
         sample_reqs = self.buffers.stage(batch, block_size, b)
-        hidden = self.graphs[b].replay()
+        hidden, greedy = self.graphs[b].replay()
         self.replays += 1
-        return hidden[: len(batch)], sample_reqs
+        return hidden[: len(batch)], greedy[: len(batch)], sample_reqs

@@ -48,11 +48,12 @@ class ModelRunner:
         order = sorted(range(len(out.scheduled)), key=lambda i: out.scheduled[i][1] != 1)
         batch = [out.scheduled[i] for i in order]
         graphs = self.decode_graphs
+        greedy_ids: torch.Tensor | None = None  # the graph's greedy head, where a graph ran
         if graphs is not None and batch and batch[-1][1] == 1 and graphs.bucket(len(batch)) is not None:
             # Every request decodes one token: the padded static buffers and the bucket's graph.
-            hidden, sample_reqs = graphs.run(batch, self.block_size)
+            hidden, greedy_ids, sample_reqs = graphs.run(batch, self.block_size)
             if len(sample_reqs) < len(batch):
-                hidden = hidden[sample_reqs]
+                hidden, greedy_ids = hidden[sample_reqs], greedy_ids[sample_reqs]
         else:
             input_ids, positions, attn, sample_rows, sample_reqs = self.prepare_inputs(batch)
             hidden = self.model(input_ids, positions, self.kv_cache.layers, attn, self.kv_cache.layer_scales)
@@ -63,7 +64,7 @@ class ModelRunner:
             reqs = [batch[j][0] for j in sample_reqs]
             params = [r.sampling_params for r in reqs]
             if all(p.greedy and p.logprobs is None for p in params):
-                tokens = self.model.greedy_tokens(hidden)
+                tokens = greedy_ids.tolist() if greedy_ids is not None else self.model.greedy_tokens(hidden)
             else:
                 logits = self.model.compute_logits(hidden)
                 tokens = self.sampler(logits, params, [r.generator for r in reqs])
@@ -95,8 +96,9 @@ class ModelRunner:
         """
         cache = self.kv_cache
 
-        def forward(ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
-            return self.model(ids, positions, cache.layers, attn, cache.layer_scales)
+        def forward(ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> tuple[torch.Tensor, ...]:
+            hidden = self.model(ids, positions, cache.layers, attn, cache.layer_scales)
+            return hidden, self.model.greedy_token_ids(hidden)
 
         graphs = DecodeGraphs(forward, buckets, -(-max_model_len // self.block_size), self.device)
         graphs.capture()

@@ -267,14 +267,18 @@ class CausalLM(nn.Module):
 
     def greedy_tokens(self, hidden: torch.Tensor) -> list[int]:
         """``compute_logits(hidden).argmax(-1)`` (ties -> lowest id)."""
+        return self.greedy_token_ids(hidden).tolist()
+
+    def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor:  # [n] int64 on hidden's device
+        """``greedy_tokens`` left on the device (no host sync on CUDA: a decode graph captures it)."""
         hidden = self.norm(hidden)
         if self._screen is not None and self._screen_pays(hidden.shape[0]):
             tokens = self._screen(hidden)
             if tokens is not None:
-                return tokens.tolist()
+                return tokens
         if self._lm_head_cpu is not None:
-            return cpu_backend.lm_head_argmax(hidden, self._lm_head_cpu, self.config.vocab_size).tolist()
-        return argmax_rows(self._lm_head(hidden)).tolist()
+            return cpu_backend.lm_head_argmax(hidden, self._lm_head_cpu, self.config.vocab_size)
+        return argmax_rows(self._lm_head(hidden))
 
     def _lm_head_weight(self) -> torch.Tensor:  # [vocab, hidden]
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
