@@ -28,6 +28,12 @@ of them) per streamed token; ``router_cpu_us_per_token`` stays the router proces
 ``--protocol grpc-mux`` sends every stream over one ``GenerateStream`` (kvserve/router/requests/mux.py): the router then
 sends one message per worker step for all of them and the client unbatches by request id.
 
+``--sim realistic`` (issue 41 item 6): the simulated workers also send what real ones do besides the
+tokens (kvserve/cluster/bench/sim_worker.py ``SimSpec.realistic``: every prompt block stored and, from a
+``--sim-blocks`` pool, evicted; reports with the pool's and prefix cache's counters), and every stream has
+a prompt of its own (16 to 256 tokens, as the ``tiny`` workload): the router's per-request and
+per-block work is then the real one. ``plain`` (the default) keeps one 16-token prompt and tokens only.
+
 A sweep is a list of values for ``--streams`` / ``--workers`` / ``--tokens-per-step`` (every
 combination); the clients run in this process, so on a small machine they compete with the router for
 cores: the per-token CPU figure is the router's own either way.
@@ -53,10 +59,18 @@ if TYPE_CHECKING:
 _PROMPT = list(range(1, 17))
 
 
+def stream_prompts(streams: int, realistic: bool) -> list[list[int]]:
+    """Each stream's prompt: the one short prompt, or (``realistic``) a distinct one of 16 to 256 tokens."""
+    if not realistic:
+        return [_PROMPT] * streams
+    return [[(i * 7919 + k * 31) % 30000 + 1 for k in range(16 + (i * 37) % 241)] for i in range(streams)]
+
+
 @dataclass(frozen=True)
 class PlanePoint:
     """One setting of the sweep and what it measured."""
 
+    sim: str
     workers: int
     frontends: int
     streams: int
@@ -124,11 +138,11 @@ def stamps_latency_ms(text: str, arrival_ns: int) -> list[float]:
     return [(arrival_ns - int(s)) / 1e6 for s in text.split(";") if s]
 
 
-async def _grpc_stream(stub: Any, max_tokens: int, lat: list[float], meter: _Meter) -> int:
+async def _grpc_stream(stub: Any, prompt: list[int], max_tokens: int, lat: list[float], meter: _Meter) -> int:
     from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 
     request = spb.GenerateRequest(
-        token_ids=spb.TokenIds(ids=_PROMPT), sampling=spb.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        token_ids=spb.TokenIds(ids=prompt), sampling=spb.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     )
     tokens = 0
     async for resp in stub.Generate(request, timeout=600):
@@ -139,18 +153,18 @@ async def _grpc_stream(stub: Any, max_tokens: int, lat: list[float], meter: _Met
 
 
 async def _grpc_mux(
-    stub: Any, streams: int, max_tokens: int, lat: list[float], meter: _Meter
+    stub: Any, prompts: list[list[int]], max_tokens: int, lat: list[float], meter: _Meter
 ) -> list[int | BaseException]:
     """Every request on one ``GenerateStream``, unbatched here by request id."""
     from kvserve.protos.kvserve.v1 import serving_pb2 as spb
     from kvserve.router.requests.mux import column_entries
 
     sampling = spb.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    tokens = dict.fromkeys((f"r{i}" for i in range(streams)), 0)
+    tokens = dict.fromkeys((f"r{i}" for i in range(len(prompts))), 0)
 
     async def requests():  # noqa: ANN202 - an async generator of messages
-        for rid in tokens:  # NOTE: token_columns, as a frontend asks (kvserve/frontend/link.py)
-            request = spb.GenerateRequest(request_id=rid, token_ids=spb.TokenIds(ids=_PROMPT), sampling=sampling)
+        for rid, prompt in zip(tokens, prompts, strict=True):  # NOTE: token_columns, as a frontend asks
+            request = spb.GenerateRequest(request_id=rid, token_ids=spb.TokenIds(ids=prompt), sampling=sampling)
             yield spb.GenerateStreamRequest(generate=request, token_columns=True)
 
     failed: dict[str, BaseException] = {}
@@ -169,8 +183,10 @@ async def _grpc_mux(
     return [failed.get(rid, n) for rid, n in tokens.items()]
 
 
-async def _http_stream(http: Any, url: str, max_tokens: int, lat: list[float], meter: _Meter) -> int:
-    body = {"model": "sim", "prompt": _PROMPT, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+async def _http_stream(
+    http: Any, url: str, prompt: list[int], max_tokens: int, lat: list[float], meter: _Meter
+) -> int:
+    body = {"model": "sim", "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
             "return_token_ids": True}  # fmt: skip
     tokens = 0
     async with http.stream("POST", url, json=body) as r:
@@ -188,7 +204,7 @@ async def _http_stream(http: Any, url: str, max_tokens: int, lat: list[float], m
 
 
 async def _drive(
-    address: str, http_url: str | None, streams: int, max_tokens: int, mux: bool, router_pid: int
+    address: str, http_url: str | None, prompts: list[list[int]], max_tokens: int, mux: bool, router_pid: int
 ) -> tuple[int, float, list, int, float]:
     """Run ``streams`` concurrent streams; (tokens, window seconds, added latencies, failed streams,
     steady router CPU µs per token)."""
@@ -198,21 +214,22 @@ async def _drive(
     from kvserve.protos.kvserve.v1 import serving_pb2_grpc
 
     lat: list[float] = []
+    streams = len(prompts)
     meter = _Meter(streams, router_pid)
     t0 = time.monotonic()
     if http_url is None:
         async with grpc.aio.insecure_channel(address) as channel:
             stub = serving_pb2_grpc.KVServeStub(channel)
             if mux:
-                results = await _grpc_mux(stub, streams, max_tokens, lat, meter)
+                results = await _grpc_mux(stub, prompts, max_tokens, lat, meter)
             else:
-                results = await asyncio.gather(*(_grpc_stream(stub, max_tokens, lat, meter) for _ in range(streams)),
+                results = await asyncio.gather(*(_grpc_stream(stub, p, max_tokens, lat, meter) for p in prompts),
                                                return_exceptions=True)  # fmt: skip
     else:
         limits = httpx.Limits(max_connections=streams, max_keepalive_connections=streams)
         async with httpx.AsyncClient(timeout=600, limits=limits) as http:
             results = await asyncio.gather(
-                *(_http_stream(http, http_url, max_tokens, lat, meter) for _ in range(streams)), return_exceptions=True
+                *(_http_stream(http, http_url, p, max_tokens, lat, meter) for p in prompts), return_exceptions=True
             )
     window = time.monotonic() - t0
     failed = [r for r in results if isinstance(r, BaseException)]
@@ -238,10 +255,12 @@ def _proc_cpu_s(pid: int) -> float:
 
 
 def measure(workers: int, streams: int, tokens_per_step: int, step_ms: float, max_tokens: int,
-            protocol: str, frontends: int = 0, py_spy: str | None = None) -> PlanePoint:  # fmt: skip
+            protocol: str, frontends: int = 0, py_spy: str | None = None, sim: str = "plain",
+            sim_blocks: int = 1 << 16) -> PlanePoint:  # fmt: skip
     """One point: a fresh router and simulated workers (and ``frontends``), ``streams`` streams through them.
 
-    ``py_spy``: record the router process with py-spy during the streams (collapsed stacks into this file)."""
+    ``py_spy``: record the router process with py-spy during the streams (collapsed stacks into this file).
+    ``sim``: "plain" or "realistic" simulated workers (module doc), the latter with ``sim_blocks`` blocks."""
     import psutil
     import ray
 
@@ -260,7 +279,9 @@ def measure(workers: int, streams: int, tokens_per_step: int, step_ms: float, ma
     fronts: list[Any] = []
     try:
         address = ray.get(router.address.remote())
-        spec = SimSpec(step_ms=step_ms, tokens_per_step=tokens_per_step)
+        realistic = sim == "realistic"
+        spec = SimSpec(step_ms=step_ms, tokens_per_step=tokens_per_step, realistic=realistic,
+                       total_blocks=sim_blocks if realistic else SimSpec.total_blocks)  # fmt: skip
         actor = sim_worker_actor_class()
         ids = [f"worker-{i}" for i in range(workers)]
         ray.get(router.expect_workers.remote(ids))
@@ -278,7 +299,7 @@ def measure(workers: int, streams: int, tokens_per_step: int, step_ms: float, ma
         spy = _py_spy(pid, py_spy) if py_spy else None
         try:
             tokens, window, lat, failed, steady = asyncio.run(
-                _drive(client_address, http_url, streams, max_tokens, mux, pid)
+                _drive(client_address, http_url, stream_prompts(streams, realistic), max_tokens, mux, pid)
             )
         finally:
             if spy is not None:
@@ -294,7 +315,7 @@ def measure(workers: int, streams: int, tokens_per_step: int, step_ms: float, ma
         ray.kill(router)
     per_token = (lambda s: s / tokens * 1e6) if tokens else (lambda s: float("nan"))
     return PlanePoint(
-        workers, frontends, streams, tokens_per_step, step_ms, protocol, tokens, window,
+        sim, workers, frontends, streams, tokens_per_step, step_ms, protocol, tokens, window,
         tokens / window if window else 0.0, cpu, per_token(cpu), steady, per_token(fcpu) if frontends else 0.0,
         percentile(lat, 0.5), percentile(lat, 0.99), rss, failed,
     )  # fmt: skip
@@ -325,6 +346,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "message per worker step, unbatched by the client), or HTTP/SSE")  # fmt: skip
     p.add_argument("--frontends", type=_ints, default=[0],
                    help="stateless frontends between clients and router (a comma list sweeps; 0 = none)")  # fmt: skip
+    p.add_argument("--sim", choices=("plain", "realistic"), default="plain",
+                   help="simulated workers sending tokens only, or also a real worker's block events, pool and "
+                        "prefix-cache reports, with a prompt per stream (module doc)")  # fmt: skip
+    p.add_argument("--sim-blocks", type=int, default=4096, help="--sim realistic: each simulated worker's pool")
     p.add_argument("--json", action="store_true", help="one JSON object per point instead of the table")
     p.add_argument("--py-spy", metavar="OUT", help="record the router with py-spy while the streams run "
                    "(collapsed stacks; one file per point: OUT.<index>)")  # fmt: skip
@@ -342,7 +367,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         for f, w, s, k in itertools.product(args.frontends, args.workers, args.streams, args.tokens_per_step):
             spy_out = f"{args.py_spy}.{len(points)}" if args.py_spy else None
-            point = measure(w, s, k, args.step_ms, args.max_tokens, args.protocol, f, spy_out)
+            point = measure(w, s, k, args.step_ms, args.max_tokens, args.protocol, f, spy_out, args.sim,
+                            args.sim_blocks)  # fmt: skip
             points.append(point)
             if args.json:
                 print(json.dumps(asdict(point)), flush=True)
@@ -357,11 +383,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_table(points: list[PlanePoint]) -> str:
-    head = ("| proto | frontends | workers | streams | tok/step | step ms | streamed tok/s | router CPU µs/tok "
+    head = ("| sim | proto | frontends | workers | streams | tok/step | step ms | streamed tok/s | router CPU µs/tok "
             "(steady) | frontends CPU µs/tok | added ITL p50 / p99 ms | router RSS MB | failed streams |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     rows = [
-        f"| {p.protocol} | {p.frontends} | {p.workers} | {p.streams} | {p.tokens_per_step} | {p.step_ms:g} | "
+        f"| {p.sim} | {p.protocol} | {p.frontends} | {p.workers} | {p.streams} | {p.tokens_per_step} | {p.step_ms:g} | "
         f"{p.streamed_tokens_per_s:,.0f} | {p.router_cpu_us_per_token:.1f} ({p.router_cpu_us_per_token_steady:.1f}) | "
         f"{p.frontend_cpu_us_per_token:.1f} | "
         f"{p.added_itl_p50_ms:.1f} / {p.added_itl_p99_ms:.1f} | {p.router_rss_mb:.0f} | {p.failed_streams} |"

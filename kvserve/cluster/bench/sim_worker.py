@@ -11,6 +11,14 @@ the step's ``BlockEvents``).
 Each output's ``text_delta`` carries the step's emission time (``time.monotonic_ns()``,
 system-wide on Linux), so a client on the same machine measures the latency the serving path adds
 to every token.
+
+``SimSpec.realistic`` (``kvserve bench data-plane --sim realistic``, issue 41 item 6): what a real
+worker sends besides the tokens, as its block pool (kvserve/workers/engine/block_pool.py) would: the
+prompt's full blocks announced (``BlockStored``, the real hash chain, so the router's prefix index
+matches its own hashes) at the request's first step, leading blocks already cached reused instead
+(prefix hits), a finished request's full blocks kept as cached and evictable, and the least
+recently used of them evicted when the pool runs out (``BlockRemoved``); its pressure reports carry
+the pool's free / used / evictable counts, tokens in flight, prefill and prefix-cache counters.
 """
 
 from __future__ import annotations
@@ -18,9 +26,11 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.workers.core.block_hash import cache_extra, hash_block, hash_blocks
 from kvserve.workers.core.gc_pauses import settle_heap
 from kvserve.workers.core.identity import WorkerIdentity
 from kvserve.workers.core.request import WorkerRequest
@@ -47,6 +57,7 @@ class SimSpec:
     block_size: int = 16
     max_model_len: int = 1 << 16
     vocab_size: int = 32000
+    realistic: bool = False  # a real worker's block events and reports (module doc)
 
     def __post_init__(self) -> None:
         for name in ("step_ms", "tokens_per_step", "total_blocks", "block_size", "max_model_len", "vocab_size"):
@@ -58,6 +69,66 @@ class SimSpec:
 class _Running:
     request: WorkerRequest
     emitted: int = 0
+    hashes: list[int] | None = None  # realistic: its full blocks' hash chain (None: not prefilled yet)
+
+
+class SimPool:
+    """The real block pool's accounting and events without memory (``SimSpec.realistic``).
+
+    Blocks are free, held by running requests (a full block once per hash, shared by every request
+    that holds it), or cached (ref count 0, hash kept, LRU-evictable). ``events`` collects what the
+    real pool would emit: ``("stored", (h,))`` per block cached, ``("removed", hashes)`` per batch evicted.
+    """
+
+    def __init__(self, total_blocks: int) -> None:
+        self.total = total_blocks
+        self.free = total_blocks
+        self.cached: OrderedDict[int, None] = OrderedDict()  # LRU first
+        self.held: Counter[int] = Counter()  # full blocks held, by hash: how many requests hold each
+        self.partial = 0  # held blocks with no hash yet (each request's last, filling block)
+        self.events: list[tuple[str, tuple[int, ...]]] = []
+
+    @property
+    def used(self) -> int:
+        return self.total - self.free - len(self.cached)
+
+    def take(self, n: int) -> None:
+        """Allocate ``n`` blocks: free ones first, then the least recently used cached ones (evicted).
+        NOTE: a pool that runs out of both over-commits (the simulated worker never preempts)."""
+        evicted = []
+        for _ in range(n):
+            if self.free > 0:
+                self.free -= 1
+            elif self.cached:
+                evicted.append(self.cached.popitem(last=False)[0])
+        if evicted:
+            self.events.append(("removed", tuple(evicted)))
+
+    def hits(self, hashes: list[int]) -> int:
+        """How many leading ``hashes`` are in the pool (held or cached) now."""
+        n = 0
+        while n < len(hashes) and (hashes[n] in self.held or hashes[n] in self.cached):
+            n += 1
+        return n
+
+    def hold(self, h: int, fresh: bool) -> None:
+        """A request holds full block ``h``: revived from the cache, shared, or (``fresh``) just filled."""
+        if h in self.cached:
+            del self.cached[h]
+        elif fresh and h not in self.held:
+            self.events.append(("stored", (h,)))
+        self.held[h] += 1
+
+    def release(self, hashes: list[int], partial: bool) -> None:
+        """A request ended: its full blocks held by nobody else become cached, its partial one free."""
+        for h in hashes:
+            self.held[h] -= 1
+            if not self.held[h]:
+                del self.held[h]
+                self.cached[h] = None
+        if partial:
+            self.partial -= 1
+            self.free += 1
 
 
 class SimWorker:
@@ -73,6 +144,10 @@ class SimWorker:
         self._report_seq = 0
         self._event_seq = 0
         self._pressure = PressurePolicy.from_options(options)
+        self._pool = SimPool(spec.total_blocks) if spec.realistic else None
+        self._extra = cache_extra("sim", None)
+        self._counters = Counter()  # realistic: prefill and prefix-cache token counters of the reports
+        self._cached_tokens: dict[str, int] = {}  # realistic: each request's prefix hits, in tokens
         self._stop = threading.Event()
         self.link = WorkerLinkClient(
             options.router_address or "",
@@ -123,7 +198,10 @@ class SimWorker:
         kind = cmd.WhichOneof("command")
         rid = cmd.abort.request_id if kind == "abort" else ""
         with self._lock:
-            ok = self._running.pop(rid, None) is not None if kind == "abort" else kind == "request_snapshot"
+            run = self._running.pop(rid, None) if kind == "abort" else None
+            ok = run is not None if kind == "abort" else kind == "request_snapshot"
+            if run is not None:
+                self._release(run)
         if kind == "request_snapshot":
             self.outbox.put(pb.WorkerMessage(block_snapshot=pb.BlockSnapshot()))
         self.outbox.put(pb.WorkerMessage(ack=pb.CommandAck(command_seq=cmd.seq, request_id=rid, ok=ok)))
@@ -136,21 +214,76 @@ class SimWorker:
             self._stop.wait(max(0.0, next_step - time.monotonic()))
             self._step()
 
+    def _prefill(self, run: _Running) -> None:
+        """Realistic: the request's first step holds its prompt's blocks (leading cached ones reused)."""
+        pool, prompt, size = self._pool, run.request.prompt, self.spec.block_size
+        assert pool is not None
+        hashes = hash_blocks(prompt, size, self._extra)
+        hits = pool.hits(hashes)
+        for i, h in enumerate(hashes):
+            if i >= hits:
+                pool.take(1)
+            pool.hold(h, fresh=i >= hits)
+        if len(prompt) % size:
+            pool.take(1)
+            pool.partial += 1
+        run.hashes = hashes
+        self._cached_tokens[run.request.request_id] = hits * size
+        self._counters["prefill"] += len(prompt) - hits * size
+        self._counters["queried"] += len(prompt)
+        self._counters["hit"] += hits * size
+
+    def _grow(self, run: _Running, before: int, after: int) -> None:
+        """Realistic: tokens ``before`` -> ``after`` of the sequence fill blocks and start new ones."""
+        pool, size = self._pool, self.spec.block_size
+        assert pool is not None and run.hashes is not None
+        for block in range(before // size, after // size):  # filled: the partial block gets its hash
+            if block >= len(run.hashes):
+                parent = run.hashes[-1] if run.hashes else 0
+                run.hashes.append(hash_block(parent, (block,), run.request.request_id))
+                pool.partial -= 1
+                pool.hold(run.hashes[-1], fresh=True)
+        for _ in range(blocks_for(before, size), blocks_for(after, size)):  # started
+            pool.take(1)
+            pool.partial += 1
+
+    def _release(self, run: _Running) -> None:
+        if self._pool is not None and run.hashes is not None:
+            held = len(run.request.prompt) + run.emitted
+            self._pool.release(run.hashes, partial=held % self.spec.block_size != 0)
+            self._cached_tokens.pop(run.request.request_id, None)
+
+    def _pool_events(self, events: list[pb.BlockEvent]) -> None:
+        assert self._pool is not None
+        for kind, hashes in self._pool.events:
+            self._event_seq += 1
+            if kind == "stored":
+                events.append(pb.BlockEvent(seq=self._event_seq, stored=pb.BlockStored(hashes=hashes)))
+            else:
+                events.append(pb.BlockEvent(seq=self._event_seq, removed=pb.BlockRemoved(hashes=hashes)))
+        self._pool.events.clear()
+
     def _step(self) -> None:
         k = self.spec.tokens_per_step
         stamp = f"{time.monotonic_ns()};"  # NOTE: ";" keeps stamps apart when responses merge
         outputs, events = [], []
         plain: list[tuple[str, list[int], int]] = []
         size = self.spec.block_size
+        pool = self._pool
         with self._lock:
             for rid, run in list(self._running.items()):
+                if pool is not None and run.hashes is None:
+                    self._prefill(run)
                 n = min(k, run.request.params.max_tokens - run.emitted)
                 held = len(run.request.prompt) + run.emitted
                 run.emitted += n
-                for block in range(held // size, (held + n) // size):
-                    self._event_seq += 1
-                    stored = pb.BlockStored(hashes=[hash((rid, block)) & (2**64 - 1)])
-                    events.append(pb.BlockEvent(seq=self._event_seq, stored=stored))
+                if pool is not None:
+                    self._grow(run, held, held + n)
+                else:
+                    for block in range(held // size, (held + n) // size):
+                        self._event_seq += 1
+                        stored = pb.BlockStored(hashes=[hash((rid, block)) & (2**64 - 1)])
+                        events.append(pb.BlockEvent(seq=self._event_seq, stored=stored))
                 done = run.emitted >= run.request.params.max_tokens
                 new = [(run.emitted + i) % self.spec.vocab_size for i in range(n)]
                 if done:
@@ -158,11 +291,19 @@ class SimWorker:
                     outputs.append(pb.RequestOutput(
                         request_id=rid, new_token_ids=new, text_delta=stamp, finish_reason="length",
                         num_output_tokens=run.emitted, num_prompt_tokens=len(run.request.prompt),
+                        num_cached_tokens=self._cached_tokens.get(rid, 0),
                     ))  # fmt: skip
+                    self._release(run)
                 else:  # NOTE: as a real worker sends a plain output (kvserve/workers/transport/worker.py)
                     plain.append((rid, new, run.emitted))
             running = len(self._running)
-            used = sum(blocks_for(len(r.request.prompt) + r.emitted, size) for r in self._running.values())
+            in_flight = sum(len(r.request.prompt) + r.emitted for r in self._running.values())
+            if pool is not None:
+                self._pool_events(events)
+                used, free, evictable = pool.used, pool.free, len(pool.cached)
+            else:
+                used = sum(blocks_for(len(r.request.prompt) + r.emitted, size) for r in self._running.values())
+                free, evictable = self.spec.total_blocks - used, 0
         self._steps += 1
         step = None
         if outputs or plain:
@@ -170,9 +311,16 @@ class SimWorker:
             for rid, new, total in plain:
                 append_entry(step.columns, rid, new, total, stamp)
         total = self.spec.total_blocks
-        report = pb.PressureReport(worker_id=self.worker_id, total_blocks=total, free_blocks=total - used,
+        report = pb.PressureReport(worker_id=self.worker_id, total_blocks=total, free_blocks=free,
                                    used_blocks=used, num_running=running, decode_steps=self._steps,
                                    step_latency_ms=self.spec.step_ms)  # fmt: skip
+        if pool is not None:  # NOTE: the fields a real worker fills besides (kvserve/workers/transport/worker.py)
+            c = self._counters
+            report.cached_evictable_blocks = evictable
+            report.tokens_in_flight = in_flight
+            report.prefill_tokens_total = c["prefill"]
+            report.prefix_cache_query_tokens_total = c["queried"]
+            report.prefix_cache_hit_tokens_total = c["hit"]
         now = time.monotonic()
         pressure = None
         if self._pressure.due(now, report):
