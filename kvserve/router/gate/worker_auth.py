@@ -85,15 +85,16 @@ class WorkerLinkGate(worker_pb2_grpc.WorkerLinkServicer):
         self._last_bind: dict[str, float] = {}
         self.bind_interval_s = BIND_INTERVAL_S
 
-    def bind_soon(self, worker_id: str) -> None:
+    def bind_soon(self, worker_id: str, now_anyway: bool = False) -> None:
         """Give ``worker_id``'s live actor a fresh nonce (in the background; at most one call in
-        flight and one per ``bind_interval_s`` per worker)."""
+        flight and, unless ``now_anyway`` (after an accepted Hello: not a refusal's doing), one per
+        ``bind_interval_s`` per worker)."""
         if self._bind is None or worker_id not in self._expected:
             return
         task = self._binding.get(worker_id)
         now = time.monotonic()
         recent = now - self._last_bind.get(worker_id, float("-inf")) < self.bind_interval_s
-        if (task is not None and not task.done()) or recent:
+        if (task is not None and not task.done()) or (recent and not now_anyway):
             return
         self._last_bind[worker_id] = now
         self._binding[worker_id] = asyncio.get_running_loop().create_task(self._bind_one(worker_id))
@@ -164,7 +165,7 @@ class WorkerLinkGate(worker_pb2_grpc.WorkerLinkServicer):
             # NOTE: one-time: the nonce is spent on this Hello (a replay of it is refused), and the live
             # process gets its next one now, for its next reconnect.
             self._bound.pop(worker_id, None)
-            self.bind_soon(worker_id)
+            self.bind_soon(worker_id, now_anyway=True)
         # NOTE: aclosing: when the stream ends, the session's finally (on_disconnect) runs now.
         async with contextlib.aclosing(self.link.serve(first, it, context)) as commands:
             async for cmd in commands:
