@@ -25,6 +25,7 @@ from kvserve.workers.engine.block_pool import BlockPool
 from kvserve.workers.engine.config import EngineConfig
 from kvserve.workers.engine.cuda_graphs import decode_buckets
 from kvserve.workers.engine.kv_cache import KVCache, bytes_per_block, kv_storage_dtype
+from kvserve.workers.engine.memory_budget import CudaMemory
 from kvserve.workers.engine.migration import MigrationState, rebuild_output_text
 from kvserve.workers.engine.model_runner import ModelRunner
 from kvserve.workers.engine.outputs import CompletionOutput, RequestOutput
@@ -167,20 +168,9 @@ class LLMEngine:
         graphs = 0 if c.enforce_eager else self._probe_peak([1] * decode_buckets(c.max_num_seqs)[-1])
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        share = int(total * c.gpu_memory_utilization) - weights - activation - graphs
-        n = min(share, free - activation - graphs) // block_bytes
-        logger.info("CUDA memory: %.2f GiB card x %.2f; weights %.2f GiB, activation peak %.2f GiB, decode graphs "
-                    "%.2f GiB, free %.2f GiB -> %d KV blocks", total / 2**30, c.gpu_memory_utilization,
-                    weights / 2**30, activation / 2**30, graphs / 2**30, free / 2**30, max(n, 0))  # fmt: skip
-        if n <= 0:
-            raise ValueError(
-                f"no memory left for the KV cache: {total / 2**30:.1f} GiB x {c.gpu_memory_utilization} = "
-                f"{total * c.gpu_memory_utilization / 2**30:.1f} GiB share, {free / 2**30:.1f} GiB free; this engine "
-                f"needs {(weights + activation + graphs) / 2**30:.1f} GiB besides its KV cache (weights "
-                f"{weights / 2**30:.1f}, activation peak {activation / 2**30:.1f}, "
-                f"decode graphs {graphs / 2**30:.1f}); "
-                "raise gpu_memory_utilization, lower max_num_batched_tokens or max_num_seqs, or pass --enforce-eager"
-            )
+        memory = CudaMemory(total, free, c.gpu_memory_utilization, weights, activation, graphs)
+        n = memory.kv_blocks(block_bytes)
+        logger.info("CUDA memory: %s -> %d KV blocks", memory.describe(), n)
         return n
 
     def _probe_peak(self, counts: list[int]) -> int:
