@@ -18,7 +18,7 @@
 #                                         its interpreter; no pytest step, no timing claims): make test runs it.
 #
 # Every file goes to $OUT (default .), with STEP.log beside it and summary.txt (one line per step). Each
-# step runs in its own process under `timeout` with the budget below (seconds; the sum is 490), so a hang
+# step runs in its own process under `timeout` with the budget below (seconds; the sum is 700: engine_1b and decode_profile added 210), so a hang
 # costs one step. Steps needing Ray (worker actors, router) are not run: the GPU machine has no Ray.
 # Interpreter: $PYTHON, else .venv/bin/python, else python3. PYTHONPATH gets the checkout (and
 # $GPU_CHECK_SITE, default .gpu-site, if it exists: e.g. `pip install --target .gpu-site pytest` here and
