@@ -46,6 +46,10 @@ class EngineConfig:
     )
     gpu_memory_utilization: float = knob(0.9, help="fraction of the card for weights + KV", check=_UTILIZATION)
     enforce_eager: bool = knob(False, help="CUDA: run decode steps eagerly (no CUDA graphs; as vLLM's flag)")
+    tensor_parallel_size: int = knob(
+        1, help="ranks per worker: the model sharded over N devices (N processes; gloo on CPU, NCCL on CUDA)",
+        check=POSITIVE,
+    )
     # NOTE: an opt-in speed mode, off by default: tokens then match HF fp32 only as far as bf16-rounded weights
     # allow (kvserve/cluster/bench/RESULTS.md reports the agreement); fp32 keeps the engine token-exact.
     cpu_weights: str = knob(

@@ -38,6 +38,7 @@ from kvserve.workers.engine.tier_cost import TierCostModel
 from kvserve.workers.engine.tiered_cache import TieredCache
 from kvserve.workers.host import cpu_features
 from kvserve.workers.models.loader import load_model
+from kvserve.workers.models.model import CausalLM
 from kvserve.workers.models.model_config import ModelConfig, parse_dtype
 from kvserve.workers.text.tokenizer import IncrementalDetokenizer, load_tokenizer
 
@@ -57,9 +58,7 @@ class LLMEngine:
         self.dtype = mc.dtype if config.dtype == "auto" else parse_dtype(config.dtype)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         torch.manual_seed(config.seed)
-        self.model = load_model(
-            config.model, self.dtype, self.device, max(self.max_model_len, mc.max_position_embeddings)
-        )
+        self.model = self._load_model(max(self.max_model_len, mc.max_position_embeddings))
         if config.cpu_weights != "fp32" and (self.device.type != "cpu" or self.dtype != torch.float32):
             raise ValueError(f"cpu_weights={config.cpu_weights} applies to a float32 model on CPU, "
                              f"not {str(self.dtype).removeprefix('torch.')} on {self.device}")  # fmt: skip
@@ -76,7 +75,8 @@ class LLMEngine:
         )
 
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)
-        block_bytes = bytes_per_block(mc, config.block_size, self.kv_dtype)
+        # NOTE: the model's own config: a tensor-parallel rank's (kvserve/workers/parallel) has its KV heads only.
+        block_bytes = bytes_per_block(self.model.config, config.block_size, self.kv_dtype)
         num_blocks = self._num_blocks(block_bytes)
         num_swap_blocks = config.swap_bytes // block_bytes
         logger.info(
@@ -86,7 +86,9 @@ class LLMEngine:
         )  # fmt: skip
         if self.device.type == "cpu":  # NOTE: a benchmark row must say which ISA its levers chose for
             logger.info("CPU: %s", cpu_features.current().describe())
-        self.kv_cache = KVCache(mc, num_blocks, config.block_size, self.kv_dtype, self.device, num_swap_blocks)
+        self.kv_cache = KVCache(
+            self.model.config, num_blocks, config.block_size, self.kv_dtype, self.device, num_swap_blocks
+        )
         # Contiguous reservation models pre-paging engines, which shared nothing between requests.
         caching = config.enable_prefix_caching and config.allocator == "paged"
         self.pool = BlockPool(num_blocks, caching)
@@ -97,7 +99,7 @@ class LLMEngine:
             self.swap_pool,
             self.model_id,
         )
-        self.runner = ModelRunner(self.model, self.kv_cache, Sampler())
+        self.runner = self._make_runner()
         if self.device.type == "cuda" and not config.enforce_eager:
             self.enable_decode_graphs()
         # NOTE: pack_for_cpu either packs bf16 as asked (cpu_gemm.choose raises where it cannot) or packs nothing
@@ -112,6 +114,14 @@ class LLMEngine:
             self.tiers = TieredCache(config, self.kv_cache, self.pool, self.model_id, self.tier_cost)
             self.scheduler.tier = self.tiers
             self._probe_tier_costs()
+
+    def _load_model(self, max_positions: int) -> CausalLM:
+        """The model this engine runs (a tensor-parallel engine loads its rank's shard instead)."""
+        return load_model(self.config.model, self.dtype, self.device, max_positions)
+
+    def _make_runner(self) -> ModelRunner:
+        """The runner of this engine's steps (a tensor-parallel engine's broadcasts each step's inputs)."""
+        return ModelRunner(self.model, self.kv_cache, Sampler())
 
     @torch.inference_mode()
     def _probe_tier_costs(self) -> None:
@@ -491,6 +501,16 @@ class LLMEngine:
             self.swap_pool.check_integrity([r.swap_table for r in self.scheduler.swapped])
 
 
+def make_engine(config: EngineConfig) -> LLMEngine:
+    """The engine ``config`` asks for: ``LLMEngine``, or with ``tensor_parallel_size`` > 1 the rank-0 engine of
+    a group whose other ranks it starts (kvserve/workers/parallel/engine.py)."""
+    if config.tensor_parallel_size == 1:
+        return LLMEngine(config)
+    from kvserve.workers.parallel.engine import TPEngine
+
+    return TPEngine(config)
+
+
 class LLM:
     """Offline batch generation over an ``LLMEngine``. Keyword args are ``EngineConfig`` fields."""
 
@@ -505,7 +525,7 @@ class LLM:
             if unknown:
                 raise TypeError(f"unknown engine arguments {sorted(unknown)}; valid: {sorted(fields - {'model'})}")
             config = EngineConfig(model=model, **kwargs)  # type: ignore[arg-type]
-        self.engine = LLMEngine(config)
+        self.engine = make_engine(config)
         self._ids = itertools.count()
 
     @classmethod

@@ -1,0 +1,140 @@
+"""``TPEngine``: rank 0 of a tensor-parallel group, an ``LLMEngine`` whose model is its shard.
+
+It starts the other ranks as processes of this machine (``follower_main``), joins them (``group``),
+sends them the KV pool's size once, and from then on one ``step_message`` per step. Scheduling, the
+block pool, prefix caching, preemption by recompute and sampling are rank 0's alone, unchanged: block
+ids and tables are the same on every rank, each rank holds its KV heads of every block.
+
+Not supported under tensor parallelism (refused at start, never run half-way): swap preemption and the
+host/disk tiers (their block copies are rank 0's only), migration export/import (rank 0 holds only its
+KV heads), CUDA decode graphs and CUDA pool profiling (give ``num_gpu_blocks`` or ``kv_cache_memory``).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+from multiprocessing.process import BaseProcess
+
+import torch
+import torch.distributed as dist
+
+from kvserve.workers.engine.config import EngineConfig
+from kvserve.workers.engine.engine import LLMEngine
+from kvserve.workers.engine.kv_cache import KVCache, kv_storage_dtype
+from kvserve.workers.engine.migration import MigrationState
+from kvserve.workers.engine.model_runner import ModelRunner
+from kvserve.workers.engine.sampler import Sampler
+from kvserve.workers.models.model import CausalLM
+from kvserve.workers.models.model_config import parse_dtype
+from kvserve.workers.parallel import group, step_message
+from kvserve.workers.parallel.runner import LeaderRunner, follow
+from kvserve.workers.parallel.shard_loader import load_shard
+
+logger = logging.getLogger(__name__)
+
+
+def check_supported(config: EngineConfig, device: torch.device) -> None:
+    """Raise ValueError for what a tensor-parallel engine does not do (see the module docstring)."""
+    n = config.tensor_parallel_size
+    if config.tiers_enabled or config.swap_space > 0 or config.preemption_mode == "swap":
+        raise ValueError(f"tensor_parallel_size={n}: swap and the host/disk KV tiers are not supported; "
+                         "use recompute preemption and no host_cache_size/disk_cache_dir")  # fmt: skip
+    if device.type == "cuda" and config.num_gpu_blocks is None and config.kv_cache_memory is None:
+        raise ValueError(f"tensor_parallel_size={n} on CUDA: give num_gpu_blocks or kv_cache_memory (per rank)")
+    if device.type == "cuda" and torch.cuda.device_count() < n:
+        raise ValueError(f"tensor_parallel_size={n} needs {n} CUDA devices, {torch.cuda.device_count()} visible")
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank ``rank``'s device when the group runs on one machine's devices: cuda:rank, or the CPU."""
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+class TPEngine(LLMEngine):
+    """An ``LLMEngine`` over ``tensor_parallel_size`` ranks; this process is rank 0. ``close()`` ends the
+    other ranks (they also end when this process dies: their next collective fails)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self._followers: list[BaseProcess] = []
+        self._closed = False
+        super().__init__(config)
+
+    def _load_model(self, max_positions: int) -> CausalLM:
+        config, n = self.config, self.config.tensor_parallel_size
+        check_supported(config, self.device)
+        if self.device.type == "cuda":
+            self.device = rank_device(self.device, 0)
+            torch.cuda.set_device(self.device)
+        address = f"127.0.0.1:{group.free_port()}"
+        ctx = mp.get_context("spawn")  # NOTE: never fork a process holding torch threads or CUDA
+        dtype = str(self.dtype).removeprefix("torch.")
+        for rank in range(1, n):
+            p = ctx.Process(target=follower_main, name=f"kvserve-tp-rank{rank}", daemon=True,
+                            args=(config, rank, address, dtype, max_positions, torch.get_num_threads()))  # fmt: skip
+            p.start()
+            self._followers.append(p)
+        group.join(0, n, address, self.device)
+        logger.info("tensor-parallel group of %d joined at %s (%s)", n, address, dist.get_backend())
+        return load_shard(config.model, 0, n, self.dtype, self.device, max_positions)
+
+    def _make_runner(self) -> ModelRunner:
+        # The pool's size, once: every rank allocates the same block ids (its KV heads of each block).
+        sizes = torch.tensor([self.kv_cache.num_blocks], dtype=torch.int64, device=self.device)
+        dist.broadcast(sizes, src=0)
+        return LeaderRunner(self.model, self.kv_cache, Sampler())
+
+    def enable_decode_graphs(self, buckets: object = None) -> None:
+        logger.info("tensor parallelism: decode steps run eagerly (no decode graphs)")
+
+    def export_request(self, request_id: str) -> MigrationState | None:
+        raise ValueError("migration is not supported under tensor parallelism (rank 0 holds only its KV heads)")
+
+    def import_request(self, state: MigrationState) -> bool | None:
+        raise ValueError("migration is not supported under tensor parallelism (rank 0 holds only its KV heads)")
+
+    def close(self) -> None:
+        """Stop the other ranks and leave the group (idempotent); the engine is unusable afterwards."""
+        super().close()
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            step_message.send_stop(self.device)
+        except RuntimeError as e:  # a rank already gone: nothing to stop there
+            logger.warning("tensor-parallel group: stop not delivered (%s)", e)
+        for p in self._followers:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        group.leave()
+
+    def followers_alive(self) -> bool:
+        """Whether every other rank's process is still running."""
+        return all(p.is_alive() for p in self._followers)
+
+
+def follower_main(
+    config: EngineConfig, rank: int, address: str, dtype: str, max_positions: int, num_threads: int
+) -> None:
+    """Rank ``rank`` (> 0): join, load its shard, allocate its KV pool as rank 0 says, run steps until STOP."""
+    torch.set_num_threads(num_threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else (
+        torch.device(config.device))  # fmt: skip
+    device = rank_device(device, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    n = config.tensor_parallel_size
+    group.join(rank, n, address, device)
+    try:
+        model = load_shard(config.model, rank, n, parse_dtype(dtype), device, max_positions)
+        model.cpu_weights = config.cpu_weights
+        sizes = torch.empty(1, dtype=torch.int64, device=device)
+        dist.broadcast(sizes, src=0)
+        kv_dtype = kv_storage_dtype(config.kv_cache_dtype, parse_dtype(dtype))
+        kv_cache = KVCache(model.config, int(sizes[0]), config.block_size, kv_dtype, device)
+        if device.type == "cpu":
+            model.pack_for_cpu()
+        follow(model, kv_cache)
+    finally:
+        group.leave()
