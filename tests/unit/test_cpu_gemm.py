@@ -7,9 +7,18 @@ import pytest
 import torch
 
 from kvserve.kernels import cpu_ext
+from kvserve.workers.host.path_choice import forget_choices
 from kvserve.workers.models import cpu_gemm
 
 AVAILABLE = ["onednn"] + (["kvserve"] if cpu_ext.available() else [])
+
+
+@pytest.fixture(autouse=True)
+def _measure_afresh() -> None:
+    """Each test rigs its own timings: a choice remembered from another test must not answer for it."""
+    forget_choices()
+    yield
+    forget_choices()
 
 
 @pytest.mark.parametrize("packing", AVAILABLE)
@@ -50,6 +59,7 @@ def test_mkl_takes_large_chunks_only_where_it_won(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv(cpu_gemm.ENV_OVERRIDE, "onednn")
     _rig(monkeypatch, {"kvserve": 1.0, "onednn": 1.0}, dense_wins=True)
     assert cpu_gemm.choose([torch.randn(32, 16)]).dense_from_rows == cpu_gemm.DENSE_CHECK_ROWS
+    forget_choices()  # NOTE: a new rig is a new machine: measure again
     _rig(monkeypatch, {"kvserve": 1.0, "onednn": 1.0}, dense_wins=False)
     assert cpu_gemm.choose([torch.randn(32, 16)]).dense_from_rows is None
 

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -34,3 +37,24 @@ def fastest(candidates: Mapping[str, Callable[[], object]], repeats: int = 3) ->
             run()
             best[name] = min(best[name], time.perf_counter() - t0)
     return min(best, key=lambda name: best[name]), best
+
+
+_CHOSEN: dict[Hashable, Any] = {}
+
+
+def once_per_process(key: Hashable, choose: Callable[[], T]) -> T:
+    """``choose()``'s answer for ``key``, measured the first time only.
+
+    Every later engine of this process with the same shapes (and thread count, in ``key``) takes the
+    same path: two engines built in one process compute bit-identical results (a second timing on a
+    busy machine could pick an equally exact GEMM that rounds differently, ~1e-7 apart in logprobs) and
+    the second one starts without timing anything.
+    """
+    if key not in _CHOSEN:
+        _CHOSEN[key] = choose()
+    return _CHOSEN[key]
+
+
+def forget_choices() -> None:
+    """Measure every choice again from now on (tests that rig the timings start from a clean slate)."""
+    _CHOSEN.clear()

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from kvserve.kernels import cpu_backend
-from kvserve.workers.host.path_choice import fastest
+from kvserve.workers.host.path_choice import fastest, once_per_process
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,15 @@ def choose(weights: Sequence[torch.Tensor], repeats: int = 3, cpu_weights: str =
         return GemmChoice("kvserve", None, reason=f"{ENV_OVERRIDE}")
     if forced == "onednn" or not kvserve_ok:
         reason = f"{ENV_OVERRIDE}" if forced else "only candidate"
-        return GemmChoice("onednn", _dense_from_rows(weights, repeats), reason=reason)
+        shapes = tuple((tuple(w.shape), str(w.dtype)) for w in weights)
+        dense_from = once_per_process(("cpu_gemm_dense", shapes, repeats, torch.get_num_threads()),
+                                      lambda: _dense_from_rows(weights, repeats))  # fmt: skip
+        return GemmChoice("onednn", dense_from, reason=reason)
+    shapes = tuple((tuple(w.shape), str(w.dtype)) for w in weights)
+    return once_per_process(("cpu_gemm", shapes, repeats, torch.get_num_threads()), lambda: _timed(weights, repeats))
+
+
+def _timed(weights: Sequence[torch.Tensor], repeats: int) -> GemmChoice:
     per_token = {name: 0.0 for name in PACKINGS}
     generator = torch.Generator().manual_seed(0)
     for rows in (DECODE_ROWS, PREFILL_ROWS):
