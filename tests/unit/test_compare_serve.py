@@ -297,7 +297,8 @@ def test_compare_serve_rounds_against_fake_vllm(
     assert [len(cpu[t]["rounds"]) for t in ("vllm", "vllm-router")] == [2, 2]
     for t in ("vllm", "vllm-router"):
         cores = cpu[t]["median_cores"]
-        assert 0 < cores["client"] <= 0.75 and cores["all"] >= cores["client"], cores
+        # NOTE: machine-wide sums: other work's clients count too, so only lower bounds hold here
+        assert cores["client"] > 0 and cores["all"] >= cores["client"], cores
     # NOTE: the machine may be busy with other work (engines, clients of its own): find the fake client's
     # process by its command line, not as the busiest, and read its own CPU time, not the machine's share.
     logged = json.loads((tmp_path / "logs" / "round-1" / "vllm" / "cpu.json").read_text())["processes"]
