@@ -269,7 +269,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 DEFAULT_BLOCK_SIZE = 4
 
 KNOBS = ("dtype", "block_size", "num_gpu_blocks", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
-         "enable_prefix_caching", "threads", "allocator", "reserve", "max_model_len", "kv_cache_dtype")  # fmt: skip
+         "enable_prefix_caching", "threads", "allocator", "reserve", "max_model_len", "kv_cache_dtype",
+         "tensor_parallel_size")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -277,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvserve.cluster.cli import engine_config_from_args
-    from kvserve.workers.engine.engine import LLMEngine
+    from kvserve.workers.engine.engine import make_engine
 
     if args.runs <= 0:
         print("error: --runs must be positive", file=sys.stderr)
@@ -293,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.peer:
             peer = peers.resolve_peer(args.peer, args.peer_python, args.peer_script)
-        engine = LLMEngine(engine_config_from_args(args))
+        engine = make_engine(engine_config_from_args(args))  # --tensor-parallel-size N: a group of N ranks
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -305,6 +306,7 @@ def run(args: argparse.Namespace) -> int:
         _run_rounds(args, engine, prompt_ids, max_tokens, peer, results, peer_runs)
     except peers.PeerError as e:  # the message carries the peer's log tail
         print(f"error: {e}", file=sys.stderr)
+        engine.close()
         return 1
 
     summary: dict[str, Any] = {k: statistics.median(getattr(r, k) for r in results) for k in RESULT_KEYS}
@@ -343,6 +345,7 @@ def run(args: argparse.Namespace) -> int:
                 summary["logprob_delta"], summary["logprob_positions"] = logprob_delta(
                     quality.token_ids, quality.logprobs, ref_ids, ref_lps
                 )
+    engine.close()  # a tensor-parallel engine's other ranks end here
     if args.json:
         print(json.dumps(summary))
     else:
