@@ -13,22 +13,22 @@ KV heads), CUDA decode graphs and CUDA pool profiling (give ``num_gpu_blocks`` o
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
-from multiprocessing.process import BaseProcess
+import os
+import pickle
+import subprocess
+import sys
 
 import torch
 import torch.distributed as dist
 
 from kvserve.workers.engine.config import EngineConfig
 from kvserve.workers.engine.engine import LLMEngine
-from kvserve.workers.engine.kv_cache import KVCache, kv_storage_dtype
 from kvserve.workers.engine.migration import MigrationState
 from kvserve.workers.engine.model_runner import ModelRunner
 from kvserve.workers.engine.sampler import Sampler
 from kvserve.workers.models.model import CausalLM
-from kvserve.workers.models.model_config import parse_dtype
 from kvserve.workers.parallel import group, step_message
-from kvserve.workers.parallel.runner import LeaderRunner, follow
+from kvserve.workers.parallel.runner import LeaderRunner
 from kvserve.workers.parallel.shard_loader import load_shard
 
 logger = logging.getLogger(__name__)
@@ -53,10 +53,10 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 class TPEngine(LLMEngine):
     """An ``LLMEngine`` over ``tensor_parallel_size`` ranks; this process is rank 0. ``close()`` ends the
-    other ranks (they also end when this process dies: their next collective fails)."""
+    other ranks (they also end when this process dies: their collective fails)."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self._followers: list[BaseProcess] = []
+        self._followers: list[subprocess.Popen] = []
         self._closed = False
         super().__init__(config)
 
@@ -67,12 +67,18 @@ class TPEngine(LLMEngine):
             self.device = rank_device(self.device, 0)
             torch.cuda.set_device(self.device)
         address = f"127.0.0.1:{group.free_port()}"
-        ctx = mp.get_context("spawn")  # NOTE: never fork a process holding torch threads or CUDA
         dtype = str(self.dtype).removeprefix("torch.")
+        # NOTE: fresh interpreters (``python -m kvserve.workers.parallel.follower``), neither fork (this process
+        # holds torch threads, maybe CUDA) nor multiprocessing's spawn (it re-imports the caller's __main__:
+        # a script without a main guard, or Ray's worker entry point).
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         for rank in range(1, n):
-            p = ctx.Process(target=follower_main, name=f"kvserve-tp-rank{rank}", daemon=True,
-                            args=(config, rank, address, dtype, max_positions, torch.get_num_threads()))  # fmt: skip
-            p.start()
+            p = subprocess.Popen(
+                [sys.executable, "-m", "kvserve.workers.parallel.follower"], stdin=subprocess.PIPE, env=env
+            )
+            assert p.stdin is not None
+            p.stdin.write(pickle.dumps((config, rank, address, dtype, max_positions, torch.get_num_threads())))
+            p.stdin.close()
             self._followers.append(p)
         group.join(0, n, address, self.device)
         logger.info("tensor-parallel group of %d joined at %s (%s)", n, address, dist.get_backend())
@@ -104,37 +110,13 @@ class TPEngine(LLMEngine):
         except RuntimeError as e:  # a rank already gone: nothing to stop there
             logger.warning("tensor-parallel group: stop not delivered (%s)", e)
         for p in self._followers:
-            p.join(timeout=30)
-            if p.is_alive():
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
                 p.kill()
+                p.wait()
         group.leave()
 
     def followers_alive(self) -> bool:
         """Whether every other rank's process is still running."""
-        return all(p.is_alive() for p in self._followers)
-
-
-def follower_main(
-    config: EngineConfig, rank: int, address: str, dtype: str, max_positions: int, num_threads: int
-) -> None:
-    """Rank ``rank`` (> 0): join, load its shard, allocate its KV pool as rank 0 says, run steps until STOP."""
-    torch.set_num_threads(num_threads)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else (
-        torch.device(config.device))  # fmt: skip
-    device = rank_device(device, rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    n = config.tensor_parallel_size
-    group.join(rank, n, address, device)
-    try:
-        model = load_shard(config.model, rank, n, parse_dtype(dtype), device, max_positions)
-        model.cpu_weights = config.cpu_weights
-        sizes = torch.empty(1, dtype=torch.int64, device=device)
-        dist.broadcast(sizes, src=0)
-        kv_dtype = kv_storage_dtype(config.kv_cache_dtype, parse_dtype(dtype))
-        kv_cache = KVCache(model.config, int(sizes[0]), config.block_size, kv_dtype, device)
-        if device.type == "cpu":
-            model.pack_for_cpu()
-        follow(model, kv_cache)
-    finally:
-        group.leave()
+        return all(p.poll() is None for p in self._followers)

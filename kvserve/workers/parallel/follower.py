@@ -1,0 +1,54 @@
+"""A rank > 0 of a tensor-parallel group, as its own process: ``python -m kvserve.workers.parallel.follower``
+reads its arguments (pickled by ``TPEngine``) from stdin, joins the group, loads its shard, allocates its
+KV pool as rank 0 says and runs rank 0's steps until told to stop. When rank 0 dies, the next collective
+fails and this process exits non-zero: a group never runs with a missing rank."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import sys
+
+import torch
+import torch.distributed as dist
+
+from kvserve.workers.engine.config import EngineConfig
+from kvserve.workers.engine.kv_cache import KVCache, kv_storage_dtype
+from kvserve.workers.models.model_config import parse_dtype
+from kvserve.workers.parallel import group
+from kvserve.workers.parallel.engine import rank_device
+from kvserve.workers.parallel.runner import follow
+from kvserve.workers.parallel.shard_loader import load_shard
+
+
+def run(config: EngineConfig, rank: int, address: str, dtype: str, max_positions: int, num_threads: int) -> None:
+    """Rank ``rank`` (> 0): join, load its shard, allocate its KV pool as rank 0 says, run steps until STOP."""
+    torch.set_num_threads(num_threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else (
+        torch.device(config.device))  # fmt: skip
+    device = rank_device(device, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    n = config.tensor_parallel_size
+    group.join(rank, n, address, device)
+    try:
+        model = load_shard(config.model, rank, n, parse_dtype(dtype), device, max_positions)
+        model.cpu_weights = config.cpu_weights
+        sizes = torch.empty(1, dtype=torch.int64, device=device)
+        dist.broadcast(sizes, src=0)
+        kv_dtype = kv_storage_dtype(config.kv_cache_dtype, parse_dtype(dtype))
+        kv_cache = KVCache(model.config, int(sizes[0]), config.block_size, kv_dtype, device)
+        if device.type == "cpu":
+            model.pack_for_cpu()
+        follow(model, kv_cache)
+    finally:
+        group.leave()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s tp-rank %(levelname)s %(name)s: %(message)s")
+    run(*pickle.loads(sys.stdin.buffer.read()))
+
+
+if __name__ == "__main__":
+    main()

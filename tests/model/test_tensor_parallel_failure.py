@@ -1,0 +1,34 @@
+"""A tensor-parallel group never runs with a missing rank: a rank SIGKILLed mid-stream makes rank 0's
+next step raise (gloo: the peer's connection closed) instead of hanging or producing tokens without it.
+The worker's engine thread then dies and the router's liveness rule restarts the whole worker
+(kvserve/workers/transport/worker.py, kvserve/router/table/liveness.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from kvserve.workers.core.request import WorkerRequest
+from kvserve.workers.core.sampling_params import SamplingParams
+from kvserve.workers.engine.engine import LLM
+
+
+def test_killed_rank_fails_the_group_step(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), device="cpu", num_gpu_blocks=64, tensor_parallel_size=2)
+    engine = llm.engine
+    try:
+        engine.add_request(WorkerRequest("r", [1, 2, 3, 4], SamplingParams(max_tokens=50, ignore_eos=True)))
+        for _ in range(3):
+            assert engine.step()  # the group streams
+        (follower,) = engine._followers
+        os.kill(follower.pid, signal.SIGKILL)
+        follower.wait()
+        assert not engine.followers_alive()
+        with pytest.raises(RuntimeError):
+            for _ in range(50):  # the first collective after the kill fails
+                engine.step()
+    finally:
+        engine.close()
