@@ -269,10 +269,13 @@ def start_cluster(
     base = worker_options or WorkerOptions()
     actor = worker_actor_class()
     workers: dict[str, Any] = {}
-    resources = {"num_gpus": 1, "num_cpus": 1} if use_gpus else {"num_cpus": cpus_per_worker}
+    # NOTE: a tensor-parallel worker is one actor (rank 0) whose other ranks are its own processes: it reserves
+    # N ranks' devices, and Ray places one actor's resources on one node, so the group never spans nodes.
+    tp = engine_config.tensor_parallel_size
+    resources = {"num_gpus": tp, "num_cpus": tp} if use_gpus else {"num_cpus": cpus_per_worker * tp}
     pg = None
     if spread:
-        bundle = {"GPU": 1, "CPU": 1} if use_gpus else {"CPU": cpus_per_worker}
+        bundle = {"GPU": tp, "CPU": tp} if use_gpus else {"CPU": cpus_per_worker * tp}
         pg = ray.util.placement_group([dict(bundle) for _ in range(num_workers)], strategy="SPREAD")
     worker_ids = [f"worker-{i}" for i in range(num_workers)]
     ray.get(router.expect_workers.remote(worker_ids))

@@ -38,7 +38,7 @@ from kvserve.workers.core.liveness import (
 from kvserve.workers.core.request import WorkerRequest
 from kvserve.workers.core.tls import channel_credentials
 from kvserve.workers.engine.config import EngineConfig
-from kvserve.workers.engine.engine import LLMEngine
+from kvserve.workers.engine.engine import make_engine
 from kvserve.workers.engine.migration import MigrationState
 from kvserve.workers.engine.outputs import RequestOutput
 from kvserve.workers.engine.tiered_cache import TierReport
@@ -65,7 +65,9 @@ class WorkerCore:
     def __init__(self, worker_id: str, engine_config: EngineConfig, options: WorkerOptions | None = None) -> None:
         self.worker_id = worker_id
         self.options = options or WorkerOptions()
-        self.engine = LLMEngine(engine_config)
+        # NOTE: with tensor_parallel_size N this process is rank 0 of an N-rank group (kvserve/workers/parallel): it
+        # starts ranks 1..N-1 on this node; a rank's death kills this engine thread (liveness: the worker restarts).
+        self.engine = make_engine(engine_config)
         self.incarnation = uuid.uuid4().hex
         self._inbox: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
         self._wake = threading.Event()
