@@ -1,13 +1,14 @@
 """``TPEngine``: rank 0 of a tensor-parallel group, an ``LLMEngine`` whose model is its shard.
 
-It starts the other ranks as processes of this machine (``follower_main``), joins them (``group``),
+It starts the other ranks as processes of this machine (``follower``), joins them (``group``),
 sends them the KV pool's size once, and from then on one ``step_message`` per step. Scheduling, the
 block pool, prefix caching, preemption by recompute and sampling are rank 0's alone, unchanged: block
 ids and tables are the same on every rank, each rank holds its KV heads of every block.
 
 Not supported under tensor parallelism (refused at start, never run half-way): swap preemption and the
-host/disk tiers (their block copies are rank 0's only), migration export/import (rank 0 holds only its
-KV heads), CUDA decode graphs and CUDA pool profiling (give ``num_gpu_blocks`` or ``kv_cache_memory``).
+host/disk tiers (their block copies are rank 0's only), CUDA decode graphs and CUDA pool profiling (give
+``num_gpu_blocks`` or ``kv_cache_memory``). Migration export/import answer None ("not now"): rank 0 holds
+only its KV heads.
 """
 
 from __future__ import annotations
@@ -93,11 +94,16 @@ class TPEngine(LLMEngine):
     def enable_decode_graphs(self, buckets: object = None) -> None:
         logger.info("tensor parallelism: decode steps run eagerly (no decode graphs)")
 
+    # NOTE: rank 0 holds only its KV heads, so a request's KV cannot leave or enter a group this way. The
+    # router reads None from either as "no migration now" (kvserve/router/requests/migrations.py): the
+    # request stays where it runs (what a drain does after that was not tested under TP).
     def export_request(self, request_id: str) -> MigrationState | None:
-        raise ValueError("migration is not supported under tensor parallelism (rank 0 holds only its KV heads)")
+        """Always None: requests of a tensor-parallel group are not exported."""
+        return None
 
     def import_request(self, state: MigrationState) -> bool | None:
-        raise ValueError("migration is not supported under tensor parallelism (rank 0 holds only its KV heads)")
+        """Always None ("does not fit"): a tensor-parallel group imports no request."""
+        return None
 
     def close(self) -> None:
         """Stop the other ranks and leave the group (idempotent); the engine is unusable afterwards."""
