@@ -1,6 +1,6 @@
 """Tensor parallelism on CPU (kvserve/workers/parallel): a real gloo group of spawned rank processes on
 loopback. Greedy tokens of TP=2 equal HF transformers' (fp32) for Llama, Qwen2 (q/k/v biases) and Qwen3
-(q/k norms, decoupled head_dim), with recompute preemption and prefix-cache hits forced; logprobs within
+(q/k norms, decoupled head_dim), with recompute and swap preemption and prefix-cache hits forced; logprobs within
 1e-4 of TP=1; SmolLM2 at TP=3 (9 heads); each rank's weights about 1/N of the model's."""
 
 from __future__ import annotations
@@ -63,6 +63,21 @@ def test_tp2_greedy_matches_hf_with_preemption_and_prefix_hits(model_dir: Path, 
             next(j for j, (a, b) in enumerate(zip(out.token_ids, want, strict=False)) if a != b)
         )
     assert [o.num_cached_tokens for o in later] == [32, 32]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tp2_swap_preemption_matches_hf(arch: str, request: pytest.FixtureRequest, hf_greedy) -> None:
+    """Every preemption a swap (the host space holds every victim): each rank swaps its heads of the same blocks."""
+    model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
+    llm = LLM(str(model_dir), device="cpu", block_size=4, num_gpu_blocks=16, preemption_mode="swap",
+              swap_space=0.01, tensor_parallel_size=2)  # fmt: skip
+    try:
+        outs = _run(llm, MIXED)
+        counts = llm.engine.scheduler.num_preemptions
+    finally:
+        llm.engine.close()
+    assert counts["swap"] > 0 and counts["recompute"] == 0
+    assert [o.token_ids for o in outs] == hf_greedy(model_dir, MIXED, N)
 
 
 def test_tp2_logprobs_within_1e4_of_tp1(tiny_qwen2_dir: Path) -> None:

@@ -5,8 +5,9 @@ sends them the KV pool's size once, and from then on one ``step_message`` per st
 block pool, prefix caching, preemption by recompute and sampling are rank 0's alone, unchanged: block
 ids and tables are the same on every rank, each rank holds its KV heads of every block.
 
-Not supported under tensor parallelism (refused at start, never run half-way): swap preemption and the
-host/disk tiers (their block copies are rank 0's only), CUDA decode graphs and CUDA pool profiling (give
+Swaps are broadcast (``LeaderKVCache``): each rank copies its heads of the same blocks. Not supported under
+tensor parallelism (refused at start, never run half-way): the host/disk tiers (their block copies and files
+are rank 0's only), CUDA decode graphs and CUDA pool profiling (give
 ``num_gpu_blocks`` or ``kv_cache_memory``). Migration export/import answer None ("not now"): rank 0 holds
 only its KV heads.
 """
@@ -29,7 +30,7 @@ from kvserve.workers.engine.model_runner import ModelRunner
 from kvserve.workers.engine.sampler import Sampler
 from kvserve.workers.models.model import CausalLM
 from kvserve.workers.parallel import group, step_message
-from kvserve.workers.parallel.runner import LeaderRunner
+from kvserve.workers.parallel.runner import LeaderKVCache, LeaderRunner
 from kvserve.workers.parallel.shard_loader import load_shard
 
 logger = logging.getLogger(__name__)
@@ -38,9 +39,9 @@ logger = logging.getLogger(__name__)
 def check_supported(config: EngineConfig, device: torch.device) -> None:
     """Raise ValueError for what a tensor-parallel engine does not do (see the module docstring)."""
     n = config.tensor_parallel_size
-    if config.tiers_enabled or config.swap_space > 0 or config.preemption_mode == "swap":
-        raise ValueError(f"tensor_parallel_size={n}: swap and the host/disk KV tiers are not supported; "
-                         "use recompute preemption and no host_cache_size/disk_cache_dir")  # fmt: skip
+    if config.tiers_enabled:
+        raise ValueError(f"tensor_parallel_size={n}: the host/disk KV tiers are not supported; "
+                         "no host_cache_size/disk_cache_dir")  # fmt: skip
     if device.type == "cuda" and config.num_gpu_blocks is None and config.kv_cache_memory is None:
         raise ValueError(f"tensor_parallel_size={n} on CUDA: give num_gpu_blocks or kv_cache_memory (per rank)")
     if device.type == "cuda" and torch.cuda.device_count() < n:
@@ -86,9 +87,12 @@ class TPEngine(LLMEngine):
         return load_shard(config.model, 0, n, self.dtype, self.device, max_positions)
 
     def _make_runner(self) -> ModelRunner:
-        # The pool's size, once: every rank allocates the same block ids (its KV heads of each block).
-        sizes = torch.tensor([self.kv_cache.num_blocks], dtype=torch.int64, device=self.device)
+        # The pool's and swap space's sizes, once: every rank allocates the same block ids (its KV heads of each).
+        num_swap = self.swap_pool.num_blocks if self.swap_pool is not None else 0
+        sizes = torch.tensor([self.kv_cache.num_blocks, num_swap], dtype=torch.int64, device=self.device)
         dist.broadcast(sizes, src=0)
+        # NOTE: the engine built its KVCache already; LeaderKVCache adds only the swap broadcasts (no state).
+        self.kv_cache.__class__ = LeaderKVCache
         return LeaderRunner(self.model, self.kv_cache, Sampler())
 
     def enable_decode_graphs(self, buckets: object = None) -> None:

@@ -34,10 +34,11 @@ def run(config: EngineConfig, rank: int, address: str, dtype: str, max_positions
     try:
         model = load_shard(config.model, rank, n, parse_dtype(dtype), device, max_positions)
         model.cpu_weights = config.cpu_weights
-        sizes = torch.empty(1, dtype=torch.int64, device=device)
+        sizes = torch.empty(2, dtype=torch.int64, device=device)
         dist.broadcast(sizes, src=0)
         kv_dtype = kv_storage_dtype(config.kv_cache_dtype, parse_dtype(dtype))
-        kv_cache = KVCache(model.config, int(sizes[0]), config.block_size, kv_dtype, device)
+        num_blocks, num_swap_blocks = sizes.tolist()
+        kv_cache = KVCache(model.config, num_blocks, config.block_size, kv_dtype, device, num_swap_blocks)
         if device.type == "cpu":
             model.pack_for_cpu()
         follow(model, kv_cache)

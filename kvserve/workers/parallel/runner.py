@@ -21,6 +21,21 @@ from kvserve.workers.parallel.layers import ShardedCausalLM
 logger = logging.getLogger(__name__)
 
 
+class LeaderKVCache(KVCache):
+    """Rank 0's KV cache: every swap is broadcast before it runs here, so each rank copies its heads of the
+    same blocks (the scheduler's swaps before a step, and the router's Preempt commands between steps)."""
+
+    def swap_out(self, mapping: list[tuple[int, int]]) -> None:
+        if mapping:
+            step_message.send_swap(step_message.SWAP_OUT, mapping, self.device)
+        super().swap_out(mapping)
+
+    def swap_in(self, mapping: list[tuple[int, int]]) -> None:
+        if mapping:
+            step_message.send_swap(step_message.SWAP_IN, mapping, self.device)
+        super().swap_in(mapping)
+
+
 class LeaderRunner(ModelRunner):
     """``ModelRunner`` of rank 0: every staged batch is broadcast before its forward. Decode graphs are
     off (``capture_decode_graphs`` refuses): every step goes through ``prepare_inputs``, once."""
@@ -47,6 +62,12 @@ def follow(model: ShardedCausalLM, kv_cache: KVCache) -> int:
         msg = step_message.receive(kv_cache.device)
         if msg.kind == step_message.STOP:
             return steps
+        if msg.kind == step_message.SWAP_OUT:
+            kv_cache.swap_out(msg.pairs or [])
+            continue
+        if msg.kind == step_message.SWAP_IN:
+            kv_cache.swap_in(msg.pairs or [])
+            continue
         assert msg.input_ids is not None and msg.positions is not None and msg.attn is not None
         assert msg.sample_rows is not None
         hidden = model(msg.input_ids, msg.positions, kv_cache.layers, msg.attn, kv_cache.layer_scales)

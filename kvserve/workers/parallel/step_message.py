@@ -1,6 +1,7 @@
 """The one message rank 0 sends the other ranks per step: the batch's flat inputs (token ids, positions,
 slot mapping, block tables, context lengths, the rows to sample). Two broadcasts per message: a fixed
-header of sizes, then one packed int64 payload; never anything per layer."""
+header of sizes, then one packed int64 payload; never anything per layer. A step that swaps blocks
+between the device pool and host swap space sends the (device, host) block pairs first, one message each way."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch.distributed as dist
 
 from kvserve.workers.engine.attention_metadata import AttentionMetadata
 
-STEP, STOP = 1, 2
+STEP, STOP, SWAP_OUT, SWAP_IN = 1, 2, 3, 4
 _HEADER = 10  # kind, tokens, decode tokens, decodes, decode table width, prefills, prefill width, sampled, payload
 
 
@@ -24,6 +25,7 @@ class StepMessage:
     positions: torch.Tensor | None = None  # [num_tokens] int64
     attn: AttentionMetadata | None = None
     sample_rows: torch.Tensor | None = None  # [num_sampled] int64; empty: nothing sampled this step
+    pairs: list[tuple[int, int]] | None = None  # SWAP_OUT / SWAP_IN: (device block, host block)
 
 
 def send_stop(device: torch.device) -> None:
@@ -31,6 +33,15 @@ def send_stop(device: torch.device) -> None:
     header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
     header[0] = STOP
     dist.broadcast(header, src=0)
+
+
+def send_swap(kind: int, mapping: list[tuple[int, int]], device: torch.device) -> None:
+    """Broadcast a swap's (device block, host block) pairs (``kind`` SWAP_OUT or SWAP_IN) from rank 0."""
+    payload = torch.tensor([b for pair in mapping for b in pair], dtype=torch.int64, device=device)
+    header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
+    header[0], header[8] = kind, payload.numel()
+    dist.broadcast(header, src=0)
+    dist.broadcast(payload, src=0)
 
 
 def send_step(
@@ -55,10 +66,13 @@ def receive(device: torch.device) -> StepMessage:
     header = torch.empty(_HEADER, dtype=torch.int64, device=device)
     dist.broadcast(header, src=0)
     kind, tokens, num_decode, decodes, dwidth, prefills, pwidth, sampled, size, _ = header.tolist()
-    if kind != STEP:
+    if kind == STOP:
         return StepMessage(kind)
     payload = torch.empty(size, dtype=torch.int64, device=device)
     dist.broadcast(payload, src=0)
+    if kind in (SWAP_OUT, SWAP_IN):
+        flat = payload.tolist()
+        return StepMessage(kind, pairs=list(zip(flat[::2], flat[1::2], strict=True)))
     sizes = [tokens, tokens, tokens, decodes * dwidth, decodes, prefills * pwidth, prefills + 1, prefills, sampled]
     ids, pos, slots, dtab, dlen, ptab, cu, plen, rows = payload.split(sizes)
     i32 = torch.int32
