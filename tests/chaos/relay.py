@@ -4,10 +4,15 @@ The workers dial the relay (``kvserve serve --worker-link-address``), the relay 
 can cut one worker process's link (told apart by the pid owning the connecting socket, as psutil
 sees it) for N seconds while every process keeps running:
 
-* ``blackhole``: bytes stop flowing both ways and nothing is closed, as a network partition (or a
+* ``blackhole``: bytes stop arriving both ways and nothing is closed, as a network partition (or a
   dead switch) does: neither end hears anything, so the router notices only by its own clocks
-  (the stall rule, keepalive); at the end of the window what each side had sent meanwhile (and
-  the kernel still holds) is delivered late, the stale incarnation's included;
+  (the stall rule, keepalive); what the worker sent meanwhile is held "in the network" (read and
+  kept by the relay) and delivered to the router when the window ends, the stale incarnation's
+  outputs included even if its process was killed meanwhile; what the router sent waits in the
+  kernel's buffers (TCP backpressure) and arrives then too.
+  NOTE: holding the router's bytes in the relay as well (both directions read and delivered late)
+  left the partitioned worker's streams stalled after a 0.5 s window (reproduced twice, not
+  explained yet: issue 41's report);
 * ``sever``: the process's connections are reset and its reconnects refused until the window ends,
   as a partition that its TCP stack notices does: the router sees the link drop at once (the
   link-grace clause of kvserve/router/table/liveness.py).
@@ -165,28 +170,36 @@ class TcpRelay:
             threading.Thread(target=self._pump, args=(link, up, down, False), daemon=True).start()
 
     def _pump(self, link: _Link, src: socket.socket, dst: socket.socket, from_worker: bool) -> None:
-        held = False  # this direction was held by a blackhole: what follows was sent during it
+        held: list[bytes] = []  # read during a blackhole: in the network, delivered when it ends
+        eof = False
         try:
             while not link.closed.is_set() and not self._stop.is_set():
                 cut = self._cut_for(link.pid)
-                if cut is not None:
-                    # NOTE: not read, so not acknowledged by the application: the kernel buffers fill
-                    # and the sender's writes stall, as across a partition.
-                    held = True
+                if cut is None and held:
+                    data = b"".join(held)
+                    held.clear()
+                    if from_worker:  # NOTE: counted before it is sent on, so before any answer to it
+                        with self._lock:
+                            link.late_bytes += len(data)
+                    dst.sendall(data)
+                if eof or (cut is not None and not from_worker):  # NOTE: the router's bytes wait in the kernel
+                    if cut is None:
+                        break
                     time.sleep(min(_POLL_S, max(cut[0] - time.monotonic(), 0.0)))
                     continue
                 readable, _, _ = select.select([src], [], [], _POLL_S)
                 if not readable:
-                    held = False
                     continue
-                if self._cut_for(link.pid) is not None:  # NOTE: cut while waiting: what arrived is held
-                    continue
-                data = src.recv(_CHUNK)
+                try:
+                    data = src.recv(_CHUNK)
+                except OSError:  # NOTE: reset (a killed process): what is held still goes on
+                    data = b""
                 if not data:
-                    break
-                if held and from_worker:  # NOTE: counted before it is sent on, so before any answer to it
-                    with self._lock:
-                        link.late_bytes += len(data)
+                    eof = True
+                    continue
+                if self._cut_for(link.pid) is not None:  # NOTE: cut while waiting: what arrived is held too
+                    held.append(data)
+                    continue
                 dst.sendall(data)
         except OSError:
             pass
