@@ -19,13 +19,26 @@ import json
 import random
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from kvserve.cluster.bench.gpu_check import CheckConfig
     from kvserve.workers.engine.engine import LLM
+
+
+class CheckConfig(Protocol):
+    """What these steps use of gpu_check.py's ``CheckConfig`` (a contract, so neither module imports the other
+    at file level)."""
+
+    device: str
+    work: Path
+    dry_run: bool
+
+    @property
+    def on_cuda(self) -> bool: ...
+
+    def engine_kwargs(self, **overrides: Any) -> dict[str, Any]: ...
 
 # Llama-3.2-1B's shape (vocab 32000 as the issue's measurements; random weights).
 SHAPE_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
