@@ -1,7 +1,8 @@
 """Tensor parallelism on CPU (kvserve/workers/parallel): a real gloo group of spawned rank processes on
 loopback. Greedy tokens of TP=2 equal HF transformers' (fp32) for Llama, Qwen2 (q/k/v biases) and Qwen3
-(q/k norms, decoupled head_dim), with recompute and swap preemption and prefix-cache hits forced; logprobs within
-1e-4 of TP=1; SmolLM2 at TP=3 (9 heads); each rank's weights about 1/N of the model's."""
+(q/k norms, decoupled head_dim), with recompute and swap preemption and prefix-cache hits forced, and
+across migrations to and from TP=1; logprobs within 1e-4 of TP=1; SmolLM2 at TP=3 (9 heads); each rank's
+weights about 1/N of the model's."""
 
 from __future__ import annotations
 
@@ -78,6 +79,70 @@ def test_tp2_swap_preemption_matches_hf(arch: str, request: pytest.FixtureReques
         llm.engine.close()
     assert counts["swap"] > 0 and counts["recompute"] == 0
     assert [o.token_ids for o in outs] == hf_greedy(model_dir, MIXED, N)
+
+
+def _steps(engine, rid: str, tokens: list[int], until: int | None = None) -> None:
+    """Step ``engine`` until request ``rid`` has ``until`` tokens (None: until it finishes)."""
+    for _ in range(500):
+        if until is not None and len(tokens) >= until:
+            return
+        outs = engine.step()
+        tokens.extend(t for o in outs if o.request_id == rid for t in o.new_token_ids)
+        if any(o.request_id == rid and o.finished for o in outs):
+            return
+    raise AssertionError("request did not progress")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_migration_between_tp2_and_tp1(arch: str, request: pytest.FixtureRequest, hf_greedy) -> None:
+    """A request's KV (all heads, gathered from / scattered to the ranks) moves TP=2 -> TP=1 -> TP=2 mid-stream;
+    every token is HF's, so the moved blocks hold exactly what recomputing them would."""
+    from kvserve.workers.core.request import WorkerRequest
+
+    model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
+    prompt = MIXED[4]  # 40 tokens: three 16-token blocks
+    one = LLM(str(model_dir), device="cpu", num_gpu_blocks=64).engine
+    group = LLM(str(model_dir), device="cpu", num_gpu_blocks=64, tensor_parallel_size=2).engine
+    tokens: list[int] = []
+    try:
+        group.add_request(WorkerRequest("r", prompt, GREEDY))
+        _steps(group, "r", tokens, until=6)
+        for src, dst, until in ((group, one, 14), (one, group, None)):
+            state = src.export_request("r")
+            assert state is not None and state.num_computed_tokens >= len(prompt)
+            assert state.kv_blocks is not None and state.kv_blocks[0].shape[3] == 2  # all the model's KV heads
+            assert dst.import_request(state)
+            assert src.finish_export("r", migrated=True)
+            _steps(dst, "r", tokens, until=until)
+        group.check_integrity()
+        one.check_integrity()
+    finally:
+        group.close()
+    assert tokens == hf_greedy(model_dir, [prompt], N)[0]
+
+
+def test_int8_kv_migration_between_tp2_and_tp1(tiny_llama_dir: Path) -> None:
+    """int8 caches move their per-token scales with the blocks: the migrated stream equals one that never moved."""
+    from kvserve.workers.core.request import WorkerRequest
+
+    prompt = MIXED[4]
+    kw = dict(device="cpu", num_gpu_blocks=64, kv_cache_dtype="int8")
+    want = LLM(str(tiny_llama_dir), **kw).generate([prompt], GREEDY)[0].token_ids
+    one = LLM(str(tiny_llama_dir), **kw).engine
+    group = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **kw).engine
+    tokens: list[int] = []
+    try:
+        group.add_request(WorkerRequest("r", prompt, GREEDY))
+        _steps(group, "r", tokens, until=6)
+        for src, dst, until in ((group, one, 14), (one, group, None)):
+            state = src.export_request("r")
+            assert state is not None and state.kv_scales is not None
+            assert dst.import_request(state)
+            assert src.finish_export("r", migrated=True)
+            _steps(dst, "r", tokens, until=until)
+    finally:
+        group.close()
+    assert tokens == want
 
 
 def test_tp2_logprobs_within_1e4_of_tp1(tiny_qwen2_dir: Path) -> None:

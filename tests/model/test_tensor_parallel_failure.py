@@ -23,7 +23,6 @@ def test_killed_rank_fails_the_group_step(tiny_llama_dir: Path) -> None:
         engine.add_request(WorkerRequest("r", [1, 2, 3, 4], SamplingParams(max_tokens=50, ignore_eos=True)))
         for _ in range(3):
             assert engine.step()  # the group streams
-        assert engine.export_request("r") is None  # its KV is spread over the ranks: never migrated
         (follower,) = engine._followers
         os.kill(follower.pid, signal.SIGKILL)
         follower.wait()

@@ -8,8 +8,8 @@ ids and tables are the same on every rank, each rank holds its KV heads of every
 Swaps are broadcast (``LeaderKVCache``): each rank copies its heads of the same blocks. Not supported under
 tensor parallelism (refused at start, never run half-way): the host/disk tiers (their block copies and files
 are rank 0's only), CUDA decode graphs and CUDA pool profiling (give
-``num_gpu_blocks`` or ``kv_cache_memory``). Migration export/import answer None ("not now"): rank 0 holds
-only its KV heads.
+``num_gpu_blocks`` or ``kv_cache_memory``). Migration moves blocks with all KV heads (``kv_blocks``): a
+request moves between a group and any worker of the model, whatever its tensor-parallel size.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import torch.distributed as dist
 
 from kvserve.workers.engine.config import EngineConfig
 from kvserve.workers.engine.engine import LLMEngine
-from kvserve.workers.engine.migration import MigrationState
 from kvserve.workers.engine.model_runner import ModelRunner
 from kvserve.workers.engine.sampler import Sampler
 from kvserve.workers.models.model import CausalLM
@@ -93,21 +92,11 @@ class TPEngine(LLMEngine):
         dist.broadcast(sizes, src=0)
         # NOTE: the engine built its KVCache already; LeaderKVCache adds only the swap broadcasts (no state).
         self.kv_cache.__class__ = LeaderKVCache
+        self.kv_cache.plan = self.model.plan
         return LeaderRunner(self.model, self.kv_cache, Sampler())
 
     def enable_decode_graphs(self, buckets: object = None) -> None:
         logger.info("tensor parallelism: decode steps run eagerly (no decode graphs)")
-
-    # NOTE: rank 0 holds only its KV heads, so a request's KV cannot leave or enter a group this way. The
-    # router reads None from either as "no migration now" (kvserve/router/requests/migrations.py): the
-    # request stays where it runs (what a drain does after that was not tested under TP).
-    def export_request(self, request_id: str) -> MigrationState | None:
-        """Always None: requests of a tensor-parallel group are not exported."""
-        return None
-
-    def import_request(self, state: MigrationState) -> bool | None:
-        """Always None ("does not fit"): a tensor-parallel group imports no request."""
-        return None
 
     def close(self) -> None:
         """Stop the other ranks and leave the group (idempotent); the engine is unusable afterwards."""

@@ -15,15 +15,20 @@ from kvserve.workers.engine.attention_metadata import AttentionMetadata
 from kvserve.workers.engine.kv_cache import KVCache
 from kvserve.workers.engine.model_runner import ModelRunner
 from kvserve.workers.engine.request import Request
-from kvserve.workers.parallel import step_message
+from kvserve.workers.parallel import kv_blocks, step_message
 from kvserve.workers.parallel.layers import ShardedCausalLM
+from kvserve.workers.parallel.sharding import ShardPlan
 
 logger = logging.getLogger(__name__)
 
 
 class LeaderKVCache(KVCache):
     """Rank 0's KV cache: every swap is broadcast before it runs here, so each rank copies its heads of the
-    same blocks (the scheduler's swaps before a step, and the router's Preempt commands between steps)."""
+    same blocks (the scheduler's swaps before a step, and the router's Preempt commands between steps);
+    migration reads and writes blocks with all the model's KV heads, gathered from / scattered to the ranks
+    (``kv_blocks``), so a request moves between a group and any worker of the model."""
+
+    plan: ShardPlan  # set by TPEngine
 
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
         if mapping:
@@ -34,6 +39,30 @@ class LeaderKVCache(KVCache):
         if mapping:
             step_message.send_swap(step_message.SWAP_IN, mapping, self.device)
         super().swap_in(mapping)
+
+    def read_blocks(
+        self, block_ids: list[int], swapped: bool = False
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        step_message.send_blocks_op(step_message.READ_BLOCKS, block_ids, swapped, self.device)
+        out = kv_blocks.gather_blocks(self, self.plan, block_ids, swapped)
+        assert out is not None
+        return out
+
+    def check_blocks(self, data: list[torch.Tensor], scales: list[torch.Tensor] | None) -> None:
+        """Raise ValueError unless ``data`` holds blocks of this model with all its KV heads."""
+        c = self.plan.full
+        want = (self.block_size, c.num_kv_heads, c.head_dim)
+        if len(data) != len(self.layers) or any(b.dtype != self.dtype or tuple(b.shape[2:]) != want for b in data):
+            got = f"{len(data)} layers of {data[0].dtype if data else None}"
+            raise ValueError(f"KV blocks ({got}) cannot go into this {len(self.layers)}-layer {self.dtype} cache")
+        if (scales is None) != (self.scales is None) or (scales is not None and len(scales) != len(data)):
+            raise ValueError(f"KV blocks {'with' if scales is not None else 'without'} scales cannot go into a "
+                             f"{self.dtype} cache")  # fmt: skip
+
+    def write_blocks(self, block_ids: list[int], data: list[torch.Tensor], scales: list[torch.Tensor] | None) -> None:
+        self.check_blocks(data, scales)
+        step_message.send_blocks_op(step_message.WRITE_BLOCKS, block_ids, False, self.device)
+        kv_blocks.scatter_blocks(self, self.plan, block_ids, kv_blocks.stack_full(self, data, scales))
 
 
 class LeaderRunner(ModelRunner):
@@ -67,6 +96,12 @@ def follow(model: ShardedCausalLM, kv_cache: KVCache) -> int:
             continue
         if msg.kind == step_message.SWAP_IN:
             kv_cache.swap_in(msg.pairs or [])
+            continue
+        if msg.kind == step_message.READ_BLOCKS:
+            kv_blocks.gather_blocks(kv_cache, model.plan, msg.block_ids or [], msg.swapped)
+            continue
+        if msg.kind == step_message.WRITE_BLOCKS:
+            kv_blocks.scatter_blocks(kv_cache, model.plan, msg.block_ids or [], None)
             continue
         assert msg.input_ids is not None and msg.positions is not None and msg.attn is not None
         assert msg.sample_rows is not None

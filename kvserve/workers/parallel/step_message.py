@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from kvserve.workers.engine.attention_metadata import AttentionMetadata
 
-STEP, STOP, SWAP_OUT, SWAP_IN = 1, 2, 3, 4
+STEP, STOP, SWAP_OUT, SWAP_IN, READ_BLOCKS, WRITE_BLOCKS = 1, 2, 3, 4, 5, 6
 _HEADER = 10  # kind, tokens, decode tokens, decodes, decode table width, prefills, prefill width, sampled, payload
 
 
@@ -26,6 +26,8 @@ class StepMessage:
     attn: AttentionMetadata | None = None
     sample_rows: torch.Tensor | None = None  # [num_sampled] int64; empty: nothing sampled this step
     pairs: list[tuple[int, int]] | None = None  # SWAP_OUT / SWAP_IN: (device block, host block)
+    block_ids: list[int] | None = None  # READ_BLOCKS / WRITE_BLOCKS (migration)
+    swapped: bool = False  # READ_BLOCKS: from host swap space
 
 
 def send_stop(device: torch.device) -> None:
@@ -38,6 +40,16 @@ def send_stop(device: torch.device) -> None:
 def send_swap(kind: int, mapping: list[tuple[int, int]], device: torch.device) -> None:
     """Broadcast a swap's (device block, host block) pairs (``kind`` SWAP_OUT or SWAP_IN) from rank 0."""
     payload = torch.tensor([b for pair in mapping for b in pair], dtype=torch.int64, device=device)
+    header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
+    header[0], header[8] = kind, payload.numel()
+    dist.broadcast(header, src=0)
+    dist.broadcast(payload, src=0)
+
+
+def send_blocks_op(kind: int, block_ids: list[int], swapped: bool, device: torch.device) -> None:
+    """Broadcast a migration's block read (``READ_BLOCKS``) or write (``WRITE_BLOCKS``) from rank 0; the
+    blocks' data then moves in the collectives of ``LeaderKVCache.read_blocks``/``write_blocks``."""
+    payload = torch.tensor([int(swapped), *block_ids], dtype=torch.int64, device=device)
     header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
     header[0], header[8] = kind, payload.numel()
     dist.broadcast(header, src=0)
@@ -73,6 +85,9 @@ def receive(device: torch.device) -> StepMessage:
     if kind in (SWAP_OUT, SWAP_IN):
         flat = payload.tolist()
         return StepMessage(kind, pairs=list(zip(flat[::2], flat[1::2], strict=True)))
+    if kind in (READ_BLOCKS, WRITE_BLOCKS):
+        flat = payload.tolist()
+        return StepMessage(kind, block_ids=flat[1:], swapped=bool(flat[0]))
     sizes = [tokens, tokens, tokens, decodes * dwidth, decodes, prefills * pwidth, prefills + 1, prefills, sampled]
     ids, pos, slots, dtab, dlen, ptab, cu, plen, rows = payload.split(sizes)
     i32 = torch.int32
