@@ -121,6 +121,32 @@ def test_migration_between_tp2_and_tp1(arch: str, request: pytest.FixtureRequest
     assert tokens == hf_greedy(model_dir, [prompt], N)[0]
 
 
+def test_tp4_replicated_kv_heads_match_hf_and_migrate(tiny_qwen3_dir: Path, hf_greedy) -> None:
+    """4 ranks over 2 KV heads: each KV head lives on two ranks (rank r reads head r*2//4). Tokens are HF's;
+    a request moves to TP=1 with each head once (the gather keeps one copy of a replicated head)."""
+    from kvserve.workers.core.request import WorkerRequest
+
+    prompts = MIXED[:3]
+    group = LLM(str(tiny_qwen3_dir), device="cpu", num_gpu_blocks=64, tensor_parallel_size=4)
+    one = LLM(str(tiny_qwen3_dir), device="cpu", num_gpu_blocks=64).engine
+    tokens: list[int] = []
+    try:
+        assert group.engine.model.config.num_kv_heads == 1 and group.engine.model.plan.first_kv_head == 0
+        outs = _run(group, prompts)
+        group.engine.add_request(WorkerRequest("r", MIXED[4], GREEDY))
+        _steps(group.engine, "r", tokens, until=6)
+        state = group.engine.export_request("r")
+        assert state is not None and state.kv_blocks is not None and state.kv_blocks[0].shape[3] == 2
+        assert one.import_request(state)
+        assert group.engine.finish_export("r", migrated=True)
+        _steps(one, "r", tokens)
+    finally:
+        group.engine.close()
+    want = hf_greedy(tiny_qwen3_dir, [*prompts, MIXED[4]], N)
+    assert [o.token_ids for o in outs] == want[:3]
+    assert tokens == want[3]
+
+
 def test_int8_kv_migration_between_tp2_and_tp1(tiny_llama_dir: Path) -> None:
     """int8 caches move their per-token scales with the blocks: the migrated stream equals one that never moved."""
     from kvserve.workers.core.request import WorkerRequest
