@@ -62,6 +62,20 @@ class _Link:
     up: socket.socket
     closed: threading.Event = field(default_factory=threading.Event)
     late_bytes: int = 0  # bytes from the worker forwarded after a blackhole window ended
+    _ended: int = 0  # directions whose pump has ended
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def direction_ended(self, dst: socket.socket) -> None:
+        """One direction is over: its peer sees the end (FIN); the link closes once both are over.
+        NOTE: not at once: the other direction may still owe what a blackhole held (a dead worker's
+        socket fails the router's direction first, while the worker's held bytes wait to go on)."""
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+        with self._lock:
+            self._ended += 1
+            both = self._ended == 2
+        if both:
+            self.close()
 
     def close(self, reset: bool = False) -> None:
         if self.closed.is_set():
@@ -204,4 +218,4 @@ class TcpRelay:
         except OSError:
             pass
         finally:
-            link.close()
+            link.direction_ended(dst)
