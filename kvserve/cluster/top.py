@@ -91,6 +91,7 @@ _COLUMNS = (
     ("evict", "right", 7, 0),
     ("free", "right", 6, 0),
     ("use%", "right", 6, 0),
+    ("tp", "right", 4, 3),  # ranks of the worker's tensor-parallel group (one worker, one pool)
     ("swap", "right", 7, 5),
     ("run", "right", 5, 0),
     ("wait", "right", 6, 0),
@@ -203,6 +204,7 @@ def render_frame(
         cells = {
             "worker": name,
             "node": _short_node(w.node_id),
+            "tp": str(w.tensor_parallel_size or 1),
             "KV blocks": block_bar(int(w.total_blocks), int(w.used_blocks), int(w.cached_evictable_blocks), bar, style),
             "used": str(w.used_blocks),
             "evict": str(w.cached_evictable_blocks),

@@ -85,6 +85,7 @@ def test_tp_workers_serve_offline_greedy(tp_cluster, expected) -> None:
         status = client.status()
     assert [ids for ids, _, _ in results] == expected(prompts, 16)
     assert sorted(w.worker_id for w in status.workers) == ["worker-0", "worker-1"]  # one worker per group
+    assert [w.tensor_parallel_size for w in status.workers] == [2, 2]  # what `kvserve top` shows as tp
 
 
 def test_killed_rank_replays_elsewhere_and_group_returns(tp_cluster, expected) -> None:

@@ -127,7 +127,7 @@ def test_narrow_layout_keeps_the_essentials() -> None:
         assert name in cols
     assert bar >= 10
     full, bar_full = _layout(None, 30)
-    assert len(full) == 18 and bar_full == 30
+    assert len(full) == 19 and bar_full == 30
 
 
 def test_no_workers() -> None:

@@ -198,6 +198,7 @@ class WorkerState:
             blocks_in_flight=self.promised_blocks,
             model_id=ident.model_id,
             node_id=ident.node_id,
+            tensor_parallel_size=ident.tensor_parallel_size,
             last_report_age_s=now - self.report_time if r else -1.0,
         )
         if r is None:

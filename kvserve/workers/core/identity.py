@@ -26,6 +26,7 @@ class WorkerIdentity:
         vocab_size: token ids it accepts are in ``[0, vocab_size)``.
         has_tokenizer: whether it can detokenize (text deltas).
         node_id: the Ray node it runs on ("" outside Ray).
+        tensor_parallel_size: ranks of its tensor-parallel group (kvserve/workers/parallel); the pool is the group's.
 
     Raises:
         ValueError: a size out of range.
@@ -40,6 +41,7 @@ class WorkerIdentity:
     swap_blocks: int = 0
     has_tokenizer: bool = False
     node_id: str = ""
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_size", "total_blocks", "max_model_len", "vocab_size"):
@@ -62,6 +64,7 @@ class WorkerIdentity:
             node_id=self.node_id,
             incarnation=incarnation,
             last_command_seq=last_command_seq,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
     @classmethod
@@ -77,4 +80,5 @@ class WorkerIdentity:
             swap_blocks=hello.swap_blocks,
             has_tokenizer=hello.has_tokenizer,
             node_id=hello.node_id,
+            tensor_parallel_size=hello.tensor_parallel_size or 1,
         )

@@ -210,6 +210,7 @@ class WorkerCore:
             swap_blocks=e.swap_pool.num_blocks if e.swap_pool else 0,
             has_tokenizer=e.tokenizer is not None,
             node_id=_ray_node_id(),
+            tensor_parallel_size=e.config.tensor_parallel_size,
         )
 
     # ---- inbox ---------------------------------------------------------------------------

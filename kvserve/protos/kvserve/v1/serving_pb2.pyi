@@ -233,7 +233,7 @@ class ClusterStatus(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., router: _Optional[_Union[RouterStatus, _Mapping]] = ..., timestamp_ms: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "healthy", "total_blocks", "free_blocks", "used_blocks", "cached_evictable_blocks", "usage", "num_running", "num_waiting", "num_swapped", "swap_blocks_total", "swap_blocks_free", "num_preemptions_total", "num_migrations_total", "last_report_age_s", "blocks_in_flight", "decode_steps", "step_latency_ms", "prefix_cache_hit_rate", "model_id", "node_id", "state", "restarts_total", "host_cache_bytes_used", "host_cache_bytes_capacity", "prefix_cache_host_hit_rate", "prefix_cache_disk_hit_rate", "host_load_ratio", "incarnation", "disk_cache_bytes_used", "disk_cache_bytes_capacity")
+    __slots__ = ("worker_id", "healthy", "total_blocks", "free_blocks", "used_blocks", "cached_evictable_blocks", "usage", "num_running", "num_waiting", "num_swapped", "swap_blocks_total", "swap_blocks_free", "num_preemptions_total", "num_migrations_total", "last_report_age_s", "blocks_in_flight", "decode_steps", "step_latency_ms", "prefix_cache_hit_rate", "model_id", "node_id", "state", "restarts_total", "host_cache_bytes_used", "host_cache_bytes_capacity", "prefix_cache_host_hit_rate", "prefix_cache_disk_hit_rate", "host_load_ratio", "incarnation", "disk_cache_bytes_used", "disk_cache_bytes_capacity", "tensor_parallel_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +265,7 @@ class WorkerStatus(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     DISK_CACHE_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
     DISK_CACHE_BYTES_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     healthy: bool
     total_blocks: int
@@ -296,7 +297,8 @@ class WorkerStatus(_message.Message):
     incarnation: str
     disk_cache_bytes_used: int
     disk_cache_bytes_capacity: int
-    def __init__(self, worker_id: _Optional[str] = ..., healthy: _Optional[bool] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_evictable_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., num_preemptions_total: _Optional[int] = ..., num_migrations_total: _Optional[int] = ..., last_report_age_s: _Optional[float] = ..., blocks_in_flight: _Optional[int] = ..., decode_steps: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., model_id: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[str] = ..., restarts_total: _Optional[int] = ..., host_cache_bytes_used: _Optional[int] = ..., host_cache_bytes_capacity: _Optional[int] = ..., prefix_cache_host_hit_rate: _Optional[float] = ..., prefix_cache_disk_hit_rate: _Optional[float] = ..., host_load_ratio: _Optional[float] = ..., incarnation: _Optional[str] = ..., disk_cache_bytes_used: _Optional[int] = ..., disk_cache_bytes_capacity: _Optional[int] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., healthy: _Optional[bool] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_evictable_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., num_preemptions_total: _Optional[int] = ..., num_migrations_total: _Optional[int] = ..., last_report_age_s: _Optional[float] = ..., blocks_in_flight: _Optional[int] = ..., decode_steps: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., model_id: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[str] = ..., restarts_total: _Optional[int] = ..., host_cache_bytes_used: _Optional[int] = ..., host_cache_bytes_capacity: _Optional[int] = ..., prefix_cache_host_hit_rate: _Optional[float] = ..., prefix_cache_disk_hit_rate: _Optional[float] = ..., host_load_ratio: _Optional[float] = ..., incarnation: _Optional[str] = ..., disk_cache_bytes_used: _Optional[int] = ..., disk_cache_bytes_capacity: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class RouterStatus(_message.Message):
     __slots__ = ("queue_requests", "queue_blocks", "max_queue_requests", "max_queue_blocks", "admission_state", "rejections_total", "requests_in_flight", "projected_wait_s", "replays_total", "high_watermark", "low_watermark")

@@ -67,7 +67,7 @@ class StepHeartbeat(_message.Message):
     def __init__(self, step_elapsed_s: _Optional[float] = ..., step_cpu_s: _Optional[float] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("worker_id", "model_id", "block_size", "total_blocks", "swap_blocks", "max_model_len", "node_id", "address", "incarnation", "last_command_seq", "vocab_size", "has_tokenizer")
+    __slots__ = ("worker_id", "model_id", "block_size", "total_blocks", "swap_blocks", "max_model_len", "node_id", "address", "incarnation", "last_command_seq", "vocab_size", "has_tokenizer", "tensor_parallel_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class Hello(_message.Message):
     LAST_COMMAND_SEQ_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model_id: str
     block_size: int
@@ -92,7 +93,8 @@ class Hello(_message.Message):
     last_command_seq: int
     vocab_size: int
     has_tokenizer: bool
-    def __init__(self, worker_id: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., swap_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[str] = ..., last_command_seq: _Optional[int] = ..., vocab_size: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., swap_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[str] = ..., last_command_seq: _Optional[int] = ..., vocab_size: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class StepOutputs(_message.Message):
     __slots__ = ("decode_step", "outputs", "columns")
