@@ -179,3 +179,13 @@ def test_engine_speed_steps_dry(tmp_path: pathlib.Path, monkeypatch: pytest.Monk
     for row in profile["rows"].values():
         assert row["wall_ms_per_step"] > 0 and row["aten_ops_per_step"] > 0
         assert row["launches_per_step"] is None and row["gpu_busy_share"] is None  # CUDA-only figures
+
+
+def test_the_device_run_fits_its_eight_minutes() -> None:
+    """Every step's time limit on a GPU, added up, stays within the 8 minutes a lent device gives the script
+    (issue 37): a step that needs more must take it from another."""
+    text = SCRIPT.read_text()
+    device_part = text[text.index("no CUDA device here"):]
+    budgets = [int(s) for s in re.findall(r"^\s*run_step \S+ (\d+) ", device_part, re.M)]
+    assert len(budgets) >= 10, budgets
+    assert sum(budgets) <= 480, f"gpu_check.sh's device steps may take {sum(budgets)} s > 480 s"

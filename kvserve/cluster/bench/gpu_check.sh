@@ -103,19 +103,19 @@ run_step env 15 "$PY" -c "$ENV_REPORT"
 cat "$OUT_DIR/env.log"
 if "$PY" -c 'import pytest' 2>/dev/null; then
   # NOTE: test_bench_dry.py is this script's own CPU dry run: not what a GPU minute is for.
-  run_step kernel_tests 170 "$PY" -m pytest tests/kernels -q -p no:cacheprovider --durations=15 \
+  run_step kernel_tests 90 "$PY" -m pytest tests/kernels -q -p no:cacheprovider --durations=15 \
     --ignore tests/kernels/test_bench_dry.py
   cp "$OUT_DIR/kernel_tests.log" "$OUT_DIR/kernel_tests.txt"
 else
   skip kernel_tests "pytest is not installed for $PY (pip install --target .gpu-site pytest, and carry .gpu-site)"
 fi
-run_step parity 70 "$PY" -m kvserve.cluster.bench.gpu_check parity --device cuda --out "$OUT_DIR"
-run_step kv_smoke 40 "$PY" -m kvserve.cluster.bench.gpu_check kv_smoke --device cuda --out "$OUT_DIR"
-run_step swap_migration 40 "$PY" -m kvserve.cluster.bench.gpu_check swap_migration --device cuda --out "$OUT_DIR"
-run_step kernels 80 "$PY" -m kvserve.cluster.bench.kernels --json-out "$OUT_DIR/kernels.json" "$@"
-run_step offline 40 "$PY" -m kvserve.cluster.bench.gpu_check offline --device cuda --out "$OUT_DIR"
-run_step tier 35 "$PY" -m kvserve.cluster.bench.gpu_check tier --device cuda --out "$OUT_DIR"
-run_step engine_1b 150 "$PY" -m kvserve.cluster.bench.gpu_check engine_1b --device cuda --out "$OUT_DIR"
-run_step decode_profile 60 "$PY" -m kvserve.cluster.bench.gpu_check decode_profile --device cuda --out "$OUT_DIR"
+run_step parity 50 "$PY" -m kvserve.cluster.bench.gpu_check parity --device cuda --out "$OUT_DIR"
+run_step kv_smoke 30 "$PY" -m kvserve.cluster.bench.gpu_check kv_smoke --device cuda --out "$OUT_DIR"
+run_step swap_migration 30 "$PY" -m kvserve.cluster.bench.gpu_check swap_migration --device cuda --out "$OUT_DIR"
+run_step kernels 70 "$PY" -m kvserve.cluster.bench.kernels --json-out "$OUT_DIR/kernels.json" "$@"
+run_step offline 30 "$PY" -m kvserve.cluster.bench.gpu_check offline --device cuda --out "$OUT_DIR"
+run_step tier 30 "$PY" -m kvserve.cluster.bench.gpu_check tier --device cuda --out "$OUT_DIR"
+run_step engine_1b 90 "$PY" -m kvserve.cluster.bench.gpu_check engine_1b --device cuda --out "$OUT_DIR"
+run_step decode_profile 45 "$PY" -m kvserve.cluster.bench.gpu_check decode_profile --device cuda --out "$OUT_DIR"
 skip ray "worker actors, router and migration over Ray need Ray, which the GPU machine lacks (CPU tests cover them)"
 exit "$status"
