@@ -228,7 +228,9 @@ class ClusterConfig:
         """Workers to start on a Ray cluster with ``num_gpus`` GPUs."""
         if self.workers != "auto":
             return int(self.workers)
-        return num_gpus if num_gpus >= 1 and self.use_gpus(num_gpus) else 2
+        # NOTE: a tensor-parallel worker takes tensor_parallel_size GPUs (kvserve/workers/parallel)
+        tp = self.engine.tensor_parallel_size
+        return max(1, num_gpus // tp) if num_gpus >= 1 and self.use_gpus(num_gpus) else 2
 
     def use_gpus(self, num_gpus: int) -> bool:
         """One GPU per worker: when the engine device asks for CUDA, or (device auto) the cluster has GPUs."""

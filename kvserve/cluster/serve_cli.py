@@ -155,7 +155,9 @@ def serve(cfg, *, out=None, poll_s: float = 0.5) -> int:  # noqa: ANN001 - Clust
     with signals_as_keyboard_interrupt() as reinstall_signal_handlers:
         try:
             guess = cfg.workers if cfg.workers != "auto" else 2
-            started_ray = init_ray(cfg.address, num_cpus=max(os.cpu_count() or 1, guess * cfg.cpus_per_worker))
+            # NOTE: a tensor-parallel worker's ranks take cpus_per_worker each (kvserve/cluster/launch.py)
+            cpus = guess * cfg.cpus_per_worker * cfg.engine.tensor_parallel_size
+            started_ray = init_ray(cfg.address, num_cpus=max(os.cpu_count() or 1, cpus))
             reinstall_signal_handlers()
             gpus = int(ray.cluster_resources().get("GPU", 0))
             n = cfg.num_workers(gpus)

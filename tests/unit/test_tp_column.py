@@ -1,4 +1,4 @@
-"""A worker's tensor-parallel size travels Hello -> WorkerIdentity -> WorkerStatus -> `kvserve top`'s tp column."""
+"""A worker's tensor-parallel size: `kvserve top`'s tp column (Hello -> WorkerStatus) and auto workers."""
 
 from __future__ import annotations
 
@@ -28,3 +28,13 @@ def test_top_shows_the_tp_column() -> None:
     col = header.index(" tp") + 3  # right-justified: the value ends where the header does
     rows = {ln.split()[0]: ln for ln in text.splitlines() if re.match(r"worker-\d", ln)}
     assert rows["worker-0"][col - 1] == "4" and rows["worker-1"][col - 1] == "1"
+
+
+def test_auto_workers_take_tp_gpus_each() -> None:
+    """`workers: auto` on GPUs: one worker per tensor_parallel_size GPUs (8 GPUs at TP=4: 2 workers)."""
+    from kvserve.cluster.config import ClusterConfig
+
+    cfg = ClusterConfig.from_dict({"model": "/m", "engine": {"tensor_parallel_size": 4}})
+    assert cfg.engine.tensor_parallel_size == 4
+    assert cfg.num_workers(num_gpus=8) == 2 and cfg.num_workers(num_gpus=4) == 1
+    assert ClusterConfig.from_dict({"model": "/m"}).num_workers(num_gpus=8) == 8
