@@ -6,13 +6,9 @@ sees it) for N seconds while every process keeps running:
 
 * ``blackhole``: bytes stop arriving both ways and nothing is closed, as a network partition (or a
   dead switch) does: neither end hears anything, so the router notices only by its own clocks
-  (the stall rule, keepalive); what the worker sent meanwhile is held "in the network" (read and
-  kept by the relay) and delivered to the router when the window ends, the stale incarnation's
-  outputs included even if its process was killed meanwhile; what the router sent waits in the
-  kernel's buffers (TCP backpressure) and arrives then too.
-  NOTE: holding the router's bytes in the relay as well (both directions read and delivered late)
-  left the partitioned worker's streams stalled after a 0.5 s window (reproduced twice, not
-  explained yet: issue 41's report);
+  (the stall rule, keepalive); what each side sent meanwhile is held "in the network" (read and kept
+  by the relay, in order) and delivered when the window ends, the stale incarnation's outputs
+  included even if its process was killed meanwhile;
 * ``sever``: the process's connections are reset and its reconnects refused until the window ends,
   as a partition that its TCP stack notices does: the router sees the link drop at once (the
   link-grace clause of kvserve/router/table/liveness.py).
@@ -185,18 +181,19 @@ class TcpRelay:
 
     def _pump(self, link: _Link, src: socket.socket, dst: socket.socket, from_worker: bool) -> None:
         held: list[bytes] = []  # read during a blackhole: in the network, delivered when it ends
+        late = 0  # of which read while the window lasted
         eof = False
         try:
             while not link.closed.is_set() and not self._stop.is_set():
                 cut = self._cut_for(link.pid)
-                if cut is None and held:
-                    data = b"".join(held)
-                    held.clear()
+                if cut is None and held:  # NOTE: in order: nothing read later may overtake what was held
+                    data, held = b"".join(held), []
                     if from_worker:  # NOTE: counted before it is sent on, so before any answer to it
                         with self._lock:
-                            link.late_bytes += len(data)
+                            link.late_bytes += late
+                    late = 0
                     dst.sendall(data)
-                if eof or (cut is not None and not from_worker):  # NOTE: the router's bytes wait in the kernel
+                if eof:
                     if cut is None:
                         break
                     time.sleep(min(_POLL_S, max(cut[0] - time.monotonic(), 0.0)))
@@ -211,8 +208,9 @@ class TcpRelay:
                 if not data:
                     eof = True
                     continue
-                if self._cut_for(link.pid) is not None:  # NOTE: cut while waiting: what arrived is held too
+                if self._cut_for(link.pid) is not None or held:  # cut while waiting, or not yet flushed
                     held.append(data)
+                    late += len(data) if self._cut_for(link.pid) is not None else 0
                     continue
                 dst.sendall(data)
         except OSError:
