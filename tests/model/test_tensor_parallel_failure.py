@@ -32,3 +32,35 @@ def test_killed_rank_fails_the_group_step(tiny_llama_dir: Path) -> None:
                 engine.step()
     finally:
         engine.close()
+
+
+_RANK0 = """
+import sys
+from kvserve.workers.core.request import WorkerRequest
+from kvserve.workers.core.sampling_params import SamplingParams
+from kvserve.workers.engine.engine import LLM
+llm = LLM(sys.argv[1], device="cpu", num_gpu_blocks=64, tensor_parallel_size=2)
+llm.engine.add_request(WorkerRequest("r", [1, 2, 3], SamplingParams(max_tokens=10, ignore_eos=True)))
+llm.engine.step()
+print(llm.engine._followers[0].pid, flush=True)
+sys.stdin.read()  # holds the group until killed
+"""
+
+
+def test_ranks_exit_when_rank0_dies(tiny_llama_dir: Path) -> None:
+    """SIGKILL rank 0 (no STOP sent): the other rank's blocked collective fails and its process ends."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    rank0 = subprocess.Popen([sys.executable, "-c", _RANK0, str(tiny_llama_dir)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert rank0.stdout is not None
+        follower = psutil.Process(int(rank0.stdout.readline()))
+        rank0.kill()
+        rank0.wait()
+        follower.wait(timeout=120)  # raises psutil.TimeoutExpired if it outlives its group
+    finally:
+        rank0.kill()
