@@ -7,7 +7,16 @@ import pytest
 import torch
 
 from kvserve.workers.engine.engine import LLM
+from kvserve.workers.host.path_choice import forget_choices
 from kvserve.workers.models import model as model_module
+
+
+@pytest.fixture(autouse=True)
+def _measure_afresh():
+    """Each test rigs the timing: a head choice remembered from an earlier engine must not answer for it."""
+    forget_choices()
+    yield
+    forget_choices()
 
 
 def _model(llm: LLM):
