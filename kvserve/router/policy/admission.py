@@ -380,14 +380,20 @@ class AdmissionQueue(Generic[T]):
                     # NOTE: cold: no rate, or one from a handful of pops over an arbitrary span (the
                     # first completions after a start), which would refuse what can start in time.
                     wait = self._cold_start_s(item)
+                # NOTE: the decode work ahead (``work``) guards the client's deadline: a request that cannot start
+                # by it is refused now rather than queued to expire. The operator's queue-wait cap keeps the
+                # drain-rate projection: the work estimate is an upper bound (every request at its max_tokens
+                # unless most stop early), and on a slow machine it refused a burst whose generous deadlines
+                # it would have met.
                 work = self._work_start_s(item, max_tokens, blocks_ever)
-                if work is not None and (wait is None or work > wait):
+                if wait is None:
                     wait = work
+                start = wait if work is None or wait is None else max(wait, work)
                 if wait is None:
                     if self._requests_ahead(item.priority) > 0:
                         reason = RejectReason.WAIT_UNKNOWN
-                elif deadline is not None and wait + service > deadline - now:
-                    reason = RejectReason.WAIT_EXCEEDS_DEADLINE
+                elif deadline is not None and start + service > deadline - now:
+                    reason, wait = RejectReason.WAIT_EXCEEDS_DEADLINE, start
                 elif wait > self.max_wait_s:
                     reason = RejectReason.WAIT_EXCEEDS_MAX
         if reason is None:
