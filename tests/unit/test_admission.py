@@ -2,26 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 
 from kvserve.router.policy.admission import AdmissionQueue, AdmissionState, RejectReason, estimate_retry_after_ms
-
-
-@dataclass(frozen=True)
-class Item:
-    request_id: str
-    num_blocks: int = 1
-    priority: int = 0
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.unit.admission_doubles import Clock, Item
 
 
 def ids(items) -> list[str]:

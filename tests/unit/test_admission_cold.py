@@ -3,24 +3,9 @@ its deadline (or max_wait_s) is refused; the rest of a burst is queued (kvserve/
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from kvserve.router.policy.admission import AdmissionQueue, ColdCapacity, RejectReason
-
-
-@dataclass
-class _Item:
-    request_id: str
-    num_blocks: int
-    priority: int = 0
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.unit.admission_doubles import Clock as _Clock
+from tests.unit.admission_doubles import Item as _Item
 
 
 def test_lower_bound_counts_whole_pool_turnovers_of_one_step_each() -> None:

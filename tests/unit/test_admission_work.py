@@ -5,27 +5,12 @@ admitted that never got a token)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 
 from kvserve.router.policy.admission import AdmissionQueue, ColdCapacity, RejectReason, work_start_s
 from kvserve.workers.core.sizes import blocks_for
-
-
-@dataclass
-class _Item:
-    request_id: str
-    num_blocks: int
-    priority: int = 0
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.unit.admission_doubles import Clock as _Clock
+from tests.unit.admission_doubles import Item as _Item
 
 
 def test_list_scheduling_of_the_work_ahead() -> None:
