@@ -195,4 +195,4 @@ class Dispatcher:
         router.replays_total += 1
         router.metrics.replayed()
         logger.info("replaying %s after %d tokens (worker %s died)", r.request_id, len(r.output_ids), dead_worker_id)
-        router.lifecycle.hand_off(r, dead_worker_id, f"worker {dead_worker_id} died and no worker can take over")
+        router.lifecycle.hand_off(r, f"worker {dead_worker_id} died and no worker can take over")

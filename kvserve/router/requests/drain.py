@@ -225,4 +225,4 @@ class Drainer:
         r.migrations += 1
         logger.info("drain: handing %s off after %d tokens (worker %s drains)", r.request_id,
                     len(r.output_ids), worker_id)  # fmt: skip
-        router.lifecycle.hand_off(r, worker_id, f"worker {worker_id} drains and no worker can take over")
+        router.lifecycle.hand_off(r, f"worker {worker_id} drains and no worker can take over")

@@ -93,9 +93,9 @@ class RequestLifecycle:
         r.worker_id = None
         r.held.clear()
 
-    def hand_off(self, r: RouterRequest, worker_id: str, why: str) -> None:
-        """Continue ``r``, stopped on ``worker_id``, elsewhere after the tokens already streamed (the
-        worker fast-forwards text state and the seeded RNG): placed now, or first in line in the
+    def hand_off(self, r: RouterRequest, why: str) -> None:
+        """Continue ``r`` (stopped on its worker: ``stop_on``) elsewhere after the tokens already streamed
+        (the worker fast-forwards text state and the seeded RNG): placed now, or first in line in the
         queue, or ended UNAVAILABLE ``why`` when no worker can take it."""
         router = self.router
         if not router.place(r) and not router.queue.offer(r, first=True):

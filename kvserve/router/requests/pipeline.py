@@ -48,7 +48,7 @@ class Ending(Protocol):
     def stop_on(self, r: RouterRequest, worker_id: str) -> None:
         """Abort ``r``'s dispatch on ``worker_id`` and release its promise there."""
 
-    def hand_off(self, r: RouterRequest, worker_id: str, why: str) -> None:
+    def hand_off(self, r: RouterRequest, why: str) -> None:
         """Continue ``r`` elsewhere (placed, or first in the queue), else end it UNAVAILABLE ``why``."""
 
 
