@@ -26,7 +26,6 @@ import enum
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from kvserve.router.policy.placement.cost import CostModel
 from kvserve.router.policy.placement.fit import fit, fits_anywhere_ever
@@ -50,19 +49,10 @@ def _kv_aware(cost: CostModel, weights: Mapping[str, float] | None) -> tuple[Wei
     return scorers, LowestCost(balance=cost)
 
 
-def _unweighted(picker: Callable[[], LowestCost | RoundRobin]) -> Callable[..., tuple[Weighted, Any]]:
-    def build(cost: CostModel, weights: Mapping[str, float] | None) -> tuple[Weighted, LowestCost | RoundRobin]:
-        if weights is not None:
-            raise ValueError("placement scorers are weighted by the kv_aware policy only")
-        return [], picker()
-
-    return build
-
-
 POLICIES: dict[PlacementPolicy, Callable[..., tuple[Weighted, LowestCost | RoundRobin]]] = {
     PlacementPolicy.KV_AWARE: _kv_aware,
-    PlacementPolicy.LEAST_LOADED: _unweighted(LowestCost),
-    PlacementPolicy.ROUND_ROBIN: _unweighted(RoundRobin),
+    PlacementPolicy.LEAST_LOADED: lambda cost, weights: ([], LowestCost()),
+    PlacementPolicy.ROUND_ROBIN: lambda cost, weights: ([], RoundRobin()),
 }
 
 
@@ -120,6 +110,8 @@ class Placement:
         unknown = set(weights or ()) - set(SCORERS)
         if unknown:
             raise ValueError(f"unknown placement scorers {sorted(unknown)}; registered: {sorted(SCORERS)}")
+        if weights is not None and self.policy != PlacementPolicy.KV_AWARE:
+            raise ValueError("placement scorers are weighted by the kv_aware policy only")
         self.scorers, self.picker = POLICIES[self.policy](self.cost, weights)
 
     fits_anywhere_ever = staticmethod(fits_anywhere_ever)
