@@ -168,5 +168,7 @@ def test_attackers_with_max_size_prompts_do_not_hold_the_loop_for_another_tenant
     assert sum(n for s in statuses for n in s.values()) >= len(bodies), statuses  # each kind was sent
     held = _held_over(HELD_LIMIT_S) - before
     gc_s = [round(after - b, 3) for after, b in zip(served.gc_pauses.seconds, collected, strict=True)]
-    assert held == 0, (f"the router's loop was held over {HELD_LIMIT_S * 1000:g} ms {held:g} times during the attack "
-                       f"(garbage collection in it, s by generation: {gc_s})")
+    assert held == 0, (
+        f"the router's loop was held over {HELD_LIMIT_S * 1000:g} ms {held:g} times during the attack "
+        f"(garbage collection in it, s by generation: {gc_s})"
+    )
