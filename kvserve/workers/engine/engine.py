@@ -33,6 +33,7 @@ from kvserve.workers.engine.progress import RequestProgress
 from kvserve.workers.engine.request import Request
 from kvserve.workers.engine.sampler import Sampler, make_token_rng
 from kvserve.workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvserve.workers.engine.stats import EngineStats, engine_stats
 from kvserve.workers.engine.stop_checker import advance_output
 from kvserve.workers.engine.tier_cost import TierCostModel
 from kvserve.workers.engine.tiered_cache import TieredCache
@@ -493,6 +494,11 @@ class LLMEngine:
             self.pool.record_evictions = False
             self.scheduler.tier = None
             self.tiers = None
+
+    def make_stats(self) -> EngineStats:
+        """This engine's pool, queues, tiers and running totals as of now (its thread only): what its
+        worker reports (kvserve/workers/engine/stats.py)."""
+        return engine_stats(self.pool, self.swap_pool, self.scheduler, self.tiers)
 
     def check_integrity(self) -> None:
         """Pool invariants plus ref counts == block-table references (tests call this every step)."""
