@@ -123,6 +123,16 @@ class DecodeGraphs:
         b = self.bucket(len(batch))
         assert b is not None, f"{len(batch)} decodes past the largest graph ({self.largest})"
         sample_reqs = self.buffers.stage(batch, block_size, b)
-        hidden, greedy = self.graphs[b].replay()
-        self.replays += 1
+        self.staged(batch, b, sample_reqs)
+        hidden, greedy = self.replay(b)
         return hidden[: len(batch)], greedy[: len(batch)], sample_reqs
+
+    def staged(self, batch: list[tuple[Request, int]], batch_size: int, sample_reqs: list[int]) -> None:
+        """Called between filling the static buffers and the replay: a tensor-parallel rank 0 sends the
+        buffers' rows to the other ranks here (``parallel.runner``), so every rank replays the same inputs."""
+
+    def replay(self, batch_size: int) -> Outputs:
+        """Replay bucket ``batch_size``'s graph on what the static buffers hold now (the full padded outputs)."""
+        out = self.graphs[batch_size].replay()
+        self.replays += 1
+        return out

@@ -95,9 +95,6 @@ class TPEngine(LLMEngine):
         self.kv_cache.plan = self.model.plan
         return LeaderRunner(self.model, self.kv_cache, Sampler())
 
-    def enable_decode_graphs(self, buckets: object = None) -> None:
-        logger.info("tensor parallelism: decode steps run eagerly (no decode graphs)")
-
     def close(self) -> None:
         """Stop the other ranks and leave the group (idempotent); the engine is unusable afterwards."""
         super().close()

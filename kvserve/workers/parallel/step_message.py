@@ -1,7 +1,12 @@
 """The one message rank 0 sends the other ranks per step: the batch's flat inputs (token ids, positions,
 slot mapping, block tables, context lengths, the rows to sample). Two broadcasts per message: a fixed
 header of sizes, then one packed int64 payload; never anything per layer. A step that swaps blocks
-between the device pool and host swap space sends the (device, host) block pairs first, one message each way."""
+between the device pool and host swap space sends the (device, host) block pairs first, one message each way.
+
+A decode step that replays a decode graph sends ``GRAPH_STEP`` instead: the rows rank 0 staged in its static
+buffers (bucket-padded ids, positions, slots, context lengths, the block-table columns they reach); each
+rank copies them into its own static buffers and replays the same bucket. ``CAPTURE`` tells the ranks to
+capture their graphs (same buckets, same order: the captures' collectives pair up)."""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import torch.distributed as dist
 
 from kvserve.workers.engine.attention_metadata import AttentionMetadata
 
-STEP, STOP, SWAP_OUT, SWAP_IN, READ_BLOCKS, WRITE_BLOCKS = 1, 2, 3, 4, 5, 6
+STEP, STOP, SWAP_OUT, SWAP_IN, READ_BLOCKS, WRITE_BLOCKS, CAPTURE, GRAPH_STEP = 1, 2, 3, 4, 5, 6, 7, 8
 _HEADER = 10  # kind, tokens, decode tokens, decodes, decode table width, prefills, prefill width, sampled, payload
 
 
@@ -28,6 +33,24 @@ class StepMessage:
     pairs: list[tuple[int, int]] | None = None  # SWAP_OUT / SWAP_IN: (device block, host block)
     block_ids: list[int] | None = None  # READ_BLOCKS / WRITE_BLOCKS (migration)
     swapped: bool = False  # READ_BLOCKS: from host swap space
+    buckets: list[int] | None = None  # CAPTURE: the decode graphs' batch sizes
+    max_blocks: int = 0  # CAPTURE: their block-table width
+    graph: GraphRows | None = None  # GRAPH_STEP
+
+
+@dataclass
+class GraphRows:
+    """A graph step's static-buffer rows as rank 0 staged them (padding rows included)."""
+
+    batch_size: int  # the bucket replayed
+    num_real: int  # rows of real requests (the rest is padding)
+    input_ids: torch.Tensor  # [batch_size] int64
+    positions: torch.Tensor  # [batch_size]
+    slots: torch.Tensor  # [batch_size]
+    context_lens: torch.Tensor  # [batch_size]
+    block_table: torch.Tensor  # [batch_size, width]: the columns the contexts reach
+    sample_rows: torch.Tensor  # [num_sampled] rows whose logits rank 0 reads
+    logits: bool  # rank 0 computes the sampled rows' full logits after the replay (one more gather)
 
 
 def send_stop(device: torch.device) -> None:
@@ -39,17 +62,34 @@ def send_stop(device: torch.device) -> None:
 
 def send_swap(kind: int, mapping: list[tuple[int, int]], device: torch.device) -> None:
     """Broadcast a swap's (device block, host block) pairs (``kind`` SWAP_OUT or SWAP_IN) from rank 0."""
-    payload = torch.tensor([b for pair in mapping for b in pair], dtype=torch.int64, device=device)
-    header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
-    header[0], header[8] = kind, payload.numel()
-    dist.broadcast(header, src=0)
-    dist.broadcast(payload, src=0)
+    _send(kind, [b for pair in mapping for b in pair], device)
 
 
 def send_blocks_op(kind: int, block_ids: list[int], swapped: bool, device: torch.device) -> None:
     """Broadcast a migration's block read (``READ_BLOCKS``) or write (``WRITE_BLOCKS``) from rank 0; the
     blocks' data then moves in the collectives of ``LeaderKVCache.read_blocks``/``write_blocks``."""
-    payload = torch.tensor([int(swapped), *block_ids], dtype=torch.int64, device=device)
+    _send(kind, [int(swapped), *block_ids], device)
+
+
+def send_capture(buckets: list[int], max_blocks: int, device: torch.device) -> None:
+    """Tell the ranks to capture decode graphs for ``buckets`` with ``max_blocks``-wide block tables."""
+    _send(CAPTURE, [max_blocks, *buckets], device)
+
+
+def send_graph_step(rows: GraphRows) -> None:
+    """Broadcast a graph step's staged rows from rank 0 (views of its static buffers)."""
+    width = rows.block_table.shape[1]
+    parts = [rows.input_ids, rows.positions, rows.slots, rows.context_lens, rows.block_table.reshape(-1),
+             rows.sample_rows]  # fmt: skip
+    payload = torch.cat([p.to(torch.int64) for p in parts])
+    header = [GRAPH_STEP, rows.batch_size, rows.num_real, width, rows.sample_rows.numel(), int(rows.logits), 0, 0,
+              payload.numel(), 0]  # fmt: skip
+    dist.broadcast(torch.tensor(header, dtype=torch.int64, device=payload.device), src=0)
+    dist.broadcast(payload, src=0)
+
+
+def _send(kind: int, values: list[int], device: torch.device) -> None:
+    payload = torch.tensor(values, dtype=torch.int64, device=device)
     header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
     header[0], header[8] = kind, payload.numel()
     dist.broadcast(header, src=0)
@@ -82,6 +122,15 @@ def receive(device: torch.device) -> StepMessage:
         return StepMessage(kind)
     payload = torch.empty(size, dtype=torch.int64, device=device)
     dist.broadcast(payload, src=0)
+    if kind == CAPTURE:
+        flat = payload.tolist()
+        return StepMessage(kind, buckets=flat[1:], max_blocks=flat[0])
+    if kind == GRAPH_STEP:
+        b, n, width, num_sampled, logits = tokens, num_decode, decodes, dwidth, prefills
+        ids, pos, slots, lens, table, rows = payload.split([b, b, b, b, b * width, num_sampled])
+        graph = GraphRows(b, n, ids, pos, slots, lens.to(torch.int32), table.view(b, width).to(torch.int32), rows,
+                          bool(logits))  # fmt: skip
+        return StepMessage(kind, graph=graph)
     if kind in (SWAP_OUT, SWAP_IN):
         flat = payload.tolist()
         return StepMessage(kind, pairs=list(zip(flat[::2], flat[1::2], strict=True)))
