@@ -174,9 +174,10 @@ class PressureTracker:
         with self.lock:
             self.prev, self.cur = self.cur, status
             for w in status.workers:
-                self.total[w.worker_id] = int(w.total_blocks)
-                self.peak_used[w.worker_id] = max(self.peak_used.get(w.worker_id, 0), int(w.used_blocks))
-                swap = int(w.swap_blocks_total - w.swap_blocks_free)
+                r = w.report
+                self.total[w.worker_id] = int(r.total_blocks)
+                self.peak_used[w.worker_id] = max(self.peak_used.get(w.worker_id, 0), int(r.used_blocks))
+                swap = int(r.swap_blocks_total - r.swap_blocks_free)
                 self.peak_swap[w.worker_id] = max(self.peak_swap.get(w.worker_id, 0), swap)
 
     def snapshot(self) -> tuple[spb.ClusterStatus | None, spb.ClusterStatus | None]:
@@ -266,10 +267,11 @@ def _stream(  # noqa: ANN001
 def _pressure_line(status: spb.ClusterStatus) -> str:
     parts = []
     for w in status.workers:
-        swap = f" swap {w.swap_blocks_total - w.swap_blocks_free}/{w.swap_blocks_total}" if w.swap_blocks_total else ""
+        r = w.report
+        swap = f" swap {r.swap_blocks_total - r.swap_blocks_free}/{r.swap_blocks_total}" if r.swap_blocks_total else ""
         parts.append(
-            f"{w.worker_id} {w.used_blocks}/{w.total_blocks} used ({w.usage * 100:.0f}%) "
-            f"evict {w.cached_evictable_blocks}{swap} run {w.num_running} wait {w.num_waiting} swp {w.num_swapped}"
+            f"{w.worker_id} {r.used_blocks}/{r.total_blocks} used ({w.usage * 100:.0f}%) "
+            f"evict {r.cached_evictable_blocks}{swap} run {r.num_running} wait {r.num_waiting} swp {r.num_swapped}"
         )
     return "pressure: " + " | ".join(parts) + f" | router queue {status.router.queue_requests}"
 
@@ -393,7 +395,7 @@ def summarize(
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
     generated = sum(r.tokens for r in results)
-    preemptions = sum(int(w.num_preemptions_total) for w in final.workers)
+    preemptions = sum(int(w.report.num_preemptions_total) for w in final.workers)
     migrations = sum(int(w.num_migrations_total) for w in final.workers)
     swaps = sum(r.swaps for r in results)
     peaks = ", ".join(

@@ -96,27 +96,34 @@ def _usage_cell(w: Any) -> str:
 
 
 def _swap_blocks_cell(w: Any) -> str:
-    return f"{w.swap_blocks_total - w.swap_blocks_free}/{w.swap_blocks_total}" if w.swap_blocks_total else "-"
+    r = w.report
+    return f"{r.swap_blocks_total - r.swap_blocks_free}/{r.swap_blocks_total}" if r.swap_blocks_total else "-"
+
+
+def _hit_cell(w: Any) -> str:
+    """The share of the worker's prompt tokens found in its prefix cache (0% before any)."""
+    queried, hit = w.report.prefix_cache_query_tokens_total, w.report.prefix_cache_hit_tokens_total
+    return f"{hit / queried:.0%}" if queried else "0%"
 
 
 _WORKER: _Column = ("worker", "left", lambda w: w.worker_id)
 _PRESSURE: list[_Column] = [
     ("up", "center", lambda w: "[green]yes[/]" if w.healthy else "[red]NO[/]"),
-    ("used/total", "right", lambda w: f"{w.used_blocks}/{w.total_blocks}"),
+    ("used/total", "right", lambda w: f"{w.report.used_blocks}/{w.report.total_blocks}"),
     ("usage", "right", _usage_cell),
-    ("free", "right", lambda w: str(w.free_blocks)),
-    ("cached", "right", lambda w: str(w.cached_evictable_blocks)),
+    ("free", "right", lambda w: str(w.report.free_blocks)),
+    ("cached", "right", lambda w: str(w.report.cached_evictable_blocks)),
     ("in flight", "right", lambda w: str(w.blocks_in_flight)),
     ("swap", "right", _swap_blocks_cell),
 ]
 _ACTIVITY: list[_Column] = [
-    ("run", "right", lambda w: str(w.num_running)),
-    ("wait", "right", lambda w: str(w.num_waiting)),
-    ("swapped", "right", lambda w: str(w.num_swapped)),
-    ("preempt", "right", lambda w: str(w.num_preemptions_total)),
+    ("run", "right", lambda w: str(w.report.num_running)),
+    ("wait", "right", lambda w: str(w.report.num_waiting)),
+    ("swapped", "right", lambda w: str(w.report.num_swapped)),
+    ("preempt", "right", lambda w: str(w.report.num_preemptions_total)),
     ("migr", "right", lambda w: str(w.num_migrations_total)),
-    ("hit", "right", lambda w: f"{w.prefix_cache_hit_rate:.0%}"),
-    ("ms/step", "right", lambda w: f"{w.step_latency_ms:.1f}"),
+    ("hit", "right", _hit_cell),
+    ("ms/step", "right", lambda w: f"{w.report.step_latency_ms:.1f}"),
     ("age s", "right", lambda w: "-" if w.last_report_age_s < 0 else f"{w.last_report_age_s:.1f}"),
 ]
 

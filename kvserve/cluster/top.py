@@ -31,6 +31,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from kvserve.protos.kvserve.v1 import pressure_pb2 as ppb
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 from kvserve.protos.kvserve.v1 import serving_pb2_grpc
 from kvserve.router.config import RouterConfig
@@ -130,14 +131,19 @@ def _layout(width: int | None, bar_width: int) -> tuple[dict[str, str], int]:
     return {name: header for name, header, _, _ in cols}, bar
 
 
-def _tier(w: spb.WorkerStatus, tier: str) -> str:
+def _share(part: int, whole: int) -> str:
+    """``part`` of ``whole`` as a whole percentage (0% of nothing)."""
+    return f"{100 * part / whole:.0f}%" if whole else "0%"
+
+
+def _tier(r: ppb.PressureReport, tier: str) -> str:
     """``<fill>%/<hit>%``: how full the node's ``tier`` ("host" or "disk") is and the share of this
     worker's prompt tokens loaded from it (docs/architecture.md §3a); "-" without one."""
-    capacity = getattr(w, f"{tier}_cache_bytes_capacity")
+    capacity = getattr(r, f"{tier}_cache_bytes_capacity")
     if not capacity:
         return "-"
-    fill = getattr(w, f"{tier}_cache_bytes_used") / capacity
-    return f"{100 * fill:.0f}%/{100 * getattr(w, f'prefix_cache_{tier}_hit_rate'):.0f}%"
+    fill = _share(getattr(r, f"{tier}_cache_bytes_used"), capacity)
+    return f"{fill}/{_share(getattr(r, f'prefix_cache_{tier}_hit_tokens_total'), r.prefix_cache_query_tokens_total)}"
 
 
 def render_frame(
@@ -195,6 +201,7 @@ def render_frame(
             table.add_column(shown[name], justify=justify, no_wrap=True, style="dim" if name == "node" else None)
     for w in cur.workers:
         p = before.get(w.worker_id)
+        r, pr = w.report, (p.report if p is not None else None)  # the worker's last report, as it sent it
         name = Text(w.worker_id, style="bold" if w.healthy else "bold red")
         if not w.healthy:
             # NOTE: "down" = dead or restarting, "retired" = crash loop, stays down
@@ -205,21 +212,21 @@ def render_frame(
             "worker": name,
             "node": _short_node(w.node_id),
             "tp": str(w.tensor_parallel_size or 1),
-            "KV blocks": block_bar(int(w.total_blocks), int(w.used_blocks), int(w.cached_evictable_blocks), bar, style),
-            "used": str(w.used_blocks),
-            "evict": str(w.cached_evictable_blocks),
-            "free": str(w.free_blocks),
+            "KV blocks": block_bar(int(r.total_blocks), int(r.used_blocks), int(r.cached_evictable_blocks), bar, style),
+            "used": str(r.used_blocks),
+            "evict": str(r.cached_evictable_blocks),
+            "free": str(r.free_blocks),
             "use%": Text(f"{w.usage * 100:.0f}%", style=style(w.usage)),
-            "swap": f"{w.swap_blocks_total - w.swap_blocks_free}/{w.swap_blocks_total}" if w.swap_blocks_total else "-",
-            "run": str(w.num_running),
-            "wait": str(w.num_waiting),
-            "swp": str(w.num_swapped),
-            "preempt/s": _rate(w.num_preemptions_total, p.num_preemptions_total if p else None, dt),
+            "swap": f"{r.swap_blocks_total - r.swap_blocks_free}/{r.swap_blocks_total}" if r.swap_blocks_total else "-",
+            "run": str(r.num_running),
+            "wait": str(r.num_waiting),
+            "swp": str(r.num_swapped),
+            "preempt/s": _rate(r.num_preemptions_total, pr.num_preemptions_total if pr else None, dt),
             "migr/s": _rate(w.num_migrations_total, p.num_migrations_total if p else None, dt),
-            "hit%": f"{w.prefix_cache_hit_rate * 100:.0f}%",
-            "host": _tier(w, "host"),
-            "disk": _tier(w, "disk"),
-            "step ms": f"{w.step_latency_ms:.1f}",
+            "hit%": _share(r.prefix_cache_hit_tokens_total, r.prefix_cache_query_tokens_total),
+            "host": _tier(r, "host"),
+            "disk": _tier(r, "disk"),
+            "step ms": f"{r.step_latency_ms:.1f}",
             "age s": "never" if w.last_report_age_s < 0 else f"{w.last_report_age_s:.1f}",
         }
         table.add_row(*(cells[c] for c in shown))

@@ -198,7 +198,11 @@ def _idle(status: spb.ClusterStatus, num_workers: int = NUM_WORKERS) -> bool:
     return (
         len(status.workers) == num_workers
         and all(
-            w.healthy and w.used_blocks == 0 and w.num_running == 0 and w.num_waiting == 0 and w.num_swapped == 0
+            w.healthy
+            and w.report.used_blocks == 0
+            and w.report.num_running == 0
+            and w.report.num_waiting == 0
+            and w.report.num_swapped == 0
             for w in status.workers
         )
         and r.queue_requests == 0

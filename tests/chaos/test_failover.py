@@ -77,7 +77,7 @@ def test_a_cold_burst_of_4x_the_pool_with_generous_deadlines_all_completes(clust
     c = cluster
     st = c.status()
     assert st.router.projected_wait_s == 0.0 or st.router.queue_requests == 0
-    pool = sum(w.total_blocks for w in st.workers)
+    pool = sum(w.report.total_blocks for w in st.workers)
     prompt_len, max_tokens = 32, 64
     per_request = -(-(prompt_len + max_tokens) // 16)  # blocks a request holds at its end
     n = 4 * (pool // per_request)

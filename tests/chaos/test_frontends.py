@@ -232,7 +232,7 @@ def test_frontend_sigkill_ends_its_streams_frees_their_blocks_and_the_port_serve
             for i, ch in enumerate(by_frontend[survivor][:2])]  # fmt: skip
     for s in cut + kept:
         assert s.started.wait(120), "no first tokens"
-    steps_before = {w.worker_id: w.decode_steps for w in c.status().workers}
+    steps_before = {w.worker_id: w.report.decode_steps for w in c.status().workers}
     t_kill = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     for s in cut + kept:
@@ -240,7 +240,7 @@ def test_frontend_sigkill_ends_its_streams_frees_their_blocks_and_the_port_serve
     # The router aborted the dead frontend's requests: idle, every block free, and well before they
     # could have run to their end (~400 more steps).
     idle = c.wait_idle()
-    steps = {w.worker_id: w.decode_steps - steps_before[w.worker_id] for w in idle.workers}
+    steps = {w.worker_id: w.report.decode_steps - steps_before[w.worker_id] for w in idle.workers}
     assert max(steps.values()) < long // 4, steps  # NOTE: measured 16-40 aborted, 275-278 not
 
     reference = run_all(c.address, [s.req for s in cut + kept])  # the router direct, undisturbed
@@ -330,13 +330,13 @@ def test_frontend_sigkill_ends_its_http_streams_at_once_and_frees_their_blocks(f
     kept = [_SseStream(cl, url, b) for cl, b in zip(clients[survivor][:2], bodies[2:], strict=True)]
     for s in cut + kept:
         assert s.started.wait(120) and s.ids, f"no first tokens ({s.error!r})"
-    steps_before = {w.worker_id: w.decode_steps for w in c.status().workers}
+    steps_before = {w.worker_id: w.report.decode_steps for w in c.status().workers}
     t_kill = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     for s in cut + kept:
         assert s.ended.wait(240), "a stream hangs"
     idle = c.wait_idle()
-    steps = {w.worker_id: w.decode_steps - steps_before[w.worker_id] for w in idle.workers}
+    steps = {w.worker_id: w.report.decode_steps - steps_before[w.worker_id] for w in idle.workers}
     assert max(steps.values()) < long // 4, steps  # aborted, not run to their 400 tokens
     for s in cut:
         assert not s.done and s.error is not None, "a cut stream looked complete"

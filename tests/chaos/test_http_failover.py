@@ -130,7 +130,7 @@ def test_http_sse_streams_continue_through_a_worker_kill_and_wrong_keys_stay_out
     streams = [SseStream(base + path, body).start() for path, body in _bodies()]
     for s in streams:
         assert s.started.wait(120), "no first tokens"
-    running = {w.worker_id: w.num_running for w in c.status().workers}
+    running = {w.worker_id: w.report.num_running for w in c.status().workers}
     victim = max(running, key=running.__getitem__)
     assert running[victim] > 0, f"no worker runs a stream: {running}"
     t_kill = time.monotonic()

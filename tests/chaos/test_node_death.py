@@ -158,7 +158,7 @@ def _under(node: Proc) -> set[int]:
 def _worker_idle(worker_id: str):  # noqa: ANN202
     def idle(st: spb.ClusterStatus) -> bool:
         w = _worker(st, worker_id)
-        return (w.healthy and w.used_blocks == 0 and w.num_running == 0 and w.num_waiting == 0
+        return (w.healthy and w.report.used_blocks == 0 and w.report.num_running == 0 and w.report.num_waiting == 0
                 and st.router.queue_requests == 0 and st.router.requests_in_flight == 0)  # fmt: skip
 
     return idle

@@ -61,8 +61,8 @@ def test_router_killed_while_a_worker_is_retired_comes_back_and_keeps_the_retire
     after = run_all(c.address, [request(prompt(600 + i), 16) for i in range(4)], timeout=120)
     assert all(s.code == grpc.StatusCode.OK and len(s.tokens) == 16 for s in after), [s.details for s in after]
     assert {w for s in after for w in s.worker_ids} == {"worker-1"}
-    _wait_status(c, lambda st: _worker(st, "worker-1").used_blocks == 0 and st.router.requests_in_flight == 0, 60,
-                 "worker-1 idle")  # fmt: skip
+    _wait_status(c, lambda st: _worker(st, "worker-1").report.used_blocks == 0 and st.router.requests_in_flight == 0,
+                 60, "worker-1 idle")  # fmt: skip
     assert c.integrity()["worker-1"] is None
     print(f"\nFIGURES router kill with worker-0 retired: serving again {t_back:.1f}s after the kill; "
           f"worker-0 still retired (restarts 1), worker-1 same process, 4/4 new requests ok")  # fmt: skip

@@ -116,14 +116,14 @@ def test_an_id_that_cannot_be_answered_ends_the_stream_and_frees_its_requests(cl
 
 
 def test_closing_the_stream_cancels_its_requests_and_frees_their_blocks(cluster, client):  # noqa: F811
-    steps_before = {w.worker_id: w.decode_steps for w in client.status().workers}
+    steps_before = {w.worker_id: w.report.decode_steps for w in client.status().workers}
     messages = [_gen(f"c{i}", rand_prompt(50 + i, 20), max_tokens=1500) for i in range(8)]
     tokens, finish, errors, _ = asyncio.run(_run(cluster.address, messages, close_after_first_batch=True))
     assert not finish and not errors and tokens
     idle = wait_idle(client, cluster)  # no request left at the router, no used block on any worker
     # Cancelled at once, not stopped by the slow-consumer rule (which would take max_buffered_responses,
     # 256, unsent steps) nor run to their 1500 tokens.
-    steps = {w.worker_id: w.decode_steps - steps_before[w.worker_id] for w in idle.workers}
+    steps = {w.worker_id: w.report.decode_steps - steps_before[w.worker_id] for w in idle.workers}
     assert max(steps.values()) < 200, steps
 
 

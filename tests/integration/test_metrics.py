@@ -137,17 +137,18 @@ def test_gauges_equal_worker_state(cluster, stub, traffic) -> None:  # noqa: ANN
     assert set(stats) == set(by_id) == {"worker-0", "worker-1"}
     for w, s in stats.items():
         st = by_id[w]
-        assert value(samples, "kvserve:kv_blocks_total", worker=w) == s.total_blocks == st.total_blocks == NUM_BLOCKS
-        assert value(samples, "kvserve:kv_blocks_free", worker=w) == s.free_blocks == st.free_blocks
+        assert value(samples, "kvserve:kv_blocks_total", worker=w) == s.total_blocks == NUM_BLOCKS
+        assert st.report.total_blocks == NUM_BLOCKS
+        assert value(samples, "kvserve:kv_blocks_free", worker=w) == s.free_blocks == st.report.free_blocks
         assert value(samples, "kvserve:kv_blocks_cached_evictable", worker=w) == s.cached_evictable_blocks
-        assert s.cached_evictable_blocks == st.cached_evictable_blocks
+        assert s.cached_evictable_blocks == st.report.cached_evictable_blocks
         assert s.free_blocks + s.used_blocks + s.cached_evictable_blocks == s.total_blocks
         usage = pool_usage(s.used_blocks, s.total_blocks)
         assert value(samples, "kvserve:kv_cache_usage_perc", worker=w) == pytest.approx(usage) == st.usage
         assert value(samples, "kvserve:kv_swap_blocks_used", worker=w) == s.swap_blocks_total - s.swap_blocks_free
-        assert value(samples, "kvserve:num_requests_running", worker=w) == s.num_running == st.num_running == 0
-        assert value(samples, "kvserve:num_requests_waiting", worker=w) == s.num_waiting == st.num_waiting
-        assert value(samples, "kvserve:num_requests_swapped", worker=w) == s.num_swapped == st.num_swapped
+        assert value(samples, "kvserve:num_requests_running", worker=w) == s.num_running == st.report.num_running == 0
+        assert value(samples, "kvserve:num_requests_waiting", worker=w) == s.num_waiting == st.report.num_waiting
+        assert value(samples, "kvserve:num_requests_swapped", worker=w) == s.num_swapped == st.report.num_swapped
         assert value(samples, "kvserve:worker_up", worker=w) == 1.0 and st.healthy
         age = value(samples, "kvserve:pressure_report_age_seconds", worker=w)
         assert 0 <= age < 2.5, "idle workers still report at least every second"
@@ -187,7 +188,7 @@ def test_counters_count_what_happened(cluster, stub, traffic) -> None:  # noqa: 
     assert queries >= hits
     preemptions = sum(s.num_preemptions_total for s in stats.values())
     assert preemptions > 0, "one worker runs >= 4 requests: 4 shared + 4 x 9 blocks > 32, someone was preempted"
-    assert preemptions == sum(w.num_preemptions_total for w in status.workers)
+    assert preemptions == sum(w.report.num_preemptions_total for w in status.workers)
     exported = sum(v for (name, _), v in samples.items() if name == "kvserve:num_preemptions_total")
     assert exported == preemptions
     swaps = sum(s.num_swaps_total for s in stats.values())

@@ -157,7 +157,7 @@ def test_workers_spread_over_two_nodes(two_nodes: tuple[str, dict[str, str], lis
         served_by = {f.worker_id for f in finals}
         assert served_by == {"worker-0", "worker-1"}, f"requests served on both nodes: {served_by}"
         after = cluster_status(address)
-        assert all(w.healthy and w.decode_steps > 0 for w in after.workers)
+        assert all(w.healthy and w.report.decode_steps > 0 for w in after.workers)
 
         actors = [p for node in nodes for p in _children(node) if _is_kvserve_actor(p)]
         assert len(actors) == 3, f"router + 2 workers run in the nodes' processes: {actors}"

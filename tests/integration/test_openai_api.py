@@ -277,7 +277,7 @@ def test_disconnect_mid_stream_frees_the_blocks(base_url, grpc_client, cluster):
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         assert json.loads(first[6:])["choices"][0]["index"] == 0
-        wait_until(lambda: any(w.used_blocks > 0 for w in grpc_client.status().workers), 30, "blocks in use")
+        wait_until(lambda: any(w.report.used_blocks > 0 for w in grpc_client.status().workers), 30, "blocks in use")
     # The connection is closed: the request is aborted and its blocks freed (idle_after checks the rest).
     st = wait_idle(grpc_client, cluster, timeout=30)
     assert st.router.requests_in_flight == 0
@@ -294,7 +294,7 @@ def test_disconnect_while_waiting_non_streamed_frees_the_blocks(cluster, grpc_cl
             + f"Authorization: Bearer {TOKEN}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
-        wait_until(lambda: any(w.num_running > 0 for w in grpc_client.status().workers), 30, "request running")
+        wait_until(lambda: any(w.report.num_running > 0 for w in grpc_client.status().workers), 30, "request running")
     wait_idle(grpc_client, cluster, timeout=30)
     assert _generated_tokens(cluster) - before < 1800, "the request ran to its end: not aborted"
 

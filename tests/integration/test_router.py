@@ -58,7 +58,7 @@ def wait_until(pred, timeout: float, what: str, interval: float = 0.05):
 
 
 def used_blocks(client: KVServeClient, worker_id: str) -> int:
-    return next(w.used_blocks for w in client.status().workers if w.worker_id == worker_id)
+    return next(w.report.used_blocks for w in client.status().workers if w.worker_id == worker_id)
 
 
 def wait_idle(client: KVServeClient, cluster, timeout: float = 20.0) -> spb.ClusterStatus:
@@ -78,12 +78,12 @@ def wait_idle(client: KVServeClient, cluster, timeout: float = 20.0) -> spb.Clus
             len(st.workers) == len(cluster.workers)
             and all(w.healthy for w in st.workers)
             and all(
-                w.used_blocks == 0
-                and w.num_running == 0
-                and w.num_waiting == 0
-                and w.num_swapped == 0
+                w.report.used_blocks == 0
+                and w.report.num_running == 0
+                and w.report.num_waiting == 0
+                and w.report.num_swapped == 0
                 and w.blocks_in_flight == 0
-                and w.free_blocks + w.cached_evictable_blocks == w.total_blocks
+                and w.report.free_blocks + w.report.cached_evictable_blocks == w.report.total_blocks
                 for w in st.workers
             )
             and st.router.requests_in_flight == 0
@@ -249,7 +249,9 @@ def test_same_prefix_lands_on_the_worker_holding_it(client):
     # The prefix-cache hit shows in the holder's status too, once its next pressure report
     # (rate-limited to one per 50 ms) has arrived.
     wait_until(
-        lambda: next(w for w in client.status().workers if w.worker_id == holder).prefix_cache_hit_rate > 0,
+        lambda: (
+            next(w.report for w in client.status().workers if w.worker_id == holder).prefix_cache_hit_tokens_total > 0
+        ),
         10,
         "the holder's report to show prefix-cache hits",
     )
@@ -432,7 +434,7 @@ class TestWatermarkMigration:
         expected = greedy(llm, [long_a, long_b], 160)
         with KVServeClient(wm_cluster.address, timeout=RPC_TIMEOUT) as c, cf.ThreadPoolExecutor(3) as pool:
             first = pool.submit(c.generate_all, long_a, max_tokens=160, ignore_eos=True)
-            wait_until(lambda: sum(w.num_running for w in c.status().workers) >= 1, 30, "first request running")
+            wait_until(lambda: sum(w.report.num_running for w in c.status().workers) >= 1, 30, "first request running")
             # The short one lands on worker-1 and leaves it idle again: the migration's destination.
             c.generate_all(short, max_tokens=2, ignore_eos=True)
             second = pool.submit(c.generate_all, long_b, max_tokens=160, ignore_eos=True)

@@ -68,3 +68,13 @@ def test_the_folder_map_matches_the_tree() -> None:
         drawn = set(re.findall(r"^\s+(\w+)/\s", section[start:end] + "\n", re.M))
         actual = {p.name for p in (ROOT / "kvserve" / package).iterdir() if (p / "__init__.py").is_file()}
         assert drawn == actual, f"kvserve/{package}: drawn {sorted(drawn)}, on disk {sorted(actual)}"
+
+
+def test_the_cluster_status_shape_is_documented() -> None:
+    """Section 3b says a WorkerStatus carries the worker's PressureReport as ``report``, as serving.proto has it."""
+    from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+
+    section = DOC[DOC.index("## 3b.") : DOC.index("## 4.")]
+    field = spb.WorkerStatus.DESCRIPTOR.fields_by_name["report"]
+    assert field.message_type.name == "PressureReport"
+    assert "`WorkerStatus`" in section and f"`{field.message_type.name}` as sent, `{field.name}`" in section

@@ -14,6 +14,7 @@ from kvserve.cluster.demo import (
     summarize,
 )
 from kvserve.cluster.demo_chat import QUESTIONS, SYSTEM_PROMPT, AnswerBoard, format_exchange
+from kvserve.protos.kvserve.v1 import pressure_pb2 as ppb
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 
 
@@ -60,7 +61,8 @@ def test_summary_of_a_chat_run() -> None:
         RequestResult(workload[0], ok=True, finish_reason="stop", prompt_tokens=100, cached_tokens=0, tokens=8),
         RequestResult(workload[1], ok=True, finish_reason="length", prompt_tokens=100, cached_tokens=80, tokens=64),
     ]
-    status = spb.ClusterStatus(workers=[spb.WorkerStatus(worker_id="worker-0", total_blocks=32)])
+    worker = spb.WorkerStatus(worker_id="worker-0", report=ppb.PressureReport(total_blocks=32))
+    status = spb.ClusterStatus(workers=[worker])
     tracker = PressureTracker()
     tracker.update(status)
     summary = summarize(results, status, tracker, 10.0, 1, 0.03, 32)

@@ -8,6 +8,7 @@ import pytest
 from rich.console import Console
 
 from kvserve.cluster.remote_cli import _ACTIVITY, _PRESSURE, WIDE_TABLE_MIN_COLUMNS, render_status
+from kvserve.protos.kvserve.v1 import pressure_pb2 as ppb
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 
 
@@ -15,12 +16,14 @@ def busy_status() -> spb.ClusterStatus:
     """Two workers with large numbers in every column (the widest realistic cells)."""
     s = spb.ClusterStatus(timestamp_ms=1)
     for i in range(2):
-        s.workers.add(
-            worker_id=f"worker-{i}", healthy=i == 0, total_blocks=40960, used_blocks=39960, free_blocks=1000,
-            usage=0.97, cached_evictable_blocks=999, blocks_in_flight=128, swap_blocks_total=4096,
-            swap_blocks_free=4000, num_swapped=3, num_running=256, num_waiting=1000, num_preemptions_total=12345,
-            num_migrations_total=7, prefix_cache_hit_rate=0.53, step_latency_ms=123.4, last_report_age_s=0.4,
+        report = ppb.PressureReport(
+            total_blocks=40960, used_blocks=39960, free_blocks=1000, cached_evictable_blocks=999,
+            swap_blocks_total=4096, swap_blocks_free=4000, num_swapped=3, num_running=256, num_waiting=1000,
+            num_preemptions_total=12345, prefix_cache_query_tokens_total=100, prefix_cache_hit_tokens_total=53,
+            step_latency_ms=123.4,
         )  # fmt: skip
+        s.workers.add(worker_id=f"worker-{i}", healthy=i == 0, usage=0.97, blocks_in_flight=128,
+                      num_migrations_total=7, last_report_age_s=0.4, report=report)  # fmt: skip
     s.router.max_queue_requests = 1024
     s.router.admission_state = "open"
     return s

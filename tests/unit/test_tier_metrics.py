@@ -76,6 +76,6 @@ def test_status_row_carries_both_tiers() -> None:
                                      prefix_cache_host_hit_tokens_total=1000,
                                      prefix_cache_disk_hit_tokens_total=1808)  # fmt: skip
     row = entry.status_row(True, 0.0)
-    assert (row.disk_cache_bytes_used, row.disk_cache_bytes_capacity) == (2000, 8000)
-    assert (row.host_cache_bytes_used, row.host_cache_bytes_capacity) == (250, 1000)
-    assert row.prefix_cache_disk_hit_rate == 1808 / 4000 and row.prefix_cache_host_hit_rate == 0.25
+    assert row.report == entry.report, "the report as the worker sent it"
+    assert (row.report.disk_cache_bytes_used, row.report.disk_cache_bytes_capacity) == (2000, 8000)
+    assert (row.report.host_cache_bytes_used, row.report.host_cache_bytes_capacity) == (250, 1000)

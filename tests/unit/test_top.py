@@ -8,17 +8,22 @@ import pytest
 from rich.table import Table
 
 from kvserve.cluster.top import _layout, block_bar, render_frame, render_text
+from kvserve.protos.kvserve.v1 import pressure_pb2 as ppb
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+
+REPORTED = {f.name for f in ppb.PressureReport.DESCRIPTOR.fields}
 
 
 def status(ts_ms: int, **per_worker: dict) -> spb.ClusterStatus:
+    """Workers of 48 blocks; a field the worker reports goes into its embedded report, the rest are the router's."""
     s = spb.ClusterStatus(timestamp_ms=ts_ms)
     for worker_id, fields in per_worker.items():
-        w = s.workers.add(worker_id=worker_id.replace("_", "-"), healthy=True, total_blocks=48, free_blocks=48)
+        w = s.workers.add(worker_id=worker_id.replace("_", "-"), healthy=True)
+        w.report.total_blocks, w.report.free_blocks = 48, 48
         for key, value in fields.items():
-            setattr(w, key, value)
-        if "usage" not in fields and w.total_blocks:
-            w.usage = w.used_blocks / w.total_blocks
+            setattr(w.report if key in REPORTED else w, key, value)
+        if "usage" not in fields:
+            w.usage = w.report.used_blocks / w.report.total_blocks
     s.router.max_queue_requests = 1024
     s.router.admission_state = "open"
     return s
@@ -67,10 +72,11 @@ def test_every_worker_and_its_state_is_shown() -> None:
         5000,
         worker_0={"used_blocks": 30, "cached_evictable_blocks": 6, "free_blocks": 12, "num_running": 3,
                   "num_waiting": 2, "num_swapped": 1, "swap_blocks_total": 64, "swap_blocks_free": 60,
-                  "node_id": "a" * 56, "prefix_cache_hit_rate": 0.25, "step_latency_ms": 12.5,
+                  "node_id": "a" * 56, "prefix_cache_query_tokens_total": 800,
+                  "prefix_cache_hit_tokens_total": 200, "step_latency_ms": 12.5,
                   "last_report_age_s": 0.3, "host_cache_bytes_capacity": 1000, "host_cache_bytes_used": 400,
-                  "prefix_cache_host_hit_rate": 0.5, "disk_cache_bytes_capacity": 4000, "disk_cache_bytes_used": 1000,
-                  "prefix_cache_disk_hit_rate": 0.125},
+                  "prefix_cache_host_hit_tokens_total": 400, "disk_cache_bytes_capacity": 4000,
+                  "disk_cache_bytes_used": 1000, "prefix_cache_disk_hit_tokens_total": 100},
         worker_1={"used_blocks": 0, "free_blocks": 48, "healthy": False, "last_report_age_s": -1.0,
                   "node_id": "b" * 56},
     )  # fmt: skip
@@ -164,8 +170,9 @@ def test_usage_is_coloured_by_the_routers_own_watermarks() -> None:
     """The same 75 % pool is yellow under the default watermarks and red under a router whose high
     watermark is 0.7 (the colours say what the router does: above high it sheds work)."""
     def status(high: float | None) -> spb.ClusterStatus:
-        s = spb.ClusterStatus(workers=[spb.WorkerStatus(worker_id="w0", healthy=True, state="up", total_blocks=100,
-                                                       used_blocks=75, free_blocks=25, usage=0.75)])
+        s = spb.ClusterStatus(workers=[spb.WorkerStatus(worker_id="w0", healthy=True, state="up", usage=0.75,
+                                                       report=ppb.PressureReport(total_blocks=100, used_blocks=75,
+                                                                                 free_blocks=25))])  # fmt: skip
         if high is not None:
             s.router.high_watermark, s.router.low_watermark = high, 0.5
         return s

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from kvserve.cluster.top import render_text
+from kvserve.protos.kvserve.v1 import pressure_pb2 as ppb
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 from kvserve.workers.core.identity import WorkerIdentity
 
@@ -20,7 +21,12 @@ def test_identity_carries_the_group_size() -> None:
 
 def test_top_shows_the_tp_column() -> None:
     workers = [
-        spb.WorkerStatus(worker_id=f"worker-{i}", healthy=True, total_blocks=48, free_blocks=48, tensor_parallel_size=n)
+        spb.WorkerStatus(
+            worker_id=f"worker-{i}",
+            healthy=True,
+            tensor_parallel_size=n,
+            report=ppb.PressureReport(total_blocks=48, free_blocks=48),
+        )  # fmt: skip
         for i, n in enumerate((4, 1))
     ]
     text = render_text(None, spb.ClusterStatus(timestamp_ms=1, workers=workers), width=220)

@@ -50,7 +50,6 @@ from kvserve.cluster.bench.serve_report import (
     plot,
     summarize,
 )
-from kvserve.workers.core.sizes import pool_usage
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +75,12 @@ class DriveOptions:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         if self.status_interval_s <= 0 or self.request_timeout_s <= 0:
             raise ValueError("status_interval_s and request_timeout_s must be > 0")
+
+
+def _tier_hit_rates(r: Any) -> tuple[float, float]:
+    """(host, disk): the share of a worker's prompt tokens loaded from each tier of its node so far."""
+    q = r.prefix_cache_query_tokens_total
+    return (r.prefix_cache_host_hit_tokens_total / q, r.prefix_cache_disk_hit_tokens_total / q) if q else (0.0, 0.0)
 
 
 async def drive(
@@ -148,11 +153,9 @@ async def drive(
                     StatusSample(
                         t=time.monotonic() - t0,
                         queue_requests=st.router.queue_requests,
-                        usage={w.worker_id: pool_usage(w.used_blocks, w.total_blocks)
-                               for w in st.workers},
-                        waiting={w.worker_id: w.num_waiting for w in st.workers},
-                        tier_hit_rates={w.worker_id: (w.prefix_cache_host_hit_rate, w.prefix_cache_disk_hit_rate)
-                                        for w in st.workers},
+                        usage={w.worker_id: w.usage for w in st.workers},  # the report's used / total blocks
+                        waiting={w.worker_id: w.report.num_waiting for w in st.workers},
+                        tier_hit_rates={w.worker_id: _tier_hit_rates(w.report) for w in st.workers},
                     )
                 )  # fmt: skip
             except grpc.RpcError as e:

@@ -185,40 +185,27 @@ class WorkerState:
         )
 
     def status_row(self, serving: bool, now: float) -> spb.WorkerStatus:
-        """This worker as ``ClusterStatus`` shows it (``kvserve top``, ``GetClusterStatus``)."""
-        r, ident = self.report, self.identity
-        w = spb.WorkerStatus(
+        """This worker as ``ClusterStatus`` shows it (``kvserve top``, ``GetClusterStatus``): the router's own
+        facts beside the worker's last report as sent; before its first, the pool its Hello described."""
+        ident = self.identity
+        r = self.report or pb.PressureReport(worker_id=ident.worker_id, total_blocks=ident.total_blocks,
+                                             free_blocks=ident.total_blocks, swap_blocks_total=ident.swap_blocks,
+                                             swap_blocks_free=ident.swap_blocks)  # fmt: skip
+        return spb.WorkerStatus(
             worker_id=self.worker_id,
             healthy=serving,
             state=WORKER_DRAINING if self.drain is not None and self.state != WORKER_RETIRED else self.state,
             incarnation=self.incarnation,
             restarts_total=self.restarts_total,
-            total_blocks=ident.total_blocks,
             num_migrations_total=self.migrations_out,
             blocks_in_flight=self.promised_blocks,
             model_id=ident.model_id,
             node_id=ident.node_id,
             tensor_parallel_size=ident.tensor_parallel_size,
-            last_report_age_s=now - self.report_time if r else -1.0,
+            last_report_age_s=now - self.report_time if self.report else -1.0,
+            usage=pool_usage(r.used_blocks, r.total_blocks),
+            report=r,
         )
-        if r is None:
-            w.free_blocks = ident.total_blocks
-            return w
-        w.free_blocks, w.used_blocks = r.free_blocks, r.used_blocks
-        w.cached_evictable_blocks = r.cached_evictable_blocks
-        w.usage = pool_usage(r.used_blocks, r.total_blocks)
-        w.num_running, w.num_waiting, w.num_swapped = r.num_running, r.num_waiting, r.num_swapped
-        w.swap_blocks_total, w.swap_blocks_free = r.swap_blocks_total, r.swap_blocks_free
-        w.num_preemptions_total = r.num_preemptions_total
-        w.decode_steps, w.step_latency_ms = r.decode_steps, r.step_latency_ms
-        q = r.prefix_cache_query_tokens_total
-        w.prefix_cache_hit_rate = r.prefix_cache_hit_tokens_total / q if q else 0.0
-        w.host_cache_bytes_used, w.host_cache_bytes_capacity = r.host_cache_bytes_used, r.host_cache_bytes_capacity
-        w.disk_cache_bytes_used, w.disk_cache_bytes_capacity = r.disk_cache_bytes_used, r.disk_cache_bytes_capacity
-        w.prefix_cache_host_hit_rate = r.prefix_cache_host_hit_tokens_total / q if q else 0.0
-        w.prefix_cache_disk_hit_rate = r.prefix_cache_disk_hit_tokens_total / q if q else 0.0
-        w.host_load_ratio = r.host_load_ratio
-        return w
 
 
 class WorkerTable:

@@ -1,4 +1,5 @@
-"""When a worker sends a block-pressure report: the rate policy, apart from the mechanism."""
+"""A worker's block-pressure report: what it says (``pressure_report``: the engine's own stats plus what
+the worker measures) and when it is sent (``PressurePolicy``: the rate policy, apart from the mechanism)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from kvserve.protos.kvserve.v1 import worker_pb2 as pb
 from kvserve.workers.core.sizes import pool_usage
+from kvserve.workers.engine.stats import EngineStats
 
 if TYPE_CHECKING:
     from kvserve.workers.transport.options import WorkerOptions
@@ -20,6 +22,33 @@ def report_from_bytes(data: bytes) -> pb.PressureReport:
 # NOTE: generated messages name their module by the proto package (kvserve.v1.worker_pb2), which is not
 # importable as such, so pickle (Ray's return values: ``Worker.stats``) cannot find the class by name.
 copyreg.pickle(pb.PressureReport, lambda m: (report_from_bytes, (m.SerializeToString(),)))
+
+
+# The report's fields the worker fills itself; every other field is an ``EngineStats`` field of that name.
+WORKER_FIELDS = frozenset({"worker_id", "seq", "decode_steps", "step_latency_ms", "num_imports_total",
+                           "num_exports_total"})  # fmt: skip
+
+
+def pressure_report(
+    worker_id: str,
+    stats: EngineStats,
+    *,
+    decode_steps: int,
+    step_latency_ms: float,
+    num_imports_total: int,
+    num_exports_total: int,
+) -> pb.PressureReport:
+    """The report of ``worker_id`` (``seq`` unset: stamped when sent): every ``EngineStats`` field by name,
+    and what the worker measures around the engine (steps that sampled, the last step's latency, the
+    migrations it carried out)."""
+    return pb.PressureReport(
+        worker_id=worker_id,
+        decode_steps=decode_steps,
+        step_latency_ms=step_latency_ms,
+        num_imports_total=num_imports_total,
+        num_exports_total=num_exports_total,
+        **vars(stats),
+    )
 
 
 def report_usage(report: pb.PressureReport) -> float:
@@ -62,9 +91,9 @@ class PressurePolicy:
 
     def crossed(self, usage: float) -> bool:
         before, now = self._last_usage, usage
-        return (before >= self.high_watermark) != (now >= self.high_watermark) or (
-            before <= self.low_watermark
-        ) != (now <= self.low_watermark)
+        return (before >= self.high_watermark) != (now >= self.high_watermark) or (before <= self.low_watermark) != (
+            now <= self.low_watermark
+        )
 
     def due(self, now: float, report: pb.PressureReport) -> bool:
         """Should ``report`` go out now?"""

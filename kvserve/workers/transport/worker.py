@@ -41,10 +41,9 @@ from kvserve.workers.engine.config import EngineConfig
 from kvserve.workers.engine.engine import make_engine
 from kvserve.workers.engine.migration import MigrationState
 from kvserve.workers.engine.outputs import RequestOutput
-from kvserve.workers.engine.tiered_cache import TierReport
 from kvserve.workers.transport.options import WorkerOptions
 from kvserve.workers.transport.outbox import Outbox
-from kvserve.workers.transport.pressure import PressurePolicy
+from kvserve.workers.transport.pressure import PressurePolicy, pressure_report
 from kvserve.workers.transport.worker_link import WorkerLinkClient
 
 logger = logging.getLogger(__name__)
@@ -343,33 +342,10 @@ class WorkerCore:
             self._pressure.sent(now, report)
 
     def _pressure_report(self) -> pb.PressureReport:
-        """The one stats object: pool and scheduler state as the router, metrics and ``kvserve top`` see it."""
-        e = self.engine
-        ps = e.pool.stats()
-        sched = e.scheduler
-        return pb.PressureReport(
-            worker_id=self.worker_id,
-            total_blocks=ps.total,
-            free_blocks=ps.free,
-            used_blocks=ps.used,
-            cached_evictable_blocks=ps.cached_evictable,
-            swap_blocks_total=e.swap_pool.num_blocks if e.swap_pool else 0,
-            swap_blocks_free=e.swap_pool.num_free_blocks if e.swap_pool else 0,
-            num_running=len(sched.running),
-            num_waiting=len(sched.waiting),
-            num_swapped=len(sched.swapped),
-            tokens_in_flight=sched.tokens_in_flight(),
-            decode_steps=self._decode_steps,
-            step_latency_ms=self._step_latency_ms,
-            num_preemptions_total=sum(sched.num_preemptions.values()),
-            prefix_cache_query_tokens_total=sched.prefix_queries,
-            prefix_cache_hit_tokens_total=sched.prefix_hits,
-            num_swaps_total=sched.num_preemptions["swap"],
-            num_imports_total=self._num_imports,
-            num_exports_total=self._num_exports,
-            prefill_tokens_total=sched.prefill_tokens,
-            **_tier_fields(e.tiers.report(sched.tier_hits) if e.tiers is not None else TierReport()),
-        )
+        """The engine's stats and this worker's counters: what the router, metrics and ``kvserve top`` see."""
+        return pressure_report(self.worker_id, self.engine.make_stats(), decode_steps=self._decode_steps,
+                               step_latency_ms=self._step_latency_ms, num_imports_total=self._num_imports,
+                               num_exports_total=self._num_exports)  # fmt: skip
 
     def _abort(self, request_id: str) -> bool:
         out = self.engine.abort_request(request_id)
@@ -480,25 +456,6 @@ def _output_message(o: RequestOutput) -> pb.RequestOutput:
 
 
 _TIER_PROTO = {"device": pb.TIER_DEVICE, "host": pb.TIER_HOST, "disk": pb.TIER_DISK}
-
-
-def _tier_fields(t: TierReport) -> dict[str, float]:
-    """The PressureReport fields of the tiered prefix cache."""
-    return {
-        "host_cache_bytes_used": t.host_bytes_used,
-        "host_cache_bytes_capacity": t.host_bytes_capacity,
-        "disk_cache_bytes_used": t.disk_bytes_used,
-        "disk_cache_bytes_capacity": t.disk_bytes_capacity,
-        "host_load_ratio": t.host_load_ratio,
-        "disk_load_ratio": t.disk_load_ratio,
-        "recompute_ms_per_block": t.recompute_ms_per_block,
-        "prefix_cache_host_hit_tokens_total": t.host_hit_tokens,
-        "prefix_cache_disk_hit_tokens_total": t.disk_hit_tokens,
-        "tier_bytes_written_total": t.bytes_written,
-        "tier_bytes_loaded_total": t.bytes_loaded,
-        "tier_load_seconds_total": t.load_seconds,
-        "tier_spills_dropped_total": t.spills_dropped,
-    }
 
 
 def _event_proto(e: BlockEvent) -> pb.BlockEvent:

@@ -1,4 +1,5 @@
 # ruff: noqa
+from kvserve.protos.kvserve.v1 import pressure_pb2 as _pressure_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -233,72 +234,34 @@ class ClusterStatus(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., router: _Optional[_Union[RouterStatus, _Mapping]] = ..., timestamp_ms: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "healthy", "total_blocks", "free_blocks", "used_blocks", "cached_evictable_blocks", "usage", "num_running", "num_waiting", "num_swapped", "swap_blocks_total", "swap_blocks_free", "num_preemptions_total", "num_migrations_total", "last_report_age_s", "blocks_in_flight", "decode_steps", "step_latency_ms", "prefix_cache_hit_rate", "model_id", "node_id", "state", "restarts_total", "host_cache_bytes_used", "host_cache_bytes_capacity", "prefix_cache_host_hit_rate", "prefix_cache_disk_hit_rate", "host_load_ratio", "incarnation", "disk_cache_bytes_used", "disk_cache_bytes_capacity", "tensor_parallel_size")
+    __slots__ = ("worker_id", "healthy", "usage", "num_migrations_total", "last_report_age_s", "blocks_in_flight", "model_id", "node_id", "state", "restarts_total", "incarnation", "tensor_parallel_size", "report")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
-    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    CACHED_EVICTABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
-    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
-    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
-    NUM_SWAPPED_FIELD_NUMBER: _ClassVar[int]
-    SWAP_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
-    SWAP_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
-    NUM_PREEMPTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_MIGRATIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     LAST_REPORT_AGE_S_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
-    DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
-    STEP_LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
-    PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
-    HOST_CACHE_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
-    HOST_CACHE_BYTES_CAPACITY_FIELD_NUMBER: _ClassVar[int]
-    PREFIX_CACHE_HOST_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
-    PREFIX_CACHE_DISK_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
-    HOST_LOAD_RATIO_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
-    DISK_CACHE_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
-    DISK_CACHE_BYTES_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     healthy: bool
-    total_blocks: int
-    free_blocks: int
-    used_blocks: int
-    cached_evictable_blocks: int
     usage: float
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    swap_blocks_total: int
-    swap_blocks_free: int
-    num_preemptions_total: int
     num_migrations_total: int
     last_report_age_s: float
     blocks_in_flight: int
-    decode_steps: int
-    step_latency_ms: float
-    prefix_cache_hit_rate: float
     model_id: str
     node_id: str
     state: str
     restarts_total: int
-    host_cache_bytes_used: int
-    host_cache_bytes_capacity: int
-    prefix_cache_host_hit_rate: float
-    prefix_cache_disk_hit_rate: float
-    host_load_ratio: float
     incarnation: str
-    disk_cache_bytes_used: int
-    disk_cache_bytes_capacity: int
     tensor_parallel_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., healthy: _Optional[bool] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_evictable_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., swap_blocks_free: _Optional[int] = ..., num_preemptions_total: _Optional[int] = ..., num_migrations_total: _Optional[int] = ..., last_report_age_s: _Optional[float] = ..., blocks_in_flight: _Optional[int] = ..., decode_steps: _Optional[int] = ..., step_latency_ms: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., model_id: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[str] = ..., restarts_total: _Optional[int] = ..., host_cache_bytes_used: _Optional[int] = ..., host_cache_bytes_capacity: _Optional[int] = ..., prefix_cache_host_hit_rate: _Optional[float] = ..., prefix_cache_disk_hit_rate: _Optional[float] = ..., host_load_ratio: _Optional[float] = ..., incarnation: _Optional[str] = ..., disk_cache_bytes_used: _Optional[int] = ..., disk_cache_bytes_capacity: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    report: _pressure_pb2.PressureReport
+    def __init__(self, worker_id: _Optional[str] = ..., healthy: _Optional[bool] = ..., usage: _Optional[float] = ..., num_migrations_total: _Optional[int] = ..., last_report_age_s: _Optional[float] = ..., blocks_in_flight: _Optional[int] = ..., model_id: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[str] = ..., restarts_total: _Optional[int] = ..., incarnation: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., report: _Optional[_Union[_pressure_pb2.PressureReport, _Mapping]] = ...) -> None: ...
 
 class RouterStatus(_message.Message):
     __slots__ = ("queue_requests", "queue_blocks", "max_queue_requests", "max_queue_blocks", "admission_state", "rejections_total", "requests_in_flight", "projected_wait_s", "replays_total", "high_watermark", "low_watermark")
