@@ -51,9 +51,8 @@ from kvserve.router.gate.auth import CallerAuthInterceptor, frontend_trusted
 from kvserve.router.gate.limits import Bounds, LimitExceeded, client_of_peer
 from kvserve.router.gate.tenancy import KeyRing, Principal, Tenancy
 from kvserve.router.gate.worker_auth import WorkerLinkGate
-from kvserve.router.observe import metrics
 from kvserve.router.observe.loop_lag import watch_loop_lag
-from kvserve.router.observe.metrics import RouterMetrics
+from kvserve.router.observe.metrics import RouterMetrics, start_metrics_server
 from kvserve.router.requests.demux import stream_responses
 from kvserve.router.requests.mux import StreamMux, stream_batches
 from kvserve.router.requests.request import RouterRequest
@@ -345,7 +344,7 @@ class RouterService:
         queue = self.router.queue
         RouterMetrics.watch_queue(lambda: queue.num_requests, lambda: queue.num_blocks, self._projected_wait_s)
         if self.metrics_port is not None:
-            metrics.start_metrics_server(self.metrics_port, self.config.host, self._metrics_authorized())
+            start_metrics_server(self.metrics_port, self.config.host, self._metrics_authorized())
         if self._http_port is not None:
             # NOTE: on this loop, beside grpc.aio: one Router, one request table, no extra hop.
             c = self.config
@@ -485,7 +484,7 @@ class RouterActor(RouterService):
 
     async def start(self) -> str:
         address = await super().start()
-        frozen, self.gc_pauses = settle_heap("router", metrics.observe_gc_pause)
+        frozen, self.gc_pauses = settle_heap("router", RouterMetrics.gc_paused)
         RouterMetrics.heap_settled(frozen)
         return address
 

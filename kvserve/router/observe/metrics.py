@@ -108,10 +108,6 @@ GC_FROZEN = Gauge(
 )
 
 
-def observe_gc_pause(generation: int, seconds: float) -> None:
-    GC_PAUSE.labels(str(generation)).observe(seconds)
-
-
 # What a worker counted since its previous report: each ``*_total`` field of PressureReport by name
 # (``WorkerState.deltas``), so a new counter needs no code here beyond the line that exports it.
 CounterDeltas = Mapping[str, int]
@@ -156,10 +152,15 @@ class RouterMetrics:
         return LOOP_LAG.observe, LOOP_HELD.observe
 
     @staticmethod
-    def heap_settled(frozen_objects: int) -> Callable[[int, float], None]:
-        """The start-up heap was frozen (``frozen_objects``); returns where collections' pauses go."""
+    def gc_paused(generation: int, seconds: float) -> None:
+        """A garbage collection of ``generation`` held the router process for ``seconds``
+        (kvserve/workers/core/gc_pauses.py calls it)."""
+        GC_PAUSE.labels(str(generation)).observe(seconds)
+
+    @staticmethod
+    def heap_settled(frozen_objects: int) -> None:
+        """The start-up heap was frozen (``frozen_objects``) out of the collector's scans."""
         GC_FROZEN.set(frozen_objects)
-        return observe_gc_pause
 
     def observe_pressure(self, r: pb.PressureReport, counted: CounterDeltas, node: str = "") -> None:
         """A worker's report: gauges as it says, counters by what it ``counted`` since its last one.
