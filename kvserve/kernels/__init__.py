@@ -35,7 +35,8 @@ def backend_name(device: torch.device | str | None = None) -> str:
 
 
 def get_backend(device: torch.device | str | None = None) -> ModuleType:
-    """A module exposing store_kv, rope_store_kv, decode_attention, prefill_attention, copy_blocks, swap_blocks."""
+    """A module exposing store_kv, rope_store_kv, decode_attention, prefill_attention, copy_blocks, swap_blocks,
+    rms_norm, fused_add_rms_norm and silu_and_mul."""
     name = backend_name(device)
     if name == "triton":
         from kvserve.kernels import triton_backend

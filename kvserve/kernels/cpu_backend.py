@@ -4,7 +4,8 @@ plain-torch reference everywhere else; same signatures as ``kernels.reference``.
 The C++ ops cover the fp32 decode step's hot path: paged decode attention over an fp32 cache,
 rotary embedding fused with the KV store, and an fp32 GEMM over weights packed once (``pack_weight``)
 for decode-sized projections and the LM head, whose greedy argmax never writes the logits. Quantized
-or half caches, prefill attention and block copies run the reference. Without a build
+or half caches, prefill attention, block copies, RMSNorm and SiLU-and-mul run the reference (the torch
+ops of ``kernels.norm_act_reference``, measured the faster exact path; see there). Without a build
 (``kernels.cpu_ext.available()``) everything does.
 """
 
@@ -14,9 +15,13 @@ import torch
 
 from kvserve import kernels
 from kvserve.kernels import cpu_ext, reference
+from kvserve.kernels.norm_act_reference import fused_add_rms_norm, rms_norm, silu_and_mul
 from kvserve.kernels.reference import copy_blocks, prefill_attention, store_kv, swap_blocks
 
-__all__ = ["store_kv", "rope_store_kv", "decode_attention", "prefill_attention", "copy_blocks", "swap_blocks"]
+__all__ = [
+    "store_kv", "rope_store_kv", "decode_attention", "prefill_attention", "copy_blocks", "swap_blocks",
+    "rms_norm", "fused_add_rms_norm", "silu_and_mul",
+]  # fmt: skip
 
 
 def _fp32_cache(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> bool:

@@ -16,6 +16,9 @@ import weakref
 
 import torch
 
+# The torch backend's RMSNorm, residual-add + RMSNorm and SiLU-and-mul (their own module: no cache involved).
+from kvserve.kernels.norm_act_reference import fused_add_rms_norm, rms_norm, silu_and_mul  # noqa: F401
+
 # NOTE: the CPU decode path builds sparse CSR patterns (see _decode_attention_sparse); torch warns once
 # that CSR support is "beta". The ops used (sampled_addmm, CSR construction) are long-standing.
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state", category=UserWarning)
