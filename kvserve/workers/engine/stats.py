@@ -12,8 +12,10 @@ Adding a stat: the proto field, a field here, its line in ``engine_stats``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvserve.workers.engine.block_pool import BlockPool
+from kvserve.workers.engine.model_runner import ModelRunner
 from kvserve.workers.engine.scheduler import Scheduler
 from kvserve.workers.engine.tiered_cache import TieredCache, TierReport
 
@@ -55,14 +57,21 @@ class EngineStats:
     tier_spills_dropped_total: int = 0
 
 
-def engine_stats(
-    pool: BlockPool,
-    swap_pool: BlockPool | None,
-    scheduler: Scheduler,
-    tiers: TieredCache | None,
-) -> EngineStats:
-    """The stats of the engine made of these parts (``LLMEngine.make_stats`` passes its own). Call it on
-    the engine's thread: it reads live queues."""
+class EngineParts(Protocol):
+    """What an engine's stats are read from (``LLMEngine`` has it all; a Protocol because engine.py imports
+    this module, not the reverse)."""
+
+    pool: BlockPool
+    swap_pool: BlockPool | None
+    scheduler: Scheduler
+    tiers: TieredCache | None
+    runner: ModelRunner
+
+
+def engine_stats(engine: EngineParts) -> EngineStats:
+    """The stats of ``engine`` (``LLMEngine.make_stats`` passes itself). Call it on the engine's thread:
+    it reads live queues."""
+    pool, swap_pool, scheduler, tiers = engine.pool, engine.swap_pool, engine.scheduler, engine.tiers
     ps = pool.stats()
     t = tiers.report(scheduler.tier_hits) if tiers is not None else TierReport()
     return EngineStats(
