@@ -25,7 +25,7 @@ from kvserve.workers.engine.block_pool import BlockPool
 from kvserve.workers.engine.config import EngineConfig
 from kvserve.workers.engine.cuda_graphs import decode_buckets
 from kvserve.workers.engine.kv_cache import KVCache, bytes_per_block, kv_storage_dtype
-from kvserve.workers.engine.memory_budget import CudaMemory
+from kvserve.workers.engine.memory_budget import CudaMeter, ProfileShape, profile_kv_blocks
 from kvserve.workers.engine.migration import MigrationState, rebuild_output_text
 from kvserve.workers.engine.model_runner import ModelRunner
 from kvserve.workers.engine.outputs import CompletionOutput, RequestOutput
@@ -112,7 +112,7 @@ class LLMEngine:
         self.tier_cost = TierCostModel(config.block_size)
         self.tiers: TieredCache | None = None
         if config.tiers_enabled:
-            self.tiers = TieredCache(config, self.kv_cache, self.pool, self.model_id, self.tier_cost)
+            self.tiers = self._make_tiers()
             self.scheduler.tier = self.tiers
             self._probe_tier_costs()
 
@@ -124,6 +124,16 @@ class LLMEngine:
         """The runner of this engine's steps (a tensor-parallel engine's broadcasts each step's inputs)."""
         return ModelRunner(self.model, self.kv_cache, Sampler())
 
+    def _make_tiers(self) -> TieredCache:
+        """The host/disk tiers of this engine's cache (a tensor-parallel engine's: of every rank's shard)."""
+        return TieredCache(self.config, self.kv_cache, self.pool, self.model_id, self.tier_cost)
+
+    def _probe_runner(self, num_blocks: int) -> ModelRunner:
+        """A runner over a scratch cache of ``num_blocks`` blocks for the start-up probe (a tensor-parallel
+        engine's runs its group's step on free blocks of its own pool instead)."""
+        scratch = KVCache(self.model.config, num_blocks, self.config.block_size, self.kv_dtype, self.device)
+        return ModelRunner(self.model, scratch, Sampler())
+
     @torch.inference_mode()
     def _probe_tier_costs(self) -> None:
         """Measure, on this model and machine, a block's recompute (a prefill of a few blocks in a scratch
@@ -131,8 +141,7 @@ class LLMEngine:
         assert self.tiers is not None
         bs = self.config.block_size
         blocks = max(1, min(4, self.max_model_len // bs))
-        scratch = KVCache(self.model_config, blocks, bs, self.kv_dtype, self.device)
-        runner = ModelRunner(self.model, scratch, Sampler())
+        runner = self._probe_runner(blocks)
         vocab = self.model_config.vocab_size
         for _ in range(2):  # the first run warms up (allocations, kernel choice); the second is measured
             probe = Request("__tier_probe__", [i % vocab for i in range(1, blocks * bs + 1)],
@@ -141,7 +150,7 @@ class LLMEngine:
             t0 = time.perf_counter()
             runner.execute(SchedulerOutput(scheduled=[(probe, blocks * bs)]))
             seconds = time.perf_counter() - t0
-        del scratch
+        del runner
         self.tier_cost.record_prefill(blocks * bs, seconds)
         self.tiers.probe(block_id=0)  # the pool is empty: block 0 holds nothing yet
         c = self.tier_cost
@@ -160,49 +169,14 @@ class LLMEngine:
             raise ValueError(f"kv_cache_memory={c.kv_cache_memory!r} holds no {block_bytes}-byte KV block")
         return n
 
-    @torch.inference_mode()
     def _profile_cuda_blocks(self, block_bytes: int) -> int:
-        """KV blocks that fit in ``gpu_memory_utilization`` x card memory next to this engine's own use:
-        its weights, the activation peak of the largest batch it will run and, with decode graphs, their
-        memory pool (the activation peak of a decode at the largest bucket), and no more than is free.
-
-        NOTE: only this engine's memory is counted against its share (``max_memory_allocated`` alone would
-        also count whatever else the process holds, e.g. another engine's pool, and refuse to start);
-        memory held elsewhere is respected through the free-memory bound instead.
-        """
-        c = self.config
-        torch.cuda.empty_cache()
-        weights = sum(t.numel() * t.element_size() for t in itertools.chain(self.model.parameters(),
-                                                                            self.model.buffers()))  # fmt: skip
-        num_tokens = min(c.max_num_batched_tokens, self.max_model_len)
-        activation = self._probe_peak([num_tokens])
-        graphs = 0 if c.enforce_eager else self._probe_peak([1] * decode_buckets(c.max_num_seqs)[-1])
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        memory = CudaMemory(total, free, c.gpu_memory_utilization, weights, activation, graphs)
-        n = memory.kv_blocks(block_bytes)
+        """KV blocks that fit in ``gpu_memory_utilization`` x card memory next to this engine's own use: its
+        weights, its largest step's activation peak and its decode graphs' pool, no more than is free
+        (``memory_budget.profile_kv_blocks``)."""
+        shape = ProfileShape.of(self.config, self.kv_dtype, self.max_model_len)
+        memory, n = profile_kv_blocks(CudaMeter(self.device), self.model, shape, block_bytes)
         logger.info("CUDA memory: %s -> %d KV blocks", memory.describe(), n)
         return n
-
-    def _probe_peak(self, counts: list[int]) -> int:
-        """Bytes allocated above the current level while one step runs requests of these token counts on a
-        scratch cache (the step's activation peak; the scratch cache itself is allocated before and not counted)."""
-        bs = self.config.block_size
-        per_req = [blocks_for(n, bs) for n in counts]
-        scratch = KVCache(self.model_config, sum(per_req), bs, self.kv_dtype, self.device)
-        probes, first = [], 0
-        for i, (n, blocks) in enumerate(zip(counts, per_req, strict=True)):
-            probe = Request(f"__profile_{i}__", [0] * n, SamplingParams(max_tokens=1, temperature=0.0))
-            probe.block_table, first = list(range(first, first + blocks)), first + blocks
-            probes.append((probe, n))
-        torch.cuda.synchronize(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        ModelRunner(self.model, scratch, Sampler()).execute(SchedulerOutput(scheduled=probes))
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - base
-        del scratch
-        return max(peak, 0)
 
     def enable_decode_graphs(self, buckets: Sequence[int] | None = None) -> None:
         """Decode steps replay graphs captured per padded batch size (``cuda_graphs``; default buckets
