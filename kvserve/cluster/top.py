@@ -3,7 +3,8 @@
 One bar per worker splits its KV pool into used / cached-evictable / free blocks, beside swap,
 running/waiting/swapped requests, preemptions and migrations per second (deltas of the workers'
 totals between two snapshots), prefix-cache hit rate, the node's host and disk tiers (each: fill %/share
-of the worker's prompt tokens loaded from it), step latency and report age; a header line
+of the worker's prompt tokens loaded from it), step latency, the share of decode steps that replayed a
+decode graph and report age; a header line
 shows the router queue, admission state and rejections.
 
 ``render_frame(prev, cur)`` is a pure function of two ``ClusterStatus`` snapshots (the older may be
@@ -103,6 +104,7 @@ _COLUMNS = (
     ("host", "right", 9, 5),  # the node's host tier: fill %, share of prompt tokens loaded from it
     ("disk", "right", 9, 5),  # the node's disk tier, likewise
     ("step ms", "right", 9, 2),
+    ("graph%", "right", 8, 2),  # share of the decode steps since the last frame that replayed a decode graph
     ("age s", "right", 7, 3),
 )
 _MIN_BAR, _MAX_BAR = 10, 40
@@ -144,6 +146,15 @@ def _tier(r: ppb.PressureReport, tier: str) -> str:
         return "-"
     fill = _share(getattr(r, f"{tier}_cache_bytes_used"), capacity)
     return f"{fill}/{_share(getattr(r, f'prefix_cache_{tier}_hit_tokens_total'), r.prefix_cache_query_tokens_total)}"
+
+
+def _graph_share(r: ppb.PressureReport, prev: ppb.PressureReport | None) -> str:
+    """The share of the decode steps between two reports that replayed a decode graph ("-": no earlier
+    report or no step since). Low on a GPU while decoding: batches past the largest graph, or prefill."""
+    steps = r.decode_steps - prev.decode_steps if prev is not None else 0
+    if steps <= 0:
+        return "-"
+    return _share(max(0, r.decode_graph_steps_total - prev.decode_graph_steps_total), steps)
 
 
 def render_frame(
@@ -227,6 +238,7 @@ def render_frame(
             "host": _tier(r, "host"),
             "disk": _tier(r, "disk"),
             "step ms": f"{r.step_latency_ms:.1f}",
+            "graph%": _graph_share(r, pr),
             "age s": "never" if w.last_report_age_s < 0 else f"{w.last_report_age_s:.1f}",
         }
         table.add_row(*(cells[c] for c in shown))

@@ -27,3 +27,18 @@ def test_stats_follow_the_pool_and_the_scheduler(tiny_llama_dir: Path) -> None:
     assert s.prefix_cache_hit_tokens_total == len(PREFIX), "the second prompt's two full blocks were cached"
     assert s.prefill_tokens_total > 0 and s.num_preemptions_total == s.num_swaps_total == 0
     assert s.host_cache_bytes_capacity == s.disk_cache_bytes_capacity == 0  # no tiers configured
+
+
+def test_decode_graph_steps_are_counted(tiny_llama_dir: Path) -> None:
+    """``decode_graph_steps_total``: the decode steps that replayed a graph (on CPU its eager twin runs the
+    same path), none without graphs; prefill steps never count."""
+    eager = LLM(str(tiny_llama_dir), device="cpu", block_size=16)
+    eager.generate([[5, 6, 7]], GREEDY)
+    assert eager.engine.make_stats().decode_graph_steps_total == 0
+
+    llm = LLM(str(tiny_llama_dir), device="cpu", block_size=16)
+    llm.engine.enable_decode_graphs([1, 2])
+    llm.generate([[5, 6, 7], [8, 9]], GREEDY)  # one prefill step, then 5 decode steps of both requests
+    graphs = llm.engine.runner.decode_graphs
+    assert graphs is not None
+    assert llm.engine.make_stats().decode_graph_steps_total == graphs.replays == GREEDY.max_tokens - 1

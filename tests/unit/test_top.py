@@ -53,6 +53,17 @@ def test_rates_come_from_deltas_of_totals() -> None:
     assert "rejections 10 (3.0/s): queue_full_blocks 10" in text
 
 
+def test_graph_share_of_the_decode_steps_between_frames() -> None:
+    """graph%: of the decode steps since the last frame, those that replayed a decode graph."""
+    prev = status(1000, worker_0={"decode_steps": 100, "decode_graph_steps_total": 40}, worker_1={"decode_steps": 7})
+    cur = status(2000, worker_0={"decode_steps": 200, "decode_graph_steps_total": 130}, worker_1={"decode_steps": 7})
+    text = render_text(prev, cur, width=200)
+    assert dict(zip(header(text), row(text, "worker-0"), strict=True))["graph%"] == "90%"
+    assert dict(zip(header(text), row(text, "worker-1"), strict=True))["graph%"] == "-"  # no step since
+    first = render_text(None, cur, width=200)
+    assert dict(zip(header(first), row(first, "worker-0"), strict=True))["graph%"] == "-"
+
+
 def test_no_previous_snapshot_shows_no_rates() -> None:
     text = render_text(None, status(1000, worker_0={"num_preemptions_total": 5}), width=200)
     cells = dict(zip(header(text), row(text, "worker-0"), strict=True))
@@ -133,7 +144,7 @@ def test_narrow_layout_keeps_the_essentials() -> None:
         assert name in cols
     assert bar >= 10
     full, bar_full = _layout(None, 30)
-    assert len(full) == 19 and bar_full == 30
+    assert len(full) == 20 and bar_full == 30
 
 
 def test_no_workers() -> None:

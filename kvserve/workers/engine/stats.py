@@ -55,6 +55,8 @@ class EngineStats:
     tier_bytes_loaded_total: int = 0
     tier_load_seconds_total: float = 0.0
     tier_spills_dropped_total: int = 0
+    # the runner
+    decode_graph_steps_total: int = 0  # decode steps that replayed a captured graph (cuda_graphs)
 
 
 class EngineParts(Protocol):
@@ -103,4 +105,5 @@ def engine_stats(engine: EngineParts) -> EngineStats:
         tier_bytes_loaded_total=t.bytes_loaded,
         tier_load_seconds_total=t.load_seconds,
         tier_spills_dropped_total=t.spills_dropped,
+        decode_graph_steps_total=engine.runner.decode_graphs.replays if engine.runner.decode_graphs else 0,
     )
