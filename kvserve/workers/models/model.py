@@ -2,7 +2,9 @@
 
 Batched tensors throughout: a step is one flat token batch ``[num_tokens, hidden]`` with no
 per-token Python. Projections are fused (q|k|v, gate|up) so each layer runs two big GEMMs
-instead of five small ones; the loader splices the HF weights in. On CPU, ``pack_for_cpu`` moves the
+instead of five small ones; the loader splices the HF weights in. The residual stream is carried as vLLM
+carries it: each residual add is fused into the RMSNorm after it, and SiLU-and-mul is one op (one launch
+each on CUDA: ``kernels.norm_act``). On CPU, ``pack_for_cpu`` moves the
 projections to oneDNN (``Linear``) and greedy rows skip the fp32 logits (``ScreenedArgmax``).
 """
 
@@ -69,17 +71,25 @@ def onednn_linear_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class RMSNorm(nn.Module):
+    """HF's RMSNorm (statistics in fp32, cast back, times the weight), run by the kernel backend: one
+    launch on CUDA, HF's own torch ops on CPU (``kernels.norm_act_reference``).
+
+    ``norm(x)`` returns the normed ``x``. ``norm(x, residual)`` is vLLM's fused residual add: it returns
+    ``(norm(x + residual), x + residual)`` and may overwrite ``x`` and ``residual`` (callers drop them).
+    """
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # NOTE: statistics in fp32 then cast back, exactly as HF does, so fp16/bf16 match it too. The
-        # fused rms_norm kernel gives the same bits as HF's pow/mean/rsqrt/mul sequence in fp32.
-        if x.dtype == torch.float32:
-            return nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        return self.weight * nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        backend = kernels.get_backend(x.device)
+        if residual is None:
+            return backend.rms_norm(x, self.weight, self.eps)
+        return backend.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -197,10 +207,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        # NOTE: SiLU in place on the gate half (a view of this step's own GEMM output): one
-        # [tokens, intermediate] buffer fewer per layer; same op, same bits.
-        return self.down_proj(torch.mul(nn.functional.silu(gate, inplace=True), up))
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
+        return self.down_proj(kernels.get_backend(x.device).silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -213,14 +221,23 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor,  # [num_tokens, hidden]: the previous layer's MLP output (layer 0: the embeddings)
+        residual: torch.Tensor | None,  # [num_tokens, hidden]: the residual stream before x (layer 0: None)
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         attn: AttentionMetadata,
         kv_scales: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, attn, kv_scales)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's MLP output, the residual stream before it)
+        """HF's ``h = h + attn(norm(h)); h = h + mlp(norm(h))`` with the residual carried as vLLM does:
+        each add is fused into the norm after it, so the stream is ``x + residual`` between layers. ``x``
+        and ``residual`` may be overwritten."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rope, kv_cache, attn, kv_scales)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class CausalLM(nn.Module):
@@ -258,9 +275,11 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         rope = self.rotary.table(positions, x.dtype)
         scales = kv_scales if kv_scales is not None else [None] * len(kv_caches)
+        residual = None
         for layer, kv_cache, layer_scales in zip(self.layers, kv_caches, scales, strict=True):
-            x = layer(x, rope, kv_cache, attn, layer_scales)
-        return x
+            x, residual = layer(x, residual, rope, kv_cache, attn, layer_scales)
+        # NOTE: the last residual add stays out of the final norm: only the sampled rows get normed.
+        return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
         return self._lm_head(self.norm(hidden)).float()
