@@ -86,15 +86,17 @@ def _silu_and_mul_kernel(
 # --------------------------------------------------------------------------------------------- launchers
 
 
-def _check(name: str, t: torch.Tensor, what: str) -> torch.Tensor:  # t as [rows, last]
-    """``t`` as a 2-D view: a supported float dtype on a device Triton runs on, rows of stride-1 columns
-    that one row stride addresses (a contiguous tensor, or a row slice of one)."""
+def _check(name: str, t: torch.Tensor, what: str, rows_view: bool = True) -> torch.Tensor:  # t as [rows, last]
+    """``t`` as a 2-D view: a supported float dtype on a device Triton runs on, stride-1 columns and (with
+    ``rows_view``) rows that one row stride addresses (a contiguous tensor, or a row slice of one)."""
     if t.dtype not in _DTYPES:
         raise ValueError(f"{name}: {what} must be one of {_DTYPES}, got {t.dtype}")
     if not (t.device.type == "cuda" or (t.device.type == "cpu" and triton_interpreting())):
         raise ValueError(f"{name}: {what} is on {t.device}; Triton needs CUDA (or TRITON_INTERPRET=1 on CPU)")
     if t.dim() < 1 or t.stride(-1) != 1:
         raise ValueError(f"{name}: {what} needs a contiguous last dim, got strides {t.stride()}")
+    if not rows_view:
+        return t
     try:
         return t.view(-1, t.shape[-1])
     except RuntimeError as e:
@@ -129,10 +131,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     Raises:
         ValueError: an unsupported dtype or device, a strided last dim, or a weight not ``[hidden]``.
     """
-    x2 = _check("rms_norm", x, "x")
+    _check("rms_norm", x, "x", rows_view=False)
     _check_weight("rms_norm", weight, x)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _norm_launch(x2, None, weight, out.view(-1, x.shape[-1]), eps)
+    # NOTE: reshape copies only rows no single stride addresses (Qwen3's per-head q/k norms over a qkv slice).
+    _norm_launch(x.reshape(-1, x.shape[-1]), None, weight, out.view(-1, x.shape[-1]), eps)
     return out
 
 

@@ -55,6 +55,13 @@ def test_fused_add_rms_norm_matches_reference(shape: tuple[int, int], dtype: tor
     assert out.data_ptr() == x.data_ptr() and res.data_ptr() == r.data_ptr()  # in place, as vLLM's
 
 
+def test_rms_norm_of_per_head_slices() -> None:
+    """Qwen3's q/k norms: ``[tokens, heads, head_dim]`` slices of the qkv GEMM output (no single row stride)."""
+    qkv = torch.randn(3, 12, 64, device=DEVICE)
+    q, w = qkv[:, :8], (1 + 0.1 * torch.randn(64)).to(DEVICE)
+    torch.testing.assert_close(norm_act.rms_norm(q, w, 1e-6), norm_act_reference.rms_norm(q, w, 1e-6))
+
+
 def test_fused_add_rms_norm_on_row_slices() -> None:
     """Rows of a wider buffer (a row stride that is not hidden) are read and written where they are."""
     x, r, w = _inputs((4, 512), torch.float32, 2)
