@@ -47,7 +47,6 @@ from kvserve.workers.engine.tier_cost import TierCostModel
 logger = logging.getLogger(__name__)
 
 
-
 def _probe_hash() -> int:
     """The start-up probe's block name: one per process (workers of a node probe the shared tier at
     once), in a range a 64-bit chain hash lands in with probability 2**-32; removed after the probe."""
@@ -85,12 +84,14 @@ class TierReport:
     spills_dropped: int = 0
 
 
-def layout_string(model_id: str, kv_cache: KVCache) -> str:
-    """What a block file must match to be loaded here: model, layers, block shape, element types."""
+def layout_string(model_id: str, kv_cache: KVCache, shard: tuple[int, int] | None = None) -> str:
+    """What a block file must match to be loaded here: model, layers, block shape, element types and, for a
+    rank of a tensor-parallel group, ``shard`` = (rank, size): its KV heads of a block are its own file."""
     layer = kv_cache.layers[0]
     scales = "fp32" if kv_cache.scales is not None else "none"
+    tp = f"|tp={shard[0]}/{shard[1]}" if shard is not None else ""
     return (f"{model_id}|layers={len(kv_cache.layers)}|block={list(layer.shape[2:])}x{kv_cache.block_size}"
-            f"|dtype={layer.dtype}|scales={scales}")  # fmt: skip
+            f"|dtype={layer.dtype}|scales={scales}{tp}")  # fmt: skip
 
 
 def default_host_dir(layout: str) -> Path:
@@ -106,19 +107,28 @@ class TieredCache:
     Args:
         config: the engine's config (tier knobs).
         kv_cache: the device cache blocks are copied from and into.
-        pool: the device pool (evicted blocks, event stream).
+        pool: the device pool (evicted blocks, event stream); None on a tensor-parallel rank > 0, which
+            spills and loads what its rank 0 says (``kvserve/workers/parallel/tiers.py``) and emits no events.
         model_id: part of the layout every file is checked against.
         cost: the cost model this cache feeds and obeys.
+        shard: (rank, size) of a tensor-parallel rank: its files are its KV heads of each block, named by a
+            layout of its own; the group's ranks share one default host directory (one budget).
     """
 
     def __init__(
-        self, config: EngineConfig, kv_cache: KVCache, pool: BlockPool, model_id: str, cost: TierCostModel
+        self,
+        config: EngineConfig,
+        kv_cache: KVCache,
+        pool: BlockPool | None,
+        model_id: str,
+        cost: TierCostModel,
+        shard: tuple[int, int] | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.pool = pool
         self.cost = cost
         self.always_load = config.tier_load == "always"
-        self.layout = layout_string(model_id, kv_cache)
+        self.layout = layout_string(model_id, kv_cache, shard)
         self.copier = TierCopier.for_cache(kv_cache)
         payload = self.copier.payload_bytes
         disk = None
@@ -126,7 +136,8 @@ class TieredCache:
             disk = BlockStore(config.disk_cache_dir, config.disk_cache_bytes, self.layout, payload, "disk")
         host = None
         if config.host_cache_bytes:
-            host_dir = config.host_cache_dir or default_host_dir(self.layout)
+            group = layout_string(model_id, kv_cache) + (f"|tp={shard[1]}" if shard is not None else "")
+            host_dir = config.host_cache_dir or default_host_dir(group)
             host = BlockStore(host_dir, config.host_cache_bytes, self.layout, payload, "host", demote_to=disk)
         self.stores = [s for s in (host, disk) if s is not None]
         self.payload_bytes = payload
@@ -143,7 +154,8 @@ class TieredCache:
         self._last_sweep = 0.0
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._writer.start()
-        pool.record_evictions = True
+        if pool is not None:
+            pool.record_evictions = True
         logger.info("tiered prefix cache: %s", ", ".join(f"{s.name} {s.capacity_bytes / 2**30:.2f} GiB at "
                                                          f"{s.directory}" for s in self.stores))  # fmt: skip
 
@@ -153,7 +165,13 @@ class TieredCache:
 
         Must run before anything writes into those blocks (the forward, a swap-in, a load, an import).
         """
+        assert self.pool is not None
         evicted = self.pool.drain_evicted()
+        if evicted:
+            self.spill(evicted)
+
+    def spill(self, evicted: list[tuple[int, int]]) -> None:
+        """Copy these (block id, block hash) pairs out of the KV cache for the writer (``spill_evicted``)."""
         # A block the first tier already holds (e.g. loaded from it earlier) is not copied again: its
         # file only becomes most recent (one utime, no gather).
         evicted = [(b, h) for b, h in evicted if not self.stores[0].touch(h)]
@@ -196,8 +214,12 @@ class TieredCache:
                 self._estimated_used[first.name] += first.file_bytes
         self.stats.blocks_spilled += len(stored)
         self.stats.bytes_written += len(stored) * first.file_bytes
-        self._events.append((BlockStored, tuple(stored), first.name))
+        self._event(BlockStored, stored, first.name)
         self._sweep()
+
+    def _event(self, kind: type[BlockStored] | type[BlockRemoved], hashes: list[int], tier: str) -> None:
+        if self.pool is not None:  # NOTE: a tensor-parallel rank > 0's files are announced by its rank 0's
+            self._events.append((kind, tuple(hashes), tier))
 
     def _pack(self, job: _Job, j: int) -> bytes:
         assert job.blocks is not None
@@ -213,9 +235,9 @@ class TieredCache:
         self._last_sweep = now
         for i, store in enumerate(self.stores):
             ev = store.evict_to_budget()
-            self._events.append((BlockRemoved, tuple(ev.removed), store.name))
+            self._event(BlockRemoved, ev.removed, store.name)
             if ev.demoted and i + 1 < len(self.stores):
-                self._events.append((BlockStored, tuple(ev.demoted), self.stores[i + 1].name))
+                self._event(BlockStored, ev.demoted, self.stores[i + 1].name)
             self._estimated_used[store.name] = store.used_bytes()
 
     # ---- load (engine thread) -----------------------------------------------------------------
@@ -228,13 +250,20 @@ class TieredCache:
             The tier of each block loaded, in order (``block_ids[:len(result)]`` now hold them).
         """
         self.spill_evicted()  # the fresh blocks may have been evicted just now: save them first
+        tiers = [s.name for s in self.stores if self.always_load or self.cost.load_pays(s.name)]
+        return self.load_run(block_hashes[: len(block_ids)], block_ids, tiers)
+
+    def load_run(self, block_hashes: Sequence[int], block_ids: Sequence[int], tiers: Sequence[str]) -> list[str]:
+        """``load``'s work once the tiers it may read (``tiers``, in order) are chosen: the longest run of
+        ``block_hashes`` found, cut to what ``agree`` allows, written into ``block_ids``."""
         found: list[tuple[bytes, str]] = []
         t0 = time.perf_counter()
         for h in block_hashes[: len(block_ids)]:
-            hit = self._find(h)
+            hit = self._find(h, tiers)
             if hit is None:
                 break
             found.append(hit)
+        found = found[: self.agree(len(found))]
         if not found:
             return []
         self._write_into(block_ids[: len(found)], [p for p, _ in found])
@@ -254,9 +283,14 @@ class TieredCache:
                 self._jobs.put(_Job([h], None, payload=payload))
         return tiers
 
-    def _find(self, block_hash: int) -> tuple[bytes, str] | None:
+    def agree(self, num_found: int) -> int:
+        """How many of the ``num_found`` blocks found to load: all of them here; a tensor-parallel group's
+        ranks load the run every rank found (its minimum), so the group never loads half a block."""
+        return num_found
+
+    def _find(self, block_hash: int, tiers: Sequence[str]) -> tuple[bytes, str] | None:
         for store in self.stores:
-            if not (self.always_load or self.cost.load_pays(store.name)):
+            if store.name not in tiers:
                 continue
             payload = store.get(block_hash)
             if payload is not None:
@@ -290,6 +324,7 @@ class TieredCache:
 
     def publish_events(self) -> None:
         """Emit the writer's tier events into the pool's event stream (engine thread)."""
+        assert self.pool is not None
         while self._events:
             kind, hashes, tier = self._events.popleft()
             self.pool.emit_tier_event(kind, hashes, tier)

@@ -5,11 +5,11 @@ sends them the KV pool's size once, and from then on one ``step_message`` per st
 block pool, prefix caching, preemption by recompute and sampling are rank 0's alone, unchanged: block
 ids and tables are the same on every rank, each rank holds its KV heads of every block.
 
-Swaps are broadcast (``LeaderKVCache``): each rank copies its heads of the same blocks. Not supported under
-tensor parallelism (refused at start, never run half-way): the host/disk tiers (their block copies and files
-are rank 0's only), CUDA decode graphs and CUDA pool profiling (give
-``num_gpu_blocks`` or ``kv_cache_memory``). Migration moves blocks with all KV heads (``kv_blocks``): a
-request moves between a group and any worker of the model, whatever its tensor-parallel size.
+Swaps are broadcast (``LeaderKVCache``): each rank copies its heads of the same blocks; so are decode graph
+steps (each rank replays its own graphs, ``runner``) and the host/disk tiers' spills and loads (each rank
+its own shard's files, ``tiers``). Each rank sizes its KV pool (on CUDA: profiles its own card) and the
+group takes the smallest (``sizing``). Migration moves blocks with all KV heads (``kv_blocks``): a request
+moves between a group and any worker of the model, whatever its tensor-parallel size.
 """
 
 from __future__ import annotations
@@ -25,24 +25,23 @@ import torch.distributed as dist
 
 from kvserve.workers.engine.config import EngineConfig
 from kvserve.workers.engine.engine import LLMEngine
+from kvserve.workers.engine.memory_budget import MemoryMeter
 from kvserve.workers.engine.model_runner import ModelRunner
 from kvserve.workers.engine.sampler import Sampler
+from kvserve.workers.engine.tiered_cache import TieredCache
 from kvserve.workers.models.model import CausalLM
-from kvserve.workers.parallel import group, step_message
+from kvserve.workers.parallel import group, sizing, step_message
+from kvserve.workers.parallel.layers import ShardedCausalLM
 from kvserve.workers.parallel.runner import LeaderKVCache, LeaderRunner
 from kvserve.workers.parallel.shard_loader import load_shard
+from kvserve.workers.parallel.tiers import GroupTieredCache
 
 logger = logging.getLogger(__name__)
 
 
 def check_supported(config: EngineConfig, device: torch.device) -> None:
-    """Raise ValueError for what a tensor-parallel engine does not do (see the module docstring)."""
+    """Raise ValueError for what a tensor-parallel engine cannot run: more ranks than visible CUDA devices."""
     n = config.tensor_parallel_size
-    if config.tiers_enabled:
-        raise ValueError(f"tensor_parallel_size={n}: the host/disk KV tiers are not supported; "
-                         "no host_cache_size/disk_cache_dir")  # fmt: skip
-    if device.type == "cuda" and config.num_gpu_blocks is None and config.kv_cache_memory is None:
-        raise ValueError(f"tensor_parallel_size={n} on CUDA: give num_gpu_blocks or kv_cache_memory (per rank)")
     if device.type == "cuda" and torch.cuda.device_count() < n:
         raise ValueError(f"tensor_parallel_size={n} needs {n} CUDA devices, {torch.cuda.device_count()} visible")
 
@@ -54,11 +53,14 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 class TPEngine(LLMEngine):
     """An ``LLMEngine`` over ``tensor_parallel_size`` ranks; this process is rank 0. ``close()`` ends the
-    other ranks (they also end when this process dies: their collective fails)."""
+    other ranks (they also end when this process dies: their collective fails). ``meter``: every rank's
+    device memory figures for sizing the pool (default: profile CUDA cards; given, it profiles on any
+    device: tests; it must pickle, the other ranks get a copy)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, meter: MemoryMeter | None = None) -> None:
         self._followers: list[subprocess.Popen] = []
         self._closed = False
+        self._meter = meter
         super().__init__(config)
 
     def _load_model(self, max_positions: int) -> CausalLM:
@@ -78,22 +80,40 @@ class TPEngine(LLMEngine):
                 [sys.executable, "-m", "kvserve.workers.parallel.follower"], stdin=subprocess.PIPE, env=env
             )
             assert p.stdin is not None
-            p.stdin.write(pickle.dumps((config, rank, address, dtype, max_positions, torch.get_num_threads())))
+            args = (config, rank, address, dtype, max_positions, torch.get_num_threads(), self._meter)
+            p.stdin.write(pickle.dumps(args))
             p.stdin.close()
             self._followers.append(p)
         group.join(0, n, address, self.device)
         logger.info("tensor-parallel group of %d joined at %s (%s)", n, address, dist.get_backend())
         return load_shard(config.model, 0, n, self.dtype, self.device, max_positions)
 
+    def _num_blocks(self, block_bytes: int) -> int:
+        assert isinstance(self.model, ShardedCausalLM)
+        return sizing.group_num_blocks(self.config, self.model, self.kv_dtype, block_bytes, self.max_model_len,
+                                       self._meter)  # fmt: skip
+
     def _make_runner(self) -> ModelRunner:
-        # The pool's and swap space's sizes, once: every rank allocates the same block ids (its KV heads of each).
+        # The pool's and swap space's sizes, once: every rank allocates the same block ids (its KV heads of
+        # each); and the model id, which names the tiers' files.
         num_swap = self.swap_pool.num_blocks if self.swap_pool is not None else 0
-        sizes = torch.tensor([self.kv_cache.num_blocks, num_swap], dtype=torch.int64, device=self.device)
-        dist.broadcast(sizes, src=0)
+        model_id = torch.tensor(list(self.model_id.encode()), dtype=torch.uint8, device=self.device)
+        sizes = [self.kv_cache.num_blocks, num_swap, model_id.numel()]
+        dist.broadcast(torch.tensor(sizes, dtype=torch.int64, device=self.device), src=0)
+        dist.broadcast(model_id, src=0)
         # NOTE: the engine built its KVCache already; LeaderKVCache adds only the swap broadcasts (no state).
         self.kv_cache.__class__ = LeaderKVCache
         self.kv_cache.plan = self.model.plan
         return LeaderRunner(self.model, self.kv_cache, Sampler())
+
+    def _make_tiers(self) -> TieredCache:
+        assert isinstance(self.model, ShardedCausalLM)
+        return GroupTieredCache(self.config, self.kv_cache, self.pool, self.model_id, self.tier_cost, self.model.plan)
+
+    def _probe_runner(self, num_blocks: int) -> ModelRunner:
+        # NOTE: the group's own step (every rank runs it) on pool blocks 0..num_blocks-1: free at start-up, and a
+        # free block is written before it is read, so the probe's K/V there is never seen.
+        return self.runner
 
     def close(self) -> None:
         """Stop the other ranks and leave the group (idempotent); the engine is unusable afterwards."""

@@ -23,6 +23,7 @@ from kvserve.workers.engine.cuda_graphs import DecodeGraphs, Forward, Outputs
 from kvserve.workers.engine.kv_cache import KVCache
 from kvserve.workers.engine.model_runner import ModelRunner
 from kvserve.workers.engine.request import Request
+from kvserve.workers.engine.tiered_cache import TieredCache
 from kvserve.workers.parallel import kv_blocks, step_message
 from kvserve.workers.parallel.layers import ShardedCausalLM
 from kvserve.workers.parallel.sharding import ShardPlan
@@ -146,8 +147,9 @@ class LeaderRunner(ModelRunner):
 
 
 @torch.inference_mode()
-def follow(model: ShardedCausalLM, kv_cache: KVCache) -> int:
+def follow(model: ShardedCausalLM, kv_cache: KVCache, tiers: TieredCache | None = None) -> int:
     """Run rank 0's steps on this rank's shard until it sends STOP; returns the number of steps run.
+    ``tiers``: this rank's host/disk tiers (``parallel.tiers``), when the group has them.
 
     Raises whatever the collectives raise when a peer dies (the caller's process then ends: a group
     never runs with a missing rank)."""
@@ -157,6 +159,18 @@ def follow(model: ShardedCausalLM, kv_cache: KVCache) -> int:
         msg = step_message.receive(kv_cache.device)
         if msg.kind == step_message.STOP:
             return steps
+        if msg.kind == step_message.TIER_SPILL:
+            assert tiers is not None, "a tier spill in a group without tiers"
+            tiers.spill(list(zip(msg.block_ids or [], msg.hashes or [], strict=True)))
+            continue
+        if msg.kind == step_message.TIER_LOAD:
+            assert tiers is not None, "a tier load in a group without tiers"
+            tiers.load_run(msg.hashes or [], msg.block_ids or [], msg.tiers or [])
+            continue
+        if msg.kind == step_message.TIER_FLUSH:
+            assert tiers is not None, "a tier flush in a group without tiers"
+            tiers.flush()
+            continue
         if msg.kind == step_message.CAPTURE:
             graphs = DecodeGraphs(graph_forward(model, kv_cache), msg.buckets or [], msg.max_blocks, kv_cache.device)
             graphs.capture()

@@ -17,7 +17,11 @@ import torch.distributed as dist
 
 from kvserve.workers.engine.attention_metadata import AttentionMetadata
 
-STEP, STOP, SWAP_OUT, SWAP_IN, READ_BLOCKS, WRITE_BLOCKS, CAPTURE, GRAPH_STEP = 1, 2, 3, 4, 5, 6, 7, 8
+STEP, STOP, SWAP_OUT, SWAP_IN, READ_BLOCKS, WRITE_BLOCKS, CAPTURE, GRAPH_STEP, TIER_SPILL, TIER_LOAD, TIER_FLUSH = (
+    range(1, 12)
+)
+TIER_NAMES = ("host", "disk")  # TIER_LOAD's tiers, as a bit mask in this order
+_U64 = 1 << 64
 _HEADER = 10  # kind, tokens, decode tokens, decodes, decode table width, prefills, prefill width, sampled, payload
 
 
@@ -36,6 +40,8 @@ class StepMessage:
     buckets: list[int] | None = None  # CAPTURE: the decode graphs' batch sizes
     max_blocks: int = 0  # CAPTURE: their block-table width
     graph: GraphRows | None = None  # GRAPH_STEP
+    hashes: list[int] | None = None  # TIER_SPILL / TIER_LOAD: block hashes (unsigned 64-bit), with block_ids
+    tiers: list[str] | None = None  # TIER_LOAD: the tiers rank 0 reads, in order
 
 
 @dataclass
@@ -88,6 +94,27 @@ def send_graph_step(rows: GraphRows) -> None:
     dist.broadcast(payload, src=0)
 
 
+def send_tier_spill(evicted: list[tuple[int, int]], device: torch.device) -> None:
+    """Broadcast the (block id, block hash) pairs rank 0's pool evicted: every rank spills its heads of them."""
+    _send(TIER_SPILL, [b for b, _ in evicted] + [_signed(h) for _, h in evicted], device)
+
+
+def send_tier_load(hashes: list[int], block_ids: list[int], tiers: list[str], device: torch.device) -> None:
+    """Broadcast a tier load: the hashes to find in ``tiers`` (in order) and the fresh blocks for them."""
+    mask = sum(1 << TIER_NAMES.index(t) for t in tiers)
+    _send(TIER_LOAD, [mask, *block_ids, *(_signed(h) for h in hashes)], device)
+
+
+def send_tier_flush(device: torch.device) -> None:
+    """Tell the ranks to wait for their tier writes (``GroupTieredCache.flush``)."""
+    _send(TIER_FLUSH, [], device)
+
+
+def _signed(h: int) -> int:
+    """A 64-bit block hash as an int64 (``receive`` undoes it)."""
+    return h - _U64 if h >= 1 << 63 else h
+
+
 def _send(kind: int, values: list[int], device: torch.device) -> None:
     payload = torch.tensor(values, dtype=torch.int64, device=device)
     header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
@@ -125,6 +152,17 @@ def receive(device: torch.device) -> StepMessage:
     if kind == CAPTURE:
         flat = payload.tolist()
         return StepMessage(kind, buckets=flat[1:], max_blocks=flat[0])
+    if kind == TIER_FLUSH:
+        return StepMessage(kind)
+    if kind == TIER_SPILL:
+        flat = payload.tolist()
+        half = len(flat) // 2
+        return StepMessage(kind, block_ids=flat[:half], hashes=[h % _U64 for h in flat[half:]])
+    if kind == TIER_LOAD:
+        mask, *flat = payload.tolist()
+        half = len(flat) // 2
+        tiers = [t for i, t in enumerate(TIER_NAMES) if mask >> i & 1]
+        return StepMessage(kind, block_ids=flat[:half], hashes=[h % _U64 for h in flat[half:]], tiers=tiers)
     if kind == GRAPH_STEP:
         b, n, width, num_sampled, logits = tokens, num_decode, decodes, dwidth, prefills
         ids, pos, slots, lens, table, rows = payload.split([b, b, b, b, b * width, num_sampled])
