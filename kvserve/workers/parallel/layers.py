@@ -78,6 +78,24 @@ class ShardedCausalLM(CausalLM):
         # rank 0 takes the argmax of the gathered fp32 logits instead (ties -> lowest id, as they do).
         return argmax_rows(self.compute_logits(hidden))
 
+    def greedy_token_ids_every_rank(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Greedy ids ``[n]`` on every rank, without gathering logits: each rank's argmax over its vocab slice,
+        then one all-gather of the (max logit, token id) pairs; the largest logit wins, ties to the lowest id,
+        as ``argmax_rows`` over the full logits does (the same fp32 values, the same rule). A decode graph's
+        greedy head: an all-gather is a collective NCCL can capture, a gather (send/recv) is not reliably.
+        """
+        local = nn.functional.linear(self.norm(hidden), self._lm_head_weight()).float()
+        local[:, self.plan.vocab_real_rows :] = float("-inf")  # the last rank's padding rows never win
+        ids = argmax_rows(local)
+        values = local.gather(1, ids.view(-1, 1)).squeeze(1)
+        # NOTE: float64 holds every fp32 logit and every token id exactly.
+        pair = torch.stack((values.double(), (ids + self.plan.vocab_start).double()))
+        parts = [torch.empty_like(pair) for _ in range(self.plan.size)]
+        dist.all_gather(parts, pair)
+        every = torch.stack(parts)  # [ranks, 2, n]; vocab slices ascend with the rank
+        best = every[:, 0].argmax(dim=0)  # the first maximal rank: the lowest id on ties across ranks
+        return every[:, 1].gather(0, best.view(1, -1)).squeeze(0).long()
+
     def pack_for_cpu(self) -> bool:
         """Repack the projections (row-parallel ones included) as ``CausalLM.pack_for_cpu`` does. The LM
         head stays plain: ``CausalLM``'s LM head copies (screen, packed argmax) see one vocab slice, never read here.

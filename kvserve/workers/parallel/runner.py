@@ -6,9 +6,10 @@ the model pair up), then contributes its slice of the sampled rows' logits. Only
 
 Decode graphs: every rank captures the same buckets (``CAPTURE``); a graph step's staged static-buffer rows
 are broadcast (``GRAPH_STEP``) and every rank replays the same bucket. A graph holds the forward's
-all-reduces and the greedy head's logits gather, so on CUDA it needs NCCL (capturable); gloo collectives
-are host-driven and cannot be captured, and the group never uses gloo on CUDA (``group.join``). On CPU
-the eager twin (``EagerGraph``) runs the same protocol.
+all-reduces and the greedy head's all-gather, so on CUDA it needs NCCL (collectives capturable since NCCL
+2.9.6); gloo collectives are host-driven and cannot be captured, and the group never uses gloo on CUDA
+(``group.join``). A step that samples from full logits gathers them after the replay, eagerly. On CPU the
+eager twin (``EagerGraph``) runs the same protocol.
 """
 
 from __future__ import annotations
@@ -75,12 +76,12 @@ class LeaderKVCache(KVCache):
 
 
 def graph_forward(model: ShardedCausalLM, cache: KVCache) -> Forward:
-    """The forward a decode graph captures, the same on every rank: the shard's forward and the greedy head
-    (rank 0 gets the ids of the gathered logits; the others contribute their slice and get junk ids)."""
+    """The forward a decode graph captures, the same on every rank: the shard's forward (its all-reduces) and
+    the greedy head (``greedy_token_ids_every_rank``: one all-gather of per-rank maxima, no logits gather)."""
 
     def forward(ids: torch.Tensor, positions: torch.Tensor, attn: object) -> Outputs:
         hidden = model(ids, positions, cache.layers, attn, cache.layer_scales)  # type: ignore[arg-type]
-        return hidden, model.greedy_token_ids(hidden)
+        return hidden, model.greedy_token_ids_every_rank(hidden)
 
     return forward
 
