@@ -49,6 +49,8 @@ class GroupTieredCache(TieredCache):
     def load_run(self, block_hashes: Sequence[int], block_ids: Sequence[int], tiers: Sequence[str]) -> list[str]:
         if self.rank == 0:
             n = min(len(block_hashes), len(block_ids))
+            if n == 0 or not tiers:  # nothing to find on any rank: no message, no collective
+                return []
             step_message.send_tier_load(list(block_hashes[:n]), list(block_ids[:n]), list(tiers), self.kv_cache.device)
         return super().load_run(block_hashes, block_ids, tiers)
 
