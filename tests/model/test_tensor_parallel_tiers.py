@@ -1,11 +1,13 @@
 """The host/disk KV tiers under tensor parallelism (kvserve/workers/parallel/tiers.py) on a real gloo group:
 each rank spills its KV heads of an evicted block to a file of its own layout (``tp=rank/size``), a prefix
-evicted from the pool comes back from the host tier on every rank and the tokens are HF's; a block one
+evicted from the pool comes back from the host (or disk) tier on every rank and the tokens are HF's; a block one
 rank lacks is loaded on none (the group agrees on the shortest run), and the rest is recomputed."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import pytest
 
 from kvserve.workers.core.block_hash import cache_extra, hash_blocks
 from kvserve.workers.core.sampling_params import SamplingParams
@@ -19,9 +21,11 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 FILL = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
-def _tiered_group(model: Path, host: Path) -> LLM:
+def _tiered_group(model: Path, directory: Path, tier: str = "host") -> LLM:
+    where = ({"host_cache_memory": "1MiB", "host_cache_dir": str(directory)} if tier == "host" else
+             {"disk_cache_dir": str(directory), "disk_cache_size": "1MiB"})  # fmt: skip
     return LLM(str(model), device="cpu", block_size=BS, num_gpu_blocks=16, tensor_parallel_size=2,
-               host_cache_memory="1MiB", host_cache_dir=str(host), tier_load="always")  # fmt: skip
+               tier_load="always", **where)  # fmt: skip
 
 
 def _evict_prompt(llm: LLM) -> list[int]:
@@ -42,9 +46,10 @@ def _rank_file(host: Path, layout: str, rank: int, block_hash: int) -> Path:
     return host / f"{fingerprint}-{block_hash:016x}.kvb"
 
 
-def test_tp2_prefix_from_host_tier_matches_hf(tiny_llama_dir: Path, tmp_path: Path, hf_greedy) -> None:
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_tp2_prefix_from_a_tier_matches_hf(tiny_llama_dir: Path, tmp_path: Path, hf_greedy, tier: str) -> None:
     want = hf_greedy(tiny_llama_dir, [PROMPT], 8)[0]
-    llm = _tiered_group(tiny_llama_dir, tmp_path)
+    llm = _tiered_group(tiny_llama_dir, tmp_path, tier)
     engine = llm.engine
     try:
         assert llm.generate([PROMPT], GREEDY)[0].token_ids == want
@@ -53,8 +58,8 @@ def test_tp2_prefix_from_host_tier_matches_hf(tiny_llama_dir: Path, tmp_path: Pa
         for rank in (0, 1):  # each rank's shard of each block, under its own name
             assert all(_rank_file(tmp_path, engine.tiers.layout, rank, h).exists() for h in hashes), rank
         (again,) = llm.generate([PROMPT], GREEDY, check_integrity=True)
-        assert engine.scheduler.tier_hits["host"] == len(PROMPT) and again.num_cached_tokens == len(PROMPT)
-        assert engine.tiers.stats.blocks_loaded["host"] == len(PROMPT) // BS
+        assert engine.scheduler.tier_hits[tier] == len(PROMPT) and again.num_cached_tokens == len(PROMPT)
+        assert engine.tiers.stats.blocks_loaded[tier] == len(PROMPT) // BS
         assert engine.followers_alive()
     finally:
         engine.close()
