@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from kvserve.router.gate.limits import UNKNOWN_RETRY_MS, Bounds, ClientStreams, LimitExceeded, WatcherSlots
+from kvserve.router.gate.bounds import Bounds
+from kvserve.router.gate.limits import UNKNOWN_RETRY_MS, ClientStreams, LimitExceeded, WatcherSlots
 from kvserve.router.policy.service_times import ServiceTimes
 
 

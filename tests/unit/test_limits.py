@@ -98,7 +98,7 @@ def test_client_of_peer(peer: str, client: str) -> None:
 
 
 def test_prompts_wait_in_a_bounded_queue() -> None:
-    from kvserve.router.gate.limits import PromptPreparer
+    from kvserve.router.gate.prompt_preparer import PromptPreparer
 
     class SlowTokenizer:
         def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -14,7 +14,7 @@ from typing import Any
 from kvserve.router.api.keepalive import server_keepalive_options
 from kvserve.router.api.server import build_server
 from kvserve.router.config import RouterConfig
-from kvserve.router.gate.limits import Bounds
+from kvserve.router.gate.bounds import Bounds
 from kvserve.router.gate.worker_auth import WorkerLinkGate
 from kvserve.router.requests.router import Router
 from kvserve.workers.core.identity import WorkerIdentity

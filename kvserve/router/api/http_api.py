@@ -59,9 +59,10 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 from kvserve.router.api.health import cluster_ready, serving_workers
-from kvserve.router.gate.limits import Bounds, InputLimits
+from kvserve.router.gate.bounds import Bounds
+from kvserve.router.gate.limits import InputLimits
 from kvserve.router.gate.tenancy import Principal
-from kvserve.router.observe import http_metrics
+from kvserve.router.observe.metrics import RouterMetrics
 from kvserve.router.requests.demux import stream_responses
 from kvserve.router.requests.router import Router, RouterError, RouterRequest
 
@@ -761,8 +762,7 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            http_metrics.HTTP_REQUESTS.labels(route, status[0]).inc()
-            http_metrics.HTTP_DURATION.labels(route).observe(time.monotonic() - start)
+            RouterMetrics.http_request(route, status[0], time.monotonic() - start)
 
 
 _MAX_DRAIN_BYTES = 64 << 20  # what a refused body may still send before the connection is dropped

@@ -48,7 +48,8 @@ from kvserve.router.api.http_api import HttpApiServer
 from kvserve.router.api.keepalive import server_keepalive_options
 from kvserve.router.config import RouterConfig
 from kvserve.router.gate.auth import CallerAuthInterceptor, frontend_trusted
-from kvserve.router.gate.limits import Bounds, LimitExceeded, client_of_peer
+from kvserve.router.gate.bounds import Bounds
+from kvserve.router.gate.limits import LimitExceeded, client_of_peer
 from kvserve.router.gate.tenancy import KeyRing, Principal, Tenancy
 from kvserve.router.gate.worker_auth import WorkerLinkGate
 from kvserve.router.observe.loop_lag import watch_loop_lag

@@ -108,6 +108,17 @@ GC_FROZEN = Gauge(
 )
 
 
+# The OpenAI-compatible HTTP API's (kvserve/router/api/http_api.py, in the router or a frontend). ``route`` is
+# the route template (a fixed set, ``other`` for anything else): bounded cardinality whatever clients send.
+HTTP_REQUESTS = Counter("kvserve:http_requests", "HTTP API requests by route and status code", ["route", "status"])
+HTTP_DURATION = Histogram(
+    "kvserve:http_request_duration_seconds",
+    "HTTP API request time, first byte in to last byte out (streams: the whole stream)",
+    ["route"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+)
+
+
 # What a worker counted since its previous report: each ``*_total`` field of PressureReport by name
 # (``WorkerState.deltas``), so a new counter needs no code here beyond the line that exports it.
 CounterDeltas = Mapping[str, int]
@@ -247,6 +258,13 @@ class RouterMetrics:
             GENERATION_TOKENS.inc(new_tokens)
         if e2e_s is not None:
             E2E.observe(e2e_s)
+
+    # ---- the HTTP API (kvserve/router/api/http_middleware.py ``MetricsMiddleware``) ------------------------
+    @staticmethod
+    def http_request(route: str, status: str, seconds: float) -> None:
+        """An HTTP API request to ``route`` (a template) ended with ``status`` after ``seconds``."""
+        HTTP_REQUESTS.labels(route, status).inc()
+        HTTP_DURATION.labels(route).observe(seconds)
 
 
 class _MetricsServer(ThreadingMixIn, WSGIServer):
