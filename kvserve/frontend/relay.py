@@ -1,8 +1,8 @@
 """What a frontend does before a request reaches the router, shared by its gRPC and HTTP APIs.
 
 * prompts: text and chat prompts become token ids here, in a bounded thread pool
-  (``kvserve/router/gate/prompts.py``, the very function the router uses; the template's markup alone yields
-  control tokens), so the router only checks ids. NOTE: the model's vocabulary and context length
+  (``kvserve/router/gate/prompt_preparer.py``, the very preparer the router uses; the template's markup
+  alone yields control tokens), so the router only checks ids. NOTE: the model's vocabulary and context length
   are the workers' (the router knows them); the router checks the ids against them and its refusal
   is renamed back to the field the caller sent (``prompt.text`` / ``prompt.messages``);
 * ids: a request without one gets ``req-<hex>``, as the router would name it;
@@ -12,17 +12,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
 
 from kvserve.frontend.link import RelayedRequest, RouterLink
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
-from kvserve.router.gate.limits import InputLimits
-from kvserve.router.gate.prompts import prompt_ids, with_token_ids
+from kvserve.router.gate.limits import InputLimits, LimitExceeded
+from kvserve.router.gate.prompt_preparer import FixedModel, PromptPreparer
 from kvserve.router.gate.validation import ModelLimits, ValidationError
 from kvserve.router.requests.request import RouterError
 from kvserve.workers.text.chat_template import ChatTemplate
@@ -32,45 +30,33 @@ _UNBOUNDED = ModelLimits(vocab_size=1 << 62, max_model_len=1 << 62)
 _PROMPT_FIELDS = {"text": "prompt.text", "messages": "prompt.messages"}
 
 
-class FrontendPrompts:
-    """Text and chat prompts -> token ids off the event loop (``kvserve/router/gate/limits.py`` ``PromptPreparer``'s
-    bounds: ``prompt_threads`` threads, at most ``max_pending_prompts`` waiting)."""
+def frontend_prompts(tokenizer: Any, template: ChatTemplate | None, limits: InputLimits) -> PromptPreparer:
+    """The frontend's prompt preparer (``kvserve/router/gate/prompt_preparer.py``, the router's own):
+    ``prompt_threads`` threads, at most ``max_pending_prompts`` waiting, and no bound of the model's
+    (the router's, with the workers' real vocabulary and length)."""
+    return PromptPreparer(FixedModel(tokenizer, template, _UNBOUNDED), limits.prompt_threads,
+                          limits.max_pending_prompts, thread_name="kvserve-frontend-prompt")  # fmt: skip
 
-    def __init__(self, tokenizer: Any, template: ChatTemplate | None, threads: int, max_pending: int) -> None:
-        self.tokenizer, self.template = tokenizer, template
-        self.max_pending, self.pending = max_pending, 0
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvserve-frontend-prompt")
 
-    async def prepare(self, request: spb.GenerateRequest) -> spb.GenerateRequest:
-        """``request`` with its prompt as token ids (ids prompts are passed as they are).
+async def prepare(prompts: PromptPreparer, request: spb.GenerateRequest) -> spb.GenerateRequest:
+    """``request`` with its prompt as token ids (ids prompts are passed as they are).
 
-        Raises:
-            RouterError: INVALID_ARGUMENT naming the field; RESOURCE_EXHAUSTED, too many prompts wait.
-        """
-        if request.WhichOneof("prompt") not in _PROMPT_FIELDS:
-            return request
-        if self.pending >= self.max_pending:
-            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"{self.pending} prompts are waiting to be tokenized; at most {self.max_pending} "
-                              "(limit max_pending_prompts)", (("retry-after-ms", "1000"),))  # fmt: skip
-        self.pending += 1
-        try:
-            loop = asyncio.get_running_loop()
-            ids = await loop.run_in_executor(self._pool, prompt_ids, request, _UNBOUNDED, self.tokenizer, self.template)
-        except ValidationError as e:
-            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
-        finally:
-            self.pending -= 1
-        return with_token_ids(request, ids)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+    Raises:
+        RouterError: INVALID_ARGUMENT naming the field; RESOURCE_EXHAUSTED, too many prompts wait
+            (with its ``retry-after-ms`` hint), as the router answers them.
+    """
+    try:
+        return await prompts.prepare(request)
+    except LimitExceeded as e:
+        raise RouterError(e.code, str(e), e.trailers) from e
+    except ValidationError as e:
+        raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
 
 
 class Relay:
     """Prepare and relay requests to the router (``submit``), for both of a frontend's APIs."""
 
-    def __init__(self, link: RouterLink, prompts: FrontendPrompts, limits: InputLimits) -> None:
+    def __init__(self, link: RouterLink, prompts: PromptPreparer, limits: InputLimits) -> None:
         self.link, self.prompts, self.limits = link, prompts, limits
 
     async def submit(
@@ -87,7 +73,7 @@ class Relay:
         """
         prepared = []
         for r in requests:
-            p = await self.prompts.prepare(r)
+            p = await prepare(self.prompts, r)
             if not p.request_id:
                 if p is r:
                     p = spb.GenerateRequest()

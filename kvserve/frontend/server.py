@@ -34,7 +34,7 @@ from grpc_reflection.v1alpha import reflection
 from kvserve.frontend.grpc_api import FRONTEND_ID_HEADER, FrontendServicer
 from kvserve.frontend.http_backend import RelayBackend
 from kvserve.frontend.link import RouterLink
-from kvserve.frontend.relay import FrontendPrompts, Relay
+from kvserve.frontend.relay import Relay, frontend_prompts
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 from kvserve.router.api.grpc_surface import add_kvserve_servicer
 from kvserve.router.api.health import LIVENESS_SERVICE, READINESS_SERVICES
@@ -96,9 +96,7 @@ class FrontendServer:
         self.tokenizer = tokenizer
         self.limits = InputLimits.from_config(c)
         self.tenancy = Tenancy(KeyRing.load(c.auth_keys), operator_token=c.auth_token) if c.auth_keys else None
-        self._prompts = FrontendPrompts(
-            tokenizer, template, self.limits.prompt_threads, self.limits.max_pending_prompts
-        )
+        self._prompts = frontend_prompts(tokenizer, template, self.limits)
         self.ready = False
         self.grpc_port = 0
         self.http_port: int | None = None
@@ -137,8 +135,14 @@ class FrontendServer:
         self._server = server
         if s.http_port is not None:
             model_names = (c.served_model_name or "", c.model or "", "")
-            backend = RelayBackend(relay, self.tenancy, model_names, self.tokenizer, lambda: self.ready,
-                                   default_timeout_s=c.http_default_timeout_s)
+            backend = RelayBackend(
+                relay,
+                self.tenancy,
+                model_names,
+                self.tokenizer,
+                lambda: self.ready,
+                default_timeout_s=c.http_default_timeout_s,
+            )
             self._http = HttpApiServer(backend, c.host, s.http_port, c.auth_token, tls=c.tls_files(), reuse_port=True,
                                        served_by=(FRONTEND_ID_HEADER, s.frontend_id))  # fmt: skip
             self.http_port = await self._http.start()

@@ -72,11 +72,14 @@ def test_the_hint_is_when_the_first_live_stream_is_expected_to_end() -> None:
 def test_a_frontends_prompt_queue_refusal_has_a_retry_hint() -> None:
     import asyncio
 
-    from kvserve.frontend.relay import FrontendPrompts
+    from kvserve.frontend.relay import frontend_prompts, prepare
     from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+    from kvserve.router.gate.limits import InputLimits
     from kvserve.router.requests.request import RouterError
 
-    prompts = FrontendPrompts(tokenizer=None, template=None, threads=1, max_pending=0)
+    prompts = frontend_prompts(
+        tokenizer=None, template=None, limits=InputLimits(prompt_threads=1, max_pending_prompts=0)
+    )
     with pytest.raises(RouterError) as e:
-        asyncio.run(prompts.prepare(spb.GenerateRequest(text="hello")))
+        asyncio.run(prepare(prompts, spb.GenerateRequest(text="hello")))
     assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry-after-ms" in dict(e.value.trailers)
