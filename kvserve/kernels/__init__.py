@@ -10,6 +10,7 @@ which need no kernel.
 
 from __future__ import annotations
 
+import importlib
 import os
 from types import ModuleType
 
@@ -30,22 +31,23 @@ def backend_name(device: torch.device | str | None = None) -> str:
         if forced not in BACKENDS:
             raise ValueError(f"KVSERVE_ATTENTION_BACKEND={forced!r}: expected one of {BACKENDS}")
         return forced
-    dev = torch.device(device) if device is not None else None
-    return "triton" if dev is not None and dev.type == "cuda" else "cpu"
+    if device is None:
+        return "cpu"
+    # NOTE: a torch.device is used as is: the model asks once per norm, activation and attention call.
+    dev = device if isinstance(device, torch.device) else torch.device(device)
+    return "triton" if dev.type == "cuda" else "cpu"
 
 
 def get_backend(device: torch.device | str | None = None) -> ModuleType:
     """A module exposing store_kv, rope_store_kv, decode_attention, prefill_attention, copy_blocks, swap_blocks,
     rms_norm, fused_add_rms_norm and silu_and_mul."""
     name = backend_name(device)
-    if name == "triton":
-        from kvserve.kernels import triton_backend
+    module = _LOADED.get(name)
+    if module is None:  # imported on first use: the triton backend imports triton
+        module = _LOADED[name] = importlib.import_module(_MODULES[name])
+    return module
 
-        return triton_backend
-    if name == "cpu":
-        from kvserve.kernels import cpu_backend
 
-        return cpu_backend
-    from kvserve.kernels import reference
-
-    return reference
+_MODULES = {"triton": "kvserve.kernels.triton_backend", "cpu": "kvserve.kernels.cpu_backend",
+            "torch": "kvserve.kernels.reference"}  # fmt: skip
+_LOADED: dict[str, ModuleType] = {}
