@@ -28,7 +28,7 @@ import grpc
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 from kvserve.protos.kvserve.v1 import serving_pb2_grpc
 from kvserve.protos.kvserve.v1 import worker_pb2 as pb
-from kvserve.router.gate import limits as gate_limits
+from kvserve.router.gate import prompt_preparer as gate_preparer
 from kvserve.router.gate import prompts as gate_prompts
 from kvserve.router.gate.prompts import longest_token_bytes
 from kvserve.router.gate.tenancy import hash_key
@@ -100,7 +100,7 @@ def main() -> None:
     served = test_schema_fuzz.Served(model, max_model_len=4096, auth_keys=str(keys))
     try:
         if args.unfixed:  # NOTE: as before issue 42: no size check first, prompts in threads
-            gate_limits.check_prompt_size = gate_prompts.check_prompt_size = lambda *a: None  # type: ignore[assignment]
+            gate_preparer.check_prompt_size = gate_prompts.check_prompt_size = lambda *a: None  # type: ignore[assignment]
             served.service.bounds.prompts._processes = None
         bound = 2 * 4096 * (longest_token_bytes(served.service.router.tokenizer) or 1)
         ju = bound - 16

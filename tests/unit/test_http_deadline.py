@@ -12,7 +12,8 @@ import time
 
 import httpx
 
-from kvserve.router.api.http_api import OpenAIApi, RouterBackend
+from kvserve.router.api.http_api import OpenAIApi
+from kvserve.router.api.router_backend import RouterBackend
 from tests.unit.test_router_failover import _commands, _router
 
 TIMEOUT_S = 0.5

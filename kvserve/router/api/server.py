@@ -46,6 +46,7 @@ from kvserve.router.api.grpc_surface import Undecodable, abort_call, add_kvserve
 from kvserve.router.api.health import HealthPublisher
 from kvserve.router.api.http_api import HttpApiServer
 from kvserve.router.api.keepalive import server_keepalive_options
+from kvserve.router.api.router_backend import RouterBackend
 from kvserve.router.config import RouterConfig
 from kvserve.router.gate.auth import CallerAuthInterceptor, frontend_trusted
 from kvserve.router.gate.bounds import Bounds
@@ -349,7 +350,8 @@ class RouterService:
         if self._http_port is not None:
             # NOTE: on this loop, beside grpc.aio: one Router, one request table, no extra hop.
             c = self.config
-            self._http = HttpApiServer(self.router, c.host, self._http_port, c.auth_token, self.bounds, c.tls_files())
+            self._http = HttpApiServer(RouterBackend(self.router, self.bounds), c.host, self._http_port, c.auth_token,
+                                       tls=c.tls_files())  # fmt: skip
             try:
                 self._http_port = await self._http.start()
             except BaseException:

@@ -117,7 +117,7 @@ _CHILD: tuple[ModelLimits | None, Any, ChatTemplate | None] = (None, None, None)
 
 
 def child_init(model_dir: str) -> None:
-    """A prompt process's start (``kvserve/router/gate/limits.py``): its own tokenizer and chat template,
+    """A prompt process's start (``kvserve/router/gate/prompt_preparer.py``): its own tokenizer and chat template,
     and a watchdog that ends it when the router's process is gone (a SIGKILLed router, whose pool
     never shuts down, must not leave its prompt processes behind)."""
     import os

@@ -225,7 +225,7 @@ class Tenancy:
         returns what gives them back (for requests the router then refused).
 
         ``budgets`` picks which: ``requests_per_minute`` needs no prompt ids, so it is charged
-        before any work on the requests (kvserve/router/gate/limits.py: a key's rate bounds how
+        before any work on the requests (kvserve/router/gate/bounds.py: a key's rate bounds how
         many of its prompts get tokenized, issue 42); ``tokens_per_minute`` once they are ids.
 
         Raises:
@@ -240,7 +240,7 @@ class Tenancy:
         if k.tokens_per_minute is not None and "tokens_per_minute" in budgets:
             tokens = sum(
                 len(r.token_ids.ids) + (r.sampling.max_tokens or default_max_tokens) for r in requests
-            )  # NOTE: prompts are token ids by now (kvserve/router/gate/limits.py tokenized them)
+            )  # NOTE: prompts are token ids by now (kvserve/router/gate/bounds.py had them tokenized)
             bucket = self._tokens.setdefault(who.key_id, _Bucket(k.tokens_per_minute, k.tokens_per_minute, now))
             waits.append(("tokens_per_minute", bucket, tokens))
         for i, (name, bucket, amount) in enumerate(waits):

@@ -28,7 +28,7 @@ class ValidationError(ValueError):
         self.field, self.message = field, message
 
     def __reduce__(self) -> tuple:
-        # NOTE: raised in the prompt processes (kvserve/router/gate/limits.py) and pickled back to the router
+        # NOTE: raised in the prompt processes (kvserve/router/gate/prompt_preparer.py) and pickled back to the router
         return type(self), (self.field, self.message)
 
 

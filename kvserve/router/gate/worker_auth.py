@@ -180,4 +180,3 @@ class WorkerLinkGate(worker_pb2_grpc.WorkerLinkServicer):
                 self._logged.popitem(last=False)
             logger.warning("WorkerLink from %s refused (%s): %s", key[0], code.name, why)
         await context.abort(code, f"WorkerLink refused: {why}")
-
