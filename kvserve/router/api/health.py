@@ -23,12 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
 
 from grpc_health.v1 import health, health_pb2
 
-if TYPE_CHECKING:
-    from kvserve.router.requests.router import Router
+from kvserve.router.api.readiness import ReadinessSource
 
 logger = logging.getLogger(__name__)
 
@@ -40,12 +38,12 @@ LIVENESS_SERVICE = "kvserve.v1.Liveness"
 DEFAULT_INTERVAL_S = 0.2
 
 
-def cluster_ready(router: Router) -> bool:
+def cluster_ready(router: ReadinessSource) -> bool:
     """Whether some worker can take a request now (the readiness verdict, gRPC and HTTP alike)."""
     return router.table.any_serving()
 
 
-def serving_workers(router: Router) -> int:
+def serving_workers(router: ReadinessSource) -> int:
     """How many workers can take a request now (for the readiness answer's text)."""
     return sum(1 for w in router.table.entries.values() if router.table.serving(w))
 
@@ -59,7 +57,9 @@ class HealthPublisher:
         interval_s: how often the verdict is re-read (the most it lags a state change).
     """
 
-    def __init__(self, router: Router, servicer: health.aio.HealthServicer, interval_s: float = DEFAULT_INTERVAL_S):
+    def __init__(
+        self, router: ReadinessSource, servicer: health.aio.HealthServicer, interval_s: float = DEFAULT_INTERVAL_S
+    ):
         if not interval_s > 0:
             raise ValueError(f"interval_s must be positive, got {interval_s}")
         self.router = router
