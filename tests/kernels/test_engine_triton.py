@@ -42,3 +42,15 @@ def test_engine_triton_backend_matches_torch(
         monkeypatch.setattr(triton_backend, name, counted)
     assert _generate(tiny_llama_dir, kv_cache_dtype) == expected
     assert min(calls.values()) > 0 and len(calls) == len(names), f"triton kernels not all used: {calls}"
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_engine_triton_backend_matches_torch_on_qwen(
+    arch: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """q/k/v biases (Qwen2) and per-head q/k norms over qkv slices (Qwen3) through the fused Triton ops."""
+    model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
+    monkeypatch.setenv("KVSERVE_ATTENTION_BACKEND", "torch")
+    expected = _generate(model_dir, "auto")
+    monkeypatch.setenv("KVSERVE_ATTENTION_BACKEND", "triton")
+    assert _generate(model_dir, "auto") == expected
