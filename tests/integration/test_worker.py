@@ -1,8 +1,9 @@
 """Worker actors on real local Ray, streaming over real gRPC to a recording router.
 
 The router side is the real ``router.worker_link.WorkerLinkService`` (seq de-dup, acks, command
-resend) hosted by ``worker_harness.RecordingRouter``; the workers are ``Worker`` actors from
-``worker_actor_class()`` on the tiny random llama. Three workers serve the whole module:
+resend) hosted by ``worker_harness.RecordingRouter``; the workers are ``Worker`` actors
+(``FaultWorker``: the production actor plus the stall faults of section 6, tests/integration/fault_worker.py)
+from ``worker_actor_class(actor=FaultWorker)`` on the tiny random llama. Three workers serve the whole module:
 
 * ``wA``, ``wB``: a roomy pool, ``stall_timeout_s=1.0``;
 * ``wS``: a 12-block pool with swap preemption and a pressure report after every step.
@@ -32,6 +33,7 @@ from kvserve.workers.engine.config import EngineConfig  # noqa: E402
 from kvserve.workers.engine.engine import LLM, LLMEngine  # noqa: E402
 from kvserve.workers.engine.kv_cache import KVCache, bytes_per_block  # noqa: E402
 from kvserve.workers.transport.worker import WorkerError, WorkerOptions, worker_actor_class  # noqa: E402
+from tests.integration.fault_worker import FaultWorker  # noqa: E402
 from tests.integration.worker_harness import RecordingRouter  # noqa: E402
 
 BLOCK_SIZE = 4
@@ -92,7 +94,7 @@ def router() -> Iterator[RecordingRouter]:
 
 @pytest.fixture(scope="module")
 def cluster(ray_session, tiny_llama_dir: Path, router: RecordingRouter) -> Iterator[Cluster]:
-    cls = worker_actor_class().options(num_cpus=1)
+    cls = worker_actor_class(actor=FaultWorker).options(num_cpus=1)
     roomy = _engine_config(tiny_llama_dir, num_gpu_blocks=BIG_POOL)
     specs = {
         "wA": (roomy, WorkerOptions(router_address=router.address, stall_timeout_s=1.0)),
@@ -472,7 +474,7 @@ def test_stalled_engine_fails_health_then_recovers(cluster: Cluster, reference) 
     router, a = cluster.router, cluster.actor("wA")
     _get(a.check_health.remote())
     time.sleep(1.2)  # idle for longer than stall_timeout_s: idle is not a stall
-    _get(a.stall_for_test.remote(3.0))
+    _get(a.stall.remote(3.0))
     t0 = time.monotonic()
     _get(a.check_health.remote())  # the stall began just now: not yet stalled for stall_timeout_s
     prompt = _prompts(1, 7, 7, seed=8)[0]
@@ -504,7 +506,7 @@ def test_a_long_step_is_slow_while_it_computes_and_stalled_when_it_does_not(
     router, a = cluster.router, cluster.actor(wid)
     rid = f"t6b-{computing}"
     beats_before = _heartbeats(router, wid)
-    _get(a.slow_step_for_test.remote(3.0, computing))
+    _get(a.slow_next_step.remote(3.0, computing))
     prompt = _prompts(1, 7, 7, seed=9)[0]
     _get(a.add_request.remote(WorkerRequest(rid, tuple(prompt), GREEDY12)))
     t0, stalled_at, beats_at_stall = time.monotonic(), None, None

@@ -173,29 +173,6 @@ class WorkerCore:
                 f"worker {self.worker_id}: engine made no progress for {stalled:.1f}s with work pending"
             )
 
-    def stall_for_test(self, seconds: float) -> None:
-        """Test hook: block the engine thread (as a hung kernel would)."""
-        self._submit(lambda: time.sleep(seconds))
-
-    def slow_step_for_test(self, seconds: float, computing: bool) -> None:
-        """Test hook: the next engine step first spends ``seconds`` computing (a long prefill under a
-        noisy neighbour) or sleeping (a step waiting on something that never comes)."""
-
-        def arm() -> None:
-            step = self.engine.step
-
-            def slow_step() -> Any:
-                self.engine.step = step  # type: ignore[method-assign]
-                end = time.monotonic() + seconds
-                while time.monotonic() < end:
-                    if not computing:
-                        time.sleep(end - time.monotonic())
-                return step()
-
-            self.engine.step = slow_step  # type: ignore[method-assign]
-
-        self._call(arm)
-
     def identity(self) -> WorkerIdentity:
         """Who this worker is and its pool geometry (what its Hello says)."""
         e = self.engine
@@ -549,12 +526,6 @@ class Worker:
         """Block-pool invariants, checked on the engine thread (tests)."""
         self.core._call(self.core.engine.check_integrity)
 
-    def stall_for_test(self, seconds: float) -> None:
-        self.core.stall_for_test(seconds)
-
-    def slow_step_for_test(self, seconds: float, computing: bool) -> None:
-        self.core.slow_step_for_test(seconds, computing)
-
     def pid(self) -> int:
         """This actor's OS process id (chaos tests kill it; operators correlate it with logs)."""
         return os.getpid()
@@ -576,8 +547,11 @@ class Worker:
         self.core.stop()
 
 
-def worker_actor_class(max_concurrency: int = 32):
-    """``ray.remote(Worker)`` with threaded concurrency; Ray is imported only here."""
+def worker_actor_class(max_concurrency: int = 32, actor: type[Worker] = Worker):
+    """``ray.remote(actor)`` with threaded concurrency; Ray is imported only here.
+
+    ``actor`` is ``Worker`` or a subclass of it: tests start one that can also inject faults
+    (``tests/integration/fault_worker.py``), with the same actor options as production."""
     import ray
 
-    return ray.remote(max_concurrency=max_concurrency)(Worker)
+    return ray.remote(max_concurrency=max_concurrency)(actor)
