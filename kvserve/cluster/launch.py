@@ -28,7 +28,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvserve.router.config import RouterConfig
 from kvserve.router.table.supervision import WorkerSupervision
@@ -36,6 +36,9 @@ from kvserve.workers.core.identity import WorkerIdentity
 from kvserve.workers.core.worker_credential import issue_worker_credential, new_worker_key
 from kvserve.workers.engine.config import EngineConfig
 from kvserve.workers.transport.options import WorkerOptions
+
+if TYPE_CHECKING:
+    from kvserve.router.api.server import RouterActor
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +104,7 @@ class Cluster:
     frontends: list[Any] = field(default_factory=list)
     frontend_port: int | None = None
     frontend_key: str | None = field(default=None, repr=False)
+    router_actor: type[RouterActor] | None = None  # the router's actor class, for a restart (None: RouterActor)
     _stopped: bool = field(default=False, repr=False)
 
     def poll_router(self, timeout_s: float = ROUTER_CALL_TIMEOUT_S) -> RouterPoll:
@@ -139,7 +143,7 @@ class Cluster:
         # NOTE: with frontends the HTTP API is theirs; they reconnect to the new router on its port.
         router, _ = _start_router(
             self.router_config, self.metrics_port, self.router_name, None if self.frontends else self.http_port,
-            self.worker_key, self.frontend_key,
+            self.worker_key, self.frontend_key, self.router_actor,
         )
         self.router = router
         ray.get(router.expect_workers.remote(list(self.workers)), timeout=ROUTER_CALL_TIMEOUT_S)
@@ -212,6 +216,7 @@ def start_cluster(
     frontends: int = 0,
     frontend_port: int = 0,
     worker_link_address: str | None = None,
+    router_actor: type[RouterActor] | None = None,
 ) -> Cluster:
     """Bring up a serving cluster; returns once every worker's WorkerLink has said Hello.
 
@@ -233,6 +238,9 @@ def start_cluster(
             the router serves both itself.
         worker_link_address: the address workers dial for the router's WorkerLink (a TCP proxy in
             front of it); None: the router's own.
+        router_actor: the router's actor class, ``RouterActor`` (None) or a subclass of it; a restart
+            (``Cluster.restart_router``) starts the same. A seam for tests: the chaos tests start one
+            that can also arm a migration fault (tests/chaos/fault_router.py).
     """
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -255,7 +263,7 @@ def start_cluster(
     fkey = frontend_key(needed=frontends > 0)
     try:
         router, router_http = _start_router(
-            router_config, metrics_port, name, None if frontends else http_port, worker_key, fkey
+            router_config, metrics_port, name, None if frontends else http_port, worker_key, fkey, router_actor
         )
     except BaseException:
         if owns_ray:
@@ -299,7 +307,7 @@ def start_cluster(
     logger.info("cluster up in %.1fs: router %s, %d workers", time.monotonic() - t0, router_address, num_workers)
     cluster = Cluster(
         router, workers, router_address, metrics_port, owns_ray, pg, router_http, bound_config, name,
-        identities=identities, worker_key=worker_key, frontend_key=fkey,
+        identities=identities, worker_key=worker_key, frontend_key=fkey, router_actor=router_actor,
     )  # fmt: skip
     if frontends:
         from kvserve.cluster.frontends import start_frontends
@@ -330,9 +338,10 @@ def _start_router(
     http_port: int | None,
     worker_key: str,
     frontend_key: str | None = None,
+    actor: type[RouterActor] | None = None,
 ) -> tuple[Any, int | None]:
-    """Create the router actor on this node (detached and named if ``name``) and start it; returns it
-    and its bound HTTP port (None = off).
+    """Create the router actor (``actor``, None: ``RouterActor``) on this node (detached and named if
+    ``name``) and start it; returns it and its bound HTTP port (None = off).
 
     Raises:
         Exception: it did not start (e.g. the port is taken); no router is left behind.
@@ -346,7 +355,8 @@ def _start_router(
     opts: dict[str, Any] = {"scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)}
     if name:
         opts.update(name=name, lifetime="detached", get_if_exists=False)
-    router = router_actor_class().options(**opts).remote(
+    cls = router_actor_class() if actor is None else router_actor_class(actor)
+    router = cls.options(**opts).remote(
         config, metrics_port, http_port, worker_key=worker_key, frontend_key=frontend_key
     )
     try:

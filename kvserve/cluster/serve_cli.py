@@ -141,8 +141,11 @@ def supervise_router(cluster: Any, out: Any, poll_s: float) -> None:
         out.flush()
 
 
-def serve(cfg, *, out=None, poll_s: float = 0.5) -> int:  # noqa: ANN001 - ClusterConfig
-    """Run a cluster for ``cfg`` until SIGINT/SIGTERM. Returns the exit status."""
+def serve(cfg, *, out=None, poll_s: float = 0.5, router_actor: type | None = None) -> int:  # noqa: ANN001 - ClusterConfig
+    """Run a cluster for ``cfg`` until SIGINT/SIGTERM. Returns the exit status.
+
+    ``router_actor``: ``start_cluster``'s seam (None: ``RouterActor``); tests/chaos/fault_serve.py passes
+    the chaos tests' router."""
     import ray
 
     from kvserve.cluster.config import ROUTER_ACTOR_NAME
@@ -178,6 +181,7 @@ def serve(cfg, *, out=None, poll_s: float = 0.5) -> int:  # noqa: ANN001 - Clust
                 frontends=cfg.frontends,
                 frontend_port=cfg.frontend_port,
                 worker_link_address=cfg.worker_link_address,
+                router_actor=router_actor,
             )
             names = ", ".join(cluster.workers)
             print(f"kvserve: API listening on {cluster.address} (gRPC kvserve.v1.KVServe; workers: {names})", file=out)

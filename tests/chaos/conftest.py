@@ -127,7 +127,8 @@ class ServedCluster:
 
     def arm_migration_fault(self, phase: str, action: str, side: str) -> None:
         """At the next migration's ``phase`` boundary the router SIGKILLs ("kill") or SIGSTOPs ("hang")
-        the ``side`` ("src"/"dst") worker's process (``arm_migration_fault_for_test``, through Ray)."""
+        the ``side`` ("src"/"dst") worker's process (``FaultRouter.arm_migration_fault``, through Ray:
+        a cluster from ``serve_cluster(..., fault_router=True)``)."""
         self._ask({"op": "arm_migration_fault", "phase": phase, "action": action, "side": side})
 
     def migrate(self, request_id: str, dst: str) -> bool:
@@ -223,15 +224,22 @@ def _gcs_address(proc: Proc) -> str:
 
 
 def serve_cluster(
-    model_dir: Path, *extra_args: str, num_workers: int = NUM_WORKERS, metadata: tuple[tuple[str, str], ...] = ()
+    model_dir: Path,
+    *extra_args: str,
+    num_workers: int = NUM_WORKERS,
+    metadata: tuple[tuple[str, str], ...] = (),
+    fault_router: bool = False,
 ) -> ServedCluster:
     """Start ``kvserve serve`` and wait for its API line (the caller must ``stop_cluster``).
-    ``metadata`` goes with the fixture's own calls (status, wait_idle): an API key with --auth-keys."""
+    ``metadata`` goes with the fixture's own calls (status, wait_idle): an API key with --auth-keys.
+    ``fault_router``: serve's router is the chaos tests' ``FaultRouter`` (tests/chaos/fault_router.py;
+    the same serve through tests/chaos/fault_serve.py), so ``arm_migration_fault`` works."""
+    flags = (
+        "--model", str(model_dir), "--workers", str(num_workers), "--port", "0",
+        "--metrics-port", "off", "--device", "cpu", "--num-gpu-blocks", str(NUM_BLOCKS), *extra_args,
+    )  # fmt: skip
     proc = Proc(
-        kvserve_argv(
-            "serve", "--model", str(model_dir), "--workers", str(num_workers), "--port", "0",
-            "--metrics-port", "off", "--device", "cpu", "--num-gpu-blocks", str(NUM_BLOCKS), *extra_args,
-        ),
+        [sys.executable, "-m", "tests.chaos.fault_serve", *flags] if fault_router else kvserve_argv("serve", *flags),
         # NOTE: Ray's token auth off for this loopback-only cluster, so the probe can join it
         # (as in tests/integration/test_multinode.py).
         clean_env(RAY_AUTH_MODE="disabled"),

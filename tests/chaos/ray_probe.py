@@ -7,7 +7,8 @@ Usage: ``python -m tests.chaos.ray_probe GCS_ADDRESS``; then write lines:
 ``"worker_ids": [...]`` checks only those)
 ``{"op": "router_pid"}`` -> ``{"ok": true, "value": 12345}``
 ``{"op": "arm_migration_fault", "phase": "before_import", "action": "kill", "side": "src"}`` -> the next
-migration SIGKILLs (or, "hang", SIGSTOPs) that side's worker at that phase boundary
+migration SIGKILLs (or, "hang", SIGSTOPs) that side's worker at that phase boundary (a router that
+is tests/chaos/fault_router.py's ``FaultRouter`` only)
 ``{"op": "migrate", "request_id": "r1", "dst": "worker-1"}`` -> whether the router's live migration moved it
 ``{"op": "frontend_pid", "index": 0}`` -> ``{"ok": true, "value": 12345}`` (``--frontends``: waits
 for a restarting frontend to be back)
@@ -59,7 +60,7 @@ def main(gcs_address: str) -> None:
             elif cmd["op"] == "pid":
                 value = ray.get(router.worker_pid.remote(cmd["worker_id"]), timeout=TIMEOUT_S)
             elif cmd["op"] == "arm_migration_fault":
-                value = ray.get(router.arm_migration_fault_for_test.remote(cmd["phase"], cmd["action"], cmd["side"]),
+                value = ray.get(router.arm_migration_fault.remote(cmd["phase"], cmd["action"], cmd["side"]),
                                 timeout=TIMEOUT_S)  # fmt: skip
             elif cmd["op"] == "migrate":
                 value = ray.get(router.migrate.remote(cmd["request_id"], cmd["dst"]), timeout=TIMEOUT_S)

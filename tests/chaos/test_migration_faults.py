@@ -1,8 +1,9 @@
 """A live migration that fails, against real workers (``kvserve serve``, tiny model, 2 CPU workers): the
-router SIGKILLs or SIGSTOPs one side of a move at a phase boundary (the ``Mover.fault`` hook, armed through
-Ray only), and the move must end as docs/architecture.md section 5 says: exactly one live copy of the
-request, the stream complete and token-identical to an undisturbed run (greedy and seeded alike), no
-block leaked on any worker (``wait_idle``: every pool empty and intact), the victim replaced by Ray.
+router SIGKILLs or SIGSTOPs one side of a move at a phase boundary (the ``Mover.fault`` hook, armed
+through Ray only, by tests/chaos/fault_router.py's router), and the move must end as
+docs/architecture.md section 5 says: exactly one live copy of the request, the stream complete and
+token-identical to an undisturbed run (greedy and seeded alike), no block leaked on any worker
+(``wait_idle``: every pool empty and intact), the victim replaced by Ray.
 
 The same invariant on every branch, with fake workers and time under control, is in
 ``tests/unit/test_migration_faults.py``; this checks that real processes dying or hanging keep it:
@@ -37,7 +38,7 @@ CASES = [  # (phase, action, side, which request: 0 greedy, 1 seeded)
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir: Path) -> Iterator[ServedCluster]:
-    c = serve_cluster(tiny_llama_dir)
+    c = serve_cluster(tiny_llama_dir, fault_router=True)
     try:
         yield c
     finally:

@@ -1,6 +1,7 @@
 """Guards of the layout docs/architecture.md draws: no file-level import cycle anywhere in kvserve, the
-router's pipeline class stays small, and kvserve's packages cannot be shadowed by a dependency's
-top-level package (Hugging Face's ``kernels`` did that once)."""
+router's pipeline class stays small, kvserve's packages cannot be shadowed by a dependency's
+top-level package (Hugging Face's ``kernels`` did that once), and no test hook (``*_for_test``) lives in
+production code."""
 
 from __future__ import annotations
 
@@ -133,3 +134,16 @@ def test_a_top_level_package_named_like_ours_does_not_shadow_kvserve(tmp_path: P
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
                          cwd=tmp_path)  # fmt: skip
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_no_test_hook_in_kvserve() -> None:
+    """Production code carries no test-only entry point: a fault a test needs is injected from
+    ``tests/`` (a subclass of the actor there, e.g. ``tests/chaos/fault_router.py``,
+    ``tests/integration/fault_worker.py``) through a seam that also serves production."""
+    hooks = [
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name.endswith("_for_test")
+    ]
+    assert hooks == [], f"test hooks in production code (move them into tests/): {hooks}"

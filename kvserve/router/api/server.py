@@ -29,8 +29,6 @@ import contextlib
 import functools
 import hmac
 import logging
-import os
-import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -428,28 +426,6 @@ class RouterService:
         """Run a worker's block-pool integrity check (raises on a broken invariant; tests)."""
         await self.router.table[worker_id].handle.check_integrity.remote()
 
-    async def arm_migration_fault_for_test(self, phase: str, action: str, side: str) -> None:
-        """Test hook (chaos tests, through Ray only): at the next migration's ``phase`` boundary
-        (``Mover.fault``: "before_export", "before_import", "after_import"), SIGKILL ("kill") or
-        SIGSTOP ("hang") the process of that move's ``side`` ("src" or "dst") worker, then let the
-        move go on. Only a process in the Ray cluster can call it."""
-        if phase not in ("before_export", "before_import", "after_import") or action not in ("kill", "hang") \
-                or side not in ("src", "dst"):  # fmt: skip
-            raise ValueError(f"bad fault {phase!r}/{action!r}/{side!r}")
-        mover = self.router.mover
-
-        async def fault(at: str, r: RouterRequest, move: Any) -> None:
-            if at != phase:
-                return
-            mover.fault = None  # once
-            worker_id = move.src if side == "src" else move.dst
-            pid = int(await self.router.table[worker_id].handle.pid.remote())
-            os.kill(pid, signal.SIGKILL if action == "kill" else signal.SIGSTOP)
-            logger.warning("test fault: %s of %s worker %s (pid %d) at %s of %s", action, side, worker_id, pid,
-                           phase, r.request_id)  # fmt: skip
-
-        mover.fault = fault
-
     async def wait_for_workers(self, worker_ids: list[str], timeout: float = 120.0) -> None:
         await self.router.table.wait_connected(worker_ids, timeout)
 
@@ -498,8 +474,12 @@ class RouterActor(RouterService):
         await super().stop(grace)
 
 
-def router_actor_class():
-    """``ray.remote(RouterActor)`` as an async actor (Ray is imported only here)."""
+def router_actor_class(actor: type[RouterActor] = RouterActor):
+    """``ray.remote(actor)`` as an async actor (Ray is imported only here).
+
+    ``actor`` is ``RouterActor`` or a subclass of it: the chaos tests start one that can also arm a
+    migration fault (``tests/chaos/fault_router.py``, through ``start_cluster(router_actor=...)``),
+    with the same actor options as production."""
     import ray
 
-    return ray.remote(num_cpus=0, max_concurrency=1000)(RouterActor)
+    return ray.remote(num_cpus=0, max_concurrency=1000)(actor)
