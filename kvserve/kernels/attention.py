@@ -1,4 +1,5 @@
-"""Triton paged attention over the fixed KV layout: decode (flash-decoding, split-K) and prefill/extend.
+"""Triton paged decode attention over the fixed KV layout (flash-decoding, split-K), and what the prefill
+kernel (``kernels.prefill``) shares with it: the input checks, the K/V tile load, int8 dequantization.
 
 KV cache, one tensor per layer (docs/architecture.md): ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
 Token ``t`` of sequence ``s`` lives at ``block_tables[s, t // block_size]``, row ``t % block_size``.
@@ -9,11 +10,9 @@ Kernels
                                softmax. GQA-grouped: one K/V tile load serves every query head of the group
                                (the group is padded to 16 rows so ``tl.dot`` applies).
     ``_merge_splits_kernel``   grid (seq, head): merges the split partials by log-sum-exp.
-    ``_paged_prefill_kernel``  grid (query tile, seq, kv head): variable-length query chunks attending
-                               causally to their cached prefix and to themselves (all K/V already stored).
 
-The launchers ``decode_attention`` / ``prefill_attention`` have the signatures of their torch twins in
-``kernels.reference`` (plus keyword-only extras: ``out=``, ``num_splits=``, ``max_query_len=``).
+The launcher ``decode_attention`` has the signature of its torch twin in ``kernels.reference`` (plus
+keyword-only extras: ``out=``, ``num_splits=``). Prefill is ``kernels.prefill.paged_prefill_attention``.
 
 Quantized caches (contract in ``kernels.cache_ops``): an fp8 cache element reads as ``x.float()``, an int8
 one as ``x.float() * scale`` with ``scale`` from ``kv_scales[K|V, block, offset, kv_head]``; attention then
@@ -41,10 +40,8 @@ _LOG2E = 1.4426950408889634
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
-# Tile sizes (tokens of K/V per inner-loop step, query rows per prefill program).
+# Tile size (tokens of K/V per decode inner-loop step).
 DECODE_TILE_N = 64
-PREFILL_BLOCK_M = 64
-PREFILL_TILE_N = 64
 # Split-K policy (see ``choose_num_splits``).
 DEFAULT_NUM_SMS = 132
 MAX_SPLITS = 32
@@ -252,11 +249,7 @@ def _merge_splits_kernel(
     w = tl.exp2(lse - m_safe)  # [SPLITS_PAD]
     denom = tl.sum(w, 0)
     p_ptrs = (
-        partial_ptr
-        + seq * stride_p_seq
-        + head * stride_p_head
-        + offs_s[:, None] * stride_p_split
-        + offs_d[None, :]
+        partial_ptr + seq * stride_p_seq + head * stride_p_head + offs_s[:, None] * stride_p_split + offs_d[None, :]
     )
     parts = tl.load(p_ptrs, mask=s_mask[:, None] & d_mask[None, :], other=0.0)  # [SPLITS_PAD, HEAD_DIM_PAD]
     acc = tl.sum(parts * w[:, None], 0)  # [HEAD_DIM_PAD]
@@ -266,122 +259,6 @@ def _merge_splits_kernel(
         result.to(out_ptr.dtype.element_ty),
         mask=d_mask,
     )
-
-
-@triton.jit
-def _paged_prefill_kernel(
-    out_ptr,  # [num_tokens, num_heads, head_dim]
-    q_ptr,  # [num_tokens, num_heads, head_dim]
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]  (kv_cache[0])
-    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]  (kv_cache[1])
-    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] fp32 (kv_scales[0]); read only for an int8 cache
-    v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] fp32 (kv_scales[1]); read only for an int8 cache
-    block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32/int64
-    cu_seqlens_q_ptr,  # [num_seqs + 1] int32/int64
-    context_lens_ptr,  # [num_seqs] int32/int64
-    qk_scale,  # softmax scale * log2(e)
-    sliding_window,  # read only when USE_WINDOW
-    stride_q_tok,
-    stride_q_head,
-    stride_o_tok,
-    stride_o_head,
-    stride_kv_block,
-    stride_kv_slot,
-    stride_kv_head,
-    stride_s_block,  # kv_scales' block stride (slot stride next; head stride 1)
-    stride_s_slot,
-    stride_bt_seq,
-    GROUP: tl.constexpr,  # query heads per KV head
-    BLOCK_M: tl.constexpr,  # query rows per program = BLOCK_Q tokens x GROUP heads (padded), >= 16
-    BLOCK_Q: tl.constexpr,  # query tokens per program = BLOCK_M // GROUP
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    TILE_N: tl.constexpr,  # K/V tokens per inner step
-    USE_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """One program = BLOCK_Q query tokens of one sequence x all GROUP query heads of one KV head.
-
-    Contract: sequence ``s`` owns query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` (``q_len`` of them),
-    sitting at positions ``context_lens[s] - q_len + i``; keys ``0 .. context_lens[s]-1`` are all in the
-    cache. Query at position ``p`` sees key ``k`` iff ``k <= p`` and (with a window)
-    ``k > p - sliding_window``. Row ``r`` of the tile is token ``r // GROUP``, head ``r % GROUP``, so each
-    K/V tile load serves the whole group. The cache is read as in the decode kernel.
-    """
-    KV_INT8: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.int8
-    q_tile = tl.program_id(0)
-    seq = tl.program_id(1)
-    kv_head = tl.program_id(2)
-
-    q_start = tl.load(cu_seqlens_q_ptr + seq).to(tl.int32)
-    q_len = tl.load(cu_seqlens_q_ptr + seq + 1).to(tl.int32) - q_start
-    tile_tok0 = q_tile * BLOCK_Q
-    if tile_tok0 >= q_len:
-        return
-    ctx = tl.load(context_lens_ptr + seq).to(tl.int32)
-    prefix = ctx - q_len
-
-    offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    offs_n = tl.arange(0, TILE_N)
-    tok_i = tile_tok0 + offs_m // GROUP  # query index inside the chunk
-    heads = kv_head * GROUP + offs_m % GROUP
-    row_mask = (offs_m < BLOCK_Q * GROUP) & (tok_i < q_len)
-    d_mask = offs_d < HEAD_DIM
-    q_pos = prefix + tok_i  # [BLOCK_M]
-
-    rows = (q_start + tok_i).to(tl.int64)
-    q_ptrs = (
-        q_ptr + rows[:, None] * stride_q_tok + heads[:, None].to(tl.int64) * stride_q_head + offs_d[None, :]
-    )
-    q = tl.load(q_ptrs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_PAD]
-
-    # Keys this tile can see: [kv_lo, kv_hi).
-    kv_hi = tl.minimum(prefix + tile_tok0 + BLOCK_Q, ctx)
-    kv_lo = ctx * 0
-    if USE_WINDOW:
-        kv_lo = tl.maximum(prefix + tile_tok0 - sliding_window + 1, 0)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    head_off = kv_head.to(tl.int64) * stride_kv_head
-    for tile in range(kv_lo // TILE_N, tl.cdiv(kv_hi, TILE_N)):
-        tok = tile * TILE_N + offs_n  # [TILE_N] key positions
-        tok_mask = (tok < kv_hi) & (tok >= kv_lo)
-        k, v, k_scale, v_scale = _load_kv_tile(
-            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row, tok, tok_mask, offs_d, d_mask, head_off,
-            kv_head, stride_kv_block, stride_kv_slot, stride_s_block, stride_s_slot, BLOCK_SIZE,
-        )  # fmt: skip
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
-
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
-        if KV_INT8:
-            s = s * k_scale[None, :]
-        visible = tok_mask[None, :] & (tok[None, :] <= q_pos[:, None])
-        if USE_WINDOW:
-            visible = visible & (tok[None, :] > q_pos[:, None] - sliding_window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if KV_INT8:
-            acc = acc * alpha[:, None] + _pv_int8(p, v_scale, v, DOT_PRECISION)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-
-    result = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    o_ptrs = (
-        out_ptr + rows[:, None] * stride_o_tok + heads[:, None].to(tl.int64) * stride_o_head + offs_d[None, :]
-    )
-    tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
 # --------------------------------------------------------------------------------------------- policy
@@ -401,7 +278,6 @@ def min_tokens_per_split(kv_element_size: int) -> int:
     """The split-K floor for a cache of ``kv_element_size`` bytes: the same bytes per split (twice the
     tokens for a 1-byte cache), so a split still amortises its merge and its partial's write."""
     return MIN_TOKENS_PER_SPLIT * 2 if kv_element_size == 1 else MIN_TOKENS_PER_SPLIT
-
 
 
 def choose_num_splits(
@@ -474,13 +350,12 @@ def _check_attention_inputs(
     num_seqs: int,
     kv_scales: torch.Tensor | None,
 ) -> tuple[int, int, int]:
-    """Validate what both launchers share; returns (num_heads, num_kv_heads, head_dim)."""
+    """Validate what the decode and prefill launchers share; returns (num_heads, num_kv_heads, head_dim)."""
     if query.dim() != 3:
         raise ValueError(f"{name}: query must be 3-D [tokens, num_heads, head_dim], got {tuple(query.shape)}")
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         raise ValueError(
-            f"{name}: kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
-            f"got {tuple(kv_cache.shape)}"
+            f"{name}: kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], got {tuple(kv_cache.shape)}"
         )
     _, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
@@ -492,17 +367,14 @@ def _check_attention_inputs(
         raise ValueError(f"{name}: query dtype must be one of {_FLOAT_DTYPES}, got {query.dtype}")
     if block_tables.dtype not in _INDEX_DTYPES or context_lens.dtype not in _INDEX_DTYPES:
         raise ValueError(
-            f"{name}: block_tables/context_lens must be int32 or int64, "
-            f"got {block_tables.dtype}/{context_lens.dtype}"
+            f"{name}: block_tables/context_lens must be int32 or int64, got {block_tables.dtype}/{context_lens.dtype}"
         )
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(
             f"{name}: block_tables must be [num_seqs={num_seqs}, max_blocks], got {tuple(block_tables.shape)}"
         )
     if context_lens.shape != (num_seqs,):
-        raise ValueError(
-            f"{name}: context_lens must be [num_seqs={num_seqs}], got {tuple(context_lens.shape)}"
-        )
+        raise ValueError(f"{name}: context_lens must be [num_seqs={num_seqs}], got {tuple(context_lens.shape)}")
     for t, what in ((kv_cache, "kv_cache"), (block_tables, "block_tables"), (context_lens, "context_lens")):
         if t.device != query.device:
             raise ValueError(f"{name}: {what} is on {t.device}, query on {query.device}")
@@ -656,9 +528,7 @@ def decode_attention(
             **common,
         )
         return out
-    partial = torch.empty(
-        (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
-    )
+    partial = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
     lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
     _paged_decode_kernel[grid](
         partial,
@@ -688,105 +558,5 @@ def decode_attention(
         NUM_SPLITS=num_splits,
         SPLITS_PAD=triton.next_power_of_2(num_splits),
         num_warps=1 if head_dim_pad <= 64 else 2,
-    )
-    return out
-
-
-def prefill_attention(
-    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
-    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32, query chunk boundaries
-    context_lens: torch.Tensor,  # [num_seqs] int32, cached prefix + this chunk (all already stored)
-    scale: float,
-    sliding_window: int | None = None,
-    *,
-    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], query's dtype
-    max_query_len: int | None = None,
-    kv_scales: torch.Tensor | None = None,  # [2, num_blocks, block_size, num_kv_heads] fp32, int8 cache only
-) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Variable-length query chunks attending causally to their cached prefix and to themselves.
-
-    Args:
-        query: queries of all chunks, concatenated; contiguous last dim.
-        kv_cache: one layer's paged cache holding every key of every chunk already; fp32/fp16/bf16, fp8 e4m3
-            or int8 (read as described in the module docstring).
-        block_tables: physical block ids per sequence.
-        cu_seqlens_q: chunk boundaries; sequence ``s`` owns rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``.
-        context_lens: ``cached prefix + chunk length`` per sequence.
-        scale: softmax scale.
-        sliding_window: if set, a query at position ``p`` sees keys ``p - sliding_window < k <= p``.
-        out: optional preallocated output; rows not owned by any sequence are left untouched.
-        max_query_len: longest chunk; pass it to skip a device->host sync.
-        kv_scales: the int8 cache's dequantization scales; required for an int8 cache, None otherwise.
-    Returns:
-        ``[num_tokens, num_heads, head_dim]`` in query's dtype.
-    Raises:
-        ValueError: on shape/dtype/stride/device mismatches or an unsupported device.
-    """
-    num_seqs = context_lens.shape[0] if context_lens.dim() == 1 else -1
-    num_heads, num_kv_heads, head_dim = _check_attention_inputs(
-        "prefill_attention", query, kv_cache, block_tables, context_lens, scale, sliding_window, num_seqs, kv_scales
-    )
-    if cu_seqlens_q.dtype not in _INDEX_DTYPES or cu_seqlens_q.shape != (num_seqs + 1,):
-        raise ValueError(
-            f"prefill_attention: cu_seqlens_q must be int32/int64 [num_seqs + 1 = {num_seqs + 1}], "
-            f"got {cu_seqlens_q.dtype} {tuple(cu_seqlens_q.shape)}"
-        )
-    if cu_seqlens_q.device != query.device:
-        raise ValueError(
-            f"prefill_attention: cu_seqlens_q is on {cu_seqlens_q.device}, query on {query.device}"
-        )
-    if cu_seqlens_q.stride(0) != 1:
-        raise ValueError("prefill_attention: cu_seqlens_q must be contiguous")
-    out = _check_out("prefill_attention", out, query)
-    if num_seqs == 0 or query.shape[0] == 0:
-        return out
-    if max_query_len is None:
-        max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    if max_query_len <= 0:
-        return out
-
-    group = num_heads // num_kv_heads
-    block_m = max(PREFILL_BLOCK_M, triton.next_power_of_2(group))
-    block_q = block_m // group
-    head_dim_pad = triton.next_power_of_2(head_dim)
-    k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, num_kv_heads, head_dim]
-    scales = _scales_or_dummy(kv_cache, kv_scales)  # [2, num_blocks, block_size, num_kv_heads]
-    grid = (triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads)
-    _paged_prefill_kernel[grid](
-        out,
-        query,
-        k_cache,
-        v_cache,
-        scales[0],
-        scales[1],
-        block_tables,
-        cu_seqlens_q,
-        context_lens,
-        float(scale) * _LOG2E,
-        int(sliding_window or 0),
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        scales.stride(1),
-        scales.stride(2),
-        block_tables.stride(0),
-        GROUP=group,
-        BLOCK_M=block_m,
-        BLOCK_Q=block_q,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_SIZE=kv_cache.shape[2],
-        TILE_N=PREFILL_TILE_N,
-        USE_WINDOW=sliding_window is not None,
-        DOT_PRECISION=_dot_precision(query.dtype),
-        num_warps=4 if head_dim_pad <= 64 else 8,
-        # NOTE: fp32 tiles double the shared memory of a pipeline stage (~115 KB at 2 stages, head_dim 128).
-        num_stages=1 if query.dtype == torch.float32 else 2,
     )
     return out

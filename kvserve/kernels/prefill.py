@@ -328,8 +328,8 @@ def paged_prefill_attention(
     kv_scales: torch.Tensor | None = None,  # [2, num_blocks, block_size, num_kv_heads] fp32, int8 cache only
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Variable-length query chunks attending causally to their cached prefix and to themselves, every key
-    read through the block table. Same signature and contract as ``kernels.attention.prefill_attention``
-    (and ``kernels.reference.prefill_attention``), which the Triton backend maps to this launcher.
+    read through the block table. Same signature and contract as ``kernels.reference.prefill_attention``;
+    the Triton backend's ``prefill_attention`` is this launcher.
 
     Raises:
         ValueError: on shape/dtype/stride/device mismatches or an unsupported device.

@@ -3,7 +3,7 @@
 signatures as ``kernels.reference``).
 
 ``prefill_attention`` is ``kernels.prefill.paged_prefill_attention`` (FlashAttention-2 tiling, autotuned on
-GPUs); ``kernels.attention.prefill_attention`` (query rows packed by GQA group) has the same contract.
+GPUs).
 
 Importing this module imports triton; on CPU set ``TRITON_INTERPRET=1`` before that import.
 """

@@ -1,4 +1,5 @@
-"""Triton paged attention (kernels.attention) against the torch reference (kernels.reference).
+"""Triton paged decode attention (kernels.attention) against the torch reference (kernels.reference), and
+the case builder the prefill tests (test_prefill_flash) share.
 
 Every case builds a NaN-poisoned block pool, fills only the blocks the block tables name (shuffled,
 non-consecutive ids, optionally near the top of the pool), and NaN-poisons the output before the launch,
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 from kvserve import kernels
-from kvserve.kernels import attention, reference
+from kvserve.kernels import attention, prefill, reference
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -43,7 +44,7 @@ class Case:
     num_splits: int | None = None
     window: int | None = None
     pool_blocks: int = 0  # 0: just enough (+ spare); else a pool this big, blocks taken near its top
-    small_tiles: bool = False  # 16-token K/V tiles and 16-row prefill tiles: more loop steps per program
+    small_tiles: bool = False  # 16-token decode K/V tiles: more loop steps per program
 
 
 @dataclasses.dataclass
@@ -70,9 +71,7 @@ def build(case: Case, device: str = DEV, dtype: torch.dtype | None = None, seed:
     lo = num_blocks - 2 * used - 3 if case.pool_blocks else 0
     ids = (lo + torch.randperm(num_blocks - lo, generator=gen)[:used]).to(torch.int32)
     kv_cache = torch.full((2, num_blocks, bs, case.num_kv_heads, case.head_dim), float("nan"), dtype=dtype)
-    kv_cache[:, ids.long()] = torch.randn(2, used, bs, case.num_kv_heads, case.head_dim, generator=gen).to(
-        dtype
-    )
+    kv_cache[:, ids.long()] = torch.randn(2, used, bs, case.num_kv_heads, case.head_dim, generator=gen).to(dtype)
 
     max_blocks = max(max(need), 1)
     table = torch.full((len(need), max_blocks + 3), int(ids[0]), dtype=torch.int32)  # pad: a valid id
@@ -104,17 +103,14 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 @contextlib.contextmanager
 def tiles(case: Case) -> Iterator[None]:
-    """Shrink the launchers' tile constants for one call (more tiles, splits and query tiles per case)."""
-    names = ("DECODE_TILE_N", "PREFILL_TILE_N", "PREFILL_BLOCK_M")
-    saved = {n: getattr(attention, n) for n in names}
+    """Shrink the decode launcher's tile for one call (more tiles and splits per case)."""
+    saved = attention.DECODE_TILE_N
     try:
         if case.small_tiles:
-            for n in names:
-                setattr(attention, n, 16)
+            attention.DECODE_TILE_N = 16
         yield
     finally:
-        for n, v in saved.items():
-            setattr(attention, n, v)
+        attention.DECODE_TILE_N = saved
 
 
 def run_decode(p: Paged, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,33 +134,11 @@ def run_decode(p: Paged, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     return out, ref
 
 
-def run_prefill(p: Paged, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
-    out = torch.full(p.query.shape, float("nan"), dtype=p.query.dtype, device=p.query.device)
-    with tiles(case):
-        got = attention.prefill_attention(
-            p.query, p.kv_cache, p.block_tables, p.cu_seqlens_q, p.context_lens, p.scale, case.window, out=out
-        )
-    assert got is out
-    ref_dtype = torch.float32 if p.query.dtype == torch.bfloat16 else p.query.dtype
-    ref = reference.prefill_attention(
-        p.query.to(ref_dtype),
-        p.kv_cache.to(ref_dtype),
-        p.block_tables,
-        p.cu_seqlens_q,
-        p.context_lens,
-        p.scale,
-        case.window,
-    )
-    return out, ref
-
-
 F32, F16 = torch.float32, torch.float16
 # Compact on purpose (the CPU interpreter is slow): each axis is covered, not the cartesian product.
 DECODE_CASES = {
     "f32-bs16-g4-single": Case(F32, 16, 2, 4, 64, (1, 15, 17, 40), num_splits=1),
-    "f32-bs16-g4-split3-small-tiles": Case(
-        F32, 16, 2, 4, 64, (1, 15, 17, 40), num_splits=3, small_tiles=True
-    ),
+    "f32-bs16-g4-split3-small-tiles": Case(F32, 16, 2, 4, 64, (1, 15, 17, 40), num_splits=3, small_tiles=True),
     "f16-bs1-g1-hd128-split2": Case(F16, 1, 2, 1, 128, (1, 15, 17), num_splits=2),
     "f32-bs32-g1-hd128-single": Case(F32, 32, 2, 1, 128, (17, 33, 1), num_splits=1),
     "f16-bs32-g8-ctx1025-auto": Case(F16, 32, 1, 8, 64, (1025,)),
@@ -176,18 +150,6 @@ DECODE_CASES = {
     "f16-bs16-g4-toppool-split2": Case(F16, 16, 1, 4, 64, (17, 40), num_splits=2, pool_blocks=1 << 13),
     "f32-bs16-g3-split8-short": Case(F32, 16, 2, 3, 64, (3, 70), num_splits=8),
 }
-PREFILL_CASES = {
-    "f32-bs16-g4-noprefix": Case(F32, 16, 2, 4, 64, (5, 17, 1), q_lens=(5, 17, 1)),
-    "f16-bs32-g1-hd128-prefix": Case(F16, 32, 1, 1, 128, (40, 20, 7, 33), q_lens=(3, 20, 0, 1)),
-    "f32-bs1-g3-prefix-small-tiles": Case(F32, 1, 2, 3, 64, (30, 100), q_lens=(9, 70), small_tiles=True),
-    "f16-bs16-g8-prefix": Case(F16, 16, 1, 8, 64, (47, 33), q_lens=(15, 33)),
-    "f16-bs16-g2-window-prefix": Case(F16, 16, 2, 2, 64, (30, 100), q_lens=(9, 70), window=5),
-    "f16-bs16-g2-window-prefix-small-tiles": Case(
-        F16, 16, 2, 2, 64, (30, 100), q_lens=(9, 70), window=21, small_tiles=True
-    ),
-    "f32-bs32-g4-hd128-window": Case(F32, 32, 1, 4, 128, (40,), q_lens=(40,), window=16),
-    "f16-bs16-g4-toppool-prefix": Case(F16, 16, 1, 4, 64, (17, 40), q_lens=(2, 17), pool_blocks=1 << 13),
-}
 
 
 @pytest.mark.parametrize("name", list(DECODE_CASES))
@@ -198,36 +160,9 @@ def test_decode_matches_reference(name: str) -> None:
     assert rel_err(out, ref) <= TOL[case.dtype]
 
 
-@pytest.mark.parametrize("name", list(PREFILL_CASES))
-def test_prefill_matches_reference(name: str) -> None:
-    case = PREFILL_CASES[name]
-    out, ref = run_prefill(build(case), case)
-    assert not out.isnan().any(), "unwritten or poisoned output"
-    assert rel_err(out, ref) <= TOL[case.dtype]
-
-
 def test_auto_split_case_really_splits() -> None:
     case = DECODE_CASES["f16-bs32-g8-ctx1025-auto"]
     assert attention.choose_num_splits(1, case.num_kv_heads, 1025, case.block_size) > 1
-
-
-def test_prefill_of_single_tokens_equals_decode() -> None:
-    case = Case(F32, 16, 2, 4, 64, (1, 15, 17, 40), q_lens=(1, 1, 1, 1), window=9)
-    p = build(case)
-    dec = attention.decode_attention(
-        p.query, p.kv_cache, p.block_tables, p.context_lens, p.scale, case.window, num_splits=2
-    )
-    pre = attention.prefill_attention(
-        p.query,
-        p.kv_cache,
-        p.block_tables,
-        p.cu_seqlens_q,
-        p.context_lens,
-        p.scale,
-        case.window,
-        max_query_len=1,
-    )
-    assert rel_err(pre, dec) <= 1e-6
 
 
 def test_choose_num_splits_policy() -> None:
@@ -250,7 +185,7 @@ def test_empty_batch() -> None:
     out = attention.decode_attention(q, p.kv_cache, p.block_tables[:0], p.context_lens[:0], p.scale)
     assert out.shape == (0, 4, 64)
     cu = torch.zeros(1, dtype=torch.int32, device=DEV)
-    out = attention.prefill_attention(q, p.kv_cache, p.block_tables[:0], cu, p.context_lens[:0], p.scale)
+    out = prefill.paged_prefill_attention(q, p.kv_cache, p.block_tables[:0], cu, p.context_lens[:0], p.scale)
     assert out.shape == (0, 4, 64)
 
 
@@ -274,9 +209,6 @@ def test_launchers_reject_bad_inputs() -> None:
         attention.decode_attention(p.query.to(torch.int32), *args)
     with pytest.raises(ValueError, match="context_lens"):
         attention.decode_attention(p.query, p.kv_cache, p.block_tables, p.context_lens[:1], p.scale)
-    cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEV)
-    with pytest.raises(ValueError, match="cu_seqlens_q"):
-        attention.prefill_attention(p.query, p.kv_cache, p.block_tables, cu[:2], p.context_lens, p.scale)
 
 
 def test_backend_selection_returns_triton_module(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -299,9 +231,7 @@ def _huge_pool(
     """
     num_blocks = (1 << 31) // (block_size * num_kv_heads * head_dim) + used + 1
     try:
-        kv_cache = torch.empty(
-            (2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
-        )
+        kv_cache = torch.empty((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
     except (RuntimeError, MemoryError) as exc:  # pragma: no cover - depends on the host's overcommit policy
         pytest.skip(f"cannot map a >2**31-element pool: {exc}")
     ids = torch.arange(num_blocks - 1, num_blocks - 1 - used, -1, device=device)
@@ -317,9 +247,7 @@ def _check_huge_pool(kv_cache: torch.Tensor, ids: torch.Tensor, dtype: torch.dty
     context_lens = torch.tensor([used * kv_cache.shape[2] - 9, 17], dtype=torch.int32, device=device)
     tables = torch.stack([ids, ids.flip(0)]).to(torch.int32)
     small = kv_cache[:, ids].to(ref_dtype)  # the same blocks, renumbered 0..used-1 in a small pool
-    small_tables = torch.stack(
-        [torch.arange(used, device=device), torch.arange(used - 1, -1, -1, device=device)]
-    )
+    small_tables = torch.stack([torch.arange(used, device=device), torch.arange(used - 1, -1, -1, device=device)])
     small_tables = small_tables.to(torch.int32)
     scale = head_dim**-0.5
     q = torch.randn(2, num_kv_heads * 4, head_dim, device=device).to(dtype)
@@ -329,7 +257,7 @@ def _check_huge_pool(kv_cache: torch.Tensor, ids: torch.Tensor, dtype: torch.dty
         assert rel_err(out, ref) <= TOL[dtype]
     cu = torch.tensor([0, 5, 22], dtype=torch.int32, device=device)
     qp = torch.randn(22, num_kv_heads * 4, head_dim, device=device).to(dtype)
-    out = attention.prefill_attention(qp, kv_cache, tables, cu, context_lens, scale)
+    out = prefill.paged_prefill_attention(qp, kv_cache, tables, cu, context_lens, scale)
     ref = reference.prefill_attention(qp.to(ref_dtype), small, small_tables, cu, context_lens, scale)
     assert rel_err(out, ref) <= TOL[dtype]
 
@@ -368,10 +296,6 @@ _AOT_SCRIPT = textwrap.dedent(
             build(A._paged_decode_kernel, t, dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, HEAD_DIM_PAD=128,
                   BLOCK_SIZE=16, TILE_N=64, NUM_SPLITS=splits, USE_WINDOW=not final, WRITE_FINAL=final,
                   DOT_PRECISION=prec), arch)
-        t = dict(out_ptr=f"*{dt}", q_ptr=f"*{dt}", k_cache_ptr=f"*{dt}", v_cache_ptr=f"*{dt}",
-                 block_tables_ptr="*i32", cu_seqlens_q_ptr="*i32", context_lens_ptr="*i32", qk_scale="fp32")
-        build(A._paged_prefill_kernel, t, dict(GROUP=3, BLOCK_M=64, BLOCK_Q=21, HEAD_DIM=80, HEAD_DIM_PAD=128,
-              BLOCK_SIZE=32, TILE_N=64, USE_WINDOW=True, DOT_PRECISION=prec), arch, num_warps=8)
     build(A._merge_splits_kernel, dict(out_ptr="*bf16", partial_ptr="*fp32", lse_ptr="*fp32"),
           dict(HEAD_DIM=128, HEAD_DIM_PAD=128, NUM_SPLITS=5, SPLITS_PAD=8), arch, num_warps=2)
     build(C._store_kv_kernel, dict(key_ptr="*fp32", value_ptr="*fp32", k_cache_ptr="*bf16",
@@ -412,16 +336,6 @@ def test_kernels_compile_for_cuda_sm90(tmp_path: pathlib.Path) -> None:
 def test_decode_bf16_cuda(name: str) -> None:
     case = DECODE_CASES[name]
     out, ref = run_decode(build(case, "cuda", torch.bfloat16), case)
-    assert not out.isnan().any()
-    assert rel_err(out, ref) <= TOL[torch.bfloat16]
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("name", list(PREFILL_CASES))
-def test_prefill_bf16_cuda(name: str) -> None:
-    case = PREFILL_CASES[name]
-    out, ref = run_prefill(build(case, "cuda", torch.bfloat16), case)
     assert not out.isnan().any()
     assert rel_err(out, ref) <= TOL[torch.bfloat16]
 

@@ -33,6 +33,8 @@ PAGED_CASES = {
     "f16-bs32-g1-hd128-prefix": Case(F16, 32, 1, 1, 128, (40, 20, 7, 33), q_lens=(3, 20, 0, 1)),
     "f16-bs16-g8-hd80-prefix": Case(F16, 16, 1, 8, 80, (47, 33), q_lens=(15, 33)),
     "f16-bs16-g2-window-prefix": Case(F16, 16, 2, 2, 64, (30, 100), q_lens=(9, 70), window=5),
+    "f16-bs16-g2-window21-prefix": Case(F16, 16, 2, 2, 64, (30, 100), q_lens=(9, 70), window=21),
+    "f32-bs32-g4-hd128-window-prompt": Case(F32, 32, 1, 4, 128, (40,), q_lens=(40,), window=16),
     "f32-bs32-g4-window-prompt": Case(F32, 32, 1, 4, 64, (40,), q_lens=(40,), window=21),
     "f16-bs16-g4-toppool-prefix": Case(F16, 16, 1, 4, 64, (17, 40), q_lens=(2, 17), pool_blocks=1 << 13),
 }
@@ -63,6 +65,7 @@ QUANT_CASES = {
     "int8-f32-prompt-and-extend": quant.Case(quant.INT8, F32, (9, 40), q_lens=(9, 22)),
     "fp8-f16-prompt-and-extend": quant.Case(quant.FP8, F16, (9, 40), q_lens=(9, 22)),
     "int8-f16-window-extend": quant.Case(quant.INT8, F16, (9, 40), q_lens=(3, 40), window=6),
+    "fp8-f32-window-extend": quant.Case(quant.FP8, F32, (9, 40), q_lens=(3, 40), window=6),
     "int8-f16-tiny-scales": quant.Case(quant.INT8, F16, (9, 40), q_lens=(9, 22), scale_size=1e-5),
 }
 
@@ -161,13 +164,17 @@ def test_prefill_launchers_reject_bad_inputs() -> None:
         prefill.flash_attention_varlen(p.query, k[:4, :2], k[:4, :2], p.cu_seqlens_q, 1.0)
 
 
-def test_old_and_new_prefill_agree() -> None:
-    """The packed-GQA prefill of kernels.attention and this one: same contract, same answer."""
-    case = PAGED_CASES["f16-bs16-g2-prefix"]
+def test_prefill_of_single_tokens_equals_decode() -> None:
+    """One-token chunks are decode steps: the prefill and decode kernels agree (window and GQA included)."""
+    case = Case(F32, 16, 2, 4, 64, (1, 15, 17, 40), q_lens=(1, 1, 1, 1), window=9)
     p = build(case)
-    a = attention.prefill_attention(p.query, p.kv_cache, p.block_tables, p.cu_seqlens_q, p.context_lens, p.scale)
-    b = prefill.paged_prefill_attention(p.query, p.kv_cache, p.block_tables, p.cu_seqlens_q, p.context_lens, p.scale)
-    assert rel_err(a, b) <= TOL[F16]
+    dec = attention.decode_attention(
+        p.query, p.kv_cache, p.block_tables, p.context_lens, p.scale, case.window, num_splits=2
+    )
+    pre = prefill.paged_prefill_attention(
+        p.query, p.kv_cache, p.block_tables, p.cu_seqlens_q, p.context_lens, p.scale, case.window, max_query_len=1
+    )
+    assert rel_err(pre, dec) <= 1e-6
 
 
 _AOT_SCRIPT = """
