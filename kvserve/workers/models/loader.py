@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -21,6 +22,9 @@ from kvserve.workers.models.model_config import ModelConfig
 logger = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+Target = tuple[torch.Tensor, int, int]  # (parameter, row offset, rows): where an HF tensor goes
+M = TypeVar("M", bound=CausalLM)
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -44,7 +48,7 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _targets(model: CausalLM, name: str) -> tuple[torch.Tensor, int, int] | None:
+def _targets(model: CausalLM, name: str) -> Target | None:
     """Where an HF tensor goes: (parameter, row offset, rows) or None for tensors we do not use."""
     c = model.config
     if name == "model.embed_tokens.weight":
@@ -62,7 +66,7 @@ def _targets(model: CausalLM, name: str) -> tuple[torch.Tensor, int, int] | None
     layer = model.layers[idx]
     attn, mlp = layer.self_attn, layer.mlp
     q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
-    table: dict[str, tuple[torch.Tensor, int, int]] = {
+    table: dict[str, Target] = {
         "self_attn.q_proj.weight": (attn.qkv_proj.weight, 0, q),
         "self_attn.k_proj.weight": (attn.qkv_proj.weight, q, kv),
         "self_attn.v_proj.weight": (attn.qkv_proj.weight, q + kv, kv),
@@ -98,6 +102,71 @@ def _load_kv_scale(model: CausalLM, name: str, handle: Any) -> bool:
     return True
 
 
+def empty_model(make: Callable[[], M], dtype: torch.dtype, device: str | torch.device) -> M:
+    """``make()`` built on ``device`` in ``dtype``, its parameters not yet filled (the loaders fill them)."""
+    with torch.device(device):
+        model = make()
+    model = model.to(dtype)
+    model.rotary.float()  # NOTE: the cos/sin table stays fp32 (cast per use) as in HF.
+    return model
+
+
+class WeightFiller:
+    """Copies checkpoint tensors into a model's (fused) parameters, counting the rows written, and checks at
+    the end that every parameter was written in full. The one copy path of ``load_model`` and of the
+    tensor-parallel ``load_shard`` (which reads only its rank's slices of the same tensors)."""
+
+    def __init__(self, model: CausalLM, dtype: torch.dtype) -> None:
+        self.model = model
+        self.dtype = dtype
+        self._written: dict[int, int] = {}  # id(param) -> rows written
+
+    def safetensors(self, files: Iterable[Path]) -> Iterator[tuple[Path, Any, str, Target]]:
+        """(file, open handle, tensor name, target) of every tensor of ``files`` that fills a parameter;
+        per-tensor fp8 KV scales are set on the way, tensors the model does not use are skipped. The
+        handle is open only until the next item.
+
+        Raises:
+            ValueError: a file that is not readable safetensors, or a bad KV scale.
+        """
+        for f in files:
+            try:
+                handle = safe_open(str(f), framework="pt", device="cpu")
+            except (SafetensorError, OSError) as e:
+                raise ValueError(f"{f}: cannot read safetensors ({e})") from e
+            with handle:
+                for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    if _load_kv_scale(self.model, name, handle):
+                        continue
+                    target = _targets(self.model, name)
+                    if target is not None:
+                        yield f, handle, name, target
+
+    def copy(self, source: Path, name: str, target: Target, tensor: torch.Tensor) -> None:
+        """``tensor`` (``rows`` x the parameter's other dims) into rows ``offset:offset + rows`` of the target.
+
+        Raises:
+            ValueError: the tensor's shape is not the target's.
+        """
+        param, offset, rows = target
+        expected = (rows, *param.shape[1:])
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"{source}: {name} has shape {tuple(tensor.shape)}, expected {expected}")
+        param[offset : offset + rows].copy_(tensor.to(self.dtype))
+        self.count(param, rows)
+
+    def count(self, param: torch.Tensor, rows: int) -> None:
+        """Count ``rows`` of ``param`` as written (``copy`` does; a caller that fills rows itself, too)."""
+        self._written[id(param)] = self._written.get(id(param), 0) + rows
+
+    def check_complete(self, model_dir: Path) -> None:
+        """Raises ValueError naming the parameters (first five) the checkpoint did not fill in full."""
+        missing = [n for n, p in self.model.named_parameters() if self._written.get(id(p), 0) != p.shape[0]]
+        if missing:
+            more = "..." if len(missing) > 5 else ""
+            raise ValueError(f"{model_dir}: checkpoint lacks weights for {missing[:5]}{more}")
+
+
 def load_model(
     model_dir: str | Path,
     dtype: torch.dtype | None = None,
@@ -120,41 +189,17 @@ def load_model(
     dtype = dtype or config.dtype
     gguf_path = find_gguf(model_dir)
     files = [gguf_path] if gguf_path is not None else checkpoint_files(model_dir)
-    with torch.device(device):
-        model = CausalLM(config, max_positions or config.max_position_embeddings)
-    model = model.to(dtype)
-    model.rotary.float()  # NOTE: the cos/sin table stays fp32 (cast per use) as in HF.
-    written: dict[int, int] = {}  # id(param) -> rows written
-
-    def copy_in(source: Path, name: str, tensor: torch.Tensor) -> None:
-        target = _targets(model, name)
-        if target is None:
-            return
-        param, offset, rows = target
-        expected = (rows, *param.shape[1:])
-        if tuple(tensor.shape) != expected:
-            raise ValueError(f"{source}: {name} has shape {tuple(tensor.shape)}, expected {expected}")
-        param[offset : offset + rows].copy_(tensor.to(dtype))
-        written[id(param)] = written.get(id(param), 0) + rows
-
+    model = empty_model(lambda: CausalLM(config, max_positions or config.max_position_embeddings), dtype, device)
+    filler = WeightFiller(model, dtype)
     with torch.no_grad():
         if gguf_path is not None:
             for name, tensor in open_gguf(gguf_path).tensors():
-                copy_in(gguf_path, name, tensor)
+                target = _targets(model, name)
+                if target is not None:
+                    filler.copy(gguf_path, name, target, tensor)
         else:
-            for f in files:
-                try:
-                    handle = safe_open(str(f), framework="pt", device="cpu")
-                except (SafetensorError, OSError) as e:
-                    raise ValueError(f"{f}: cannot read safetensors ({e})") from e
-                with handle:
-                    for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                        if _load_kv_scale(model, name, handle):
-                            continue
-                        if _targets(model, name) is not None:
-                            copy_in(f, name, handle.get_tensor(name))
-    missing = [n for n, p in model.named_parameters() if written.get(id(p), 0) != p.shape[0]]
-    if missing:
-        raise ValueError(f"{model_dir}: checkpoint lacks weights for {missing[:5]}{'...' if len(missing) > 5 else ''}")
+            for f, handle, name, target in filler.safetensors(files):
+                filler.copy(f, name, target, handle.get_tensor(name))
+    filler.check_complete(model_dir)
     logger.info("loaded %s (%s, %d layers) from %s", config.architecture, dtype, config.num_layers, files[0])
     return model.eval()
