@@ -237,11 +237,12 @@ def _accumulate(responses: list[spb.GenerateResponse]) -> tuple[list[int], str, 
     return ids, "".join(r.text_delta for r in responses), responses[-1]
 
 
-# ---- sync -----------------------------------------------------------------------------------------
-class GenerateStream(Iterator[spb.GenerateResponse]):
-    """The responses of one Generate (``KVServeClient.generate``); retries as the module says."""
+class _GenerateAttempts:
+    """What the sync and async Generate streams share: the request, its ``GenerateRetry``, the live call
+    (a fresh attempt after each retried error), the router's request id, and ``cancel``. The streams
+    differ only in how they read the call and wait."""
 
-    def __init__(self, client: KVServeClient, request: spb.GenerateRequest, timeout: float | None) -> None:
+    def __init__(self, client: _ClientBase, request: spb.GenerateRequest, timeout: float | None) -> None:
         self._client = client
         self._request = request
         self._retry = GenerateRetry(client.max_attempts, client.max_retry_wait_s, timeout)
@@ -250,39 +251,61 @@ class GenerateStream(Iterator[spb.GenerateResponse]):
         self._cancelled = False
         self.request_id = request.request_id  # the router's id once the first response arrived
 
-    def __iter__(self) -> GenerateStream:
-        return self
+    def _live_call(self) -> Any:
+        """The call to read: the live one, else a new attempt's; None once cancelled (the stream ends)."""
+        if self._call is None:
+            if self._cancelled:
+                return None
+            self._retry.attempts += 1
+            self._call = self._client._stub.Generate(
+                self._request,
+                timeout=self._retry.remaining(),
+                metadata=self._client._metadata,
+                wait_for_ready=self._retry.wait_for_ready,
+            )
+        return self._call
 
-    def __next__(self) -> spb.GenerateResponse:
-        while True:
-            if self._call is None:
-                if self._cancelled:
-                    raise StopIteration
-                self._retry.attempts += 1
-                self._call = self._client._stub.Generate(
-                    self._request,
-                    timeout=self._retry.remaining(),
-                    metadata=self._client._metadata,
-                    wait_for_ready=self._retry.wait_for_ready,
-                )
-            try:
-                response = next(self._call)
-            except grpc.RpcError as e:
-                wait = self._retry.wait_for(e, self._received, self._cancelled)
-                if wait is None:
-                    raise
-                self._call = None
-                time.sleep(wait)
-                continue
-            self._received = True
-            self.request_id = response.request_id or self.request_id
-            return response
+    def _retry_wait(self, error: grpc.RpcError) -> float | None:
+        """Seconds to wait before the next attempt (the failed call is dropped); None: raise ``error``."""
+        wait = self._retry.wait_for(error, self._received, self._cancelled)
+        if wait is not None:
+            self._call = None
+        return wait
+
+    def _received_one(self, response: spb.GenerateResponse) -> spb.GenerateResponse:
+        # NOTE: from here on no error is retried: a retry could repeat tokens the caller already has.
+        self._received = True
+        self.request_id = response.request_id or self.request_id
+        return response
 
     def cancel(self) -> None:
         """Cancel the call (the router frees the request's blocks); further reads raise CANCELLED."""
         self._cancelled = True
         if self._call is not None:
             self._call.cancel()
+
+
+# ---- sync -----------------------------------------------------------------------------------------
+class GenerateStream(_GenerateAttempts, Iterator[spb.GenerateResponse]):
+    """The responses of one Generate (``KVServeClient.generate``); retries as the module says."""
+
+    def __iter__(self) -> GenerateStream:
+        return self
+
+    def __next__(self) -> spb.GenerateResponse:
+        while True:
+            call = self._live_call()
+            if call is None:
+                raise StopIteration
+            try:
+                response = next(call)
+            except grpc.RpcError as e:
+                wait = self._retry_wait(e)
+                if wait is None:
+                    raise
+                time.sleep(wait)
+                continue
+            return self._received_one(response)
 
     def __enter__(self) -> GenerateStream:
         return self
@@ -384,35 +407,19 @@ class KVServeClient(_ClientBase):
 
 
 # ---- asyncio -------------------------------------------------------------------------------------
-class AsyncGenerateStream(AsyncIterator[spb.GenerateResponse]):
-    """The responses of one Generate (``AsyncKVServeClient.generate``)."""
-
-    def __init__(self, client: AsyncKVServeClient, request: spb.GenerateRequest, timeout: float | None) -> None:
-        self._client = client
-        self._request = request
-        self._retry = GenerateRetry(client.max_attempts, client.max_retry_wait_s, timeout)
-        self._call: Any = None
-        self._received = False
-        self._cancelled = False
-        self.request_id = request.request_id
+class AsyncGenerateStream(_GenerateAttempts, AsyncIterator[spb.GenerateResponse]):
+    """The responses of one Generate (``AsyncKVServeClient.generate``); retries as the sync stream."""
 
     def __aiter__(self) -> AsyncGenerateStream:
         return self
 
     async def __anext__(self) -> spb.GenerateResponse:
         while True:
-            if self._call is None:
-                if self._cancelled:
-                    raise StopAsyncIteration
-                self._retry.attempts += 1
-                self._call = self._client._stub.Generate(
-                    self._request,
-                    timeout=self._retry.remaining(),
-                    metadata=self._client._metadata,
-                    wait_for_ready=self._retry.wait_for_ready,
-                )
+            call = self._live_call()
+            if call is None:
+                raise StopAsyncIteration
             try:
-                response = await self._call.read()
+                response = await call.read()
             except asyncio.CancelledError:
                 # grpc.aio reads of a call cancelled by ``cancel()`` raise CancelledError; unless this
                 # task is being cancelled itself, answer as the sync stream does: RpcError(CANCELLED).
@@ -423,23 +430,14 @@ class AsyncGenerateStream(AsyncIterator[spb.GenerateResponse]):
                     grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), "cancelled by the client"
                 ) from None
             except grpc.RpcError as e:
-                wait = self._retry.wait_for(e, self._received, self._cancelled)
+                wait = self._retry_wait(e)
                 if wait is None:
                     raise
-                self._call = None
                 await asyncio.sleep(wait)
                 continue
             if response is grpc.aio.EOF:
                 raise StopAsyncIteration
-            self._received = True
-            self.request_id = response.request_id or self.request_id
-            return response
-
-    def cancel(self) -> None:
-        """Cancel the call (the router frees the request's blocks); further reads raise CANCELLED."""
-        self._cancelled = True
-        if self._call is not None:
-            self._call.cancel()
+            return self._received_one(response)
 
     async def __aenter__(self) -> AsyncGenerateStream:
         return self
