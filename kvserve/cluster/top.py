@@ -87,7 +87,7 @@ def _short_node(node_id: str) -> str:
 # (header, justify, min cells, droppable: lower drops first (0 = never)) per column, in order.
 _COLUMNS = (
     ("worker", "left", 10, 0),
-    ("node", "left", 10, 1),
+    ("node", "left", 10, 2),
     ("KV blocks", "left", 0, 0),  # the bar: takes what the others leave
     ("used", "right", 6, 0),
     ("evict", "right", 7, 0),
@@ -104,7 +104,8 @@ _COLUMNS = (
     ("host", "right", 9, 5),  # the node's host tier: fill %, share of prompt tokens loaded from it
     ("disk", "right", 9, 5),  # the node's disk tier, likewise
     ("step ms", "right", 9, 2),
-    ("graph%", "right", 8, 2),  # share of the decode steps since the last frame that replayed a decode graph
+    # NOTE: graph% drops first: "-" on CPU, and a frame for scripts (160 cells off a terminal) keeps the node
+    ("graph%", "right", 8, 1),  # share of the decode steps since the last frame that replayed a decode graph
     ("age s", "right", 7, 3),
 )
 _MIN_BAR, _MAX_BAR = 10, 40

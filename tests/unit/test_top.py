@@ -147,6 +147,13 @@ def test_narrow_layout_keeps_the_essentials() -> None:
     assert len(full) == 20 and bar_full == 30
 
 
+def test_a_frame_off_a_terminal_keeps_the_node_column() -> None:
+    # NOTE: `kvserve top --once` into a pipe renders 160 cells; the node is what an operator greps by,
+    # so the columns that drop first at that width are the ones without it (graph% first)
+    cols, _ = _layout(160, 30)
+    assert "node" in cols and "graph%" not in cols, cols
+
+
 def test_no_workers() -> None:
     text = render_text(None, spb.ClusterStatus(timestamp_ms=1), width=100)
     assert "no workers registered" in text and "workers 0/0 healthy" in text
