@@ -127,6 +127,7 @@ class TieredCache:
         self.kv_cache = kv_cache
         self.pool = pool
         self.cost = cost
+        self.shard = shard
         self.always_load = config.tier_load == "always"
         self.layout = layout_string(model_id, kv_cache, shard)
         self.copier = TierCopier.for_cache(kv_cache)

@@ -108,7 +108,9 @@ class TPEngine(LLMEngine):
 
     def _make_tiers(self) -> TieredCache:
         assert isinstance(self.model, ShardedCausalLM)
-        return GroupTieredCache(self.config, self.kv_cache, self.pool, self.model_id, self.tier_cost, self.model.plan)
+        plan = self.model.plan
+        return GroupTieredCache(self.config, self.kv_cache, self.pool, self.model_id, self.tier_cost,
+                                shard=(plan.rank, plan.size))  # fmt: skip
 
     def _probe_runner(self, num_blocks: int) -> ModelRunner:
         # NOTE: the group's own step (every rank runs it) on pool blocks 0..num_blocks-1: free at start-up, and a

@@ -60,8 +60,9 @@ def run(
             model.pack_for_cpu()
         tiers = None
         if config.tiers_enabled:
-            tiers = GroupTieredCache(config, kv_cache, None, bytes(model_id.cpu().tolist()).decode(),
-                                     TierCostModel(config.block_size), model.plan)  # fmt: skip
+            model_name = bytes(model_id.cpu().tolist()).decode()
+            tiers = GroupTieredCache(config, kv_cache, None, model_name, TierCostModel(config.block_size),
+                                     shard=(model.plan.rank, model.plan.size))  # fmt: skip
         try:
             follow(model, kv_cache, tiers)
         finally:

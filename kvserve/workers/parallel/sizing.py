@@ -22,34 +22,6 @@ from kvserve.workers.models.model import CausalLM
 logger = logging.getLogger(__name__)
 
 
-def rank_num_blocks(
-    config: EngineConfig,
-    model: CausalLM,
-    kv_dtype: torch.dtype,
-    block_bytes: int,
-    max_model_len: int,
-    meter: MemoryMeter | None = None,
-) -> int:
-    """This rank's KV blocks of ``block_bytes`` (its heads of a block). ``meter``: the device's memory figures
-    (default on CUDA: ``CudaMeter``; given, it profiles whatever the device: tests on CPU).
-
-    Raises:
-        ValueError: the config's memory holds no block, or the profile leaves no room (the figures given).
-    """
-    if config.num_gpu_blocks is not None:
-        return config.num_gpu_blocks
-    device = next(model.parameters()).device
-    if config.kv_cache_memory is None and (meter is not None or device.type == "cuda"):
-        meter = meter if meter is not None else CudaMeter(device)
-        memory, n = profile_kv_blocks(meter, model, ProfileShape.of(config, kv_dtype, max_model_len), block_bytes)
-        logger.info("rank memory: %s -> %d KV blocks", memory.describe(), n)
-        return n
-    n = config.kv_cache_bytes // block_bytes
-    if n <= 0:
-        raise ValueError(f"kv_cache_memory={config.kv_cache_memory!r} holds no {block_bytes}-byte KV block")
-    return n
-
-
 def agree_num_blocks(size: int | ValueError, device: torch.device) -> int:
     """The group's pool: the minimum of every rank's ``size`` (a collective: every rank calls it once).
 
@@ -74,9 +46,34 @@ def group_num_blocks(
     max_model_len: int,
     meter: MemoryMeter | None = None,
 ) -> int:
-    """``rank_num_blocks`` then ``agree_num_blocks``: what every rank calls at start-up."""
+    """The group's pool in KV blocks of ``block_bytes`` (a rank's heads of a block): this rank's size, then the
+    minimum over the ranks (``agree_num_blocks``: every rank calls this once, at start-up).
+
+    This rank's size: the config's ``num_gpu_blocks``; else, without ``kv_cache_memory``, on CUDA or given a
+    ``meter`` (the device's memory figures; default on CUDA ``CudaMeter``; given, it profiles whatever the
+    device: tests on CPU), a profile of its own card (``memory_budget.profile_kv_blocks``); else
+    ``kv_cache_memory`` over ``block_bytes``.
+
+    Raises:
+        ValueError: this rank's memory holds no block, or the profile leaves no room (the figures given); or
+            another rank's did not.
+    """
+    device = next(model.parameters()).device
+    size: int | ValueError
+    # NOTE: a rank that cannot size its pool still meets the others in agree_num_blocks (it passes its
+    # error), so no rank waits on a collective that never comes.
     try:
-        size: int | ValueError = rank_num_blocks(config, model, kv_dtype, block_bytes, max_model_len, meter)
+        if config.num_gpu_blocks is not None:
+            size = config.num_gpu_blocks
+        elif config.kv_cache_memory is None and (meter is not None or device.type == "cuda"):
+            meter = meter if meter is not None else CudaMeter(device)
+            shape = ProfileShape.of(config, kv_dtype, max_model_len)
+            memory, size = profile_kv_blocks(meter, model, shape, block_bytes)
+            logger.info("rank memory: %s -> %d KV blocks", memory.describe(), size)
+        elif config.kv_cache_bytes // block_bytes > 0:
+            size = config.kv_cache_bytes // block_bytes
+        else:
+            size = ValueError(f"kv_cache_memory={config.kv_cache_memory!r} holds no {block_bytes}-byte KV block")
     except ValueError as e:
         size = e
-    return agree_num_blocks(size, next(model.parameters()).device)
+    return agree_num_blocks(size, device)

@@ -16,30 +16,19 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from kvserve.workers.engine.block_pool import BlockPool
-from kvserve.workers.engine.config import EngineConfig
-from kvserve.workers.engine.kv_cache import KVCache
-from kvserve.workers.engine.tier_cost import TierCostModel
 from kvserve.workers.engine.tiered_cache import TieredCache
 from kvserve.workers.parallel import step_message
-from kvserve.workers.parallel.sharding import ShardPlan
 
 
 class GroupTieredCache(TieredCache):
-    """One rank's tiers. On rank 0 (``pool`` given) spills and loads are broadcast first; on the others
-    (``pool`` None) ``follow`` calls ``spill`` and ``load_run`` as the messages arrive."""
+    """One rank's tiers, built as a ``TieredCache`` with ``shard=(rank, size)`` (required here). On rank 0
+    (``pool`` given) spills and loads are broadcast first; on the others (``pool`` None) ``follow`` calls
+    ``spill`` and ``load_run`` as the messages arrive."""
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        kv_cache: KVCache,
-        pool: BlockPool | None,
-        model_id: str,
-        cost: TierCostModel,
-        plan: ShardPlan,
-    ) -> None:
-        super().__init__(config, kv_cache, pool, model_id, cost, shard=(plan.rank, plan.size))
-        self.rank = plan.rank
+    @property
+    def rank(self) -> int:
+        assert self.shard is not None, "GroupTieredCache needs shard=(rank, size)"
+        return self.shard[0]
 
     def spill(self, evicted: list[tuple[int, int]]) -> None:
         if self.rank == 0:
