@@ -18,19 +18,7 @@ from kvserve.workers.core.sampling_params import SamplingParams
 from kvserve.workers.engine.config import EngineConfig
 from kvserve.workers.engine.cuda_graphs import decode_buckets
 from kvserve.workers.engine.engine import LLM, LLMEngine
-
-N = 24
-GREEDY = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)
-BUCKETS = (1, 2, 4)
-
-
-def _rand_ids(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 32000, (n,), generator=g).tolist()
-
-
-MIXED = [_rand_ids(n, 100 + i) for i, n in enumerate((15, 16, 17, 3, 40, 1))]  # as test_hf_parity
-PREFIX = _rand_ids(32, 7)
+from tests.model.workload import BUCKETS, GREEDY, MIXED, PREFIX, N, rand_ids
 
 
 @pytest.fixture(params=["llama", "qwen2"])
@@ -100,7 +88,7 @@ def test_graph_decode_with_preemption_matches_hf(model_dir: Path, hf_greedy, mod
 
 
 def test_graph_decode_with_prefix_hits_matches_hf(model_dir: Path, hf_greedy) -> None:
-    prompts = [PREFIX + _rand_ids(5, 8), PREFIX + _rand_ids(11, 9), PREFIX]
+    prompts = [PREFIX + rand_ids(5, 8), PREFIX + rand_ids(11, 9), PREFIX]
     ref = hf_greedy(model_dir, prompts, N)
     llm = _graph_llm(model_dir, block_size=16, num_gpu_blocks=64)
     assert _tokens(llm, prompts[:1]) == ref[:1]

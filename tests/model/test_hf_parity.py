@@ -15,24 +15,9 @@ import pytest
 import torch
 
 from kvserve.workers.core.request import WorkerRequest
-from kvserve.workers.core.sampling_params import SamplingParams
 from kvserve.workers.engine.engine import LLM, LLMEngine
 from kvserve.workers.engine.outputs import CompletionOutput
-
-N = 24  # new tokens per request (the conftest oracle's maximum, so all tests share its cache)
-GREEDY = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)
-
-
-def _rand_ids(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 32000, (n,), generator=g).tolist()
-
-
-MIXED = [_rand_ids(n, 100 + i) for i, n in enumerate((15, 16, 17, 3, 40, 1))]
-PREFIX = _rand_ids(32, 7)  # two 16-token blocks; 32 blocks of size 1
-PREFIX_A = PREFIX + _rand_ids(5, 8)
-PREFIX_B = PREFIX + _rand_ids(11, 9)
-assert PREFIX_A[32] != PREFIX_B[32]  # the shared part is exactly PREFIX
+from tests.model.workload import GREEDY, MIXED, PREFIX, PREFIX_A, PREFIX_B, N, rand_ids
 
 
 @pytest.fixture(params=["llama", "qwen2", "qwen3"])
@@ -165,7 +150,7 @@ def test_prefix_cache_hits_match_hf(model_dir: Path, hf_greedy, block_size: int)
     ref_a = hf_greedy(model_dir, [PREFIX_A], N)[0]
     # A follow-up turn: PREFIX_A (37 tokens) + 11 of its outputs = 48 tokens, 3 full blocks of 16.
     # Block 2 filled up during decode, so it is cached only if decode-filled blocks are hashed.
-    follow = PREFIX_A + ref_a[:11] + _rand_ids(5, 10)
+    follow = PREFIX_A + ref_a[:11] + rand_ids(5, 10)
     assert follow[48] != ref_a[11]
     prompts = [PREFIX_A, PREFIX_B, PREFIX, follow]
     ref = hf_greedy(model_dir, prompts, N)

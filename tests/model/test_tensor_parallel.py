@@ -19,20 +19,7 @@ from kvserve.workers.engine.outputs import CompletionOutput
 from kvserve.workers.models.loader import load_model
 from kvserve.workers.models.random_model import init_random
 from kvserve.workers.parallel.shard_loader import load_shard
-
-N = 24
-GREEDY = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)
-
-
-def _rand_ids(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 32000, (n,), generator=g).tolist()
-
-
-MIXED = [_rand_ids(n, 100 + i) for i, n in enumerate((15, 16, 17, 3, 40, 1))]
-PREFIX = _rand_ids(32, 7)
-PREFIX_A = PREFIX + _rand_ids(5, 8)
-PREFIX_B = PREFIX + _rand_ids(11, 9)
+from tests.model.workload import GREEDY, MIXED, PREFIX, PREFIX_A, PREFIX_B, N, rand_ids
 
 
 @pytest.fixture(params=["llama", "qwen2", "qwen3"])
@@ -214,7 +201,7 @@ def test_smollm2_tp2_refused_tp3_matches_hf(smollm2_dir: Path, hf_greedy) -> Non
     reason); 3 ranks can (one KV head each) and give HF's tokens."""
     with pytest.raises(ValueError, match="9 attention heads"):
         load_shard(smollm2_dir, 0, 2)
-    prompts = [_rand_ids(20, 1), _rand_ids(7, 2)]
+    prompts = [rand_ids(20, 1), rand_ids(7, 2)]
     llm = LLM(str(smollm2_dir), device="cpu", num_gpu_blocks=64, tensor_parallel_size=3)
     try:
         outs = _run(llm, prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))

@@ -9,22 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from kvserve.workers.core.sampling_params import SamplingParams
 from kvserve.workers.engine.engine import LLM
-
-N = 24
-GREEDY = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)
-BUCKETS = (1, 2, 4)
-
-
-def _rand_ids(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 32000, (n,), generator=g).tolist()
-
-
-MIXED = [_rand_ids(n, 100 + i) for i, n in enumerate((15, 16, 17, 3, 40, 1))]
+from tests.model.workload import BUCKETS, GREEDY, MIXED, N
 
 
 def _graph_llm(model_dir: Path, tp: int, **kwargs: object) -> LLM:
