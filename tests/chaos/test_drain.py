@@ -20,17 +20,15 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
-import pytest
 
 from kvserve.cluster.drain_cli import describe
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 from kvserve.protos.kvserve.v1 import serving_pb2_grpc
-from tests.chaos.conftest import ServedCluster, serve_cluster, stop_cluster
+from tests.chaos.conftest import ServedCluster
+from tests.chaos.served import cluster_fixture
 from tests.chaos.streams import Stream, prompt, request, run_all
 from tests.chaos.test_failover import _mixed_requests, _wait_status, _worker
 from tests.integration.test_serve import REPO, clean_env, kvserve_argv
@@ -45,13 +43,7 @@ LOAD_MAX_IN_FLIGHT = 6
 LOAD_MAX_TOKENS = 64  # long enough that each worker holds several requests when it is drained
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_llama_dir: Path) -> Iterator[ServedCluster]:
-    c = serve_cluster(tiny_llama_dir, "--worker-restart-limit", "0")
-    try:
-        yield c
-    finally:
-        stop_cluster(c)
+cluster = cluster_fixture("--worker-restart-limit", "0")
 
 
 def _cli(c: ServedCluster, *args: str, timeout: float = 2 * BACK_TIMEOUT_S) -> subprocess.CompletedProcess[str]:

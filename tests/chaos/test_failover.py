@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import psutil
@@ -25,20 +23,15 @@ import pytest
 
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 from kvserve.protos.kvserve.v1 import serving_pb2_grpc
-from tests.chaos.conftest import ServedCluster, serve_cluster, stop_cluster
+from tests.chaos.conftest import ServedCluster
+from tests.chaos.served import cluster_fixture
 from tests.chaos.streams import RssSampler, Stream, prompt, request, rss_bytes, run_all
 
 MAX_BUFFERED = 32
 RESTART_TIMEOUT_S = 240.0  # a new worker process loads the model again, on a loaded 2-core box
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_llama_dir: Path) -> Iterator[ServedCluster]:
-    c = serve_cluster(tiny_llama_dir, "--max-buffered-responses", str(MAX_BUFFERED))
-    try:
-        yield c
-    finally:
-        stop_cluster(c)
+cluster = cluster_fixture("--max-buffered-responses", str(MAX_BUFFERED))
 
 
 def _wait_status(c: ServedCluster, ok, timeout: float, what: str) -> spb.ClusterStatus:  # noqa: ANN001

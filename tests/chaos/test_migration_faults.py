@@ -17,14 +17,13 @@ The same invariant on every branch, with fake workers and time under control, is
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
 
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
-from tests.chaos.conftest import ServedCluster, serve_cluster, stop_cluster
+from tests.chaos.conftest import ServedCluster
+from tests.chaos.served import cluster_fixture
 from tests.chaos.streams import Stream, prompt, request, run_all
 from tests.chaos.test_failover import RESTART_TIMEOUT_S, _wait_status, _worker
 
@@ -36,13 +35,7 @@ CASES = [  # (phase, action, side, which request: 0 greedy, 1 seeded)
 ]
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_llama_dir: Path) -> Iterator[ServedCluster]:
-    c = serve_cluster(tiny_llama_dir, fault_router=True)
-    try:
-        yield c
-    finally:
-        stop_cluster(c)
+cluster = cluster_fixture(fault_router=True)
 
 
 def _requests() -> list[spb.GenerateRequest]:

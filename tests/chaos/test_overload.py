@@ -13,13 +13,10 @@ Ends with the cluster idle: all blocks free, every pool's integrity intact.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import grpc
-import pytest
 
-from tests.chaos.conftest import ServedCluster, serve_cluster, stop_cluster
+from tests.chaos.conftest import ServedCluster
+from tests.chaos.served import cluster_fixture
 from tests.chaos.streams import Stream, prompt, request, run_all
 
 PROMPT_TOKENS = 100
@@ -28,13 +25,7 @@ DEADLINE_S = 10.0
 BURST = 40
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_llama_dir: Path) -> Iterator[ServedCluster]:
-    c = serve_cluster(tiny_llama_dir)
-    try:
-        yield c
-    finally:
-        stop_cluster(c)
+cluster = cluster_fixture()
 
 
 def test_a_burst_that_cannot_start_in_time_is_refused_with_retry_hints_not_queued_to_expire(

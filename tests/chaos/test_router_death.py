@@ -10,26 +10,18 @@ import os
 import re
 import signal
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
-import pytest
 
-from tests.chaos.conftest import ServedCluster, serve_cluster, stop_cluster
+from tests.chaos.conftest import ServedCluster
+from tests.chaos.served import cluster_fixture
 from tests.chaos.streams import Stream, prompt, request, run_all
 from tests.chaos.test_failover import RESTART_TIMEOUT_S, _held_at, _router_pid, _wait_status, _worker
 
 ROUTER_RESTARTED = re.compile(r"router restarted \(1\)")
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_llama_dir: Path) -> Iterator[ServedCluster]:
-    c = serve_cluster(tiny_llama_dir, "--migration-limit", "0")
-    try:
-        yield c
-    finally:
-        stop_cluster(c)
+cluster = cluster_fixture("--migration-limit", "0")
 
 
 def test_migration_limit_0_only_the_dead_workers_clients_get_unavailable(cluster: ServedCluster) -> None:

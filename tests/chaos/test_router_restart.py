@@ -10,28 +10,20 @@ import os
 import re
 import signal
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import psutil
-import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.chaos.conftest import ServedCluster, serve_cluster, stop_cluster
+from tests.chaos.conftest import ServedCluster
+from tests.chaos.served import cluster_fixture
 from tests.chaos.streams import prompt, request, run_all
 from tests.chaos.test_failover import RESTART_TIMEOUT_S, _wait_status, _worker
 
 ROUTER_RESTARTED = re.compile(r"router restarted \(1\).*retired: worker-0")
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_llama_dir: Path) -> Iterator[ServedCluster]:
-    c = serve_cluster(tiny_llama_dir, "--worker-restart-limit", "0")
-    try:
-        yield c
-    finally:
-        stop_cluster(c)
+cluster = cluster_fixture("--worker-restart-limit", "0")
 
 
 def _ready(c: ServedCluster) -> int:

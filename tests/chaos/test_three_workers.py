@@ -13,14 +13,12 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
-import pytest
 
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
-from tests.chaos.conftest import ServedCluster, serve_cluster, stop_cluster
+from tests.chaos.conftest import ServedCluster
+from tests.chaos.served import cluster_fixture
 from tests.chaos.streams import Stream, prompt, request, run_all
 from tests.chaos.test_failover import RESTART_TIMEOUT_S, _held_at, _wait_status, _worker
 
@@ -29,13 +27,7 @@ LINK_GRACE_S = 3.0  # above a reconnect on a loaded 1-core box, below the stall 
 MAX_TOKENS = 160
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_llama_dir: Path) -> Iterator[ServedCluster]:
-    c = serve_cluster(tiny_llama_dir, "--link-grace-s", str(LINK_GRACE_S), num_workers=NUM_WORKERS)
-    try:
-        yield c
-    finally:
-        stop_cluster(c)
+cluster = cluster_fixture("--link-grace-s", str(LINK_GRACE_S), num_workers=NUM_WORKERS)
 
 
 def _requests(base: int, n: int) -> list[spb.GenerateRequest]:
