@@ -9,6 +9,7 @@ import torch
 
 from kvserve.workers.engine.attention_metadata import AttentionMetadata
 from kvserve.workers.engine.cuda_graphs import DecodeGraphs
+from kvserve.workers.engine.host_ids import HostIds
 from kvserve.workers.engine.input_buffers import StepBuffers
 from kvserve.workers.engine.kv_cache import KVCache
 from kvserve.workers.engine.request import Request
@@ -40,6 +41,7 @@ class ModelRunner:
                 logger.info("CPU GEMMs: %s", model.cpu_gemm_summary())
         self.governor = ThreadGovernor.create() if self.device.type == "cpu" else None
         self.buffers = StepBuffers(self.device)
+        self.host_ids = HostIds(self.device)
         self.decode_graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
 
     @torch.inference_mode()
@@ -63,11 +65,14 @@ class ModelRunner:
         if sample_reqs:
             reqs = [batch[j][0] for j in sample_reqs]
             params = [r.sampling_params for r in reqs]
+            logits: torch.Tensor | None = None
             if all(p.greedy and p.logprobs is None for p in params):
-                tokens = greedy_ids.tolist() if greedy_ids is not None else self.model.greedy_tokens(hidden)
+                ids = greedy_ids if greedy_ids is not None else self.model.greedy_token_ids(hidden)
             else:
                 logits = self.model.compute_logits(hidden)
-                tokens = self.sampler(logits, params, [r.generator for r in reqs])
+                ids = self.sampler.sample(logits, params, [r.generator for r in reqs])
+            tokens = self.host_ids.fetch(ids)  # the step's one device→host read of its ids
+            if logits is not None:
                 _attach_logprobs(logits, tokens, reqs)
             for j, tok in zip(sample_reqs, tokens, strict=True):
                 sampled[order[j]] = tok

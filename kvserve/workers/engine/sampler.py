@@ -94,7 +94,19 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
     ) -> list[int]:
-        """Sample the next token of every sequence.
+        """``sample`` read back to the host: the sampled token id of each row, in row order."""
+        return self.sample(logits, params, generators).tolist()
+
+    def sample(
+        self,
+        logits: Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> Tensor:
+        """Sample the next token of every sequence, leaving the ids on the logits' device.
+
+        NOTE: no device→host read happens here (no ``tolist``/``item``), so the caller owns the
+        step's one sync (``host_ids.HostIds``) and may feed the ids to the next step on the device.
 
         Args:
             logits: ``[num_seqs, vocab]`` float32 next-token logits (not modified).
@@ -104,7 +116,7 @@ class Sampler:
                 greedy rows, which consume no randomness.
 
         Returns:
-            The sampled token id of each row, in row order.
+            ``[num_seqs]`` int64 sampled ids on ``logits.device``, in row order.
 
         Raises:
             ValueError: when logits is not 2-D or the list lengths differ from num_seqs.
@@ -113,31 +125,20 @@ class Sampler:
             raise ValueError(f"logits must be [num_seqs, vocab], got shape {tuple(logits.shape)}")
         num_seqs = logits.shape[0]
         if len(params) != num_seqs or len(generators) != num_seqs:
-            raise ValueError(
-                f"got {num_seqs} logits rows, {len(params)} params, {len(generators)} generators"
-            )
-        if num_seqs == 0:
-            return []
-
-        greedy = [p.greedy for p in params]
-        # Fast path: the common all-greedy batch is a single argmax (and one device sync).
-        if all(greedy):
-            return logits.argmax(dim=-1).tolist()
-
+            raise ValueError(f"got {num_seqs} logits rows, {len(params)} params, {len(generators)} generators")
         tokens = logits.argmax(dim=-1)  # [num_seqs]; random rows are overwritten below
-        rows = [i for i, g in enumerate(greedy) if not g]
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not rows:  # the common all-greedy batch is a single argmax
+            return tokens
         row_index = torch.tensor(rows, device=logits.device)
         sampled = self._sample(
             logits.index_select(0, row_index).float(),
             [params[i] for i in rows],
             [generators[i] for i in rows],
         )
-        tokens.index_copy_(0, row_index, sampled)
-        return tokens.tolist()
+        return tokens.index_copy_(0, row_index, sampled)
 
-    def _sample(
-        self, logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-    ) -> Tensor:
+    def _sample(self, logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> Tensor:
         """Sample every row of ``logits`` ``[n, vocab]`` (all rows non-greedy); returns ``[n]`` ids."""
         device = logits.device
         temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)

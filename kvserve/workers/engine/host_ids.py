@@ -1,0 +1,42 @@
+"""The one device→host copy of a step's sampled token ids (docs/architecture.md, the engine step).
+
+A step samples on the device (``Sampler.sample``, the model's greedy head) and the host needs the ids
+once, for streaming and stop checks. On CUDA that copy is ``non_blocking`` into a pinned host buffer
+followed by an event wait, so the copy is the step's only sync and nothing else queued behind it on
+the stream is waited for; on CPU torch runs synchronously and a plain ``tolist`` is the copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class HostIds:
+    """Copies ``[n]`` int64 device ids to a host ``list[int]`` with one transfer.
+
+    Args:
+        device: The device the ids live on. CUDA gets a pinned staging buffer, grown on demand
+            (sized to the largest batch seen; a step never allocates once it has been reached).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pinned: torch.Tensor | None = None
+        self._event = torch.cuda.Event() if device.type == "cuda" else None
+
+    def fetch(self, ids: torch.Tensor) -> list[int]:
+        """The host copy of ``ids`` (``[n]`` integer, on ``device``), in order.
+
+        NOTE: the pinned buffer is reused by the next call, so the ids are read into a list here,
+        after the event says the copy landed, never handed out as a view.
+        """
+        if self._event is None:
+            return ids.tolist()
+        n = ids.numel()
+        if self._pinned is None or self._pinned.numel() < n:
+            self._pinned = torch.empty(max(n, 256), dtype=torch.int64, pin_memory=True)
+        host = self._pinned[:n]
+        host.copy_(ids.to(torch.int64), non_blocking=True)
+        self._event.record()
+        self._event.synchronize()
+        return host.tolist()
