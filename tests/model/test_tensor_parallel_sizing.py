@@ -8,8 +8,10 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
+import torch.distributed as dist
 
 from kvserve.workers.core.request import WorkerRequest
 from kvserve.workers.core.sampling_params import SamplingParams
@@ -58,5 +60,10 @@ def test_group_pool_is_the_smallest_rank_pool(tiny_llama_dir: Path, hf_greedy) -
 
 def test_a_rank_without_room_fails_the_group(tiny_llama_dir: Path) -> None:
     meter = RankMeter(totals=(GiB, GiB), frees=(GiB, 2 * MiB), peak=MiB)  # rank 1: peaks fill its free memory
+    before = set(psutil.Process().children())
     with pytest.raises(ValueError, match="another rank has no room"):
         TPEngine(_config(tiny_llama_dir), meter=meter)
+    # the failed start-up leaves nothing behind: this process out of the group, the other rank ended
+    assert not dist.is_initialized(), "a failed start-up left this process in the group"
+    assert not [p for p in psutil.Process().children() if p not in before and p.is_running()
+                and p.status() != psutil.STATUS_ZOMBIE], "a failed start-up left a rank running"  # fmt: skip

@@ -61,7 +61,14 @@ class TPEngine(LLMEngine):
         self._followers: list[subprocess.Popen] = []
         self._closed = False
         self._meter = meter
-        super().__init__(config)
+        try:
+            super().__init__(config)
+        except BaseException:
+            # NOTE: a start-up that fails after the group formed (a rank without room for the pool, a bad
+            # checkpoint) must not leave its ranks running nor this process in the group: the worker's next
+            # start (or the next engine of this process) joins a group afresh.
+            self._abandon()
+            raise
 
     def _load_model(self, max_positions: int) -> CausalLM:
         config, n = self.config, self.config.tensor_parallel_size
@@ -133,6 +140,15 @@ class TPEngine(LLMEngine):
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        group.leave()
+
+    def _abandon(self) -> None:
+        """End the other ranks and leave the group without a stop message (start-up failed part-way)."""
+        self._closed = True
+        for p in self._followers:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
         group.leave()
 
     def followers_alive(self) -> bool:
