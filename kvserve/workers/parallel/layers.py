@@ -70,9 +70,6 @@ class ShardedCausalLM(CausalLM):
         dist.gather(local, parts, dst=0)
         return torch.cat(parts, dim=1)[:, : self.full_config.vocab_size]
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> list[int]:
-        return self.greedy_token_ids(hidden).tolist()
-
     def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor:
         # NOTE: the exact greedy heads of CausalLM (bf16 screen, packed argmax) see one vocab slice only:
         # rank 0 takes the argmax of the gathered fp32 logits instead (ties -> lowest id, as they do).
