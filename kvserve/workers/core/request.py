@@ -19,6 +19,9 @@ class WorkerRequest:
         cache_salt: isolates the prefix cache (the tenant); None shares it.
         resume_output_ids: output tokens the client already has (a failover replay continues after
             them: the worker rebuilds text and stop state and fast-forwards the seeded RNG).
+        owner: address of the data service its outputs go to (a frontend's, docs/architecture.md
+            section 2a); "" = the router's WorkerLink, as every request before owners.
+        owner_key: the owner's key for the request (its outputs there are ``<owner_key>#<dispatch>``).
     """
 
     request_id: str
@@ -27,3 +30,5 @@ class WorkerRequest:
     priority: int = 0
     cache_salt: str | None = None
     resume_output_ids: tuple[int, ...] = ()
+    owner: str = ""
+    owner_key: str = ""

@@ -47,6 +47,9 @@ class MigrationState:
     num_cached_tokens: int
     num_preemptions: int
     num_swaps: int
+    # (address, key) of the request's owner (kvserve/workers/core/request.py ``WorkerRequest.owner``); the
+    # worker sets it on export and reads it on import (the engine does not use it). None: the router.
+    owner: tuple[str, str] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -140,28 +140,52 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., worker_id: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., num_swaps: _Optional[int] = ..., num_migrations: _Optional[int] = ..., num_replays: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
-    __slots__ = ("generate", "cancel_request_id", "timeout_ms", "client", "token_columns")
+    __slots__ = ("generate", "cancel_request_id", "resume", "timeout_ms", "client", "token_columns", "owner")
     GENERATE_FIELD_NUMBER: _ClassVar[int]
     CANCEL_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     generate: GenerateRequest
     cancel_request_id: str
+    resume: Resume
     timeout_ms: int
     client: str
     token_columns: bool
-    def __init__(self, generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel_request_id: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., client: _Optional[str] = ..., token_columns: _Optional[bool] = ...) -> None: ...
+    owner: Owner
+    def __init__(self, generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel_request_id: _Optional[str] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., client: _Optional[str] = ..., token_columns: _Optional[bool] = ..., owner: _Optional[_Union[Owner, _Mapping]] = ...) -> None: ...
+
+class Owner(_message.Message):
+    __slots__ = ("address", "key")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    key: str
+    def __init__(self, address: _Optional[str] = ..., key: _Optional[str] = ...) -> None: ...
+
+class Resume(_message.Message):
+    __slots__ = ("owner_key", "output_ids")
+    OWNER_KEY_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    owner_key: str
+    output_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, owner_key: _Optional[str] = ..., output_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateBatch(_message.Message):
-    __slots__ = ("responses", "errors", "columns")
+    __slots__ = ("responses", "errors", "columns", "placed", "replays")
     RESPONSES_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    PLACED_FIELD_NUMBER: _ClassVar[int]
+    REPLAYS_FIELD_NUMBER: _ClassVar[int]
     responses: _containers.RepeatedCompositeFieldContainer[GenerateResponse]
     errors: _containers.RepeatedCompositeFieldContainer[RequestError]
     columns: TokenColumns
-    def __init__(self, responses: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., columns: _Optional[_Union[TokenColumns, _Mapping]] = ...) -> None: ...
+    placed: _containers.RepeatedScalarFieldContainer[str]
+    replays: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, responses: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., columns: _Optional[_Union[TokenColumns, _Mapping]] = ..., placed: _Optional[_Iterable[str]] = ..., replays: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TokenColumns(_message.Message):
     __slots__ = ("worker_ids", "workers", "request_ids", "counts", "token_ids", "text_deltas")

@@ -21,7 +21,7 @@ TIER_HOST: Tier
 TIER_DISK: Tier
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("seq", "hello", "step_outputs", "pressure", "block_events", "block_snapshot", "ack", "drain_me", "heartbeat", "step")
+    __slots__ = ("seq", "hello", "step_outputs", "pressure", "block_events", "block_snapshot", "ack", "drain_me", "heartbeat", "step", "request_table")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
     STEP_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class WorkerMessage(_message.Message):
     DRAIN_ME_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_TABLE_FIELD_NUMBER: _ClassVar[int]
     seq: int
     hello: Hello
     step_outputs: StepOutputs
@@ -42,7 +43,34 @@ class WorkerMessage(_message.Message):
     drain_me: DrainMe
     heartbeat: StepHeartbeat
     step: StepMessages
-    def __init__(self, seq: _Optional[int] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., step_outputs: _Optional[_Union[StepOutputs, _Mapping]] = ..., pressure: _Optional[_Union[_pressure_pb2.PressureReport, _Mapping]] = ..., block_events: _Optional[_Union[BlockEvents, _Mapping]] = ..., block_snapshot: _Optional[_Union[BlockSnapshot, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., drain_me: _Optional[_Union[DrainMe, _Mapping]] = ..., heartbeat: _Optional[_Union[StepHeartbeat, _Mapping]] = ..., step: _Optional[_Union[StepMessages, _Mapping]] = ...) -> None: ...
+    request_table: RequestTable
+    def __init__(self, seq: _Optional[int] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., step_outputs: _Optional[_Union[StepOutputs, _Mapping]] = ..., pressure: _Optional[_Union[_pressure_pb2.PressureReport, _Mapping]] = ..., block_events: _Optional[_Union[BlockEvents, _Mapping]] = ..., block_snapshot: _Optional[_Union[BlockSnapshot, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., drain_me: _Optional[_Union[DrainMe, _Mapping]] = ..., heartbeat: _Optional[_Union[StepHeartbeat, _Mapping]] = ..., step: _Optional[_Union[StepMessages, _Mapping]] = ..., request_table: _Optional[_Union[RequestTable, _Mapping]] = ...) -> None: ...
+
+class RequestTable(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[OwnedRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[OwnedRequest, _Mapping]]] = ...) -> None: ...
+
+class OwnedRequest(_message.Message):
+    __slots__ = ("request_id", "owner", "owner_key", "prompt_ids", "sampling", "priority", "cache_salt", "num_output_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    OWNER_KEY_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    owner: str
+    owner_key: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _serving_pb2.SamplingParams
+    priority: int
+    cache_salt: str
+    num_output_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., owner: _Optional[str] = ..., owner_key: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...
 
 class StepMessages(_message.Message):
     __slots__ = ("outputs", "events", "pressure")
@@ -123,7 +151,7 @@ class DecodeColumns(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_output_tokens: _Optional[_Iterable[int]] = ..., text_deltas: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RequestOutput(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "text_delta", "finish_reason", "num_cached_tokens", "num_prompt_tokens", "num_preemptions", "num_swaps", "error", "num_output_tokens", "logprobs")
+    __slots__ = ("request_id", "new_token_ids", "text_delta", "finish_reason", "num_cached_tokens", "num_prompt_tokens", "num_preemptions", "num_swaps", "error", "num_output_tokens", "logprobs", "owned")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_DELTA_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +163,7 @@ class RequestOutput(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    OWNED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     text_delta: str
@@ -146,7 +175,8 @@ class RequestOutput(_message.Message):
     error: str
     num_output_tokens: int
     logprobs: _containers.RepeatedCompositeFieldContainer[_serving_pb2.TokenLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_swaps: _Optional[int] = ..., error: _Optional[str] = ..., num_output_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_serving_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    owned: bool
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_swaps: _Optional[int] = ..., error: _Optional[str] = ..., num_output_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_serving_pb2.TokenLogprobs, _Mapping]]] = ..., owned: _Optional[bool] = ...) -> None: ...
 
 class BlockEvents(_message.Message):
     __slots__ = ("events",)
