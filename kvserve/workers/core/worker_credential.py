@@ -97,3 +97,31 @@ def verify_link_proof(credential: str, incarnation: str, nonce: str, proof: str 
     if not proof:
         return False
     return hmac.compare_digest(proof, link_proof(credential, incarnation, nonce).encode())
+
+
+# ---- data links (docs/architecture.md section 2a) --------------------------------------------------
+# A worker streams an owned request's outputs to its owner (a frontend) over a data link: the WorkerLink
+# service, served by the frontend. The worker proves it is one of this cluster's workers with a *data
+# credential*, ``issue_data_credential(frontend key, worker_id)``, which the launcher issues (the worker
+# never holds the frontend key) and the frontend verifies with the key it has. A different key from the
+# router's worker key: a data credential opens no WorkerLink at the router, and a frontend cannot pose as
+# a worker there.
+DATA_LINK_PREFIX = "data:"
+
+
+def _data_key(frontend_key: str) -> str:
+    # NOTE: the frontend key may be any string (``$KVSERVE_FRONTEND_KEY``); the MAC takes a hex key.
+    return hashlib.sha256(b"kvserve data link v1\0" + frontend_key.encode()).hexdigest()
+
+
+def issue_data_credential(frontend_key: str, worker_id: str) -> str:
+    """The credential ``worker_id`` dials its owners' data links with."""
+    return issue_worker_credential(_data_key(frontend_key), DATA_LINK_PREFIX + worker_id)
+
+
+def verify_data_credential(frontend_key: str, credential: str | bytes | None) -> str | None:
+    """The worker id a data credential proves (None: missing, malformed or forged)."""
+    proved = verify_worker_credential(_data_key(frontend_key), credential)
+    if proved is None or not proved.startswith(DATA_LINK_PREFIX):
+        return None
+    return proved.removeprefix(DATA_LINK_PREFIX)
