@@ -10,7 +10,9 @@ where something else supervises it (a Kubernetes Deployment).
 Ports: every frontend binds the same gRPC port and the same HTTP port with ``SO_REUSEPORT``; the
 kernel spreads new connections over the live listeners, so one frontend's death costs only the
 connections it held, and a client that reconnects lands on a live one. Port 0 is resolved to one
-free port first, then given to all of them.
+free port first, then given to all of them. Each frontend's data service (the workers' data links,
+docs/architecture.md section 2a) is on a port of its own (a free one), advertised at this node's
+address for a wildcard bind, as the launcher advertises the router's WorkerLink.
 """
 
 from __future__ import annotations
@@ -35,11 +37,18 @@ def frontend_key(needed: bool) -> str | None:
 
 
 def start_frontends(
-    n: int, router_config: RouterConfig, router_address: str, grpc_port: int, http_port: int | None, key: str,
+    n: int,
+    router_config: RouterConfig,
+    router_address: str,
+    grpc_port: int,
+    http_port: int | None,
+    key: str,
     link_tls: tuple[str | None, str | None, str | None] = (None, None, None),
+    owned_streams: bool = True,
 ) -> tuple[list[Any], int, int | None]:
     """Start ``n`` frontends relaying to ``router_address`` (over TLS with ``link_tls``, as the
-    workers' WorkerLinks: ``FrontendSettings``); returns (handles, gRPC port, HTTP port).
+    workers' WorkerLinks: ``FrontendSettings``); returns (handles, gRPC port, HTTP port). With a
+    ``key`` and ``owned_streams`` they own their requests (their workers stream to them directly).
 
     Raises:
         Exception: one did not start (the ones started are killed).
@@ -54,12 +63,13 @@ def start_frontends(
     if http_port == 0:
         http_port = _free_port(router_config.host)
     here = ray.get_runtime_context().get_node_id()
+    data_host = data_advertise_host(router_config.host)
     actor = frontend_actor_class()
     handles: list[Any] = []
     try:
         for i in range(n):
             settings = FrontendSettings(router_address, router_config, grpc_port, http_port, f"frontend-{i}", key,
-                                        link_tls)  # fmt: skip
+                                        link_tls, owned_streams=owned_streams, data_host=data_host)  # fmt: skip
             handles.append(actor.options(
                 name=FRONTEND_NAME.format(i), max_restarts=-1, max_task_retries=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
@@ -70,6 +80,14 @@ def start_frontends(
         stop_frontends(handles)
         raise
     return handles, grpc_port, http_port
+
+
+def data_advertise_host(bind_host: str) -> str | None:
+    """Where workers dial the frontends' data services: this node's Ray address for a wildcard bind (the
+    frontends run on this node), else None (the bind address itself: ``FrontendSettings.data_host``)."""
+    import ray
+
+    return ray.util.get_node_ip_address() if bind_host in ("0.0.0.0", "::") else None
 
 
 def stop_frontends(handles: list[Any]) -> None:

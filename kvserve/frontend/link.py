@@ -22,8 +22,18 @@ Guarantees carried over the relay:
   for the old one (the router ends the whole stream on an id in use);
 * slow consumers: more than ``max_buffered_responses`` responses a caller has not read: the request
   is cancelled at the router and ends RESOURCE_EXHAUSTED, as on the router (README "Failure behaviour");
-* the router stream breaking (the router died or restarts): every request on it ends UNAVAILABLE
-  (before its first response the client library retries it); the next request opens a new stream.
+* the router stream breaking (the router died or restarts): every request on it that is not an owned,
+  placed one ends UNAVAILABLE (before its first response the client library retries it); the next
+  request opens a new stream.
+
+Owned requests (docs/architecture.md section 2a; with a data service, ``kvserve/frontend/data_service.py``):
+each request carries ``Owner{data address, a fresh key}`` and is registered in ``OwnedRequests``
+(``kvserve/frontend/owned.py``) before it is sent, so its worker streams its outputs here directly and the
+router's stream carries only ``placed`` / ``replays`` / ``errors``. A placed request outlives its router
+stream: when the stream breaks, the connection re-opens its ``GenerateStream`` at once while it still has
+live requests (a restarted router's replay notices must reach it). A replay notice is answered with a
+``Resume`` carrying exactly the tokens the client got. A cancel also aborts the request on its data link
+(it works while the router is away).
 """
 
 from __future__ import annotations
@@ -32,10 +42,12 @@ import asyncio
 import contextlib
 import logging
 import math
+import uuid
 from collections.abc import AsyncIterator
 
 import grpc
 
+from kvserve.frontend.owned import OwnedRequests
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 from kvserve.protos.kvserve.v1 import serving_pb2_grpc
 from kvserve.router.gate.auth import FRONTEND_CREDENTIAL_HEADER
@@ -45,6 +57,7 @@ from kvserve.router.requests.request import RouterError
 
 logger = logging.getLogger(__name__)
 
+REOPEN_BACKOFF_S = (0.05, 2.0)  # NOTE: (first, most) wait before re-opening a stream that ended with no batch read
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
@@ -57,8 +70,11 @@ def request_error(err: spb.RequestError) -> RouterError:
 class RelayedRequest:
     """One request relayed on a ``MuxConnection``: its responses, in the router's order."""
 
-    def __init__(self, connection: MuxConnection, request_id: str, max_buffered: int) -> None:
+    def __init__(self, connection: MuxConnection, request_id: str, max_buffered: int,
+                 owner_key: str | None = None) -> None:  # fmt: skip
         self.connection, self.request_id, self.max_buffered = connection, request_id, max_buffered
+        self.owner_key = owner_key  # its Owner.key when owned (its outputs come on the data links)
+        self.generation = 0  # the connection's stream it was sent on (``MuxConnection.generation``)
         self.queue: asyncio.Queue[spb.GenerateResponse | RouterError] = asyncio.Queue()
         self.finished = False  # its final response or error is in ``queue`` (or it was dropped)
         # The field a text or chat prompt was sent as (it reached the router as token ids).
@@ -109,8 +125,14 @@ class RelayedRequest:
             if item.finish_reason:
                 return
 
+    def ended(self) -> None:
+        """It ended on its data link (``kvserve/frontend/owned.py``): the router sends an owned request no final
+        response, so its id is free on the stream now."""
+        self.connection.forget(self)
+
     def cancel(self) -> None:
-        """The caller went away (cancel, deadline, disconnect): abort it at the router unless it ended."""
+        """The caller went away (cancel, deadline, disconnect): abort it at the router (and, owned and placed,
+        on its worker's data link) unless it ended."""
         if not self.finished:
             self.finished = True
             self.connection.send_cancel(self.request_id)
@@ -120,28 +142,47 @@ class RelayedRequest:
 
 
 class MuxConnection:
-    """One ``GenerateStream`` to the router for one caller credential."""
+    """One ``GenerateStream`` to the router for one caller credential (re-opened after a break while owned,
+    placed requests are live on it).
+
+    Args:
+        stub: the router's KVServe stub.
+        metadata: every call's metadata (the caller's ``authorization``, the frontend credential).
+        max_buffered: the slow-consumer bound.
+        owned: the frontend's owned requests (None: no data service, every request relayed through the router).
+        data_address: ``Owner.address`` (the data service's advertised ``host:port``; "" = not owned).
+    """
 
     def __init__(self, stub: serving_pb2_grpc.KVServeStub, metadata: tuple[tuple[str, str], ...],
-                 max_buffered: int) -> None:  # fmt: skip
-        self.max_buffered = max_buffered
+                 max_buffered: int, owned: OwnedRequests | None = None, data_address: str = "") -> None:  # fmt: skip
+        self.stub, self.metadata, self.max_buffered = stub, metadata, max_buffered
+        self.owned = owned if data_address else None
+        self.data_address = data_address
         self.live: dict[str, RelayedRequest] = {}
         self.closed = False
+        self._stopping = False
+        self.generation = 0  # bumps on every re-open
         self._outbox: asyncio.Queue[spb.GenerateStreamRequest | None] = asyncio.Queue()
-        # NOTE: wait_for_ready: a router restarting on the same port is waited for (within each
-        # request's deadline), not failed at once.
-        self._call = stub.GenerateStream(self._requests(), metadata=metadata, wait_for_ready=True)
+        self._call = self._open()
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
-    async def _requests(self) -> AsyncIterator[spb.GenerateStreamRequest]:
+    def _open(self) -> grpc.aio.StreamStreamCall:
+        # NOTE: wait_for_ready: a router restarting on the same port is waited for (within each
+        # request's deadline), not failed at once.
+        return self.stub.GenerateStream(self._requests(self._outbox), metadata=self.metadata, wait_for_ready=True)
+
+    @staticmethod
+    async def _requests(outbox: asyncio.Queue[spb.GenerateStreamRequest | None],
+                        ) -> AsyncIterator[spb.GenerateStreamRequest]:  # fmt: skip
         while True:
-            msg = await self._outbox.get()
+            msg = await outbox.get()
             if msg is None:
                 return
             yield msg
 
     def submit(self, request: spb.GenerateRequest, timeout_s: float | None, client: str) -> RelayedRequest:
-        """Send ``request`` (its id set) on the stream.
+        """Send ``request`` (its id set, its prompt as token ids) on the stream; owned (registered in
+        ``owned`` before it is sent) when this connection has a data address.
 
         Raises:
             RouterError: ALREADY_EXISTS, its id is still live on this stream (as the router answers
@@ -152,39 +193,64 @@ class MuxConnection:
             raise RouterError(grpc.StatusCode.UNAVAILABLE, "the frontend lost its stream to the router; retry")
         if rid in self.live:
             raise RouterError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is in use")
-        rr = RelayedRequest(self, rid, self.max_buffered)
+        owner = None
+        if self.owned is not None:
+            owner = spb.Owner(address=self.data_address, key=uuid.uuid4().hex)
+        rr = RelayedRequest(self, rid, self.max_buffered, owner.key if owner is not None else None)
+        rr.generation = self.generation
         self.live[rid] = rr
+        if self.owned is not None and owner is not None:
+            # NOTE: before the send: the worker's first output may come before the router's ``placed``.
+            self.owned.register(owner.key, rr, list(request.token_ids.ids))
         timeout_ms = 0 if timeout_s is None else max(1, math.ceil(timeout_s * 1000))
         # NOTE: token_columns: plain decode tokens come as columns, the router's cheapest path
         # (kvserve/router/requests/mux.py); on each request, not a message of its own, which a router that predates
         # the field could not answer (it ignores the field and sends responses only).
         self._outbox.put_nowait(spb.GenerateStreamRequest(generate=request, timeout_ms=timeout_ms, client=client,
-                                                          token_columns=True))  # fmt: skip
+                                                          token_columns=True, owner=owner))  # fmt: skip
         return rr
 
     def send_cancel(self, request_id: str) -> None:
+        """Cancel ``request_id`` at the router and, owned, on its worker's data link (where the router is away,
+        that abort is what stops it)."""
+        rr = self.live.get(request_id)
+        if rr is not None and rr.owner_key is not None and self.owned is not None:
+            self.owned.cancel(rr.owner_key)
+            if rr.generation != self.generation:
+                # NOTE: sent on a stream that broke since: the router it went to cannot end it, so its id is free now
+                del self.live[request_id]
         if not self.closed:
             self._outbox.put_nowait(spb.GenerateStreamRequest(cancel_request_id=request_id))
 
+    def forget(self, rr: RelayedRequest) -> None:
+        """``rr`` ended on its data link (the router sends an owned request no final response)."""
+        if self.live.get(rr.request_id) is rr:
+            del self.live[rr.request_id]
+
     async def _read(self) -> None:
+        """Read every stream of this connection; re-open after a break while requests live on it."""
         why = "the router closed the stream"
+        backoff = REOPEN_BACKOFF_S[0]
         try:
-            async for batch in self._call:
-                for resp in batch_responses(batch):
-                    rr = self.live.get(resp.request_id)
-                    if rr is None:
-                        continue
-                    rr.put(resp)
-                    if resp.finish_reason:
-                        del self.live[resp.request_id]
-                for err in batch.errors:
-                    rr = self.live.pop(err.request_id, None)
-                    if rr is not None:
-                        rr.put(request_error(err))
-        except grpc.aio.AioRpcError as e:
-            why = f"stream to the router ended {e.code().name}: {e.details()}"
-            if e.code() == grpc.StatusCode.UNAUTHENTICATED:  # NOTE: the caller's credential, not the link
-                self._fail_all(RouterError(e.code(), e.details() or "unauthenticated"))
+            while True:
+                why, code, read_any = await self._read_call()
+                if self._stopping:
+                    why = "the frontend is stopping"
+                    break
+                if code == grpc.StatusCode.UNAUTHENTICATED:  # NOTE: the caller's credential, not the link
+                    self._fail_all(RouterError(code, why))
+                    break
+                self._outbox.put_nowait(None)  # NOTE: ends the broken call's request generator
+                self._outbox = asyncio.Queue()  # NOTE: at once: a submit from now on rides the next stream
+                self.generation += 1
+                self._on_break(why)
+                if not self.live:
+                    break
+                backoff = REOPEN_BACKOFF_S[0] if read_any else min(backoff * 2, REOPEN_BACKOFF_S[1])
+                if not read_any:
+                    await asyncio.sleep(backoff)
+                logger.info("router stream broke (%s): re-opening it for %d live requests", why, len(self.live))
+                self._call = self._open()
         except asyncio.CancelledError:
             why = "the frontend is stopping"
         finally:
@@ -192,12 +258,69 @@ class MuxConnection:
             self._fail_all(RouterError(grpc.StatusCode.UNAVAILABLE, f"{why}; retry"))
             logger.info("router stream closed: %s", why)
 
+    async def _read_call(self) -> tuple[str, grpc.StatusCode | None, bool]:
+        """Read the current call to its end: (why it ended, its status code or None, whether a batch came)."""
+        read_any = False
+        try:
+            async for batch in self._call:
+                read_any = True
+                self._on_batch(batch)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                return e.details() or "unauthenticated", e.code(), read_any
+            return f"stream to the router ended {e.code().name}: {e.details()}", e.code(), read_any
+        return "the router closed the stream", None, read_any
+
+    def _on_batch(self, batch: spb.GenerateBatch) -> None:
+        owned = self.owned
+        if owned is not None:
+            for key in batch.placed:
+                owned.placed(key)
+            for key in batch.replays:
+                ids = owned.replayed(key)
+                if ids is not None:
+                    self._outbox.put_nowait(spb.GenerateStreamRequest(resume=spb.Resume(owner_key=key,
+                                                                                        output_ids=ids)))  # fmt: skip
+        for resp in batch_responses(batch):
+            rr = self.live.get(resp.request_id)
+            if rr is None:
+                continue
+            rr.put(resp)
+            if resp.finish_reason:
+                self._ended(rr)
+        for err in batch.errors:
+            rr = self.live.get(err.request_id)
+            if rr is not None:
+                rr.put(request_error(err))
+                self._ended(rr)
+
+    def _ended(self, rr: RelayedRequest) -> None:
+        self.forget(rr)
+        if rr.owner_key is not None and self.owned is not None:
+            self.owned.forget(rr.owner_key)
+
+    def _on_break(self, why: str) -> None:
+        """The stream broke: a request not placed ends UNAVAILABLE (its client retries it), one cancelled here
+        is dropped (no router will answer its cancel); an owned, placed one stays live."""
+        error = RouterError(grpc.StatusCode.UNAVAILABLE, f"{why}; retry")
+        for rid, rr in list(self.live.items()):
+            if rr.finished:
+                del self.live[rid]
+            elif rr.owner_key is None or self.owned is None or not self.owned.is_placed(rr.owner_key):
+                del self.live[rid]
+                rr.put(error)
+                if rr.owner_key is not None and self.owned is not None:
+                    self.owned.forget(rr.owner_key)
+
     def _fail_all(self, error: RouterError) -> None:
         for rr in self.live.values():
             rr.put(error)
+            if rr.owner_key is not None and self.owned is not None:
+                self.owned.cancel(rr.owner_key)
         self.live.clear()
 
     async def close(self) -> None:
+        self._stopping = True
         self._outbox.put_nowait(None)
         self._call.cancel()
         self._reader.cancel()
@@ -213,9 +336,13 @@ class RouterLink:
         frontend_key: the cluster's frontend key (sent as the frontend credential; None: none sent,
             so the router counts every relayed request against this frontend's address).
         max_buffered: the slow-consumer bound (``router.max_buffered_responses``).
+        owned: the frontend's owned requests and ``data_address`` its data service's advertised address
+            (both set: every request is owned, docs/architecture.md section 2a; else relayed through the router).
     """
 
-    def __init__(self, channel: grpc.aio.Channel, frontend_key: str | None, max_buffered: int) -> None:
+    def __init__(self, channel: grpc.aio.Channel, frontend_key: str | None, max_buffered: int,
+                 owned: OwnedRequests | None = None, data_address: str = "") -> None:  # fmt: skip
+        self.owned, self.data_address = owned, data_address
         self.channel = channel
         self.stub = serving_pb2_grpc.KVServeStub(channel)
         self.frontend_key = frontend_key
@@ -236,7 +363,8 @@ class RouterLink:
         """Relay one request (its ``request_id`` set) for a caller already authenticated here."""
         conn = self._connections.get(authorization)
         if conn is None or conn.closed:
-            conn = MuxConnection(self.stub, self.metadata(authorization), self.max_buffered)
+            conn = MuxConnection(self.stub, self.metadata(authorization), self.max_buffered, self.owned,
+                                 self.data_address)  # fmt: skip
             self._connections[authorization] = conn
         return conn.submit(request, timeout_s, client)
 

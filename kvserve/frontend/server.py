@@ -31,9 +31,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvserve.frontend.data_service import DataService
 from kvserve.frontend.grpc_api import FRONTEND_ID_HEADER, FrontendServicer
 from kvserve.frontend.http_backend import RelayBackend
 from kvserve.frontend.link import RouterLink
+from kvserve.frontend.owned import OwnedRequests
 from kvserve.frontend.relay import Relay, frontend_prompts
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 from kvserve.router.api.grpc_surface import add_kvserve_servicer
@@ -71,6 +73,13 @@ class FrontendSettings:
             the router's own certificate as the CA, its key pair under mTLS); all None: plaintext.
             The client ports serve TLS with ``router.tls_cert``/``tls_key`` (and require client
             certificates with ``tls_client_ca``) as the router's do.
+        owned_streams: own every relayed request (docs/architecture.md section 2a): serve a data service
+            (``kvserve/frontend/data_service.py``) that workers stream the request's outputs to, so the
+            router leaves the token path. Needs ``frontend_key`` (without one, or False, requests are
+            relayed through the router as section 1 describes).
+        data_port: the data service's port (0: a free one; each frontend its own, never shared).
+        data_host: the host workers dial the data service at (None: the bind host when it is one address,
+            else this node's address: ``data_service.advertise_host``).
     """
 
     router_address: str
@@ -80,6 +89,9 @@ class FrontendSettings:
     frontend_id: str = "frontend-0"
     frontend_key: str | None = None
     link_tls: tuple[str | None, str | None, str | None] = (None, None, None)
+    owned_streams: bool = True
+    data_port: int = 0
+    data_host: str | None = None
 
 
 class FrontendServer:
@@ -102,6 +114,8 @@ class FrontendServer:
         self.http_port: int | None = None
         self._channel: grpc.aio.Channel | None = None
         self._link: RouterLink | None = None
+        self.owned: OwnedRequests | None = None
+        self._data: DataService | None = None
         self._server: grpc.aio.Server | None = None
         self._http: HttpApiServer | None = None
         self._poll: asyncio.Task | None = None
@@ -114,7 +128,8 @@ class FrontendServer:
         link_credentials = channel_credentials(*s.link_tls)
         self._channel = (grpc.aio.insecure_channel(s.router_address, options=options) if link_credentials is None
                          else grpc.aio.secure_channel(s.router_address, link_credentials, options=options))  # fmt: skip
-        self._link = RouterLink(self._channel, s.frontend_key, c.max_buffered_responses)
+        data_address = await self._start_data_service(options)
+        self._link = RouterLink(self._channel, s.frontend_key, c.max_buffered_responses, self.owned, data_address)
         relay = Relay(self._link, self._prompts, self.limits)
         keys = self.tenancy.keys if self.tenancy is not None else None
         server = grpc.aio.server(interceptors=[CallerAuthInterceptor(c.auth_token, keys)],
@@ -151,6 +166,21 @@ class FrontendServer:
                     f" and HTTP on port {self.http_port}" if self.http_port else "", s.router_address)  # fmt: skip
         return self.grpc_port, self.http_port
 
+    async def _start_data_service(self, options: list[tuple[str, int]]) -> str:
+        """Serve the data service when this frontend owns its requests; its advertised address ("" = none)."""
+        s, c = self.settings, self.settings.router
+        if not (s.owned_streams and s.frontend_key):
+            return ""
+        self.owned = OwnedRequests()
+        self._data = DataService(self.owned, s.frontend_key, c.host, s.data_port,
+                                 (c.tls_cert, c.tls_key, c.tls_client_ca), s.data_host, options)  # fmt: skip
+        return await self._data.start()
+
+    @property
+    def data_address(self) -> str:
+        """The data service's advertised ``host:port`` ("" when it does not run)."""
+        return self._data.address if self._data is not None else ""
+
     async def _mirror_readiness(self) -> None:
         assert self._channel is not None
         stub = health_pb2_grpc.HealthStub(self._channel)
@@ -176,6 +206,8 @@ class FrontendServer:
             await self._server.stop(grace)
         if self._link is not None:
             await self._link.close()
+        if self._data is not None:  # NOTE: after the link: its close aborts the owned requests on their data links
+            await self._data.stop(grace)
         if self._channel is not None:
             await self._channel.close()
         self._prompts.close()
