@@ -147,19 +147,22 @@ def run_data(test: Callable[[OwnedRequests, DataService], Awaitable[None]]) -> N
 
 
 # ---- (a) the data service's gate ---------------------------------------------------------------------
-async def refused(address: str, credential: str | None, says: str) -> grpc.StatusCode:
-    """The status a WorkerLink with ``credential`` whose Hello says ``says`` ends with."""
+async def refused(address: str, credential: str | None, says: str | None) -> grpc.StatusCode:
+    """The status a WorkerLink with ``credential`` ends with: it sends a Hello saying ``says`` (None: nothing),
+    then keeps the stream open, as a worker does.
 
-    # NOTE: the stream writes everything at once and half-closes: an aio client still writing when the server
-    # ends the call reports INTERNAL, not the server's status (tests/chaos/test_worker_impersonation.py).
-    messages = [
-        pb.WorkerMessage(seq=1, hello=hello(says)),
-        pb.WorkerMessage(seq=2, step=pb.StepMessages(outputs=pb.StepOutputs(outputs=[output("k#1", [1], 1)]))),
-    ]
+    NOTE: the stream has nothing more to write when refused: an aio client still writing when the server ends
+    the call reports INTERNAL, not the server's status (tests/chaos/test_worker_impersonation.py).
+    """
+
+    async def messages() -> AsyncIterator[pb.WorkerMessage]:
+        if says is not None:
+            yield pb.WorkerMessage(seq=1, hello=hello(says))
+        await asyncio.Event().wait()
 
     md = ((WORKER_CREDENTIAL_HEADER, credential),) if credential else ()
     async with grpc.aio.insecure_channel(address) as channel:
-        call = worker_pb2_grpc.WorkerLinkStub(channel).Connect(iter(messages), metadata=md, timeout=DEADLINE_S)
+        call = worker_pb2_grpc.WorkerLinkStub(channel).Connect(messages(), metadata=md, timeout=DEADLINE_S)
         with pytest.raises(grpc.aio.AioRpcError) as e:
             async for _ in call:
                 pass
@@ -169,8 +172,9 @@ async def refused(address: str, credential: str | None, says: str) -> grpc.Statu
 def test_the_data_service_admits_only_a_data_credential_saying_hello_as_itself() -> None:
     async def test(owned: OwnedRequests, data: DataService) -> None:
         router_credential = issue_worker_credential(new_worker_key(), "w0")
-        assert await refused(data.address, None, "w0") == grpc.StatusCode.UNAUTHENTICATED
-        assert await refused(data.address, router_credential, "w0") == grpc.StatusCode.UNAUTHENTICATED
+        # NOTE: refused before any message is read: these send none
+        assert await refused(data.address, None, None) == grpc.StatusCode.UNAUTHENTICATED
+        assert await refused(data.address, router_credential, None) == grpc.StatusCode.UNAUTHENTICATED
         other = issue_data_credential(FRONTEND_KEY, "w1")
         assert await refused(data.address, other, "w0") == grpc.StatusCode.PERMISSION_DENIED
         assert data.link.sessions == {}, "a refused link never reaches the WorkerLink service"
