@@ -319,9 +319,18 @@ def test_a_placed_request_outlives_its_router_stream_and_the_stream_reopens() ->
         assert not placed.finished
         await until(lambda: router.streams == 2, "the stream re-opened")
         worker.step(columns=columns((f"{key}#1", [7, 8], 2)))
-        worker.step([output(f"{key}#1", [9], 3, finish="stop")])
-        await until(lambda: placed.finished, "the placed request's end")
-        assert tokens(drain(placed)) == [7, 8, 9]
+        await until(lambda: len(tokens(list(placed.queue._queue))) == 2, "the first tokens")  # type: ignore[attr-defined]
+        destination = FakeWorker(link.data_address, "w1")  # the request migrates: the same dispatch, another worker
+        try:
+            destination.step([output(f"{key}#1", [9], 3, finish="stop")])
+            await until(lambda: placed.finished, "the placed request's end")
+        finally:
+            destination.stop()
+        got = drain(placed)
+        assert tokens(got) == [7, 8, 9] and [g.worker_id for g in got] == ["w0", "w1"]  # type: ignore[union-attr]
+        final = got[-1]
+        assert isinstance(final, spb.GenerateResponse) and final.finish_reason == "stop"
+        assert (final.usage.prompt_tokens, final.usage.completion_tokens, final.num_migrations) == (3, 3, 1)
         conn = next(iter(link._connections.values()))
         assert not conn.closed and conn.live == {}, "the re-opened stream serves on; the ended request left it"
         await submitted(router, link, "after")  # a new request rides the new stream
