@@ -394,3 +394,33 @@ def test_without_a_data_address_requests_are_relayed_through_the_router_as_befor
         await plain.close()
 
     run_link(test)
+
+
+# ---- the frontend's wiring (kvserve/frontend/server.py) -------------------------------------------------
+@pytest.mark.parametrize(("key", "owned_streams", "serves"), [(FRONTEND_KEY, True, True), (None, True, False),
+                                                               (FRONTEND_KEY, False, False)])  # fmt: skip
+def test_a_frontend_serves_a_data_service_only_with_a_frontend_key_and_owned_streams(
+    key: str | None, owned_streams: bool, serves: bool
+) -> None:
+    from kvserve.frontend.server import FrontendServer, FrontendSettings
+    from kvserve.router.config import RouterConfig
+
+    async def main() -> None:
+        settings = FrontendSettings("127.0.0.1:1", RouterConfig(port=0), 0, None, "frontend-t", key,
+                                    owned_streams=owned_streams)  # fmt: skip
+        front = FrontendServer(settings)
+        await front.start()
+        try:
+            assert bool(front.data_address) == serves
+            assert front._link is not None and front._link.data_address == front.data_address
+            if serves:
+                assert front.data_address.startswith("127.0.0.1:")
+                worker = FakeWorker(front.data_address)  # a worker's data credential opens it
+                try:
+                    await until(lambda: front._data is not None and front._data.link.connected("w0"), "the data link")
+                finally:
+                    worker.stop()
+        finally:
+            await front.stop(grace=0)
+
+    asyncio.run(main())
