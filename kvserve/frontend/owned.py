@@ -109,8 +109,9 @@ class OwnedRequests(WorkerLinkHandler):
             state.placed = True
 
     def is_placed(self, key: str) -> bool:
+        """The router placed ``key``, or a worker already sent for it (its first output may beat ``placed``)."""
         state = self.states.get(key)
-        return state is not None and state.placed
+        return state is not None and (state.placed or bool(state.workers))
 
     def replayed(self, key: str) -> list[int] | None:
         """The router replays ``key`` elsewhere (its worker died): count it, fence every tag seen so far and

@@ -310,22 +310,27 @@ def test_a_placed_request_outlives_its_router_stream_and_the_stream_reopens() ->
     async def test(router: FakeRouter, link: RouterLink, owned: OwnedRequests, worker: FakeWorker) -> None:
         placed, key = await submitted(router, link, "placed")
         waiting, _ = await submitted(router, link, "waiting")
+        early, early_key = await submitted(router, link, "early")
         router.batches.put_nowait(spb.GenerateBatch(placed=[key]))
-        await until(lambda: owned.is_placed(key), "placed")
+        worker.step(columns=columns((f"{early_key}#1", [1], 1)))  # its worker's first output beat the router's notice
+        await until(lambda: owned.is_placed(key) and len(tokens(list(early.queue._queue))) == 1, "placed")  # type: ignore[attr-defined]
         router.batches.put_nowait(None)  # the router goes away
         await until(lambda: waiting.finished, "the unplaced request's end")
         err = drain(waiting)[-1]
         assert isinstance(err, RouterError) and err.code == grpc.StatusCode.UNAVAILABLE
-        assert not placed.finished
+        assert not placed.finished and not early.finished, "a request on a worker outlives the router's stream"
         await until(lambda: router.streams == 2, "the stream re-opened")
         worker.step(columns=columns((f"{key}#1", [7, 8], 2)))
         await until(lambda: len(tokens(list(placed.queue._queue))) == 2, "the first tokens")  # type: ignore[attr-defined]
+        worker.step([output(f"{early_key}#1", [2], 2, finish="stop")])
         destination = FakeWorker(link.data_address, "w1")  # the request migrates: the same dispatch, another worker
         try:
             destination.step([output(f"{key}#1", [9], 3, finish="stop")])
             await until(lambda: placed.finished, "the placed request's end")
         finally:
             destination.stop()
+        await until(lambda: early.finished, "the early request's end")
+        assert tokens(drain(early)) == [1, 2]
         got = drain(placed)
         assert tokens(got) == [7, 8, 9] and [g.worker_id for g in got] == ["w0", "w1"]  # type: ignore[union-attr]
         final = got[-1]
