@@ -13,6 +13,7 @@ import queue
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import grpc
 import pytest
@@ -24,6 +25,7 @@ from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 from kvserve.protos.kvserve.v1 import serving_pb2_grpc, worker_pb2_grpc
 from kvserve.protos.kvserve.v1 import worker_pb2 as pb
 from kvserve.router.requests.request import RouterError
+from kvserve.workers.core.tls import channel_credentials
 from kvserve.workers.core.worker_credential import (
     WORKER_CREDENTIAL_HEADER,
     issue_data_credential,
@@ -54,13 +56,14 @@ class FakeWorker:
     """A worker's real data link (``WorkerLinkClient`` + ``Outbox``) to a frontend's data service; the
     commands it gets back land in ``commands``."""
 
-    def __init__(self, address: str, worker_id: str = "w0", credential: str | None = None) -> None:
+    def __init__(self, address: str, worker_id: str = "w0", credential: str | None = None,
+                 tls: grpc.ChannelCredentials | None = None) -> None:  # fmt: skip
         self.worker_id = worker_id
         self.outbox = Outbox()
         self.commands: queue.Queue[pb.RouterCommand] = queue.Queue()
         cred = credential if credential is not None else issue_data_credential(FRONTEND_KEY, worker_id)
         self.client = WorkerLinkClient(address, self.outbox, lambda: hello(worker_id), lambda: None,
-                                       self.commands.put, credential=cred, max_backoff_s=0.2)  # fmt: skip
+                                       self.commands.put, cred, tls, max_backoff_s=0.2)  # fmt: skip
         self.client.start()
 
     def step(self, outputs: list[pb.RequestOutput] = (), columns: pb.DecodeColumns | None = None) -> None:
@@ -427,5 +430,28 @@ def test_a_frontend_serves_a_data_service_only_with_a_frontend_key_and_owned_str
                     worker.stop()
         finally:
             await front.stop(grace=0)
+
+    asyncio.run(main())
+
+
+def test_the_data_service_serves_the_client_ports_tls_to_workers_with_their_link_credentials(tmp_path: Path) -> None:
+    from tests.integration.test_router import make_pki
+
+    pki = make_pki(tmp_path)
+
+    async def main() -> None:
+        owned = OwnedRequests()
+        data = DataService(owned, FRONTEND_KEY, "127.0.0.1", 0, (pki["server_cert"], pki["server_key"], pki["ca"]))
+        await data.start()
+        plain = FakeWorker(data.address, "w1")  # NOTE: first: it would be in by the time the TLS one is
+        tls = FakeWorker(data.address, "w0", tls=channel_credentials(pki["ca"], pki["client_cert"], pki["client_key"]))
+        try:
+            await until(lambda: data.link.connected("w0"), "the TLS data link")
+            assert set(data.link.sessions) == {"w0"}, "a plaintext worker gets no data link"
+        finally:
+            # NOTE: not joined: its thread waits out a handshake that cannot succeed (a daemon, it ends alone)
+            plain.client._stop.set()
+            tls.stop()
+            await data.stop(grace=0)
 
     asyncio.run(main())
