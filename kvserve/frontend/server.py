@@ -13,6 +13,10 @@ Health: liveness (``kvserve.v1.Liveness``, ``/health/live``) while this process 
 (``""``, ``kvserve.v1.KVServe``, ``/health``, ``/health/ready``) mirrors the router's readiness,
 re-read every ``READINESS_POLL_S`` (NOT_SERVING while the router cannot be reached).
 
+Owned requests (docs/architecture.md section 2a): with a frontend key (and ``owned_streams``) the frontend
+also serves its data service (``kvserve/frontend/data_service.py``, its own port) and owns every request it
+relays: workers stream the outputs here directly, the router keeps only the decisions.
+
 Process forms: ``FrontendActor`` (``kvserve serve --frontends N``: Ray actors on the router's node,
 restarted by Ray after a crash) and ``kvserve frontend --router ADDR`` (a plain process, e.g. a
 Kubernetes Deployment's pod). Both run this class.
