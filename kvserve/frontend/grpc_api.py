@@ -109,6 +109,10 @@ class FrontendServicer(serving_pb2_grpc.KVServeServicer):
         await read_generate_stream(requests, mux, live, submit, cancel, columns=False)
 
     async def Abort(self, request: spb.AbortRequest, context: grpc.aio.ServicerContext) -> spb.AbortResponse:  # noqa: N802
+        # NOTE: an owned request is the frontend's to end (the router knows it by its owner key only).
+        found = self.relay.link.abort(_authorization(context), request.request_id)
+        if found is not None:
+            return spb.AbortResponse(found=found)
         return await self._pass(context, self._stub.Abort, request)
 
     async def GetClusterStatus(  # noqa: N802

@@ -19,7 +19,9 @@ Guarantees carried over the relay:
   queues it only if it can start in time, and the caller's call ending cancels it;
 * cancel: ``cancel`` sends ``cancel_request_id``; the router aborts the request (blocks freed). An id
   stays taken here until the router says the request ended, so a reused id can never be mistaken
-  for the old one (the router ends the whole stream on an id in use);
+  for the old one (the router ends the whole stream on an id in use); an owned request is known to the
+  router by its owner key instead (``RelayedRequest.wire_id``), so its client's id is free once its final
+  output came on the data link;
 * slow consumers: more than ``max_buffered_responses`` responses a caller has not read: the request
   is cancelled at the router and ends RESOURCE_EXHAUSTED, as on the router (README "Failure behaviour");
 * the router stream breaking (the router died or restarts): every request on it that is not an owned,
@@ -74,6 +76,9 @@ class RelayedRequest:
                  owner_key: str | None = None) -> None:  # fmt: skip
         self.connection, self.request_id, self.max_buffered = connection, request_id, max_buffered
         self.owner_key = owner_key  # its Owner.key when owned (its outputs come on the data links)
+        # NOTE: the id the router knows it by: an owned request's is its key, so the client may reuse its own id
+        # as soon as the final output came on the data link, before the router has seen that finish.
+        self.wire_id = owner_key if owner_key is not None else request_id
         self.generation = 0  # the connection's stream it was sent on (``MuxConnection.generation``)
         self.queue: asyncio.Queue[spb.GenerateResponse | RouterError] = asyncio.Queue()
         self.finished = False  # its final response or error is in ``queue`` (or it was dropped)
@@ -94,7 +99,7 @@ class RelayedRequest:
             self.finished = True
             while not self.queue.empty():
                 self.queue.get_nowait()
-            self.connection.send_cancel(self.request_id)
+            self.connection.send_cancel(self.wire_id)
             item = RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"client too slow: over {self.max_buffered} responses unread "
                                "(limit max_buffered_responses)")  # fmt: skip
@@ -135,7 +140,7 @@ class RelayedRequest:
         on its worker's data link) unless it ended."""
         if not self.finished:
             self.finished = True
-            self.connection.send_cancel(self.request_id)
+            self.connection.send_cancel(self.wire_id)
             if self._first is None:  # NOTE: wakes an ``admitted`` wait on it
                 self._first = RouterError(grpc.StatusCode.CANCELLED, "cancelled by the client")
                 self._answered.set()
@@ -158,7 +163,8 @@ class MuxConnection:
         self.stub, self.metadata, self.max_buffered = stub, metadata, max_buffered
         self.owned = owned if data_address else None
         self.data_address = data_address
-        self.live: dict[str, RelayedRequest] = {}
+        self.live: dict[str, RelayedRequest] = {}  # by ``wire_id``
+        self.by_client: dict[str, RelayedRequest] = {}  # the same, by the client's id
         self.closed = False
         self._stopping = False
         self.generation = 0  # bumps on every re-open
@@ -191,17 +197,22 @@ class MuxConnection:
         rid = request.request_id
         if self.closed:
             raise RouterError(grpc.StatusCode.UNAVAILABLE, "the frontend lost its stream to the router; retry")
-        if rid in self.live:
+        if rid in self.by_client or rid in self.live:
             raise RouterError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is in use")
         owner = None
         if self.owned is not None:
             owner = spb.Owner(address=self.data_address, key=uuid.uuid4().hex)
         rr = RelayedRequest(self, rid, self.max_buffered, owner.key if owner is not None else None)
         rr.generation = self.generation
-        self.live[rid] = rr
+        self.live[rr.wire_id] = rr
+        self.by_client[rid] = rr
         if self.owned is not None and owner is not None:
             # NOTE: before the send: the worker's first output may come before the router's ``placed``.
             self.owned.register(owner.key, rr, list(request.token_ids.ids))
+            wire = spb.GenerateRequest()
+            wire.CopyFrom(request)
+            wire.request_id = owner.key
+            request = wire
         timeout_ms = 0 if timeout_s is None else max(1, math.ceil(timeout_s * 1000))
         # NOTE: token_columns: plain decode tokens come as columns, the router's cheapest path
         # (kvserve/router/requests/mux.py); on each request, not a message of its own, which a router that predates
@@ -211,21 +222,23 @@ class MuxConnection:
         return rr
 
     def send_cancel(self, request_id: str) -> None:
-        """Cancel ``request_id`` at the router and, owned, on its worker's data link (where the router is away,
-        that abort is what stops it)."""
+        """Cancel ``request_id`` (a ``wire_id``) at the router and, owned, on its worker's data link (where the
+        router is away, that abort is what stops it)."""
         rr = self.live.get(request_id)
         if rr is not None and rr.owner_key is not None and self.owned is not None:
             self.owned.cancel(rr.owner_key)
             if rr.generation != self.generation:
                 # NOTE: sent on a stream that broke since: the router it went to cannot end it, so its id is free now
-                del self.live[request_id]
+                self.forget(rr)
         if not self.closed:
             self._outbox.put_nowait(spb.GenerateStreamRequest(cancel_request_id=request_id))
 
     def forget(self, rr: RelayedRequest) -> None:
         """``rr`` ended on its data link (the router sends an owned request no final response)."""
-        if self.live.get(rr.request_id) is rr:
-            del self.live[rr.request_id]
+        if self.live.get(rr.wire_id) is rr:
+            del self.live[rr.wire_id]
+        if self.by_client.get(rr.request_id) is rr:
+            del self.by_client[rr.request_id]
 
     async def _read(self) -> None:
         """Read every stream of this connection; re-open after a break while requests live on it."""
@@ -303,11 +316,11 @@ class MuxConnection:
         """The stream broke: a request not placed ends UNAVAILABLE (its client retries it), one cancelled here
         is dropped (no router will answer its cancel); an owned, placed one stays live."""
         error = RouterError(grpc.StatusCode.UNAVAILABLE, f"{why}; retry")
-        for rid, rr in list(self.live.items()):
+        for rr in list(self.live.values()):
             if rr.finished:
-                del self.live[rid]
+                self.forget(rr)
             elif rr.owner_key is None or self.owned is None or not self.owned.is_placed(rr.owner_key):
-                del self.live[rid]
+                self.forget(rr)
                 rr.put(error)
                 if rr.owner_key is not None and self.owned is not None:
                     self.owned.forget(rr.owner_key)
@@ -318,6 +331,7 @@ class MuxConnection:
             if rr.owner_key is not None and self.owned is not None:
                 self.owned.cancel(rr.owner_key)
         self.live.clear()
+        self.by_client.clear()
 
     async def close(self) -> None:
         self._stopping = True
@@ -367,6 +381,20 @@ class RouterLink:
                                  self.data_address)  # fmt: skip
             self._connections[authorization] = conn
         return conn.submit(request, timeout_s, client)
+
+    def abort(self, authorization: str | None, request_id: str) -> bool | None:
+        """The Abort RPC for an owned request of this caller: it ends CANCELLED here and is aborted at the router
+        and on its worker (the router knows it by its key, not by ``request_id``). None: not an owned request of
+        this caller's (the caller's Abort goes to the router as it is)."""
+        conn = self._connections.get(authorization)
+        rr = conn.by_client.get(request_id) if conn is not None else None
+        if rr is None or rr.owner_key is None:
+            return None
+        if rr.finished:
+            return False
+        rr.put(RouterError(grpc.StatusCode.CANCELLED, "aborted by Abort RPC"))
+        rr.connection.send_cancel(rr.wire_id)
+        return True
 
     def live_requests(self) -> int:
         return sum(len(c.live) for c in self._connections.values() if not c.closed)

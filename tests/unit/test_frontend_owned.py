@@ -303,8 +303,9 @@ def request(rid: str) -> spb.GenerateRequest:
 async def submitted(router: FakeRouter, link: RouterLink, rid: str) -> tuple[RelayedRequest, str]:
     """Submit ``rid``; returns its handle and the owner key the router got."""
     rr = link.submit(None, request(rid), None, "client-1")
-    await until(lambda: any(m.generate.request_id == rid for m in router.generates()), f"{rid} at the router")
-    msg = next(m for m in router.generates() if m.generate.request_id == rid)
+    # NOTE: the router knows an owned request by its key (RelayedRequest.wire_id), never by the client's id.
+    await until(lambda: any(m.generate.request_id == rr.owner_key for m in router.generates()), f"{rid} at the router")
+    msg = next(m for m in router.generates() if m.generate.request_id == rr.owner_key)
     assert msg.owner.address == link.data_address and msg.owner.key == rr.owner_key
     return rr, msg.owner.key
 
@@ -357,7 +358,7 @@ def test_a_cancel_aborts_a_placed_request_on_its_data_link_while_the_router_is_a
         rr.cancel()
         assert await worker.aborts() == [key]
         assert key not in owned.states
-        await until(lambda: any(m.cancel_request_id == "r" for m in router.got), "the cancel at the router")
+        await until(lambda: any(m.cancel_request_id == rr.owner_key for m in router.got), "the cancel at the router")
 
     run_link(test)
 
@@ -455,3 +456,30 @@ def test_the_data_service_serves_the_client_ports_tls_to_workers_with_their_link
             await data.stop(grace=0)
 
     asyncio.run(main())
+
+
+def test_a_client_id_is_free_again_once_its_owned_request_ended_on_the_data_link() -> None:
+    """The router knows an owned request by its key: the client may reuse its id as soon as the final output
+    came on the data link (before the router has seen that finish), and the router sees a fresh id."""
+
+    async def test(router: FakeRouter, link: RouterLink, owned: OwnedRequests, worker: FakeWorker) -> None:
+        rr, key = await submitted(router, link, "same")
+        router.batches.put_nowait(spb.GenerateBatch(placed=[key]))
+        worker.step([output(f"{key}#1", [5], 1, finish="length")])
+        await until(lambda: rr.finished, "the final response")
+        again, key2 = await submitted(router, link, "same")  # NOTE: ALREADY_EXISTS here without the wire id
+        assert key2 != key and again.request_id == "same"
+
+    run_link(test)
+
+
+def test_the_abort_rpc_ends_an_owned_request_cancelled_at_the_frontend_and_its_router() -> None:
+    async def test(router: FakeRouter, link: RouterLink, owned: OwnedRequests, worker: FakeWorker) -> None:
+        rr, key = await submitted(router, link, "mine")
+        assert link.abort(None, "other") is None  # not owned here: the router answers it
+        assert link.abort(None, "mine") is True
+        assert isinstance(await rr.first(), RouterError) and (await rr.first()).code == grpc.StatusCode.CANCELLED
+        await until(lambda: any(m.cancel_request_id == key for m in router.got), "the cancel at the router")
+        assert link.abort(None, "mine") is False  # already ended (its id is free once the router confirms)
+
+    run_link(test)
