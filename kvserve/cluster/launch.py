@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from kvserve.router.config import RouterConfig
 from kvserve.router.table.supervision import WorkerSupervision
 from kvserve.workers.core.identity import WorkerIdentity
-from kvserve.workers.core.worker_credential import issue_worker_credential, new_worker_key
+from kvserve.workers.core.worker_credential import issue_data_credential, issue_worker_credential, new_worker_key
 from kvserve.workers.engine.config import EngineConfig
 from kvserve.workers.transport.options import WorkerOptions
 
@@ -288,7 +288,7 @@ def start_cluster(
     worker_ids = [f"worker-{i}" for i in range(num_workers)]
     ray.get(router.expect_workers.remote(worker_ids))
     for i, worker_id in enumerate(worker_ids):
-        options = worker_options_for(base, worker_id, worker_key, worker_link_address or link_address)
+        options = worker_options_for(base, worker_id, worker_key, worker_link_address or link_address, fkey)
         # NOTE: Ray restarts a dead worker forever; the router retires one that crash-loops.
         opts: dict[str, Any] = dict(resources, max_restarts=-1)
         if pg is not None:
@@ -323,12 +323,18 @@ def start_cluster(
     return cluster
 
 
-def worker_options_for(base: WorkerOptions, worker_id: str, worker_key: str, router_address: str) -> WorkerOptions:
+def worker_options_for(
+    base: WorkerOptions, worker_id: str, worker_key: str, router_address: str, frontend_key: str | None = None
+) -> WorkerOptions:
     """``base`` for one worker: the router's WorkerLink address and that worker's own credential
-    (only its own: docs/architecture.md section 4)."""
+    (only its own: docs/architecture.md section 4); with a ``frontend_key`` also its data credential,
+    which its owned requests' data links present to the frontends (section 2a). The key itself never
+    reaches the worker."""
+    data_credential = issue_data_credential(frontend_key, worker_id) if frontend_key else None
     return dataclasses.replace(
-        base, router_address=router_address, credential=issue_worker_credential(worker_key, worker_id)
-    )
+        base, router_address=router_address, credential=issue_worker_credential(worker_key, worker_id),
+        data_credential=data_credential,
+    )  # fmt: skip
 
 
 def _start_router(

@@ -24,6 +24,10 @@ class WorkerOptions:
 
     router_address: str | None = knob(None, help="host:port of the router's WorkerLink (None = no link)", cli=False)
     credential: str | None = knob(None, help="this worker's WorkerLink credential (the launcher issues it)", cli=False)
+    data_credential: str | None = knob(
+        None, help="this worker's data-link credential, for its owners' data services (the launcher issues it)",
+        cli=False,
+    )  # fmt: skip
     tls_ca: str | None = knob(None, help="PEM: trust this CA for the router's certificate")
     tls_cert: str | None = knob(None, help="PEM: client certificate (mTLS)")
     tls_key: str | None = knob(None, help="PEM: client key (mTLS)")
