@@ -10,6 +10,7 @@ steps, so every command lands at a step boundary.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -41,13 +42,19 @@ from kvserve.workers.engine.config import EngineConfig
 from kvserve.workers.engine.engine import make_engine
 from kvserve.workers.engine.migration import MigrationState
 from kvserve.workers.engine.outputs import RequestOutput
+from kvserve.workers.transport.data_links import DataLinks
 from kvserve.workers.transport.options import WorkerOptions
 from kvserve.workers.transport.outbox import Outbox
 from kvserve.workers.transport.pressure import PressurePolicy, pressure_report
+from kvserve.workers.transport.request_table import owned_request_proto
 from kvserve.workers.transport.worker_link import WorkerLinkClient
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+# NOTE: an owned request's progress on the router's link (docs/architecture.md section 2a) at most this often
+# while nothing else calls for it: the router keeps counts and deadlines, the owner gets every token.
+PROGRESS_INTERVAL_S = 1.0
 
 _PREEMPT_MODES = {pb.Preempt.RECOMPUTE: "recompute", pb.Preempt.SWAP: "swap", pb.Preempt.MODE_UNSPECIFIED: None}
 
@@ -99,6 +106,11 @@ class WorkerCore:
                 credential=o.credential,
                 credentials=channel_credentials(o.tls_ca, o.tls_cert, o.tls_key),
             )
+        # Owned requests (docs/architecture.md section 2a), engine-thread state: worker rid -> (owner address,
+        # owner key), and each one's last progress on the router's link (monotonic, preemptions, swaps).
+        self._owners: dict[str, tuple[str, str]] = {}
+        self._progress: dict[str, tuple[float, int, int]] = {}
+        self.data_links = DataLinks(o, hello=self._hello, submit=self._submit, abort=self._abort_owned)
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -112,6 +124,7 @@ class WorkerCore:
         self._wake.set()
         if self.link is not None:
             self.link.stop()
+        self.data_links.stop()
         self._thread.join(timeout=10)
         if not self._thread.is_alive():
             self.engine.close()  # the engine thread is done with it: pending tier writes finish
@@ -124,6 +137,8 @@ class WorkerCore:
 
         def add() -> None:  # NOTE: the engine's Request stays on the engine thread; the caller gets None
             self.engine.add_request(request)
+            if request.owner:
+                self._own(request.request_id, (request.owner, request.owner_key))
 
         self._call(add)
 
@@ -134,8 +149,15 @@ class WorkerCore:
         return self._call(lambda: self.engine.preempt_request(request_id, mode))
 
     def export_request(self, request_id: str) -> MigrationState | None:
-        """Pause a request at a step boundary and return its state (see ``finish_export``)."""
-        return self._call(lambda: self.engine.export_request(request_id))
+        """Pause a request at a step boundary and return its state (see ``finish_export``); an owned
+        request's state names its owner, so the destination streams to the same one."""
+
+        def export() -> MigrationState | None:
+            state = self.engine.export_request(request_id)
+            owner = self._owners.get(request_id)
+            return dataclasses.replace(state, owner=owner) if state is not None and owner else state
+
+        return self._call(export)
 
     def finish_export(self, request_id: str, migrated: bool) -> bool:
         """Free an exported request (``migrated``) or resume it here; False if none is exported."""
@@ -143,6 +165,8 @@ class WorkerCore:
         def finish() -> bool:
             done = self.engine.finish_export(request_id, migrated)
             self._num_exports += int(done and migrated)
+            if done and migrated:
+                self._forget(request_id)
             return done
 
         return self._call(finish)
@@ -153,6 +177,8 @@ class WorkerCore:
         def import_() -> bool | None:
             ok = self.engine.import_request(state)
             self._num_imports += int(bool(ok))
+            if ok and state.owner:
+                self._own(state.request_id, state.owner)
             return ok
 
         return self._call(import_)
@@ -281,27 +307,38 @@ class WorkerCore:
             self.outbox.put(pb.WorkerMessage(heartbeat=beat))
 
     def _abort_orphans(self) -> None:
-        """Abort every request once the router has been gone for ``orphan_timeout_s``: their
-        clients' streams ended with it, so nobody reads them, and their blocks serve no one.
+        """Abort the requests nobody reads any more: a router-owned one once the router has been gone for
+        ``orphan_timeout_s`` (its client's stream ended with it), an owned one once its *owner's* data link
+        has been down that long (docs/architecture.md section 2a: the router's absence does not orphan it,
+        its owner still streams it). Their blocks serve no one.
 
-        NOTE: a router that comes back sooner gets the outputs replayed and aborts what it no
+        NOTE: a router (or owner) that comes back sooner gets the outputs replayed and aborts what it no
         longer knows itself (router.py ``_on_output``); this bounds the time without one.
         """
-        if self.link is None or self.link.disconnected_for() <= self.options.orphan_timeout_s:
-            return
-        orphans = list(self.engine.requests)
-        for rid in orphans:
-            self._abort(rid)
-        if orphans:
-            logger.warning("worker %s: no router for %.0fs; aborted %d orphaned requests", self.worker_id,
-                           self.options.orphan_timeout_s, len(orphans))  # fmt: skip
+        timeout = self.options.orphan_timeout_s
+        if self.link is not None and self.link.disconnected_for() > timeout:
+            orphans = [rid for rid in self.engine.requests if rid not in self._owners]
+            for rid in orphans:
+                self._abort(rid)
+            if orphans:
+                logger.warning("worker %s: no router for %.0fs; aborted %d orphaned requests", self.worker_id,
+                               timeout, len(orphans))  # fmt: skip
+        stale = self.data_links.stale(timeout) if self._owners else set()
+        if stale:
+            orphans = [rid for rid, (address, _) in self._owners.items() if address in stale]
+            for rid in orphans:
+                self._abort(rid)
+            if orphans:
+                logger.warning("worker %s: owners %s unreachable for %.0fs; aborted %d orphaned requests",
+                               self.worker_id, sorted(stale), timeout, len(orphans))  # fmt: skip
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         """Outputs, then block events, then pressure: one ordered stream (docs/architecture.md).
 
         The step's messages go to the outbox together (``Outbox.put_step``), which folds them into the
-        previous step's while the link has not sent those yet."""
-        step_outputs = _step_outputs(self.engine.num_steps, outputs) if outputs else None
+        previous step's while the link has not sent those yet. Owned requests' outputs go to their owners
+        first (``_route``); the router's step carries only their progress."""
+        step_outputs = self._route(self.engine.num_steps, outputs) if outputs else None
         self.engine.publish_tier_events()  # spills finished while idle reach the router too
         events = self.engine.pool.drain_events()
         block_events = pb.BlockEvents(events=[_event_proto(e) for e in events]) if events else None
@@ -318,6 +355,69 @@ class WorkerCore:
         if self.outbox.put_step(step_outputs, block_events, pressure):
             self._pressure.sent(now, report)
 
+    def _route(self, step: int, outputs: list[RequestOutput]) -> pb.StepOutputs | None:
+        """Send owned requests' outputs to their owners (one ``put_step`` per owner, ids rewritten to
+        ``<owner_key>#<tag>``); return what the router gets: the router-owned outputs as ever plus the owned
+        ones' due progress (None: nothing). Engine thread; forgets the owned requests that finished."""
+        if not self._owners:
+            return _step_outputs(step, outputs)  # NOTE: the common path without owners, exactly as before
+        mine: list[RequestOutput] = []
+        owned: dict[str, list[RequestOutput]] = {}
+        progress: list[pb.RequestOutput] = []
+        now = time.monotonic()
+        for o in outputs:
+            owner = self._owners.get(o.request_id)
+            if owner is None:
+                mine.append(o)
+                continue
+            address, key = owner
+            owned.setdefault(address, []).append(dataclasses.replace(o, request_id=owner_request_id(key, o.request_id)))
+            if (p := self._due_progress(o, now)) is not None:
+                progress.append(p)
+            if o.finish_reason is not None:
+                self._forget(o.request_id)
+        for address, outs in owned.items():
+            self.data_links.outbox_for(address).put_step(_step_outputs(step, outs), None, None)
+        if not mine and not progress:
+            return None
+        msg = _step_outputs(step, mine)
+        msg.outputs.extend(progress)
+        return msg
+
+    def _due_progress(self, o: RequestOutput, now: float) -> pb.RequestOutput | None:
+        """An owned request's progress for the router, when due: its first output on this worker, its
+        finish, a change of its preemption or swap count, or ``PROGRESS_INTERVAL_S`` since the last one.
+        So at a token per step the router gets O(1) messages per request per second, never one per token."""
+        last = self._progress.get(o.request_id)
+        due = (
+            last is None
+            or o.finish_reason is not None
+            or (o.num_preemptions, o.num_swaps) != last[1:]
+            or now - last[0] >= PROGRESS_INTERVAL_S
+        )
+        if not due:
+            return None
+        self._progress[o.request_id] = (now, o.num_preemptions, o.num_swaps)
+        return _progress_message(o)
+
+    def _own(self, request_id: str, owner: tuple[str, str]) -> None:
+        """Engine thread: ``request_id`` streams to ``owner`` = (address, key); its data link is dialled now,
+        so it is up by the first token (and an owner that never answers orphans the request in time)."""
+        self._owners[request_id] = owner
+        self._progress.pop(request_id, None)
+        self.data_links.outbox_for(owner[0])
+
+    def _forget(self, request_id: str) -> None:
+        """Engine thread: the request left this worker (finished, aborted, migrated away)."""
+        self._owners.pop(request_id, None)
+        self._progress.pop(request_id, None)
+
+    def _abort_owned(self, address: str, key: str) -> bool:
+        """Engine thread: abort what the owner at ``address`` knows as ``key`` (an Abort on its data link);
+        another owner's request, even under the same key, is not its to abort. False: none here."""
+        rids = [rid for rid, owner in self._owners.items() if owner == (address, key)]
+        return any([self._abort(rid) for rid in rids])  # NOTE: a list: abort every one, not the first only
+
     def _pressure_report(self) -> pb.PressureReport:
         """The engine's stats and this worker's counters: what the router, metrics and ``kvserve top`` see."""
         return pressure_report(self.worker_id, self.engine.make_stats(), decode_steps=self._decode_steps,
@@ -328,7 +428,10 @@ class WorkerCore:
         out = self.engine.abort_request(request_id)
         if out is None:
             return False
-        self.outbox.put(pb.WorkerMessage(step_outputs=_step_outputs(self.engine.num_steps, [out])))
+        # NOTE: an owned request's abort goes to its owner; the router gets its (finished) progress
+        step_outputs = self._route(self.engine.num_steps, [out])
+        if step_outputs is not None:
+            self.outbox.put(pb.WorkerMessage(step_outputs=step_outputs))
         return True
 
     def _hello(self) -> pb.Hello:
@@ -343,9 +446,18 @@ class WorkerCore:
 
     def _on_connect(self) -> None:
         """A (re)connected router gets current pressure and the block snapshot at once, not after
-        the next change or idle interval (a restarted router starts from nothing)."""
+        the next change or idle interval (a restarted router starts from nothing), then the table of
+        the owned requests here (docs/architecture.md section 2a: a restarted router adopts them)."""
         self._pressure.reset()
         self._send_snapshot()
+        self.outbox.put(pb.WorkerMessage(request_table=self._request_table()))
+
+    def _request_table(self) -> pb.RequestTable:
+        """Engine thread: every live owned request (a finished one has left ``_owners`` already)."""
+        live = self.engine.requests
+        return pb.RequestTable(
+            requests=[owned_request_proto(live[rid], owner) for rid, owner in self._owners.items() if rid in live]
+        )
 
     def _send_snapshot(self) -> None:
         pool = self.engine.pool
@@ -406,6 +518,28 @@ def _step_outputs(step: int, outputs: list[RequestOutput]) -> pb.StepOutputs:
     if other:
         msg.outputs.extend([_output_message(o) for o in other])
     return msg
+
+
+def owner_request_id(owner_key: str, worker_rid: str) -> str:
+    """An owned request's id on its data link: ``<owner_key>#<tag>``, the tag being the part of the
+    worker's id after its last ``#`` (the router's dispatch number; "" for an id without one)."""
+    _, sep, tag = worker_rid.rpartition("#")
+    return f"{owner_key}#{tag if sep else ''}"
+
+
+def _progress_message(o: RequestOutput) -> pb.RequestOutput:
+    """An owned request's progress on the router's link: its counts and finish, never its tokens, text
+    or logprobs (those are the owner's)."""
+    return pb.RequestOutput(
+        request_id=o.request_id,
+        owned=True,
+        finish_reason=o.finish_reason or "",
+        num_cached_tokens=o.num_cached_tokens,
+        num_prompt_tokens=o.num_prompt_tokens,
+        num_preemptions=o.num_preemptions,
+        num_swaps=o.num_swaps,
+        num_output_tokens=o.num_output_tokens,
+    )
 
 
 def _is_plain(o: RequestOutput) -> bool:

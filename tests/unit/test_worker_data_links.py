@@ -1,0 +1,254 @@
+"""Owned requests on the worker (docs/architecture.md section 2a): a ``WorkerCore`` streams an owned request's
+outputs to its owner over a data link, and only its progress to the router.
+
+Real gRPC over 127.0.0.1, no Ray: the "router" and the "owner" each run the real ``WorkerLinkService``
+(``tests/integration/worker_harness.py``'s recording server); the owner also checks the data credential.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+import pytest
+
+from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.router.table.worker_link import WorkerLinkHandler
+from kvserve.workers.core.request import WorkerRequest
+from kvserve.workers.core.sampling_params import SamplingParams
+from kvserve.workers.core.worker_credential import (
+    WORKER_CREDENTIAL_HEADER,
+    issue_data_credential,
+    verify_data_credential,
+)
+from kvserve.workers.engine.config import EngineConfig
+from kvserve.workers.transport.options import WorkerOptions
+from kvserve.workers.transport.worker import PROGRESS_INTERVAL_S, WorkerCore
+from tests.integration.worker_harness import CountingWorkerLinkService, RecordingRouter
+
+T = TypeVar("T")
+FRONTEND_KEY = "test-frontend-key"
+PROMPT = (5, 6, 7, 8, 9, 10, 11)
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+# NOTE: a request that outlives the test's checks (~2 ms a token on the tiny model); tests abort it at the end
+LONG = SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
+
+
+class DataCredentialService(CountingWorkerLinkService):
+    """A frontend's data service as the worker sees it: the WorkerLink, refusing a stream without a valid
+    data credential (``verify_data_credential`` with the frontend key), recording whom it proved."""
+
+    def __init__(self, handler: WorkerLinkHandler, frontend_key: str) -> None:
+        super().__init__(handler)
+        self.frontend_key = frontend_key
+        self.proven: list[str] = []
+        self.refused = 0
+
+    async def Connect(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[pb.WorkerMessage], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.RouterCommand]:
+        metadata = dict(context.invocation_metadata() or ())
+        worker_id = verify_data_credential(self.frontend_key, metadata.get(WORKER_CREDENTIAL_HEADER))
+        if worker_id is None:
+            self.refused += 1
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "no valid data credential")
+        self.proven.append(worker_id)
+        async for cmd in super().Connect(request_iterator, context):
+            yield cmd
+
+
+def _owner() -> RecordingRouter:
+    owner = RecordingRouter()
+    owner.service = DataCredentialService(owner.handler, FRONTEND_KEY)
+    return owner.start()
+
+
+def _closed_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once the socket is closed
+
+
+def _wait(predicate: Callable[[], T], timeout: float = 15.0, what: str = "condition") -> T:
+    """Poll ``predicate`` until truthy (bounded: a deadline, never a fixed sleep); return its value."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        time.sleep(0.02)
+    return value
+
+
+@pytest.fixture
+def router() -> Iterator[RecordingRouter]:
+    r = RecordingRouter().start()
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def owner() -> Iterator[RecordingRouter]:
+    o = _owner()
+    yield o
+    o.close()
+
+
+@pytest.fixture
+def make_core(tiny_llama_dir: Path) -> Iterator[Callable[..., WorkerCore]]:
+    cores: list[WorkerCore] = []
+
+    def make(worker_id: str, router_address: str, **options: object) -> WorkerCore:
+        o = WorkerOptions(
+            router_address=router_address, data_credential=issue_data_credential(FRONTEND_KEY, worker_id), **options
+        )
+        core = WorkerCore(worker_id, EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=512), o)
+        core.start()
+        cores.append(core)
+        return core
+
+    yield make
+    for core in cores:
+        core.stop()
+
+
+def _live(core: WorkerCore) -> set[str]:
+    return core._call(lambda: set(core.engine.requests))
+
+
+def _owned(rid: str, key: str, owner: RecordingRouter, params: SamplingParams = LONG, **kw: object) -> WorkerRequest:
+    return WorkerRequest(rid, PROMPT, params, owner=owner.address, owner_key=key, **kw)
+
+
+def test_owned_tokens_reach_only_the_owner_and_the_router_gets_progress(
+    router: RecordingRouter, owner: RecordingRouter, make_core: Callable[..., WorkerCore]
+) -> None:
+    core = make_core("w-own", router.address)
+    core.add_request(WorkerRequest("ref#0", PROMPT, GREEDY))  # the same request, router-owned: the reference
+    reference = router.wait_finished(["ref#0"])["ref#0"]
+    assert len(reference) == GREEDY.max_tokens
+    t0 = time.monotonic()
+    core.add_request(_owned("r1#3", "k1", owner, GREEDY))
+    tokens = owner.wait_finished(["k1#3"])["k1#3"]
+    router.wait_finished(["r1#3"])
+    elapsed = time.monotonic() - t0
+    assert tokens == reference
+    assert "".join(o.text_delta for o in owner.outputs("k1#3")), "the owner gets the text too"
+    with owner.handler.cond:
+        assert set(owner.handler.outputs) == {"k1#3"}, "the owner sees its own key, never the worker's id"
+    assert owner.service.proven == ["w-own"] and owner.service.refused == 0
+    with router.handler.cond:
+        assert "k1#3" not in router.handler.outputs
+    progress = router.outputs("r1#3")
+    assert all(p.owned and not p.new_token_ids and not p.text_delta and not p.logprobs for p in progress)
+    assert progress[0].num_output_tokens >= 1 and not progress[0].finish_reason
+    assert progress[-1].finish_reason == "length" and progress[-1].num_output_tokens == GREEDY.max_tokens
+    assert progress[-1].num_prompt_tokens == len(PROMPT)
+    # NOTE: first + finish, plus one per progress interval the run took: never one per token
+    assert len(progress) <= 2 + int(elapsed / PROGRESS_INTERVAL_S), [p.num_output_tokens for p in progress]
+    assert core._call(lambda: dict(core._owners)) == {}, "a finished request is forgotten"
+
+
+def test_a_router_reconnect_gets_the_table_of_live_owned_requests(
+    router: RecordingRouter, owner: RecordingRouter, make_core: Callable[..., WorkerCore]
+) -> None:
+    core = make_core("w-table", router.address)
+    _wait(lambda: router.messages("w-table", "request_table"), what="the first connect's table")
+    assert not router.messages("w-table", "request_table")[0].request_table.requests, "nothing owned yet"
+    params = SamplingParams(max_tokens=3000, temperature=0.7, top_k=5, top_p=0.9, seed=7, logprobs=2)
+    core.add_request(_owned("r2#1", "k2", owner, params, priority=3, cache_salt="tenant-a"))
+    core.add_request(WorkerRequest("plain#0", PROMPT, LONG))  # router-owned: never in the table
+    owner.wait_tokens("k2#1", 3)
+    router.restart()
+    table = _wait(
+        lambda: [m for m in router.messages("w-table", "request_table") if m.request_table.requests],
+        what="the table after the reconnect",
+    )[-1]
+    kinds = [m.WhichOneof("body") for m in router.messages("w-table")]
+    assert kinds[kinds.index("request_table", kinds.index("request_table") + 1) - 1] == "block_snapshot"
+    (entry,) = table.request_table.requests
+    assert (entry.request_id, entry.owner, entry.owner_key) == ("r2#1", owner.address, "k2")
+    assert list(entry.prompt_ids) == list(PROMPT)
+    assert (entry.priority, entry.cache_salt) == (3, "tenant-a")
+    assert entry.num_output_tokens >= 3
+    s = entry.sampling
+    assert (s.max_tokens, s.top_k, s.seed, s.logprobs, s.ignore_eos) == (3000, 5, 7, 2, False)
+    assert s.temperature == pytest.approx(0.7) and s.HasField("top_p") and s.top_p == pytest.approx(0.9)
+    assert core.abort("r2#1") and core.abort("plain#0")
+
+
+def test_an_owner_aborts_its_own_request_by_key_only(
+    router: RecordingRouter, owner: RecordingRouter, make_core: Callable[..., WorkerCore]
+) -> None:
+    other = _owner()
+    try:
+        core = make_core("w-abort", router.address)
+        core.add_request(_owned("a#0", "k", owner))
+        core.add_request(_owned("b#0", "k", other))  # the same key at another owner: not ``owner``'s
+        owner.wait_tokens("k#0", 1)
+        other.wait_tokens("k#0", 1)
+        owner.send("w-abort", pb.RouterCommand(abort=pb.Abort(request_id="nobody")))
+        owner.send("w-abort", pb.RouterCommand(abort=pb.Abort(request_id="k")))
+        owner.wait_finished(["k#0"])
+        assert owner.finish_reason("k#0") == "abort"
+        acks = owner.wait_for(lambda: len(owner.acks("w-abort")) >= 2 and owner.acks("w-abort"), what="both acks")
+        assert [(a.request_id, a.ok) for a in acks] == [("nobody", False), ("k", True)]
+        router.wait_finished(["a#0"])
+        assert router.finish_reason("a#0") == "abort" and router.outputs("a#0")[-1].owned
+        assert _live(core) == {"b#0"}
+        n = len(other.tokens("k#0"))
+        other.wait_tokens("k#0", n + 3)  # the other owner's request runs on
+        assert not other.finish_reason("k#0")
+    finally:
+        other.close()
+
+
+def test_an_owned_request_is_orphaned_by_its_owner_not_by_the_router(
+    router: RecordingRouter, owner: RecordingRouter, make_core: Callable[..., WorkerCore]
+) -> None:
+    # The owner unreachable, the router there: the owned request goes, the router-owned one stays.
+    core = make_core("w-orph1", router.address, orphan_timeout_s=0.5)
+    gone = _closed_address()
+    core.add_request(WorkerRequest("mine#0", PROMPT, LONG))
+    core.add_request(WorkerRequest("own#0", PROMPT, LONG, owner=gone, owner_key="k"))
+    router.wait_finished(["own#0"])
+    assert router.finish_reason("own#0") == "abort"
+    assert core.data_links.disconnected_for(gone) > 0.5
+    assert _live(core) == {"mine#0"}
+    assert core.abort("mine#0")
+
+    # The router unreachable, the owner there: the router-owned request goes, the owned one streams on.
+    core = make_core("w-orph2", _closed_address(), orphan_timeout_s=0.5)
+    core.add_request(WorkerRequest("mine#0", PROMPT, LONG))
+    core.add_request(_owned("own#0", "k2", owner))
+    _wait(lambda: "mine#0" not in _live(core), what="the router-owned orphan's abort")
+    assert core.link is not None and core.link.disconnected_for() > 0.5
+    n = len(owner.tokens("k2#0"))
+    owner.wait_tokens("k2#0", n + 3)
+    assert not owner.finish_reason("k2#0") and _live(core) == {"own#0"}
+    assert core.abort("own#0")
+    owner.wait_finished(["k2#0"])
+
+
+def test_a_migrated_owned_request_streams_to_the_same_owner(
+    router: RecordingRouter, owner: RecordingRouter, make_core: Callable[..., WorkerCore]
+) -> None:
+    # NOTE: long enough to be caught running after its first tokens (~2 ms a token), short enough to finish
+    params = SamplingParams(max_tokens=600, temperature=0.0, ignore_eos=True)
+    src, dst = make_core("w-src", router.address), make_core("w-dst", router.address)
+    dst.add_request(WorkerRequest("ref#0", PROMPT, params))
+    reference = router.wait_finished(["ref#0"])["ref#0"]
+    src.add_request(_owned("m#0", "km", owner, params))
+    owner.wait_tokens("km#0", 5)
+    state = src.export_request("m#0")
+    assert state is not None and state.owner == (owner.address, "km")
+    assert dst.import_request(state)
+    assert src.finish_export("m#0", migrated=True)
+    assert src._call(lambda: dict(src._owners)) == {}
+    tokens = owner.wait_finished(["km#0"])["km#0"]
+    assert tokens == reference
+    assert owner.outputs("km#0", "w-src") and owner.outputs("km#0", "w-dst"), "both legs went to the owner"
+    router.wait_finished(["m#0"])
+    assert [p.owned for p in router.outputs("m#0", "w-dst")] and all(p.owned for p in router.outputs("m#0"))
