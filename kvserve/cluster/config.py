@@ -57,7 +57,7 @@ ROUTER_ACTOR_NAME = "kvserve-router"
 _RESERVED = {
     "engine": {"model": "model"},
     "router": {"model": "model", "host": "host", "port": "port", "stall_timeout_s": "worker.stall_timeout_s"},
-    "worker": {"router_address": None, "credential": None},
+    "worker": {"router_address": None, "credential": None, "data_credential": None},
 }
 _SECTIONS = {"engine": EngineConfig, "router": RouterConfig, "worker": WorkerOptions}
 
