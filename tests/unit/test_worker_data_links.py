@@ -17,6 +17,7 @@ import grpc
 import pytest
 
 from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.router.gate.validation import ModelLimits, sampling_params
 from kvserve.router.table.worker_link import WorkerLinkHandler
 from kvserve.workers.core.request import WorkerRequest
 from kvserve.workers.core.sampling_params import SamplingParams
@@ -27,6 +28,7 @@ from kvserve.workers.core.worker_credential import (
 )
 from kvserve.workers.engine.config import EngineConfig
 from kvserve.workers.transport.options import WorkerOptions
+from kvserve.workers.transport.request_table import sampling_proto
 from kvserve.workers.transport.worker import PROGRESS_INTERVAL_S, WorkerCore
 from tests.integration.worker_harness import CountingWorkerLinkService, RecordingRouter
 
@@ -91,6 +93,14 @@ def router() -> Iterator[RecordingRouter]:
 
 @pytest.fixture
 def owner() -> Iterator[RecordingRouter]:
+    o = _owner()
+    yield o
+    o.close()
+
+
+@pytest.fixture
+def other_owner() -> Iterator[RecordingRouter]:
+    """A second owner (set up before ``make_core``: torn down after the cores, so no link redials it)."""
     o = _owner()
     yield o
     o.close()
@@ -180,29 +190,27 @@ def test_a_router_reconnect_gets_the_table_of_live_owned_requests(
 
 
 def test_an_owner_aborts_its_own_request_by_key_only(
-    router: RecordingRouter, owner: RecordingRouter, make_core: Callable[..., WorkerCore]
+    router: RecordingRouter, owner: RecordingRouter, other_owner: RecordingRouter, make_core: Callable[..., WorkerCore]
 ) -> None:
-    other = _owner()
-    try:
-        core = make_core("w-abort", router.address)
-        core.add_request(_owned("a#0", "k", owner))
-        core.add_request(_owned("b#0", "k", other))  # the same key at another owner: not ``owner``'s
-        owner.wait_tokens("k#0", 1)
-        other.wait_tokens("k#0", 1)
-        owner.send("w-abort", pb.RouterCommand(abort=pb.Abort(request_id="nobody")))
-        owner.send("w-abort", pb.RouterCommand(abort=pb.Abort(request_id="k")))
-        owner.wait_finished(["k#0"])
-        assert owner.finish_reason("k#0") == "abort"
-        acks = owner.wait_for(lambda: len(owner.acks("w-abort")) >= 2 and owner.acks("w-abort"), what="both acks")
-        assert [(a.request_id, a.ok) for a in acks] == [("nobody", False), ("k", True)]
-        router.wait_finished(["a#0"])
-        assert router.finish_reason("a#0") == "abort" and router.outputs("a#0")[-1].owned
-        assert _live(core) == {"b#0"}
-        n = len(other.tokens("k#0"))
-        other.wait_tokens("k#0", n + 3)  # the other owner's request runs on
-        assert not other.finish_reason("k#0")
-    finally:
-        other.close()
+    other = other_owner
+    core = make_core("w-abort", router.address)
+    core.add_request(_owned("a#0", "k", owner))
+    core.add_request(_owned("b#0", "k", other))  # the same key at another owner: not ``owner``'s
+    owner.wait_tokens("k#0", 1)
+    other.wait_tokens("k#0", 1)
+    owner.send("w-abort", pb.RouterCommand(abort=pb.Abort(request_id="nobody")))
+    owner.send("w-abort", pb.RouterCommand(abort=pb.Abort(request_id="k")))
+    owner.wait_finished(["k#0"])
+    assert owner.finish_reason("k#0") == "abort"
+    acks = owner.wait_for(lambda: len(owner.acks("w-abort")) >= 2 and owner.acks("w-abort"), what="both acks")
+    assert [(a.request_id, a.ok) for a in acks] == [("nobody", False), ("k", True)]
+    router.wait_finished(["a#0"])
+    assert router.finish_reason("a#0") == "abort" and router.outputs("a#0")[-1].owned
+    assert _live(core) == {"b#0"}
+    n = len(other.tokens("k#0"))
+    other.wait_tokens("k#0", n + 3)  # the other owner's request runs on
+    assert not other.finish_reason("k#0")
+    assert core.abort("b#0")
 
 
 def test_an_owned_request_is_orphaned_by_its_owner_not_by_the_router(
@@ -252,3 +260,21 @@ def test_a_migrated_owned_request_streams_to_the_same_owner(
     assert owner.outputs("km#0", "w-src") and owner.outputs("km#0", "w-dst"), "both legs went to the owner"
     router.wait_finished(["m#0"])
     assert [p.owned for p in router.outputs("m#0", "w-dst")] and all(p.owned for p in router.outputs("m#0"))
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=7),
+        SamplingParams(max_tokens=9, temperature=0.0),
+        SamplingParams(
+            max_tokens=100, temperature=0.5, top_k=3, top_p=0.75, seed=2**63 + 5, stop=("ab", "c"),
+            stop_token_ids=(2, 9), ignore_eos=True, logprobs=0,
+        ),
+    ],
+)  # fmt: skip
+def test_the_tables_sampling_reads_back_equal_at_the_router(params: SamplingParams) -> None:
+    """What a restarted router adopts runs as the worker runs it (the router's own proto reader)."""
+    msg = sampling_proto(params)
+    assert sampling_params(msg, num_prompt_tokens=10, limits=ModelLimits(vocab_size=100, max_model_len=200)) == params
+    assert msg.HasField("top_p") == (params.top_p != 1.0) and msg.HasField("seed") == (params.seed is not None)
