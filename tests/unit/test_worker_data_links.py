@@ -27,9 +27,10 @@ from kvserve.workers.core.worker_credential import (
     verify_data_credential,
 )
 from kvserve.workers.engine.config import EngineConfig
+from kvserve.workers.transport.data_links import PROGRESS_INTERVAL_S
 from kvserve.workers.transport.options import WorkerOptions
 from kvserve.workers.transport.request_table import sampling_proto
-from kvserve.workers.transport.worker import PROGRESS_INTERVAL_S, WorkerCore
+from kvserve.workers.transport.worker import WorkerCore
 from tests.integration.worker_harness import CountingWorkerLinkService, RecordingRouter
 
 T = TypeVar("T")

@@ -285,7 +285,8 @@ def measure(workers: int, streams: int, tokens_per_step: int, step_ms: float, ma
         actor = sim_worker_actor_class()
         ids = [f"worker-{i}" for i in range(workers)]
         ray.get(router.expect_workers.remote(ids))
-        handles = {w: actor.remote(w, worker_options_for(WorkerOptions(), w, key, address), spec) for w in ids}
+        handles = {w: actor.remote(w, worker_options_for(WorkerOptions(), w, key, address, frontend_key=fkey), spec)
+                   for w in ids}  # fmt: skip
         _register_workers(router, handles, 60.0)
         client_address = address
         if frontends:

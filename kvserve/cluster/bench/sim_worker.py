@@ -19,6 +19,10 @@ matches its own hashes) at the request's first step, leading blocks already cach
 (prefix hits), a finished request's full blocks kept as cached and evictable, and the least
 recently used of them evicted when the pool runs out (``BlockRemoved``); its pressure reports carry
 the pool's free / used / evictable counts, tokens in flight, prefill and prefix-cache counters.
+
+Owned requests (``WorkerRequest.owner``, docs/architecture.md section 2a) stream as a real worker streams
+them: their tokens to the owner over the worker's own ``DataLinks``, ids ``<key>#<tag>``; the router gets
+their progress only (first output, finish, at most every ``PROGRESS_INTERVAL_S``).
 """
 
 from __future__ import annotations
@@ -27,7 +31,10 @@ import threading
 import time
 import uuid
 from collections import Counter, OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 from kvserve.protos.kvserve.v1 import worker_pb2 as pb
 from kvserve.workers.core.block_hash import cache_extra, hash_block, hash_blocks
@@ -37,6 +44,7 @@ from kvserve.workers.core.request import WorkerRequest
 from kvserve.workers.core.sizes import blocks_for
 from kvserve.workers.core.step_columns import append_entry
 from kvserve.workers.core.tls import channel_credentials
+from kvserve.workers.transport.data_links import PROGRESS_INTERVAL_S, DataLinks, owner_request_id
 from kvserve.workers.transport.options import WorkerOptions
 from kvserve.workers.transport.outbox import Outbox
 from kvserve.workers.transport.pressure import PressurePolicy
@@ -70,6 +78,7 @@ class _Running:
     request: WorkerRequest
     emitted: int = 0
     hashes: list[int] | None = None  # realistic: its full blocks' hash chain (None: not prefilled yet)
+    progress_at: float | None = None  # owned: when the router last got its progress (None: not yet)
 
 
 class SimPool:
@@ -149,10 +158,11 @@ class SimWorker:
         self._counters = Counter()  # realistic: prefill and prefix-cache token counters of the reports
         self._cached_tokens: dict[str, int] = {}  # realistic: each request's prefix hits, in tokens
         self._stop = threading.Event()
+        self.data_links = DataLinks(options, self._hello, _run_now, self._abort_owned)
         self.link = WorkerLinkClient(
             options.router_address or "",
             self.outbox,
-            hello=lambda: self.identity().to_hello(self.incarnation),
+            hello=self._hello,
             on_connect=lambda: None,
             on_command=self._on_command,
             credential=options.credential,
@@ -167,6 +177,9 @@ class SimWorker:
     def identity(self) -> WorkerIdentity:
         s = self.spec
         return WorkerIdentity(self.worker_id, "sim", s.block_size, s.total_blocks, s.max_model_len, s.vocab_size)
+
+    def _hello(self) -> pb.Hello:
+        return self.identity().to_hello(self.incarnation)
 
     def ready(self) -> WorkerIdentity:
         return self.identity()
@@ -192,7 +205,17 @@ class SimWorker:
     def shutdown(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        self.data_links.stop()
         self.link.stop()
+
+    def _abort_owned(self, address: str, key: str) -> bool:
+        """An owner's Abort (its data link): drop what it knows as ``key``."""
+        with self._lock:
+            rids = [rid for rid, run in self._running.items()
+                    if (run.request.owner, run.request.owner_key) == (address, key)]  # fmt: skip
+            for rid in rids:
+                self._release(self._running.pop(rid))
+        return bool(rids)
 
     def _on_command(self, cmd: pb.RouterCommand) -> None:
         kind = cmd.WhichOneof("command")
@@ -253,6 +276,15 @@ class SimWorker:
             self._pool.release(run.hashes, partial=held % self.spec.block_size != 0)
             self._cached_tokens.pop(run.request.request_id, None)
 
+    def _final(self, rid: str, new: list[int], text: str, run: _Running, owned: bool = False,
+               finished: bool = True) -> pb.RequestOutput:  # fmt: skip
+        """An output message of ``run`` (its last, or an owned request's progress: no tokens, ``owned``)."""
+        return pb.RequestOutput(
+            request_id=rid, new_token_ids=new, text_delta=text, finish_reason="length" if finished else "",
+            num_output_tokens=run.emitted, num_prompt_tokens=len(run.request.prompt),
+            num_cached_tokens=self._cached_tokens.get(run.request.request_id, 0), owned=owned,
+        )  # fmt: skip
+
     def _pool_events(self, events: list[pb.BlockEvent]) -> None:
         assert self._pool is not None
         for kind, hashes in self._pool.events:
@@ -268,6 +300,8 @@ class SimWorker:
         stamp = f"{time.monotonic_ns()};"  # NOTE: ";" keeps stamps apart when responses merge
         outputs, events = [], []
         plain: list[tuple[str, list[int], int]] = []
+        owned: dict[str, pb.StepOutputs] = {}  # owner address -> its step (a real worker's ``_route``)
+        now = time.monotonic()
         size = self.spec.block_size
         pool = self._pool
         with self._lock:
@@ -286,16 +320,24 @@ class SimWorker:
                         events.append(pb.BlockEvent(seq=self._event_seq, stored=stored))
                 done = run.emitted >= run.request.params.max_tokens
                 new = [(run.emitted + i) % self.spec.vocab_size for i in range(n)]
-                if done:
-                    del self._running[rid]
-                    outputs.append(pb.RequestOutput(
-                        request_id=rid, new_token_ids=new, text_delta=stamp, finish_reason="length",
-                        num_output_tokens=run.emitted, num_prompt_tokens=len(run.request.prompt),
-                        num_cached_tokens=self._cached_tokens.get(rid, 0),
-                    ))  # fmt: skip
-                    self._release(run)
+                owner = run.request.owner
+                if owner:
+                    to = owned.setdefault(owner, pb.StepOutputs(decode_step=self._steps + 1))
+                    oid = owner_request_id(run.request.owner_key, rid)
+                    if done:
+                        to.outputs.append(self._final(oid, new, stamp, run))
+                    else:
+                        append_entry(to.columns, oid, new, run.emitted, stamp)
+                    if done or run.progress_at is None or now - run.progress_at >= PROGRESS_INTERVAL_S:
+                        run.progress_at = now  # NOTE: what the router gets of it: progress, no tokens
+                        outputs.append(self._final(rid, [], "", run, owned=True, finished=done))
+                elif done:
+                    outputs.append(self._final(rid, new, stamp, run))
                 else:  # NOTE: as a real worker sends a plain output (kvserve/workers/transport/worker.py)
                     plain.append((rid, new, run.emitted))
+                if done:
+                    del self._running[rid]
+                    self._release(run)
             running = len(self._running)
             in_flight = sum(len(r.request.prompt) + r.emitted for r in self._running.values())
             if pool is not None:
@@ -305,6 +347,8 @@ class SimWorker:
                 used = sum(blocks_for(len(r.request.prompt) + r.emitted, size) for r in self._running.values())
                 free, evictable = self.spec.total_blocks - used, 0
         self._steps += 1
+        for address, owner_step in owned.items():
+            self.data_links.outbox_for(address).put_step(owner_step, None, None)
         step = None
         if outputs or plain:
             step = pb.StepOutputs(decode_step=self._steps, outputs=outputs)
@@ -336,3 +380,14 @@ def sim_worker_actor_class():
     import ray
 
     return ray.remote(num_cpus=0, max_concurrency=64)(SimWorker)
+
+
+def _run_now(fn: Callable[[], Any]) -> Future:
+    """What a real worker's inbox does for an owner's command, at once (the simulated worker has no engine
+    thread to wait for: its state is under its lock)."""
+    fut: Future = Future()
+    try:
+        fut.set_result(fn())
+    except Exception as e:  # noqa: BLE001 - the caller gets the exception
+        fut.set_exception(e)
+    return fut

@@ -26,6 +26,18 @@ from kvserve.workers.transport.worker_link import WorkerLinkClient
 logger = logging.getLogger(__name__)
 
 
+# NOTE: an owned request's progress reaches the router at least this often besides its first output, finish,
+# preemptions and swaps: O(1) messages per request per second on the router's loop, never one per token.
+PROGRESS_INTERVAL_S = 1.0
+
+
+def owner_request_id(owner_key: str, worker_rid: str) -> str:
+    """An owned request's id on its data link: ``<owner_key>#<tag>``, the tag being the part of the
+    worker's id after its last ``#`` (the router's dispatch number; "" for an id without one)."""
+    _, sep, tag = worker_rid.rpartition("#")
+    return f"{owner_key}#{tag if sep else ''}"
+
+
 class DataLinks:
     """The data links of one worker, by owner address.
 

@@ -42,7 +42,7 @@ from kvserve.workers.engine.config import EngineConfig
 from kvserve.workers.engine.engine import make_engine
 from kvserve.workers.engine.migration import MigrationState
 from kvserve.workers.engine.outputs import RequestOutput
-from kvserve.workers.transport.data_links import DataLinks
+from kvserve.workers.transport.data_links import PROGRESS_INTERVAL_S, DataLinks, owner_request_id
 from kvserve.workers.transport.options import WorkerOptions
 from kvserve.workers.transport.outbox import Outbox
 from kvserve.workers.transport.pressure import PressurePolicy, pressure_report
@@ -54,7 +54,6 @@ T = TypeVar("T")
 
 # NOTE: an owned request's progress on the router's link (docs/architecture.md section 2a) at most this often
 # while nothing else calls for it: the router keeps counts and deadlines, the owner gets every token.
-PROGRESS_INTERVAL_S = 1.0
 
 _PREEMPT_MODES = {pb.Preempt.RECOMPUTE: "recompute", pb.Preempt.SWAP: "swap", pb.Preempt.MODE_UNSPECIFIED: None}
 
@@ -518,13 +517,6 @@ def _step_outputs(step: int, outputs: list[RequestOutput]) -> pb.StepOutputs:
     if other:
         msg.outputs.extend([_output_message(o) for o in other])
     return msg
-
-
-def owner_request_id(owner_key: str, worker_rid: str) -> str:
-    """An owned request's id on its data link: ``<owner_key>#<tag>``, the tag being the part of the
-    worker's id after its last ``#`` (the router's dispatch number; "" for an id without one)."""
-    _, sep, tag = worker_rid.rpartition("#")
-    return f"{owner_key}#{tag if sep else ''}"
 
 
 def _progress_message(o: RequestOutput) -> pb.RequestOutput:
