@@ -175,6 +175,10 @@ class MuxConnection:
     def _open(self) -> grpc.aio.StreamStreamCall:
         # NOTE: wait_for_ready: a router restarting on the same port is waited for (within each
         # request's deadline), not failed at once.
+        if self.owned is not None:
+            # NOTE: says whose stream this is before any request: a restarted router's replay notices for the
+            # requests it adopted (kvserve/router/requests/owned.py) find it even if no new request comes.
+            self._outbox.put_nowait(spb.GenerateStreamRequest(owner=spb.Owner(address=self.data_address)))
         return self.stub.GenerateStream(self._requests(self._outbox), metadata=self.metadata, wait_for_ready=True)
 
     @staticmethod

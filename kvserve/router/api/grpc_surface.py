@@ -174,6 +174,7 @@ async def read_generate_stream(
     cancel: Callable[[Any], None],
     *,
     columns: bool,
+    control: Callable[[spb.GenerateStreamRequest], None] | None = None,
 ) -> None:
     """Read a GenerateStream's requests until the client closes its side.
 
@@ -185,6 +186,8 @@ async def read_generate_stream(
         cancel: stops a live request the client cancelled.
         columns: whether this stream answers in token columns when the client asks (the router does; a
             frontend answers with responses only, which such a client reads too).
+        control: takes a frontend's ``resume`` and owner-only messages (the router's; None: refused
+            INVALID_ARGUMENT, as a frontend answers its own clients).
 
     Raises:
         RouterError: INVALID_ARGUMENT for what cannot be answered by id (undecodable, no request_id, an
@@ -195,10 +198,18 @@ async def read_generate_stream(
         async for msg in requests:
             if isinstance(msg, Undecodable):
                 raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable {msg.message_type}: {msg.error}")
+            kind = msg.WhichOneof("kind")
+            if kind == "resume" or (kind is None and msg.HasField("owner")):
+                # NOTE: a frontend's own messages (docs/architecture.md 2a): an owner's Resume, or its stream saying
+                # whose it is (re-opened after a break: a restarted router's notices must reach it)
+                if control is None:
+                    raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, "resume and owner are a frontend's messages")
+                control(msg)
+                continue
             if msg.token_columns:
                 if columns:
                     mux.columns = True
-                if msg.WhichOneof("kind") is None:  # NOTE: a message that only says so
+                if kind is None:  # NOTE: a message that only says so
                     continue
             if msg.WhichOneof("kind") == "cancel_request_id":
                 r = live.get(msg.cancel_request_id)

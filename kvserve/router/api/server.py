@@ -157,6 +157,7 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
             await _abort(context, e)
         finally:
             reader.cancel()
+            self.router.owned.forget_stream(mux)
             for r in live.values():
                 if not r.finished:
                     self.router.lifecycle.cancel(r)
@@ -173,16 +174,29 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
         async def submit(rid: str, msg: spb.GenerateStreamRequest) -> None:
             # NOTE: a frontend relays many clients on one stream: each counts as itself (frontend/).
             client = msg.client if trusted and msg.client else peer
+            owner = msg.owner if msg.HasField("owner") and msg.owner.key else None
             try:
+                if owner is not None and not trusted:
+                    # NOTE: an owner is where a worker will dial: never an address a client chose
+                    raise RouterError(grpc.StatusCode.PERMISSION_DENIED, "owner needs the frontend credential")
                 # NOTE: the same bounds, tokenization off the loop and tenancy as Generate.
                 (live[rid],) = await self.bounds.submit_all(
-                    client, [msg.generate], _time_remaining(msg.timeout_ms), who=who, mux=mux
+                    client, [msg.generate], _time_remaining(msg.timeout_ms), who=who, mux=mux, owner=owner
                 )
             except RouterError as e:
                 # NOTE: keyed as the router keys the request's responses (scoped), unscoped on the way out.
                 mux.put(rid if who is None else self.bounds.tenancy.scoped_id(who, rid), e)  # type: ignore[union-attr]
 
-        await read_generate_stream(requests, mux, live, submit, self.router.lifecycle.cancel, columns=True)
+        def control(msg: spb.GenerateStreamRequest) -> None:
+            if not trusted:
+                raise RouterError(grpc.StatusCode.PERMISSION_DENIED, "resume and owner need the frontend credential")
+            if msg.HasField("owner") and msg.owner.address:
+                self.router.owned.announce(msg.owner.address, mux)
+            if msg.WhichOneof("kind") == "resume":
+                self.router.owned.resume(msg.resume.owner_key, list(msg.resume.output_ids))
+
+        await read_generate_stream(requests, mux, live, submit, self.router.lifecycle.cancel, columns=True,
+                                   control=control)  # fmt: skip
 
     async def Abort(self, request: spb.AbortRequest, context: grpc.aio.ServicerContext) -> spb.AbortResponse:  # noqa: N802
         who = self._principal(context)

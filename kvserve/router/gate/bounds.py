@@ -67,7 +67,8 @@ class Admitting(PromptModel, Protocol):
     def lifecycle(self) -> Cancelling: ...
 
     def submit(
-        self, request: spb.GenerateRequest, time_remaining_s: float | None = None, mux: StreamMux | None = None
+        self, request: spb.GenerateRequest, time_remaining_s: float | None = None, mux: StreamMux | None = None,
+        owner: spb.Owner | None = None,
     ) -> RouterRequest:
         """Validate and place or queue a request; raises RouterError."""
         ...
@@ -103,6 +104,7 @@ class Bounds:
         time_remaining_s: Callable[[], float | None] = lambda: None,
         who: Principal | None = None,
         mux: StreamMux | None = None,
+        owner: spb.Owner | None = None,
     ) -> list[RouterRequest]:
         """Check, tokenize (off the loop) and submit every request, or none.
 
@@ -112,6 +114,7 @@ class Bounds:
             time_remaining_s: seconds left of the caller's deadline, asked at submit time.
             who: the caller's API key: its tenant, id scope, priority bound and rate apply.
             mux: the GenerateStream the requests' responses go to (``Router.submit``'s ``mux``).
+            owner: the frontend that owns them (``Router.submit``'s ``owner``; checked by the caller).
 
         Raises:
             RouterError: a limit (its code, naming the knob), a bad prompt (INVALID_ARGUMENT), or
@@ -146,7 +149,9 @@ class Bounds:
                 try:
                     for r in prepared:
                         # NOTE: mux only for GenerateStream (Router.submit's optional third argument)
-                        admitted.append(self.router.submit(r, time_remaining_s(), *((mux,) if mux is not None else ())))
+                        extra = {} if owner is None else {"owner": owner}
+                        admitted.append(self.router.submit(r, time_remaining_s(), *((mux,) if mux is not None else ()),
+                                                           **extra))  # fmt: skip
                 except RouterError:
                     for a in admitted:
                         self.router.lifecycle.cancel(a)

@@ -67,7 +67,9 @@ class Dispatcher:
         meanwhile) can still land, and an orphan a previous router placed has nobody at all: without
         this they would run to ``max_tokens`` holding their blocks. An abort of an id the worker no
         longer has is a no-op there."""
-        if out.finish_reason or out.request_id in self._orphans:
+        if out.finish_reason or out.owned or out.request_id in self._orphans:
+            # NOTE: an owned request's progress: a restarted router sees it before the worker's RequestTable
+            # (kvserve/router/requests/owned.py adopts it then); its owner, not this router, reads it.
             return
         self._orphans[out.request_id] = None
         while len(self._orphans) > _MAX_ORPHANS:
@@ -103,7 +105,7 @@ class Dispatcher:
         router = self.router
         router.metrics.dispatched(time.monotonic() - r.arrival)
         request = WorkerRequest(worker_rid, tuple(r.prompt_ids), r.params, r.priority, r.tenant or None,
-                                tuple(r.output_ids))  # fmt: skip
+                                tuple(r.output_ids), owner=r.owner, owner_key=r.owner_key)  # fmt: skip
         incarnation = entry.incarnation  # evidence from this call concerns this process only
         # NOTE: the worker takes a request between two steps, so an answer slower than its stall
         # threshold means it is stalled (kvserve/router/table/liveness.py): never wait longer.
@@ -148,6 +150,8 @@ class Dispatcher:
         self.adding.discard(worker_rid)
         r.target = None
         r.worker_id = entry.worker_id
+        if r.owner_key:
+            router.owned.placed(r)
         if entry.state != WORKER_UP:  # it died while the call was in flight
             self.replay(r, entry.worker_id)
 

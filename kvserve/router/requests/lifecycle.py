@@ -32,6 +32,8 @@ class RequestLifecycle:
         if router.requests.get(r.request_id) is r:
             del router.requests[r.request_id]
         router.dispatcher.forget(r)
+        if r.owner_key:
+            router.owned.forget(r)
         router.prefix_index.drop_pending(r.worker_rid)
         if r.worker_rid not in router.dispatcher.adding:  # else the dispatch releases it when its call resolves
             for entry in router.table.entries.values():
@@ -96,7 +98,15 @@ class RequestLifecycle:
     def hand_off(self, r: RouterRequest, why: str) -> None:
         """Continue ``r`` (stopped on its worker: ``stop_on``) elsewhere after the tokens already streamed
         (the worker fast-forwards text state and the seeded RNG): placed now, or first in line in the
-        queue, or ended UNAVAILABLE ``why`` when no worker can take it."""
+        queue, or ended UNAVAILABLE ``why`` when no worker can take it. An owned request first asks its
+        owner for the tokens its client has (kvserve/router/requests/owned.py); its answer continues here."""
+        if r.owner_key:
+            self.router.owned.ask_resume(r, why)
+            return
+        self.continue_elsewhere(r, why)
+
+    def continue_elsewhere(self, r: RouterRequest, why: str) -> None:
+        """``hand_off`` once the tokens ``r`` continues after are known."""
         router = self.router
         if not router.place(r) and not router.queue.offer(r, first=True):
             self.fail(r, grpc.StatusCode.UNAVAILABLE, why)

@@ -37,6 +37,9 @@ class StreamMux:
         self._last: dict[str, int] = {}  # request id -> index of its last response in the batch
         self._errors: list[spb.RequestError] = []
         self._unsent: dict[str, int] = {}  # request id -> puts since the last batch went out
+        self._placed: list[str] = []  # owner keys placed (kvserve/router/requests/owned.py)
+        self._replays: list[str] = []  # owner keys whose owner must answer with a Resume
+        self.ended_silently: list[str] = []  # owned requests that ended with no response (their owner had it)
         self._ready = asyncio.Event()
         self._clear_columns()
 
@@ -107,6 +110,21 @@ class StreamMux:
         self._col_worker, self._col_rids, self._col_counts = workers, rids, counts
         self._col_tokens, self._col_texts = tokens, texts
 
+    def placed(self, owner_key: str) -> None:
+        """An owned request is on a worker (``GenerateBatch.placed``)."""
+        self._placed.append(owner_key)
+        self._ready.set()
+
+    def replay(self, owner_key: str) -> None:
+        """Ask the owner for an owned request's delivered tokens (``GenerateBatch.replays``)."""
+        self._replays.append(owner_key)
+        self._ready.set()
+
+    def ended(self, request_id: str) -> None:
+        """An owned request ended without a response here: it leaves the stream's live requests."""
+        self.ended_silently.append(request_id)
+        self._ready.set()
+
     def wake(self) -> None:
         """Wake the writer with nothing new (it then checks whether the stream is over)."""
         self._ready.set()
@@ -117,7 +135,9 @@ class StreamMux:
         return self.take()
 
     def take(self) -> spb.GenerateBatch:
-        batch = spb.GenerateBatch(responses=self._responses, errors=self._errors)
+        batch = spb.GenerateBatch(responses=self._responses, errors=self._errors, placed=self._placed,
+                                  replays=self._replays)  # fmt: skip
+        self._placed, self._replays = [], []
         if self._col_rids:
             batch.columns.worker_ids.extend(self._col_workers)
             batch.columns.workers.extend(self._col_worker)
@@ -193,7 +213,10 @@ async def stream_batches(
                 live.pop(resp.request_id, None)
         for err in batch.errors:
             live.pop(err.request_id, None)
-        if batch.responses or batch.errors or batch.columns.request_ids:
+        ended, mux.ended_silently = mux.ended_silently, []
+        for rid in ended:
+            live.pop(rename(rid) if rename is not None else rid, None)
+        if batch.responses or batch.errors or batch.columns.request_ids or batch.placed or batch.replays:
             yield batch
         if reader.done():
             reader.result()

@@ -51,6 +51,20 @@ class Ending(Protocol):
     def hand_off(self, r: RouterRequest, why: str) -> None:
         """Continue ``r`` elsewhere (placed, or first in the queue), else end it UNAVAILABLE ``why``."""
 
+    def continue_elsewhere(self, r: RouterRequest, why: str) -> None:
+        """``hand_off`` once the tokens ``r`` continues after are known (an owned request's resume)."""
+
+
+class Owning(Protocol):
+    def forget(self, r: RouterRequest) -> None:
+        """Owned ``r`` ended."""
+
+    def ask_resume(self, r: RouterRequest, why: str) -> None:
+        """Ask owned ``r``'s owner for its client's tokens before it continues elsewhere."""
+
+    def placed(self, r: RouterRequest) -> None:
+        """Owned ``r``'s worker took it."""
+
 
 class Moving(Protocol):
     busy: set[str]
@@ -75,6 +89,7 @@ class RequestPipeline(Protocol):
     dispatcher: Dispatching
     lifecycle: Ending
     mover: Moving
+    owned: Owning
 
     def decide(self, r: RouterRequest) -> Decision | None:
         """Where placement would put ``r`` now (None: nowhere has room); nothing is dispatched."""

@@ -80,3 +80,7 @@ class RouterRequest:
     held: list[tuple[str, pb.RequestOutput]] = field(default_factory=list)  # outputs past a gap
     first_token_time: float | None = None
     last_token_time: float | None = None
+    # Owned (docs/architecture.md section 2a): its outputs go to the frontend at ``owner`` (its data service),
+    # which knows it as ``owner_key``; the router gets its progress only (kvserve/router/requests/owned.py).
+    owner: str = ""
+    owner_key: str = ""

@@ -46,6 +46,7 @@ from kvserve.router.requests.drain import Drainer
 from kvserve.router.requests.lifecycle import RequestLifecycle
 from kvserve.router.requests.migrations import Mover
 from kvserve.router.requests.mux import StreamMux
+from kvserve.router.requests.owned import OwnedRequests
 from kvserve.router.requests.request import WORKER_DOWN, WORKER_RETIRED, WORKER_UP, RouterError, RouterRequest
 from kvserve.router.table.supervision import WorkerSupervision
 from kvserve.router.table.worker_link import WorkerLinkHandler, WorkerLinkService, block_event
@@ -77,7 +78,7 @@ class Router(WorkerLinkHandler):
         self.queue: AdmissionQueue[RouterRequest] = AdmissionQueue(
             config.max_queue_requests, config.max_queue_blocks, max_wait_s=config.max_queue_wait_s,
             cold_capacity=lambda: self.table.cold_capacity(tuple(  # what each running request may still generate
-                r.params.max_tokens - len(r.output_ids)
+                r.params.max_tokens - max(len(r.output_ids), r.tokens_received)
                 for r in self.requests.values() if r.request_id not in self.queue
             )),
         )  # fmt: skip
@@ -93,6 +94,7 @@ class Router(WorkerLinkHandler):
                                  self.dispatcher.replay_all, self.dispatcher.holds_requests)  # fmt: skip
         self.mover = Mover(self)
         self.drainer = Drainer(self)
+        self.owned = OwnedRequests(self)
         self.model_id = ""
         self.block_size = 16
         self.watermarks = Watermarks(config.high_watermark, config.low_watermark)
@@ -135,6 +137,8 @@ class Router(WorkerLinkHandler):
             self._on_outputs(worker_id, msg.step_outputs)
         elif kind == "heartbeat":
             self.table.heartbeat(worker_id, msg.heartbeat)
+        elif kind == "request_table":
+            self.owned.adopt(worker_id, msg.request_table)
         elif kind == "drain_me":
             self._drain_requested(worker_id, msg.drain_me.reason or "the worker asked")
         elif kind == "block_snapshot":
@@ -169,7 +173,8 @@ class Router(WorkerLinkHandler):
 
     # ---- requests ----------------------------------------------------------------------------------
     def submit(
-        self, request: spb.GenerateRequest, time_remaining_s: float | None = None, mux: StreamMux | None = None
+        self, request: spb.GenerateRequest, time_remaining_s: float | None = None, mux: StreamMux | None = None,
+        owner: spb.Owner | None = None,
     ) -> RouterRequest:
         """Validate and place or queue a request.
 
@@ -178,6 +183,8 @@ class Router(WorkerLinkHandler):
             time_remaining_s: seconds left of the client's deadline (None: no deadline); a request
                 is queued only if it is projected to start within it.
             mux: the multiplexed stream it arrived on (its responses go there; None: its own stream).
+            owner: the frontend that owns it (its outputs go there, docs/architecture.md 2a); the caller
+                checked that the stream may name one.
 
         Raises:
             RouterError: with the status to return (INVALID_ARGUMENT, ALREADY_EXISTS, UNAVAILABLE,
@@ -211,6 +218,8 @@ class Router(WorkerLinkHandler):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) can never fit any worker's KV pool",
             )
+        if owner is not None and owner.key:
+            self.owned.own(r, owner.address, owner.key)
         if not self._queue_has_precedence(r) and self.place(r):
             self.requests[rid] = r
             self.metrics.admitted(len(ids))
@@ -219,6 +228,8 @@ class Router(WorkerLinkHandler):
         refusal = self.queue.admit(r, deadline=deadline, max_tokens=params.max_tokens,
                                    blocks_ever=blocks_for(len(ids) + params.max_tokens, self.block_size))
         if refusal is not None:
+            if r.owner_key:
+                self.owned.forget(r)
             self.metrics.rejected(refusal.reason.value)
             wait = "unknown" if refusal.projected_wait_s is None else f"{refusal.projected_wait_s:.1f} s"
             raise RouterError(
@@ -287,6 +298,9 @@ class Router(WorkerLinkHandler):
             return
         if worker_id not in r.dispatch_workers:
             self.dispatcher.foreign(worker_id, out, r)
+            return
+        if r.owner_key:  # NOTE: its tokens went to its owner; this is its progress (kvserve/router/requests/owned.py)
+            self.owned.on_progress(worker_id, out, r, time.monotonic() if now is None else now)
             return
         entry = self.table.get(worker_id)
         if entry is not None and r.worker_rid in entry.in_flight:

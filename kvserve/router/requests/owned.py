@@ -1,0 +1,209 @@
+"""The router's side of owned requests (docs/architecture.md section 2a): requests whose outputs go from
+their worker straight to the frontend that owns them.
+
+The router keeps every decision about an owned request and none of its tokens:
+
+* ``own``: a request a frontend relayed with ``Owner{address, key}`` (only on a frontend-credentialed
+  stream: kvserve/router/api/server.py) is known by its key; the latest stream of each owner address is
+  where notices go (``announce``);
+* ``placed``: once its worker took it, the owner hears ``GenerateBatch.placed`` (a request not yet placed
+  when the router dies ends at the frontend; a placed one outlives the router);
+* ``on_progress``: the worker's progress (``RequestOutput.owned``: counts, never tokens) marks it started,
+  keeps its counts, observes TTFT / E2E / tokens and ends it on its finish, with no response (its owner
+  built every one);
+* ``ask_resume`` / ``resume``: to continue it elsewhere (its worker died, a drain's hand-off) the router
+  needs the tokens its client has, which only the owner knows: ``GenerateBatch.replays = [key]``, answered
+  by ``Resume(key, output_ids)``; none within ``RESUME_TIMEOUT_S`` ends it UNAVAILABLE;
+* ``adopt``: a restarted router takes over the owned requests a worker still runs (its ``RequestTable``,
+  sent after every connect), so their streams outlive the router that placed them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Protocol
+
+import grpc
+
+from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.router.gate.validation import ValidationError, sampling_params
+from kvserve.router.requests.mux import MuxSlot, StreamMux
+from kvserve.router.requests.request import RouterRequest
+from kvserve.workers.core.block_hash import cache_extra, hash_blocks
+from kvserve.workers.core.sizes import blocks_for
+
+logger = logging.getLogger(__name__)
+
+RESUME_TIMEOUT_S = 10.0  # NOTE: a frontend re-opens its stream within ~2 s of a break (kvserve/frontend/link.py)
+
+
+class OwnedPipeline(Protocol):
+    """What ``OwnedRequests`` uses of the router (kvserve/router/requests/router.py)."""
+
+    requests: dict[str, RouterRequest]
+    dispatcher: Any
+    lifecycle: Any
+    table: Any
+    metrics: Any
+    queue: Any
+    limits: Any
+    block_size: int
+    model_id: str
+
+
+def stream_mux(r: RouterRequest) -> StreamMux | None:
+    """The stream ``r`` arrived on (None: its own stream, or none: adopted)."""
+    return r.responses.mux if isinstance(r.responses, MuxSlot) else None
+
+
+class OwnedRequests:
+    """Every owned request of this router, by owner key, and the latest stream of each owner."""
+
+    def __init__(self, router: OwnedPipeline, resume_timeout_s: float = RESUME_TIMEOUT_S) -> None:
+        self.router = router
+        self.resume_timeout_s = resume_timeout_s
+        self.by_key: dict[str, RouterRequest] = {}
+        self.owners: dict[str, StreamMux] = {}  # owner address -> the latest stream that named it
+        self._waiting: dict[str, tuple[str, asyncio.TimerHandle | None]] = {}  # key -> (why, its timeout)
+        self._unsent: dict[str, list[str]] = {}  # owner address -> replay notices no stream took yet
+
+    # ---- the owner's stream -------------------------------------------------------------------------
+    def own(self, r: RouterRequest, address: str, key: str) -> None:
+        """``r`` (not yet placed) is owned by the frontend at ``address`` under ``key``."""
+        r.owner, r.owner_key = address, key
+        self.by_key[key] = r
+        mux = stream_mux(r)
+        if mux is not None:
+            self.announce(address, mux)
+
+    def announce(self, address: str, mux: StreamMux) -> None:
+        """``mux`` is the owner's latest stream: notices go there (those no stream took yet, at once)."""
+        self.owners[address] = mux
+        for key in self._unsent.pop(address, ()):
+            mux.replay(key)
+
+    def forget_stream(self, mux: StreamMux) -> None:
+        """``mux`` ended: it takes no notices any more."""
+        for address in [a for a, m in self.owners.items() if m is mux]:
+            del self.owners[address]
+
+    def placed(self, r: RouterRequest) -> None:
+        """``r``'s worker took it: its owner may keep it past this router's death."""
+        mux = stream_mux(r) or self.owners.get(r.owner)
+        if mux is not None:
+            mux.placed(r.owner_key)
+
+    def forget(self, r: RouterRequest) -> None:
+        """``r`` ended."""
+        if self.by_key.get(r.owner_key) is r:
+            del self.by_key[r.owner_key]
+        waiting = self._waiting.pop(r.owner_key, None)
+        if waiting is not None and waiting[1] is not None:
+            waiting[1].cancel()
+        mux = stream_mux(r)
+        if mux is not None:
+            mux.ended(r.request_id)
+
+    # ---- progress -----------------------------------------------------------------------------------
+    def on_progress(self, worker_id: str, out: pb.RequestOutput, r: RouterRequest, now: float) -> None:
+        """A progress report of ``r``'s current dispatch from ``worker_id`` (a worker it runs on)."""
+        router = self.router
+        entry = router.table.get(worker_id)
+        if entry is not None and r.worker_rid in entry.in_flight:
+            entry.started.add(r.worker_rid)
+        total = out.num_output_tokens
+        new = max(total - r.tokens_received, 0)
+        ttft = None
+        if r.first_token_time is None and total > 0:
+            r.first_token_time = now
+            ttft = now - r.arrival
+        if new:
+            r.last_token_time = now
+            r.tokens_received = total
+        r.preemptions = max(r.preemptions, out.num_preemptions)
+        r.swaps = max(r.swaps, out.num_swaps)
+        finish = out.finish_reason
+        router.metrics.streamed(ttft, None, new, now - r.arrival if finish else None)
+        if not finish:
+            return
+        if r.started_at is not None and finish in ("length", "stop"):
+            held = blocks_for(len(r.prompt_ids) + r.tokens_received, router.block_size)
+            router.queue.service.observe(now - r.started_at, r.tokens_received, held, stopped=finish == "stop")
+        router.lifecycle.finish(r)
+
+    # ---- continuing elsewhere -----------------------------------------------------------------------
+    def ask_resume(self, r: RouterRequest, why: str) -> None:
+        """``r`` must continue elsewhere: ask its owner for the tokens its client has (``resume``)."""
+        key = r.owner_key
+        mux = stream_mux(r) or self.owners.get(r.owner)
+        if mux is not None:
+            mux.replay(key)
+        else:
+            self._unsent.setdefault(r.owner, []).append(key)
+        timer = None
+        try:
+            timer = asyncio.get_running_loop().call_later(self.resume_timeout_s, self._expired, key)
+        except RuntimeError:  # NOTE: no loop (a unit test driving the router by hand): no timeout
+            pass
+        self._waiting[key] = (why, timer)
+        logger.info("%s: asked its owner %s for its client's tokens (%s)", r.request_id, r.owner, why)
+
+    def resume(self, key: str, output_ids: list[int]) -> bool:
+        """The owner's answer: continue the request after ``output_ids``; False if nothing waits for it."""
+        waiting = self._waiting.pop(key, None)
+        r = self.by_key.get(key)
+        if waiting is None or r is None or r.finished:
+            return False
+        why, timer = waiting
+        if timer is not None:
+            timer.cancel()
+        r.output_ids = list(output_ids)
+        r.tokens_received = len(output_ids)
+        r.held.clear()
+        self.router.lifecycle.continue_elsewhere(r, why)
+        return True
+
+    def _expired(self, key: str) -> None:
+        waiting = self._waiting.pop(key, None)
+        r = self.by_key.get(key)
+        if waiting is not None and r is not None and not r.finished:
+            self.router.lifecycle.fail(r, grpc.StatusCode.UNAVAILABLE,
+                                       f"{waiting[0]}; its frontend did not answer the replay in time")  # fmt: skip
+
+    # ---- a restarted router -------------------------------------------------------------------------
+    def adopt(self, worker_id: str, table: pb.RequestTable) -> int:
+        """Take over the owned requests ``worker_id`` runs that this router does not know; returns how many."""
+        router = self.router
+        entry = router.table.get(worker_id)
+        if entry is None or router.limits is None:
+            return 0
+        adopted = 0
+        for o in table.requests:
+            if router.dispatcher.current(o.request_id) is not None or o.owner_key in self.by_key:
+                continue
+            ids = list(o.prompt_ids)
+            try:
+                params = sampling_params(o.sampling, len(ids), router.limits)
+            except ValidationError as e:  # NOTE: a worker's table is trusted input, but never crash the loop
+                logger.warning("worker %s: owned request %s not adopted: %s", worker_id, o.request_id, e)
+                continue
+            rid = o.request_id.rpartition("#")[0] or o.request_id
+            if rid in router.requests:
+                continue
+            salt = o.cache_salt or None
+            r = RouterRequest(rid, ids, params, o.priority, o.cache_salt,
+                              tuple(hash_blocks(ids, router.block_size, cache_extra(router.model_id, salt))),
+                              blocks_for(len(ids), router.block_size))  # fmt: skip
+            r.owner, r.owner_key = o.owner, o.owner_key
+            r.worker_id, r.worker_rid, r.dispatch_workers = worker_id, o.request_id, {worker_id}
+            r.tokens_received = o.num_output_tokens
+            r.started_at = r.first_token_time = time.monotonic()
+            router.requests[rid] = r
+            router.dispatcher.by_worker_rid[o.request_id] = r
+            self.by_key[o.owner_key] = r
+            adopted += 1
+        if adopted:
+            logger.info("adopted %d owned requests from worker %s (a router restart)", adopted, worker_id)
+        return adopted
