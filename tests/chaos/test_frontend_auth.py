@@ -50,7 +50,10 @@ def run(tmp_path: Path, test: Test, keys: bool = True, **router_knobs: object) -
         config = RouterConfig(port=0, auth_keys=auth_keys, default_max_tokens=8, **router_knobs)  # type: ignore[arg-type]
         service = RouterService(config, ready_timeout_s=0.2, worker_key=new_worker_key(), frontend_key=FRONTEND_KEY)
         worker = await start_with_fake_worker(service)
-        settings = FrontendSettings(f"127.0.0.1:{service.port}", config, 0, 0, "frontend-t", FRONTEND_KEY)
+        # NOTE: relayed through the router: the fake worker streams to the router only (owned requests' data
+        # links and their trust boundary: tests/unit/test_frontend_owned.py, and owner below)
+        settings = FrontendSettings(f"127.0.0.1:{service.port}", config, 0, 0, "frontend-t", FRONTEND_KEY,
+                                    owned_streams=False)  # fmt: skip
         front = FrontendServer(settings)
         await front.start()
         try:
@@ -188,3 +191,32 @@ def test_only_a_frontend_with_the_key_names_the_end_client(tmp_path: Path) -> No
 
     # NOTE: no API keys: a keyed caller's streams count per key, wherever they come from.
     run(tmp_path, test, keys=False, max_streams_per_client=1)
+
+
+def test_only_a_frontend_may_name_an_owner_or_resume(tmp_path: Path) -> None:
+    """An attack on the client -> router boundary of owned requests (docs/architecture.md 2a): a client with
+    a valid key but no frontend credential names an owner (an address the workers would dial) or sends a
+    Resume: refused PERMISSION_DENIED, nothing dispatched; with the frontend credential the owner is taken."""
+
+    async def test(service: RouterService, front: FrontendServer, worker: FakeWorker, address: str) -> None:
+        router = f"127.0.0.1:{service.port}"
+        owner = spb.Owner(address="10.0.0.66:4242", key="k-attacker")
+        async with grpc.aio.insecure_channel(router) as channel:
+            stub = serving_pb2_grpc.KVServeStub(channel)
+            msgs = [spb.GenerateStreamRequest(generate=_req("own-1"), owner=owner)]
+            batches = [b async for b in stub.GenerateStream(iter(msgs), metadata=_md(KEY_A), timeout=CALL_TIMEOUT)]
+            errors = [e for b in batches for e in b.errors]
+            assert [(e.request_id, e.code) for e in errors] == [("own-1", grpc.StatusCode.PERMISSION_DENIED.value[0])]
+            assert not worker.added, "a client-named owner reached a worker"
+            resume = [spb.GenerateStreamRequest(resume=spb.Resume(owner_key="k-attacker", output_ids=[1, 2]))]
+            call = stub.GenerateStream(iter(resume), metadata=_md(KEY_A), timeout=CALL_TIMEOUT)
+            assert (await _stream_code(call))[0] == grpc.StatusCode.PERMISSION_DENIED
+            trusted = (*_md(KEY_A), (FRONTEND_CREDENTIAL_HEADER, FRONTEND_KEY))
+            msgs = [spb.GenerateStreamRequest(generate=_req("own-2"), owner=owner)]
+            call = stub.GenerateStream(iter(msgs), metadata=trusted, timeout=CALL_TIMEOUT)
+            await _dispatched(worker, 1)
+            added = worker.added[0]
+            assert (added.owner, added.owner_key) == (owner.address, owner.key)
+            call.cancel()
+
+    run(tmp_path, test)
