@@ -1,0 +1,122 @@
+"""The router's side of owned requests (docs/architecture.md 2a; kvserve/router/requests/owned.py) on fake
+workers (no Ray, no gRPC): progress ends a request without a response, unknown owned progress is not
+aborted, a replay asks the owner and continues after its Resume (or fails without one), and a restarted
+router adopts a worker's RequestTable."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
+from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.router.requests.mux import StreamMux
+from tests.unit.test_router_failover import _commands, _req, _router, _run, _settle
+
+OWNER = spb.Owner(address="127.0.0.1:7000", key="k1")
+
+
+def _progress(rid: str, total: int, finish: str = "") -> pb.RequestOutput:
+    return pb.RequestOutput(request_id=rid, owned=True, num_output_tokens=total, finish_reason=finish,
+                            num_prompt_tokens=4)  # fmt: skip
+
+
+def _owned(router, mux: StreamMux, rid: str = "r1", key: str = "k1"):  # noqa: ANN001, ANN202
+    return router.submit(_req(rid), None, mux, spb.Owner(address=OWNER.address, key=key))
+
+
+def test_progress_ends_an_owned_request_with_no_response_and_its_promise_released() -> None:
+    async def test() -> None:
+        router, workers = _router()
+        mux = StreamMux()
+        r = _owned(router, mux)
+        await _settle()
+        ((added,), _), = [a for w in workers.values() for a in w.added()]
+        assert (added.owner, added.owner_key) == (OWNER.address, "k1")
+        assert list(mux.take().placed) == ["k1"], "the owner hears that its request is placed"
+        entry = router.table[r.worker_id]
+        assert r.worker_rid in entry.in_flight
+        router._on_output(r.worker_id, _progress(r.worker_rid, 1))
+        assert r.first_token_time is not None and r.tokens_received == 1
+        router._on_output(r.worker_id, _progress(r.worker_rid, 8, finish="length"))
+        assert r.finished and "r1" not in router.requests and "k1" not in router.owned.by_key
+        batch = mux.take()
+        assert not batch.responses and not batch.errors and not batch.columns.request_ids
+        assert mux.ended_silently == ["r1"], "the stream's live request must end too"
+        assert r.worker_rid not in entry.in_flight
+
+    _run(test)
+
+
+def test_an_owned_progress_for_an_unknown_id_is_ignored_a_router_owned_output_aborted() -> None:
+    async def test() -> None:
+        router, _ = _router()
+        router._on_output("a", _progress("gone#x.1", 3))
+        assert not any(c.HasField("abort") for c in _commands(router, "a"))
+        router._on_output("a", pb.RequestOutput(request_id="gone#x.2", new_token_ids=[5], num_output_tokens=1))
+        assert [c.abort.request_id for c in _commands(router, "a")] == ["gone#x.2"]
+
+    _run(test)
+
+
+def test_a_replay_asks_the_owner_and_continues_after_its_resume() -> None:
+    async def test() -> None:
+        router, workers = _router()
+        mux = StreamMux()
+        r = _owned(router, mux)
+        await _settle()
+        mux.take()
+        src = r.worker_id
+        dst = "b" if src == "a" else "a"
+        router._on_output(src, _progress(r.worker_rid, 1))
+        router.on_disconnect(src)
+        await _settle()
+        assert list(mux.take().replays) == ["k1"] and not workers[dst].added(), "no replay before the Resume"
+        assert router.owned.resume("k1", [10, 11, 12])
+        await _settle()
+        ((added,), _), = workers[dst].added()
+        assert added.resume_output_ids == (10, 11, 12) and added.owner_key == "k1"
+        assert r.tokens_received == 3 and r.replays == 1
+        assert not router.owned.resume("k1", [10]), "a second answer continues nothing"
+
+    _run(test)
+
+
+def test_without_a_resume_the_request_fails_unavailable() -> None:
+    async def test() -> None:
+        router, _ = _router()
+        router.owned.resume_timeout_s = 0.05
+        mux = StreamMux()
+        r = _owned(router, mux)
+        await _settle()
+        router.on_disconnect(r.worker_id)
+        await _settle()
+        await asyncio.sleep(0.2)
+        errors = list(mux.take().errors)
+        assert [(e.request_id, e.code) for e in errors] == [("r1", grpc.StatusCode.UNAVAILABLE.value[0])]
+        assert r.finished and "k1" not in router.owned.by_key
+
+    _run(test)
+
+
+def test_a_restarted_router_adopts_a_workers_owned_requests() -> None:
+    async def test() -> None:
+        router, workers = _router()
+        sampling = spb.SamplingParams(max_tokens=8, temperature=0.7, seed=5)
+        table = pb.RequestTable(requests=[pb.OwnedRequest(
+            request_id="old#dead.3", owner=OWNER.address, owner_key="k9", prompt_ids=[1, 2, 3, 4], sampling=sampling,
+            num_output_tokens=2)])  # fmt: skip
+        router._on_output("a", _progress("old#dead.3", 2))  # before the table: ignored, not aborted
+        router.on_message("a", pb.WorkerMessage(request_table=table))
+        r = router.requests["old"]
+        assert (r.worker_id, r.worker_rid, r.owner_key, r.tokens_received) == ("a", "old#dead.3", "k9", 2)
+        assert r.params.max_tokens == 8 and r.params.seed == 5
+        router.on_message("a", pb.WorkerMessage(request_table=table))  # a second connect: adopted once
+        assert len(router.owned.by_key) == 1
+        router._on_output("a", _progress("old#dead.3", 8, finish="length"))
+        assert r.finished and "old" not in router.requests
+        assert not any(c.HasField("abort") for c in _commands(router, "a"))
+        assert not workers["a"].added() and not workers["b"].added()
+
+    _run(test)
