@@ -5,13 +5,14 @@ router adopts a worker's RequestTable."""
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.router.api.grpc_surface import read_generate_stream
+from kvserve.router.api.server import KVServeServicer
 from kvserve.router.requests.mux import StreamMux
+from kvserve.router.requests.request import RouterError
 from tests.unit.test_router_failover import _commands, _req, _router, _run, _settle
 
 OWNER = spb.Owner(address="127.0.0.1:7000", key="k1")
@@ -86,13 +87,12 @@ def test_a_replay_asks_the_owner_and_continues_after_its_resume() -> None:
 def test_without_a_resume_the_request_fails_unavailable() -> None:
     async def test() -> None:
         router, _ = _router()
-        router.owned.resume_timeout_s = 0.05
+        router.owned.resume_timeout_s = 0.0  # NOTE: fires on the next loop turn: no sleep to wait for it
         mux = StreamMux()
         r = _owned(router, mux)
         await _settle()
         router.on_disconnect(r.worker_id)
         await _settle()
-        await asyncio.sleep(0.2)
         errors = list(mux.take().errors)
         assert [(e.request_id, e.code) for e in errors] == [("r1", grpc.StatusCode.UNAVAILABLE.value[0])]
         assert r.finished and "k1" not in router.owned.by_key
@@ -118,5 +118,119 @@ def test_a_restarted_router_adopts_a_workers_owned_requests() -> None:
         assert r.finished and "old" not in router.requests
         assert not any(c.HasField("abort") for c in _commands(router, "a"))
         assert not workers["a"].added() and not workers["b"].added()
+
+    _run(test)
+
+
+def _table(key: str = "k9", total: int = 2) -> pb.RequestTable:
+    sampling = spb.SamplingParams(max_tokens=8, temperature=0.7, seed=5)
+    return pb.RequestTable(requests=[pb.OwnedRequest(
+        request_id="old#dead.3", owner=OWNER.address, owner_key=key, prompt_ids=[1, 2, 3, 4], sampling=sampling,
+        num_output_tokens=total)])  # fmt: skip
+
+
+def test_an_adopted_request_counts_on_its_worker_and_its_notices_go_to_its_owners_latest_stream() -> None:
+    async def test() -> None:
+        router, workers = _router()
+        router.owned.resume_timeout_s = 0.0
+        router.on_message("a", pb.WorkerMessage(request_table=_table()))
+        r = router.requests["old"]
+        entry = router.table["a"]
+        assert entry.in_flight.get("old#dead.3") == 0 and "old#dead.3" in entry.started, "a dispatch there, started"
+        first, latest = StreamMux(), StreamMux()
+        router.owned.announce(OWNER.address, first)
+        router.owned.announce(OWNER.address, latest)  # NOTE: the frontend re-opened its stream: the latest counts
+        router.on_disconnect("a")
+        await _settle()  # NOTE: the owner does not answer (the timeout fires within): it fails there, under its id
+        batch = latest.take()
+        assert list(batch.replays) == ["k9"] and not first.take().replays
+        assert [(e.request_id, e.code) for e in batch.errors] == [("old", grpc.StatusCode.UNAVAILABLE.value[0])]
+        assert not workers["b"].added(), "no replay without the Resume"
+        assert r.finished and "old" not in router.requests and not router.owned.by_key
+
+    _run(test)
+
+
+def test_an_adopted_request_resumed_by_its_owner_continues_on_another_worker() -> None:
+    async def test() -> None:
+        router, workers = _router()
+        router.on_message("a", pb.WorkerMessage(request_table=_table()))
+        mux = StreamMux()
+        router.owned.announce(OWNER.address, mux)
+        r = router.requests["old"]
+        router.on_disconnect("a")
+        await _settle()
+        assert list(mux.take().replays) == ["k9"]
+        assert router.owned.resume("k9", [7, 8])
+        await _settle()
+        ((added,), _), = workers["b"].added()
+        assert added.request_id.startswith("old#") and added.request_id != "old#dead.3"
+        assert added.resume_output_ids == (7, 8) and (added.owner, added.owner_key) == (OWNER.address, "k9")
+        assert list(mux.take().placed) == ["k9"], "placed again: told on the owner's stream"
+        router._on_output("b", _progress(added.request_id, 8, finish="stop"))
+        assert r.finished and "old" not in router.requests
+
+    _run(test)
+
+
+async def _messages(*msgs: spb.GenerateStreamRequest):  # noqa: ANN202
+    for m in msgs:
+        yield m
+
+
+def test_the_stream_handler_honours_owner_and_resume_only_on_a_frontend_stream() -> None:
+    async def test() -> None:
+        router, workers = _router()
+        servicer = KVServeServicer(router)
+        untrusted = StreamMux()
+        owned = spb.GenerateStreamRequest(generate=_req("o1"), owner=OWNER)
+        await servicer._read_requests(_messages(owned, spb.GenerateStreamRequest(generate=_req("plain"))), untrusted,
+                                      {}, ("peer", None, False))  # fmt: skip
+        await _settle()
+        errors = list(untrusted.take().errors)
+        assert [(e.request_id, e.code) for e in errors] == [("o1", grpc.StatusCode.PERMISSION_DENIED.value[0])]
+        assert "plain" in router.requests, "the stream goes on"
+        assert [a.owner for w in workers.values() for (a,), _ in w.added()] == [""]
+        resume = spb.GenerateStreamRequest(resume=spb.Resume(owner_key="k1", output_ids=[1]))
+        try:
+            await servicer._read_requests(_messages(resume), StreamMux(), {}, ("peer", None, False))
+            raise AssertionError("a resume on a client's stream was taken")
+        except RouterError as e:
+            assert e.code == grpc.StatusCode.PERMISSION_DENIED
+
+        trusted = StreamMux()
+        live: dict = {}
+        await servicer._read_requests(_messages(owned), trusted, live, ("peer", None, True))
+        await _settle()
+        r = live["o1"]
+        assert (r.owner, r.owner_key) == (OWNER.address, "k1") and router.owned.owners[OWNER.address] is trusted
+        src = r.worker_id
+        router.on_disconnect(src)
+        await _settle()
+        assert list(trusted.take().replays) == ["k1"]
+        again = StreamMux()  # NOTE: its re-opened stream names its owner, then answers the replay there
+        hello = spb.GenerateStreamRequest(owner=spb.Owner(address=OWNER.address))
+        resume = spb.GenerateStreamRequest(resume=spb.Resume(owner_key="k1", output_ids=[9, 9]))
+        await servicer._read_requests(_messages(hello, resume), again, {}, ("peer", None, True))
+        await _settle()
+        assert router.owned.owners[OWNER.address] is again
+        (added,) = [a for (a,), _ in workers["b" if src == "a" else "a"].added() if a.owner_key == "k1"]
+        assert added.resume_output_ids == (9, 9) and r.worker_rid == added.request_id
+
+    _run(test)
+
+
+def test_a_frontends_own_clients_may_not_send_resume_or_owner() -> None:
+    async def test() -> None:
+        async def submit(rid: str, msg: spb.GenerateStreamRequest) -> None:
+            raise AssertionError("not a request")
+
+        for msg in (spb.GenerateStreamRequest(resume=spb.Resume(owner_key="k", output_ids=[1])),
+                    spb.GenerateStreamRequest(owner=spb.Owner(address="10.0.0.1:1"))):  # fmt: skip
+            try:
+                await read_generate_stream(_messages(msg), StreamMux(), {}, submit, lambda r: None, columns=False)
+                raise AssertionError(f"{msg} was taken")
+            except RouterError as e:
+                assert e.code == grpc.StatusCode.INVALID_ARGUMENT
 
     _run(test)

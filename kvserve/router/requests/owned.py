@@ -58,6 +58,31 @@ def stream_mux(r: RouterRequest) -> StreamMux | None:
     return r.responses.mux if isinstance(r.responses, MuxSlot) else None
 
 
+class OwnerSlot:
+    """An adopted request's ``responses`` (the subset of ``asyncio.Queue`` the router uses, as ``MuxSlot``).
+
+    It came on no stream of this router, so what the router puts for it (only ever its final error: an
+    owned request gets no responses) goes to its owner's latest stream at put time, under its scoped id
+    (that stream's rename unscopes it as for a request sent on it)."""
+
+    def __init__(self, owners: dict[str, StreamMux], address: str, request_id: str) -> None:
+        self.owners, self.address, self.request_id = owners, address, request_id
+
+    def put_nowait(self, item: Any) -> None:
+        mux = self.owners.get(self.address)
+        if mux is not None:  # NOTE: none: its owner has no stream here; its worker ends it when the owner is gone
+            mux.put(self.request_id, item)
+
+    def qsize(self) -> int:
+        return 0
+
+    def empty(self) -> bool:
+        return True
+
+    def get_nowait(self) -> None:
+        """Nothing is buffered here (the slow-consumer path never applies: progress puts nothing)."""
+
+
 class OwnedRequests:
     """Every owned request of this router, by owner key, and the latest stream of each owner."""
 
@@ -197,11 +222,16 @@ class OwnedRequests:
                               tuple(hash_blocks(ids, router.block_size, cache_extra(router.model_id, salt))),
                               blocks_for(len(ids), router.block_size))  # fmt: skip
             r.owner, r.owner_key = o.owner, o.owner_key
+            r.responses = OwnerSlot(self.owners, o.owner, rid)
             r.worker_id, r.worker_rid, r.dispatch_workers = worker_id, o.request_id, {worker_id}
             r.tokens_received = o.num_output_tokens
             r.started_at = r.first_token_time = time.monotonic()
             router.requests[rid] = r
             router.dispatcher.by_worker_rid[o.request_id] = r
+            # NOTE: counted on its worker as a dispatch there that already started, promising nothing: the
+            # worker's reports already count its blocks (the next one drops the entry, as for any start).
+            entry.placed(o.request_id, 0)
+            entry.started.add(o.request_id)
             self.by_key[o.owner_key] = r
             adopted += 1
         if adopted:
