@@ -234,3 +234,21 @@ def test_a_frontends_own_clients_may_not_send_resume_or_owner() -> None:
                 assert e.code == grpc.StatusCode.INVALID_ARGUMENT
 
     _run(test)
+
+
+def test_a_replay_notice_waits_for_its_owners_stream_and_is_dropped_once_its_request_ended() -> None:
+    async def test() -> None:
+        router, _ = _router()
+        router.on_message("a", pb.WorkerMessage(request_table=_table("k9")))
+        router.on_message("b", pb.WorkerMessage(request_table=pb.RequestTable(requests=[pb.OwnedRequest(
+            request_id="new#dead.4", owner=OWNER.address, owner_key="k8", prompt_ids=[1, 2, 3, 4],
+            sampling=spb.SamplingParams(max_tokens=8), num_output_tokens=1)])))  # fmt: skip
+        router.on_disconnect("a")  # NOTE: no stream of its owner yet (a restarted router before it re-opened)
+        router.on_disconnect("b")
+        await _settle()
+        router.lifecycle.cancel(router.requests["new"])  # NOTE: ended while its notice waited
+        mux = StreamMux()
+        router.owned.announce(OWNER.address, mux)
+        assert list(mux.take().replays) == ["k9"], "only the live request's notice, once its owner's stream is here"
+
+    _run(test)

@@ -127,6 +127,11 @@ class OwnedRequests:
         waiting = self._waiting.pop(r.owner_key, None)
         if waiting is not None and waiting[1] is not None:
             waiting[1].cancel()
+        unsent = self._unsent.get(r.owner)
+        if unsent is not None and r.owner_key in unsent:  # NOTE: an ended request's notice would ask for nothing
+            unsent.remove(r.owner_key)
+            if not unsent:
+                del self._unsent[r.owner]
         mux = stream_mux(r)
         if mux is not None:
             mux.ended(r.request_id)
