@@ -252,3 +252,24 @@ def test_a_replay_notice_waits_for_its_owners_stream_and_is_dropped_once_its_req
         assert list(mux.take().replays) == ["k9"], "only the live request's notice, once its owner's stream is here"
 
     _run(test)
+
+
+def test_a_frontend_cancels_an_adopted_request_by_its_key_on_its_own_stream_only() -> None:
+    async def test() -> None:
+        router, _ = _router()
+        servicer = KVServeServicer(router)
+        router.on_message("a", pb.WorkerMessage(request_table=_table("k9")))
+        r = router.requests["old"]
+        cancel = spb.GenerateStreamRequest(cancel_request_id="k9")
+        await servicer._read_requests(_messages(cancel), StreamMux(), {}, ("peer", None, False))  # a client's
+        other = spb.GenerateStreamRequest(owner=spb.Owner(address="127.0.0.1:7001"))  # another frontend's stream
+        await servicer._read_requests(_messages(other, cancel), StreamMux(), {}, ("peer", None, True))
+        assert not r.finished and not any(c.HasField("abort") for c in _commands(router, "a"))
+        mine = StreamMux()
+        hello = spb.GenerateStreamRequest(owner=spb.Owner(address=OWNER.address))
+        await servicer._read_requests(_messages(hello, cancel), mine, {}, ("peer", None, True))
+        assert r.finished and "old" not in router.requests and not router.owned.by_key
+        assert [c.abort.request_id for c in _commands(router, "a") if c.HasField("abort")] == ["old#dead.3"]
+        assert [(e.request_id, e.code) for e in mine.take().errors] == [("old", grpc.StatusCode.CANCELLED.value[0])]
+
+    _run(test)

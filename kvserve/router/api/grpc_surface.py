@@ -186,8 +186,9 @@ async def read_generate_stream(
         cancel: stops a live request the client cancelled.
         columns: whether this stream answers in token columns when the client asks (the router does; a
             frontend answers with responses only, which such a client reads too).
-        control: takes a frontend's ``resume`` and owner-only messages (the router's; None: refused
-            INVALID_ARGUMENT, as a frontend answers its own clients).
+        control: takes a frontend's ``resume`` and owner-only messages, and a ``cancel_request_id`` of no
+            request on this stream (the router's; None: resume and owner refused INVALID_ARGUMENT, such a
+            cancel ignored, as a frontend answers its own clients).
 
     Raises:
         RouterError: INVALID_ARGUMENT for what cannot be answered by id (undecodable, no request_id, an
@@ -216,6 +217,8 @@ async def read_generate_stream(
                 if r is not None and not r.finished:
                     cancel(r)
                     mux.put(r.request_id, RouterError(grpc.StatusCode.CANCELLED, "cancelled by the client"))
+                elif r is None and control is not None:
+                    control(msg)  # NOTE: none on this stream: a frontend's, maybe one a restarted router adopted
                 continue
             rid = msg.generate.request_id
             if not rid or rid in live:

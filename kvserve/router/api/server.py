@@ -188,6 +188,12 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
                 mux.put(rid if who is None else self.bounds.tenancy.scoped_id(who, rid), e)  # type: ignore[union-attr]
 
         def control(msg: spb.GenerateStreamRequest) -> None:
+            if msg.WhichOneof("kind") == "cancel_request_id":
+                # NOTE: a frontend cancels an owned request by its key; one this router adopted (after a
+                # restart) is on no stream, so it is looked up among this owner's (a client's: ignored)
+                if trusted:
+                    self.router.owned.cancel(msg.cancel_request_id, mux)
+                return
             if not trusted:
                 raise RouterError(grpc.StatusCode.PERMISSION_DENIED, "resume and owner need the frontend credential")
             if msg.HasField("owner") and msg.owner.address:

@@ -30,7 +30,7 @@ import grpc
 from kvserve.protos.kvserve.v1 import worker_pb2 as pb
 from kvserve.router.gate.validation import ValidationError, sampling_params
 from kvserve.router.requests.mux import MuxSlot, StreamMux
-from kvserve.router.requests.request import RouterRequest
+from kvserve.router.requests.request import RouterError, RouterRequest
 from kvserve.workers.core.block_hash import cache_extra, hash_blocks
 from kvserve.workers.core.sizes import blocks_for
 
@@ -113,6 +113,16 @@ class OwnedRequests:
         """``mux`` ended: it takes no notices any more."""
         for address in [a for a, m in self.owners.items() if m is mux]:
             del self.owners[address]
+
+    def cancel(self, key: str, mux: StreamMux) -> bool:
+        """A frontend's cancel, on ``mux``, of its request ``key`` that came on no stream of it (adopted): True if
+        one ended. Only the owner whose latest stream ``mux`` is may cancel (never another frontend's)."""
+        r = self.by_key.get(key)
+        if r is None or r.finished or self.owners.get(r.owner) is not mux:
+            return False
+        self.router.lifecycle.cancel(r)
+        mux.put(r.request_id, RouterError(grpc.StatusCode.CANCELLED, "cancelled by the client"))
+        return True
 
     def placed(self, r: RouterRequest) -> None:
         """``r``'s worker took it: its owner may keep it past this router's death."""
