@@ -3,19 +3,26 @@ outputs to its owner over a data link, and only its progress to the router.
 
 Real gRPC over 127.0.0.1, no Ray: the "router" and the "owner" each run the real ``WorkerLinkService``
 (``tests/integration/worker_harness.py``'s recording server); the owner also checks the data credential.
+One test has the real frontend's ``DataService`` + ``OwnedRequests`` (kvserve/frontend/) as the owner.
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import pytest
 
+from kvserve.cluster.launch import worker_options_for
+from kvserve.frontend.data_service import DataService
+from kvserve.frontend.owned import OwnedRequests
+from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 from kvserve.protos.kvserve.v1 import worker_pb2 as pb
 from kvserve.router.gate.validation import ModelLimits, sampling_params
 from kvserve.router.table.worker_link import WorkerLinkHandler
@@ -24,9 +31,12 @@ from kvserve.workers.core.sampling_params import SamplingParams
 from kvserve.workers.core.worker_credential import (
     WORKER_CREDENTIAL_HEADER,
     issue_data_credential,
+    new_worker_key,
     verify_data_credential,
+    verify_worker_credential,
 )
 from kvserve.workers.engine.config import EngineConfig
+from kvserve.workers.transport import worker as worker_module
 from kvserve.workers.transport.data_links import PROGRESS_INTERVAL_S
 from kvserve.workers.transport.options import WorkerOptions
 from kvserve.workers.transport.request_table import sampling_proto
@@ -279,3 +289,133 @@ def test_the_tables_sampling_reads_back_equal_at_the_router(params: SamplingPara
     msg = sampling_proto(params)
     assert sampling_params(msg, num_prompt_tokens=10, limits=ModelLimits(vocab_size=100, max_model_len=200)) == params
     assert msg.HasField("top_p") == (params.top_p != 1.0) and msg.HasField("seed") == (params.seed is not None)
+
+
+def test_progress_comes_on_a_preemption_and_each_interval_never_per_token(
+    router: RecordingRouter, owner: RecordingRouter, make_core: Callable[..., WorkerCore],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    # NOTE: an interval no run reaches: only the first output, a preemption and the finish are due
+    monkeypatch.setattr(worker_module, "PROGRESS_INTERVAL_S", 3600.0)
+    core = make_core("w-prog", router.address)
+    core.add_request(_owned("p#0", "kp", owner))
+    router.wait_for(lambda: router.outputs("p#0"), what="the first progress")
+    owner.wait_tokens("kp#0", 50)
+    (first,) = router.outputs("p#0")  # 50 tokens at the owner, one message at the router
+    assert first.owned and first.num_preemptions == 0 and not first.finish_reason
+    assert core.preempt("p#0", "recompute")
+    router.wait_for(lambda: len(router.outputs("p#0")) >= 2, what="the preemption's progress")
+    after = router.outputs("p#0")
+    assert len(after) == 2 and after[1].num_preemptions == 1 and not after[1].finish_reason
+    monkeypatch.setattr(worker_module, "PROGRESS_INTERVAL_S", 0.05)  # now the interval alone is due
+    router.wait_for(lambda: len(router.outputs("p#0")) >= 5, what="interval progress")
+    progress = router.outputs("p#0")
+    assert not any(p.finish_reason or p.new_token_ids for p in progress)
+    counts = [p.num_output_tokens for p in progress]
+    assert counts == sorted(counts) and counts[-1] > counts[1]
+    assert core.abort("p#0")
+
+
+# ---- the launcher's data credential ------------------------------------------------------------------
+def test_the_launcher_issues_a_data_credential_only_with_a_frontend_key() -> None:
+    base = WorkerOptions(orphan_timeout_s=3.0)
+    worker_key = new_worker_key()
+    o = worker_options_for(base, "worker-1", worker_key, "10.0.0.1:5000", frontend_key=FRONTEND_KEY)
+    assert verify_data_credential(FRONTEND_KEY, o.data_credential) == "worker-1"
+    assert verify_data_credential("another-frontend-key", o.data_credential) is None
+    assert verify_worker_credential(worker_key, o.data_credential) is None, "a data credential opens no router link"
+    assert FRONTEND_KEY not in repr(o), "the frontend key itself never reaches the worker"
+    assert (o.router_address, o.orphan_timeout_s) == ("10.0.0.1:5000", 3.0)
+    assert verify_worker_credential(worker_key, o.credential) == "worker-1"
+    assert worker_options_for(base, "worker-1", worker_key, "10.0.0.1:5000").data_credential is None
+    assert worker_options_for(base, "worker-1", worker_key, "10.0.0.1:5000", None).data_credential is None
+
+
+# ---- against the real frontend's data service ----------------------------------------------------------
+class Relay:
+    """One client request as the frontend's ``OwnedRequests`` sees its relay (owned.py's ``RelayedRequest``
+    protocol); called on the frontend's loop, read by the test once ``done`` is set."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self.responses: list[spb.GenerateResponse] = []
+        self.done = threading.Event()
+
+    def put(self, item: spb.GenerateResponse) -> None:
+        self.responses.append(item)
+        self.finished = self.finished or bool(item.finish_reason)
+
+    def ended(self) -> None:
+        self.done.set()
+
+
+class Frontend:
+    """A frontend's real ``DataService`` + ``OwnedRequests`` on an event loop of its own (a thread)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="frontend", daemon=True)
+        self._thread.start()
+        self.owned = OwnedRequests()
+        self.data = DataService(self.owned, FRONTEND_KEY, "127.0.0.1", 0)
+        self.address = self._run(self.data.start())
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on the frontend's loop (``OwnedRequests`` takes no locks)."""
+
+        async def run() -> T:
+            return fn()
+
+        return self._run(run())
+
+    def close(self) -> None:
+        self._run(self.data.stop(grace=0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+        self.loop.close()
+
+
+@pytest.fixture
+def frontend() -> Iterator[Frontend]:
+    """Set up before ``make_core``: torn down after the cores, so no data link redials it."""
+    f = Frontend()
+    yield f
+    f.close()
+
+
+def test_the_real_frontend_relays_an_owned_request_and_aborts_what_it_does_not_own(
+    router: RecordingRouter, frontend: Frontend, make_core: Callable[..., WorkerCore]
+) -> None:
+    core = make_core("w-front", router.address)
+    core.add_request(WorkerRequest("ref#0", PROMPT, GREEDY))
+    reference = router.wait_finished(["ref#0"])["ref#0"]
+    relay = Relay("client-1")
+    frontend.call(lambda: frontend.owned.register("fk", relay, list(PROMPT)))
+    core.add_request(WorkerRequest("c1#2", PROMPT, GREEDY, owner=frontend.address, owner_key="fk"))
+    assert relay.done.wait(15), "the frontend's relay never ended"
+    got = frontend.call(lambda: list(relay.responses))
+    assert [t for r in got for t in r.token_ids] == reference
+    final = got[-1]
+    assert final.finish_reason == "length" and final.usage.completion_tokens == GREEDY.max_tokens
+    assert all(r.request_id == "client-1" and r.worker_id == "w-front" for r in got)
+    assert frontend.data.gate.refusals_total == 0
+    router.wait_finished(["c1#2"])
+    assert all(p.owned and not p.new_token_ids for p in router.outputs("c1#2"))
+
+    # A key the frontend does not own (forgotten, or never its own): it answers with an Abort on the data link.
+    core.add_request(WorkerRequest("c2#0", PROMPT, LONG, owner=frontend.address, owner_key="stranger"))
+    router.wait_finished(["c2#0"])
+    assert router.finish_reason("c2#0") == "abort"
+    # The client leaves: the frontend's cancel aborts its request on the data link (no router in between).
+    leaving = Relay("client-3")
+    frontend.call(lambda: frontend.owned.register("fk3", leaving, list(PROMPT)))
+    core.add_request(WorkerRequest("c3#1", PROMPT, LONG, owner=frontend.address, owner_key="fk3"))
+    _wait(lambda: frontend.call(lambda: frontend.owned.is_placed("fk3")), what="the first output at the frontend")
+    frontend.call(lambda: frontend.owned.placed("fk3"))
+    frontend.call(lambda: frontend.owned.cancel("fk3"))
+    router.wait_finished(["c3#1"])
+    assert router.finish_reason("c3#1") == "abort" and _live(core) == set()
