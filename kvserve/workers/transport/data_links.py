@@ -4,8 +4,8 @@ An owned request's outputs (tokens, text, logprobs) go to its owner directly, no
 owner address gets its own ``Outbox`` (ordered, resent after a reconnect, bounded) and ``WorkerLinkClient``
 (reconnects with backoff), created on the first request for that owner and kept until ``stop()``.
 
-Threading contract (as ``kvserve/workers/transport/worker.py``): ``outbox_for``, ``disconnected_for`` and
-``stale`` run on any thread (the dict is locked); commands from an owner only enqueue into the engine's
+Threading contract (as ``kvserve/workers/transport/worker.py``): ``outbox_for``, ``disconnected_for``,
+``stale`` and ``close`` run on any thread (the dict is locked); commands from an owner only enqueue into the engine's
 inbox (``submit``), and the abort and its ``CommandAck`` run there.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any
 
@@ -93,13 +93,19 @@ class DataLinks:
         with self._lock:
             self._stopped = True
             links, self._links = list(self._links.values()), {}
-        # NOTE: in parallel: a link dialling an unreachable owner notices the stop only when its connect
-        # attempt times out (seconds), so one at a time would take that long per dead owner.
-        stoppers = [threading.Thread(target=link.stop, name="data-link-stop", daemon=True) for link in links]
-        for t in stoppers:
-            t.start()
-        for t in stoppers:
-            t.join()
+        _stop_all(links)
+
+    def close(self, addresses: Iterable[str]) -> None:
+        """Stop and forget the links of ``addresses`` (a later request for one of them dials it afresh); their
+        unsent messages are dropped. Any thread, without waiting: the links stop on a thread of their own.
+
+        NOTE: for owners gone for good (a frontend restarted on another port): each link is a thread and a
+        channel redialling every few seconds, for as long as the worker lives, unless closed."""
+        with self._lock:
+            links = [link for a in set(addresses) if (link := self._links.pop(a, None)) is not None]
+        if links:
+            logger.info("data links to %s closed", sorted(link.address for link in links))
+            threading.Thread(target=_stop_all, args=(links,), name="data-link-close", daemon=True).start()
 
     def _link(self, address: str) -> WorkerLinkClient:
         with self._lock:
@@ -140,3 +146,15 @@ class DataLinks:
         if not ok:
             logger.info("owner %s: %s of %r ignored (unknown, not its own, or not an owner's)", address, kind, key)
         self.outbox_for(address).put(pb.WorkerMessage(ack=pb.CommandAck(command_seq=cmd.seq, request_id=key, ok=ok)))
+
+
+def _stop_all(links: list[WorkerLinkClient]) -> None:
+    """Stop ``links``, returning when all have stopped.
+
+    NOTE: in parallel: a link dialling an unreachable owner notices the stop only when its connect attempt times
+    out (seconds), so one at a time would take that long per dead owner."""
+    stoppers = [threading.Thread(target=link.stop, name="data-link-stop", daemon=True) for link in links]
+    for t in stoppers:
+        t.start()
+    for t in stoppers:
+        t.join()

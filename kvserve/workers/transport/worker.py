@@ -309,7 +309,8 @@ class WorkerCore:
         """Abort the requests nobody reads any more: a router-owned one once the router has been gone for
         ``orphan_timeout_s`` (its client's stream ended with it), an owned one once its *owner's* data link
         has been down that long (docs/architecture.md section 2a: the router's absence does not orphan it,
-        its owner still streams it). Their blocks serve no one.
+        its owner still streams it). Their blocks serve no one. A data link down that long that no request
+        here uses any more is closed (``DataLinks.close``).
 
         NOTE: a router (or owner) that comes back sooner gets the outputs replayed and aborts what it no
         longer knows itself (router.py ``_on_output``); this bounds the time without one.
@@ -322,7 +323,7 @@ class WorkerCore:
             if orphans:
                 logger.warning("worker %s: no router for %.0fs; aborted %d orphaned requests", self.worker_id,
                                timeout, len(orphans))  # fmt: skip
-        stale = self.data_links.stale(timeout) if self._owners else set()
+        stale = self.data_links.stale(timeout)
         if stale:
             orphans = [rid for rid, (address, _) in self._owners.items() if address in stale]
             for rid in orphans:
@@ -330,6 +331,9 @@ class WorkerCore:
             if orphans:
                 logger.warning("worker %s: owners %s unreachable for %.0fs; aborted %d orphaned requests",
                                self.worker_id, sorted(stale), timeout, len(orphans))  # fmt: skip
+            # NOTE: an owner down that long with none of its requests left here is dialled no more (a frontend
+            # restarted on another port would otherwise keep a link thread redialling it for the worker's life)
+            self.data_links.close(stale - {address for address, _ in self._owners.values()})
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         """Outputs, then block events, then pressure: one ordered stream (docs/architecture.md).
