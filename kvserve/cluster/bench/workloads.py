@@ -14,6 +14,8 @@ import random
 WORKLOADS = {
     "tiny": dict(n=64, lo=16, hi=256, out=64),
     "small": dict(n=32, lo=32, hi=512, out=128),
+    # tiny's requests with 4x the output: the router's cost per streamed token at a fixed request count
+    "tiny-256": dict(n=64, lo=16, hi=256, out=256),
     # time to first token of one long prompt: the run's seconds are the TTFT (output tok/s = 1 / TTFT)
     "prefill-2048": dict(n=1, lo=2048, hi=2048, out=1),
 }
