@@ -5,12 +5,17 @@ router adopts a worker's RequestTable."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+
 import grpc
 
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 from kvserve.protos.kvserve.v1 import worker_pb2 as pb
 from kvserve.router.api.grpc_surface import read_generate_stream
 from kvserve.router.api.server import KVServeServicer
+from kvserve.router.gate.auth import FRONTEND_CREDENTIAL_HEADER
+from kvserve.router.observe import metrics
 from kvserve.router.requests.mux import StreamMux
 from kvserve.router.requests.request import RouterError
 from tests.unit.test_router_failover import _commands, _req, _router, _run, _settle
@@ -38,10 +43,18 @@ def test_progress_ends_an_owned_request_with_no_response_and_its_promise_release
         assert list(mux.take().placed) == ["k1"], "the owner hears that its request is placed"
         entry = router.table[r.worker_id]
         assert r.worker_rid in entry.in_flight
+        ttft, e2e, tokens = sum(metrics.TTFT._counts), sum(metrics.E2E._counts), metrics.GENERATION_TOKENS._value
         router._on_output(r.worker_id, _progress(r.worker_rid, 1))
         assert r.first_token_time is not None and r.tokens_received == 1
+        assert sum(metrics.TTFT._counts) == ttft + 1, "its first progress is its first token (TTFT)"
+        preempted = _progress(r.worker_rid, 3)
+        preempted.num_preemptions, preempted.num_swaps = 1, 2
+        router._on_output(r.worker_id, preempted)
+        assert (r.tokens_received, r.preemptions, r.swaps) == (3, 1, 2)
         router._on_output(r.worker_id, _progress(r.worker_rid, 8, finish="length"))
         assert r.finished and "r1" not in router.requests and "k1" not in router.owned.by_key
+        assert sum(metrics.TTFT._counts) == ttft + 1 and sum(metrics.E2E._counts) == e2e + 1
+        assert metrics.GENERATION_TOKENS._value == tokens + 8
         batch = mux.take()
         assert not batch.responses and not batch.errors and not batch.columns.request_ids
         assert mux.ended_silently == ["r1"], "the stream's live request must end too"
@@ -271,5 +284,107 @@ def test_a_frontend_cancels_an_adopted_request_by_its_key_on_its_own_stream_only
         assert r.finished and "old" not in router.requests and not router.owned.by_key
         assert [c.abort.request_id for c in _commands(router, "a") if c.HasField("abort")] == ["old#dead.3"]
         assert [(e.request_id, e.code) for e in mine.take().errors] == [("old", grpc.StatusCode.CANCELLED.value[0])]
+
+    _run(test)
+
+
+def test_cold_capacity_counts_an_owned_requests_progress_as_generated() -> None:
+    async def test() -> None:
+        router, _ = _router()
+        seen: list[tuple[int, ...]] = []
+        router.table.cold_capacity = lambda remaining: seen.append(remaining)  # type: ignore[method-assign]
+        r = _owned(router, StreamMux())
+        await _settle()
+        router._on_output(r.worker_id, _progress(r.worker_rid, 6))
+        router.queue.cold_capacity()
+        assert seen == [(2,)], "8 max tokens, 6 generated (its client's tokens never pass the router)"
+
+    _run(test)
+
+
+def test_a_resume_counts_only_on_the_requests_own_stream_or_its_owners_latest() -> None:
+    async def test() -> None:
+        router, workers = _router()
+        servicer = KVServeServicer(router)
+        mux = StreamMux()
+        r = _owned(router, mux)
+        await _settle()
+        src = r.worker_id
+        router.on_disconnect(src)
+        await _settle()
+        assert list(mux.take().replays) == ["k1"]
+        resume = spb.GenerateStreamRequest(resume=spb.Resume(owner_key="k1", output_ids=[5]))
+        other = spb.GenerateStreamRequest(owner=spb.Owner(address="127.0.0.1:7001"))  # another frontend's stream
+        await servicer._read_requests(_messages(other, resume), StreamMux(), {}, ("peer", None, True))
+        await _settle()
+        assert not [a for w in workers.values() for (a,), _ in w.added() if a.resume_output_ids], "not its owner"
+        await servicer._read_requests(_messages(resume), mux, {}, ("peer", None, True))  # NOTE: its own stream
+        await _settle()
+        (added,) = [a for w in workers.values() for (a,), _ in w.added() if a.resume_output_ids]
+        assert added.resume_output_ids == (5,) and r.worker_rid == added.request_id
+
+    _run(test)
+
+
+def test_an_owner_without_an_address_is_refused() -> None:
+    async def test() -> None:
+        router, workers = _router()
+        mux = StreamMux()
+        keyless = spb.GenerateStreamRequest(generate=_req("o1"), owner=spb.Owner(key="k1"))
+        await KVServeServicer(router)._read_requests(_messages(keyless), mux, {}, ("peer", None, True))
+        await _settle()
+        errors = [(e.request_id, e.code) for e in mux.take().errors]
+        assert errors == [("o1", grpc.StatusCode.INVALID_ARGUMENT.value[0])]
+        assert not any(w.added() for w in workers.values())
+
+    _run(test)
+
+
+class _Context:
+    """What GenerateStream reads of its ``grpc.aio.ServicerContext``."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.metadata = metadata
+
+    def time_remaining(self) -> None:
+        return None
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self.metadata
+
+    def peer(self) -> str:
+        return "ipv4:10.0.0.9:5000"
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise AssertionError(f"aborted {code}: {details}")
+
+
+async def _queued(q: asyncio.Queue) -> AsyncIterator[spb.GenerateStreamRequest]:
+    while (msg := await q.get()) is not None:
+        yield msg
+
+
+def test_the_real_stream_handler_answers_placed_ends_an_owned_request_silently_and_cancels_on_its_end() -> None:
+    async def test() -> None:
+        router, _ = _router()
+        servicer = KVServeServicer(router, frontend_key="fk")
+        sent: asyncio.Queue = asyncio.Queue()
+        stream = servicer.GenerateStream(_queued(sent), _Context(((FRONTEND_CREDENTIAL_HEADER, "fk"),)))
+        sent.put_nowait(spb.GenerateStreamRequest(generate=_req("k1"), owner=OWNER))
+        sent.put_nowait(spb.GenerateStreamRequest(generate=_req("k2"), owner=spb.Owner(address=OWNER.address,
+                                                                                         key="k2")))  # fmt: skip
+        placed: list[str] = []
+        while len(placed) < 2:  # NOTE: a batch carrying only placed is sent (no response, no error in it)
+            batch = await asyncio.wait_for(stream.__anext__(), 10)  # NOTE: a bound, so a lost batch fails, not hangs
+            assert not batch.responses and not batch.errors
+            placed.extend(batch.placed)
+        assert sorted(placed) == ["k1", "k2"]
+        one, two = router.requests["k1"], router.requests["k2"]
+        router._on_output(one.worker_id, _progress(one.worker_rid, 8, finish="stop"))
+        assert one.finished and not two.finished
+        await stream.aclose()  # NOTE: the frontend is gone: its stream's requests are cancelled, owned ones too
+        assert two.finished and two.cancelled and "k2" not in router.owned.by_key
+        aborts = [c.abort.request_id for c in _commands(router, two.worker_id) if c.HasField("abort")]
+        assert aborts == [two.worker_rid], "its worker stops it (one abort: the finished one needs none)"
 
     _run(test)

@@ -179,6 +179,8 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
                 if owner is not None and not trusted:
                     # NOTE: an owner is where a worker will dial: never an address a client chose
                     raise RouterError(grpc.StatusCode.PERMISSION_DENIED, "owner needs the frontend credential")
+                if owner is not None and not owner.address:  # NOTE: its worker would have nowhere to send outputs
+                    raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, "owner.key needs owner.address")
                 # NOTE: the same bounds, tokenization off the loop and tenancy as Generate.
                 (live[rid],) = await self.bounds.submit_all(
                     client, [msg.generate], _time_remaining(msg.timeout_ms), who=who, mux=mux, owner=owner
@@ -199,7 +201,7 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
             if msg.HasField("owner") and msg.owner.address:
                 self.router.owned.announce(msg.owner.address, mux)
             if msg.WhichOneof("kind") == "resume":
-                self.router.owned.resume(msg.resume.owner_key, list(msg.resume.output_ids))
+                self.router.owned.resume(msg.resume.owner_key, list(msg.resume.output_ids), mux)
 
         await read_generate_stream(requests, mux, live, submit, self.router.lifecycle.cancel, columns=True,
                                    control=control)  # fmt: skip

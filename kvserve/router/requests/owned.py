@@ -190,12 +190,18 @@ class OwnedRequests:
         self._waiting[key] = (why, timer)
         logger.info("%s: asked its owner %s for its client's tokens (%s)", r.request_id, r.owner, why)
 
-    def resume(self, key: str, output_ids: list[int]) -> bool:
-        """The owner's answer: continue the request after ``output_ids``; False if nothing waits for it."""
-        waiting = self._waiting.pop(key, None)
+    def resume(self, key: str, output_ids: list[int], mux: StreamMux | None = None) -> bool:
+        """The owner's answer: continue the request after ``output_ids``; False if nothing waits for it.
+
+        ``mux``: the stream the answer came on; it counts only if it is the request's own stream or its owner's
+        latest one (another frontend's stream may not steer it). None: the caller vouches for it."""
         r = self.by_key.get(key)
-        if waiting is None or r is None or r.finished:
+        if r is None or r.finished or key not in self._waiting:
             return False
+        if mux is not None and mux is not stream_mux(r) and mux is not self.owners.get(r.owner):
+            logger.warning("%s: a Resume on a stream not its owner's (%s): ignored", r.request_id, r.owner)
+            return False
+        waiting = self._waiting.pop(key)
         why, timer = waiting
         if timer is not None:
             timer.cancel()
