@@ -154,10 +154,10 @@ def test_an_adopted_request_counts_on_its_worker_and_its_notices_go_to_its_owner
         router.owned.announce(OWNER.address, first)
         router.owned.announce(OWNER.address, latest)  # NOTE: the frontend re-opened its stream: the latest counts
         router.on_disconnect("a")
-        await _settle()  # NOTE: the owner does not answer (the timeout fires within): it fails there, under its id
+        await _settle()  # NOTE: the owner does not answer (the timeout fires within): it fails there, under its key
         batch = latest.take()
         assert list(batch.replays) == ["k9"] and not first.take().replays
-        assert [(e.request_id, e.code) for e in batch.errors] == [("old", grpc.StatusCode.UNAVAILABLE.value[0])]
+        assert [(e.request_id, e.code) for e in batch.errors] == [("k9", grpc.StatusCode.UNAVAILABLE.value[0])]
         assert not workers["b"].added(), "no replay without the Resume"
         assert r.finished and "old" not in router.requests and not router.owned.by_key
 
@@ -283,7 +283,7 @@ def test_a_frontend_cancels_an_adopted_request_by_its_key_on_its_own_stream_only
         await servicer._read_requests(_messages(hello, cancel), mine, {}, ("peer", None, True))
         assert r.finished and "old" not in router.requests and not router.owned.by_key
         assert [c.abort.request_id for c in _commands(router, "a") if c.HasField("abort")] == ["old#dead.3"]
-        assert [(e.request_id, e.code) for e in mine.take().errors] == [("old", grpc.StatusCode.CANCELLED.value[0])]
+        assert [(e.request_id, e.code) for e in mine.take().errors] == [("k9", grpc.StatusCode.CANCELLED.value[0])]
 
     _run(test)
 

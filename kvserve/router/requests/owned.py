@@ -62,16 +62,17 @@ class OwnerSlot:
     """An adopted request's ``responses`` (the subset of ``asyncio.Queue`` the router uses, as ``MuxSlot``).
 
     It came on no stream of this router, so what the router puts for it (only ever its final error: an
-    owned request gets no responses) goes to its owner's latest stream at put time, under its scoped id
-    (that stream's rename unscopes it as for a request sent on it)."""
+    owned request gets no responses) goes to its owner's latest stream at put time, under its owner key: the
+    id its frontend sent it by (``RelayedRequest.wire_id``). NOTE: not its scoped id: that stream may be one
+    of its frontend's other caller credentials, whose tenant scope would not unscope it (a key has no scope)."""
 
-    def __init__(self, owners: dict[str, StreamMux], address: str, request_id: str) -> None:
-        self.owners, self.address, self.request_id = owners, address, request_id
+    def __init__(self, owners: dict[str, StreamMux], address: str, owner_key: str) -> None:
+        self.owners, self.address, self.owner_key = owners, address, owner_key
 
     def put_nowait(self, item: Any) -> None:
         mux = self.owners.get(self.address)
         if mux is not None:  # NOTE: none: its owner has no stream here; its worker ends it when the owner is gone
-            mux.put(self.request_id, item)
+            mux.put(self.owner_key, item)
 
     def qsize(self) -> int:
         return 0
@@ -121,7 +122,7 @@ class OwnedRequests:
         if r is None or r.finished or self.owners.get(r.owner) is not mux:
             return False
         self.router.lifecycle.cancel(r)
-        mux.put(r.request_id, RouterError(grpc.StatusCode.CANCELLED, "cancelled by the client"))
+        mux.put(r.owner_key, RouterError(grpc.StatusCode.CANCELLED, "cancelled by the client"))  # NOTE: as OwnerSlot
         return True
 
     def placed(self, r: RouterRequest) -> None:
@@ -243,7 +244,7 @@ class OwnedRequests:
                               tuple(hash_blocks(ids, router.block_size, cache_extra(router.model_id, salt))),
                               blocks_for(len(ids), router.block_size))  # fmt: skip
             r.owner, r.owner_key = o.owner, o.owner_key
-            r.responses = OwnerSlot(self.owners, o.owner, rid)
+            r.responses = OwnerSlot(self.owners, o.owner, o.owner_key)
             r.worker_id, r.worker_rid, r.dispatch_workers = worker_id, o.request_id, {worker_id}
             r.tokens_received = o.num_output_tokens
             r.started_at = r.first_token_time = time.monotonic()
