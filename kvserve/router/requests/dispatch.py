@@ -198,5 +198,7 @@ class Dispatcher:
         r.migrations += 1
         router.replays_total += 1
         router.metrics.replayed()
-        logger.info("replaying %s after %d tokens (worker %s died)", r.request_id, len(r.output_ids), dead_worker_id)
+        # NOTE: an owned request's tokens are its owner's: the router knows their count only (its progress)
+        done = max(len(r.output_ids), r.tokens_received)
+        logger.info("replaying %s after %d tokens (worker %s died)", r.request_id, done, dead_worker_id)
         router.lifecycle.hand_off(r, f"worker {dead_worker_id} died and no worker can take over")
