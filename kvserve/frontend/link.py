@@ -307,9 +307,13 @@ class MuxConnection:
                 self._ended(rr)
         for err in batch.errors:
             rr = self.live.get(err.request_id)
+            if rr is None and owned is not None and err.request_id in owned.states:
+                # NOTE: a request a restarted router adopted: its error comes under its key on this owner's
+                # latest stream, which may be another caller's connection than the one it was sent on
+                rr = owned.states[err.request_id].relayed  # type: ignore[assignment]
             if rr is not None:
                 rr.put(request_error(err))
-                self._ended(rr)
+                rr.connection._ended(rr)
 
     def _ended(self, rr: RelayedRequest) -> None:
         self.forget(rr)
