@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import pytest
 
-from kvserve.router.observe.loop_lag import run_queue_wait_reader, watch_loop_lag
+from kvserve.router.observe.loop_lag import most_stolen, run_queue_wait_reader, steal_reader, watch_loop_lag
 
 
 def test_a_callback_that_holds_the_loop_shows_as_lag() -> None:
@@ -30,16 +31,24 @@ def test_a_blocking_call_is_held_time_and_a_wait_for_the_cpu_is_not() -> None:
     """Held = lag less the loop thread's run-queue wait: a callback that holds the loop counts whole; the
     same lateness while the thread waited for a CPU (here a reader that says so) does not."""
 
-    async def run(wait_during_hold: float) -> tuple[list[float], list[float]]:
+    async def run(wait_during_hold: float, steal_during_hold: float = 0.0) -> tuple[list[float], list[float]]:
         lags: list[float] = []
         held: list[float] = []
         waited = [0.0]
+        stolen = [0.0, 0.0]
         watcher = asyncio.get_running_loop().create_task(
-            watch_loop_lag(lags.append, interval_s=0.01, observe_held=held.append, run_queue_wait=lambda: waited[0])
+            watch_loop_lag(
+                lags.append,
+                interval_s=0.01,
+                observe_held=held.append,
+                run_queue_wait=lambda: waited[0],
+                steal=lambda: list(stolen),
+            )  # fmt: skip
         )
         await asyncio.sleep(0.05)
         time.sleep(0.3)  # noqa: ASYNC251 - the loop is late by ~0.3 s
         waited[0] += wait_during_hold  # as if the thread had spent that long runnable but not running
+        stolen[1] += steal_during_hold  # as if the hypervisor had run something else on the second vCPU
         await asyncio.sleep(0.05)
         watcher.cancel()
         return lags, held
@@ -48,6 +57,19 @@ def test_a_blocking_call_is_held_time_and_a_wait_for_the_cpu_is_not() -> None:
     assert max(lags) >= 0.25 and max(held) >= 0.25  # the router held it
     lags, held = asyncio.run(run(0.3))
     assert max(lags) >= 0.25 and max(held) < 0.1  # the machine did: no held time
+    lags, held = asyncio.run(run(0.0, steal_during_hold=0.3))
+    assert max(lags) >= 0.25 and max(held) < 0.1  # the hypervisor did: no held time
+
+
+def test_the_steal_reader_reads_each_cpu(tmp_path) -> None:  # noqa: ANN001
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  10 0 0 0 0 0 0 700 0 0\ncpu0 5 0 0 0 0 0 0 300 0 0\ncpu1 5 0 0 0 0 0 0 400 0 0\nintr 1\n")
+    read = steal_reader(str(stat))
+    assert read is not None
+    hz = os.sysconf("SC_CLK_TCK")
+    assert read() == [300 / hz, 400 / hz]
+    assert most_stolen([1.0, 2.0], [1.5, 2.1]) == pytest.approx(0.5)
+    assert steal_reader(str(tmp_path / "missing")) is None
 
 
 def test_the_run_queue_wait_reader_reads_this_thread() -> None:

@@ -5,14 +5,17 @@ call that should have been off-loop) stalls them all at once; the lag shows it d
 
 On a busy machine a timer is also late because the loop's thread waited for a CPU (it was runnable,
 the OS ran something else): that is the machine's load, not the router. The *held* time takes it out:
-the lag less the loop thread's run-queue wait over the same interval (Linux ``schedstat``), so it is
-what the router itself held the loop for: computing, blocking in a call, or waiting for the GIL its
-other threads held. Exported as ``kvserve:router_event_loop_held_seconds``; elsewhere it equals the lag.
+the lag less the loop thread's run-queue wait over the same interval (Linux ``schedstat``), and less
+the time the hypervisor took the virtual CPUs away (``steal`` in ``/proc/stat``: a stolen vCPU runs
+nothing of the guest, and the guest's run-queue wait does not see it), so it is what the router itself
+held the loop for: computing, blocking in a call, or waiting for the GIL its other threads held.
+Exported as ``kvserve:router_event_loop_held_seconds``; elsewhere it equals the lag.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Callable
 
@@ -35,21 +38,51 @@ def run_queue_wait_reader() -> Callable[[], float] | None:
     return read
 
 
+def steal_reader(path: str = "/proc/stat") -> Callable[[], list[float]] | None:
+    """A reader of each CPU's total hypervisor steal in seconds (``/proc/stat``'s ``cpuN`` lines, 8th
+    value, in ``USER_HZ`` ticks), or None where the kernel does not provide it."""
+    tick = 1.0 / os.sysconf("SC_CLK_TCK")
+
+    def read() -> list[float]:
+        with open(path) as f:
+            return [int(line.split()[8]) * tick for line in f if line.startswith("cpu") and line[3].isdigit()]
+
+    try:
+        if not read():
+            return None
+    except (OSError, IndexError, ValueError):
+        return None
+    return read
+
+
+def most_stolen(before: list[float], after: list[float]) -> float:
+    """The largest steal any one CPU had between two readings. The loop's thread ran on one CPU (or a few:
+    it may migrate), not known here; the largest is the most the machine can have taken from it."""
+    return max((b - a for a, b in zip(before, after, strict=False)), default=0.0)
+
+
 async def watch_loop_lag(
     observe: Callable[[float], None],
     interval_s: float = INTERVAL_S,
     observe_held: Callable[[float], None] | None = None,
     run_queue_wait: Callable[[], float] | None = None,
+    steal: Callable[[], list[float]] | None = None,
 ) -> None:
     """Sleep ``interval_s`` again and again and ``observe`` each oversleep, until cancelled; with
-    ``observe_held``, also each oversleep less the loop thread's run-queue wait over it
-    (``run_queue_wait``: the reader to use, default this thread's ``run_queue_wait_reader()``)."""
+    ``observe_held``, also each oversleep less the loop thread's run-queue wait and the CPUs' steal over
+    it (``run_queue_wait`` / ``steal``: the readers to use, default ``run_queue_wait_reader()`` for this
+    thread and ``steal_reader()``)."""
     loop = asyncio.get_running_loop()
     waited = run_queue_wait or run_queue_wait_reader()
+    stolen = (steal or steal_reader()) if observe_held is not None else None
     while True:
         began, waited_before = loop.time(), waited() if waited else 0.0
+        stolen_before = stolen() if stolen else []
         await asyncio.sleep(interval_s)
         lag = max(loop.time() - began - interval_s, 0.0)
         observe(lag)
         if observe_held is not None:
-            observe_held(max(lag - (waited() - waited_before), 0.0) if waited else lag)
+            machine = (waited() - waited_before if waited else 0.0) + (
+                most_stolen(stolen_before, stolen()) if stolen else 0.0
+            )
+            observe_held(max(lag - machine, 0.0))
