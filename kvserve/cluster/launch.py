@@ -80,6 +80,24 @@ def init_ray(address: str | None, num_cpus: int | None = None, **kwargs: Any) ->
     return False
 
 
+@dataclass(frozen=True)
+class RestartTimes:
+    """Where a router restart's seconds went: the new actor up and serving its port, the workers probed and
+    registered with it, their WorkerLinks back (README "Failure behaviour")."""
+
+    actor_s: float
+    register_s: float
+    reconnect_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.actor_s + self.register_s + self.reconnect_s
+
+    def __str__(self) -> str:
+        return (f"{self.total_s:.1f}s: router up {self.actor_s:.1f}s, workers registered {self.register_s:.1f}s, "
+                f"WorkerLinks back {self.reconnect_s:.1f}s")  # fmt: skip
+
+
 @dataclass
 class Cluster:
     """Handles to a running router and its workers."""
@@ -94,6 +112,7 @@ class Cluster:
     router_config: RouterConfig | None = None  # as started (its port the bound one), for a restart
     router_name: str | None = None
     router_restarts: int = 0
+    last_restart_s: RestartTimes | None = None  # the last restart's phases (None: none yet, or links still missing)
     identities: dict[str, WorkerIdentity] = field(default_factory=dict)  # as each worker last told us
     supervision: dict[str, WorkerSupervision] = field(default_factory=dict)  # from the last poll
     # NOTE: the cluster's worker key: the router verifies worker credentials with it, and a
@@ -136,30 +155,36 @@ class Cluster:
         import ray
 
         assert self.router_config is not None
+        began = time.monotonic()
         try:
             ray.kill(self.router)  # NOTE: frees the name and the port, should the old one linger half-dead
         except Exception:  # noqa: BLE001 - already gone
             pass
+        # NOTE: the workers are probed while the new router starts (they do not need it to answer)
+        probes = _ask_ready(self.workers)
         # NOTE: with frontends the HTTP API is theirs; they reconnect to the new router on its port.
         router, _ = _start_router(
             self.router_config, self.metrics_port, self.router_name, None if self.frontends else self.http_port,
             self.worker_key, self.frontend_key, self.router_actor,
         )
         self.router = router
+        started = time.monotonic()
         ray.get(router.expect_workers.remote(list(self.workers)), timeout=ROUTER_CALL_TIMEOUT_S)
         self.router_restarts += 1
-        fresh, gone = _probe_workers(self.workers, WORKER_PROBE_TIMEOUT_S)
+        fresh, gone = _probe_workers(self.workers, WORKER_PROBE_TIMEOUT_S, probes)
         self.identities.update(fresh)
         for worker_id in gone:
             self.supervision[worker_id] = _retired(self.supervision.get(worker_id))
-        for worker_id, handle in self.workers.items():
-            record = self.supervision.get(worker_id)
-            ray.get(router.add_worker.remote(worker_id, handle, self.identities[worker_id], record),
-                    timeout=ROUTER_CALL_TIMEOUT_S)  # fmt: skip
+        # NOTE: all at once: each registration binds its worker's link nonce, and its link connects right after
+        records = self.supervision
+        ray.get([router.add_worker.remote(worker_id, handle, self.identities[worker_id], records.get(worker_id))
+                 for worker_id, handle in self.workers.items()], timeout=ROUTER_CALL_TIMEOUT_S)  # fmt: skip
         expected = [w for w in self.workers if not (w in self.supervision and self.supervision[w].retired)]
+        registered = time.monotonic()
         try:
             ray.get(router.wait_for_workers.remote(expected, reconnect_timeout_s),
                     timeout=reconnect_timeout_s + ROUTER_CALL_TIMEOUT_S)  # fmt: skip
+            self.last_restart_s = RestartTimes(started - began, registered - started, time.monotonic() - registered)
             return []
         except Exception:  # noqa: BLE001 - some never reconnected (yet): serve on without them
             connected = set(ray.get(router.connected_workers.remote(), timeout=ROUTER_CALL_TIMEOUT_S))
@@ -245,7 +270,7 @@ def start_cluster(
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from kvserve.workers.transport.worker import worker_actor_class
+    from kvserve.workers.transport.worker_actor import worker_actor_class
 
     if num_workers <= 0:
         raise ValueError(f"num_workers must be positive, got {num_workers}")
@@ -387,8 +412,16 @@ def _register_workers(router: Any, workers: dict[str, Any], timeout_s: float) ->
     return dict(zip(workers, infos, strict=True))
 
 
-def _probe_workers(workers: dict[str, Any], timeout_s: float) -> tuple[dict[str, WorkerIdentity], set[str]]:
-    """Ask every worker's ``ready`` at once, for at most ``timeout_s``.
+def _ask_ready(workers: dict[str, Any]) -> dict[Any, str]:
+    """Every worker's ``ready`` asked at once: its pending answer -> the worker id."""
+    return {w.ready.remote(): worker_id for worker_id, w in workers.items()}
+
+
+def _probe_workers(
+    workers: dict[str, Any], timeout_s: float, probes: dict[Any, str] | None = None
+) -> tuple[dict[str, WorkerIdentity], set[str]]:
+    """Ask every worker's ``ready`` at once (or take the ``probes`` of ``_ask_ready`` already asked), for at most
+    ``timeout_s``.
 
     Returns:
         The identities of those that answered, and the workers whose actor is dead for good.
@@ -398,7 +431,7 @@ def _probe_workers(workers: dict[str, Any], timeout_s: float) -> tuple[dict[str,
     """
     import ray
 
-    refs = {w.ready.remote(): worker_id for worker_id, w in workers.items()}
+    refs = _ask_ready(workers) if probes is None else probes
     done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
     identities: dict[str, WorkerIdentity] = {}
     gone: set[str] = set()

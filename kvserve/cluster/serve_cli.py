@@ -136,6 +136,7 @@ def supervise_router(cluster: Any, out: Any, poll_s: float) -> None:
         retired = sorted(w for w, record in cluster.supervision.items() if record.retired)
         note = f"; retired: {', '.join(retired)}" if retired else ""
         note += f"; not reconnected yet: {', '.join(missing)}" if missing else ""
+        note += f"; in {cluster.last_restart_s}" if cluster.last_restart_s and not missing else ""
         print(f"kvserve: router restarted ({cluster.router_restarts}); API listening on {cluster.address}{note}",
               file=out)  # fmt: skip
         out.flush()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvserve.workers.transport.worker import Worker
+from kvserve.workers.transport.worker_actor import Worker
 
 
 class FaultWorker(Worker):

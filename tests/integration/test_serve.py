@@ -54,6 +54,7 @@ class Proc:
         )
         self.ps = psutil.Process(self.popen.pid)
         self.stdout: list[str] = []
+        self.stdout_at: list[float] = []  # NOTE: when each stdout line arrived (monotonic): dates an event
         self.stderr: list[str] = []
         self.descendants: dict[int, psutil.Process] = {}
         self._lock = threading.Lock()
@@ -68,6 +69,8 @@ class Proc:
         for line in stream:
             with self._lock:
                 sink.append(line)
+                if sink is self.stdout:
+                    self.stdout_at.append(time.monotonic())
 
     def note_descendants(self) -> None:
         try:
@@ -77,13 +80,17 @@ class Proc:
             pass
 
     def wait_for_line(self, pattern: re.Pattern, timeout: float) -> re.Match:
+        return self.wait_for_dated_line(pattern, timeout)[0]
+
+    def wait_for_dated_line(self, pattern: re.Pattern, timeout: float) -> tuple[re.Match, float]:
+        """The first stdout line matching ``pattern`` and when it arrived (monotonic)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.note_descendants()
             with self._lock:
-                for line in self.stdout:
+                for line, at in zip(self.stdout, self.stdout_at, strict=True):
                     if m := pattern.search(line):
-                        return m
+                        return m, at
             if self.popen.poll() is not None:
                 break
             time.sleep(0.2)

@@ -16,7 +16,8 @@ from kvserve.workers.core.request import WorkerRequest  # noqa: E402
 from kvserve.workers.core.sampling_params import SamplingParams  # noqa: E402
 from kvserve.workers.engine.config import EngineConfig  # noqa: E402
 from kvserve.workers.engine.engine import LLM  # noqa: E402
-from kvserve.workers.transport.worker import WorkerOptions, worker_actor_class  # noqa: E402
+from kvserve.workers.transport.options import WorkerOptions  # noqa: E402
+from kvserve.workers.transport.worker_actor import worker_actor_class  # noqa: E402
 from tests.integration.worker_harness import RecordingRouter  # noqa: E402
 
 BS = 4

@@ -27,12 +27,14 @@ ray = pytest.importorskip("ray")
 from kvserve.protos.kvserve.v1 import worker_pb2 as pb  # noqa: E402
 from kvserve.workers.core.block_hash import cache_extra, hash_blocks  # noqa: E402
 from kvserve.workers.core.identity import WorkerIdentity  # noqa: E402
+from kvserve.workers.core.liveness import WorkerError  # noqa: E402
 from kvserve.workers.core.request import WorkerRequest  # noqa: E402
 from kvserve.workers.core.sampling_params import SamplingParams  # noqa: E402
 from kvserve.workers.engine.config import EngineConfig  # noqa: E402
 from kvserve.workers.engine.engine import LLM, LLMEngine  # noqa: E402
 from kvserve.workers.engine.kv_cache import KVCache, bytes_per_block  # noqa: E402
-from kvserve.workers.transport.worker import WorkerError, WorkerOptions, worker_actor_class  # noqa: E402
+from kvserve.workers.transport.options import WorkerOptions  # noqa: E402
+from kvserve.workers.transport.worker_actor import worker_actor_class  # noqa: E402
 from tests.integration.fault_worker import FaultWorker  # noqa: E402
 from tests.integration.worker_harness import RecordingRouter  # noqa: E402
 

@@ -47,3 +47,13 @@ def test_control_module_imports_no_heavy_module(module: str) -> None:
 def test_the_check_can_fail() -> None:
     """The probe sees a heavy import when there is one (the engine needs torch)."""
     assert "torch" in _heavy_modules_after_import("kvserve.workers.engine.engine")
+
+
+def test_the_worker_actor_class_imports_no_engine() -> None:
+    """Every process handed a worker's actor handle loads the actor's class, with its module: the router does at
+    each registration (a restart: seconds of torch imports on its event loop when the class lived beside the
+    engine). The engine is imported in the actor's ``__init__``, in the worker's own process."""
+    from kvserve.workers.transport.worker_actor import Worker
+
+    assert Worker.__module__ == "kvserve.workers.transport.worker_actor"
+    assert _heavy_modules_after_import("kvserve.workers.transport.worker_actor") == []

@@ -22,6 +22,12 @@ from kvserve.workers.transport.outbox import Outbox
 logger = logging.getLogger(__name__)
 
 
+# NOTE: gRPC's own reconnect backoff starts at 1 s and grows to 120 s: a router (or frontend) restarting on the
+# same port would be reached seconds after it listens. Cluster links retry a refused connect within 0.1-0.5 s.
+RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                     ("grpc.max_reconnect_backoff_ms", 500))  # fmt: skip
+
+
 class WorkerLinkClient:
     """Keeps one Connect stream to ``address`` open until ``stop()``.
 
@@ -47,6 +53,7 @@ class WorkerLinkClient:
         credential: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         max_backoff_s: float = 2.0,
+        first_backoff_s: float = 0.05,
     ) -> None:
         self.address = address
         self.outbox = outbox
@@ -58,7 +65,9 @@ class WorkerLinkClient:
         self._nonce: str | None = None  # the router's one-time nonce for this process (``bind``)
         self._credentials = credentials
         self._max_backoff = max_backoff_s
+        self._first_backoff = first_backoff_s
         self._stop = threading.Event()
+        self._retry_now = threading.Event()  # NOTE: set by ``bind`` and ``stop``: ends a backoff wait early
         self._connected = threading.Event()
         self._disconnected_since = time.monotonic()
         self.last_command_seq = 0
@@ -73,6 +82,9 @@ class WorkerLinkClient:
         """The router's nonce for this process (it comes through Ray: ``Worker.bind_link``); the next
         connect proves it. A later nonce replaces it (a new router, or the router re-issued one)."""
         self._nonce = nonce
+        # NOTE: a new router binds its nonce once it has registered this worker: it refused the connects before
+        # (FAILED_PRECONDITION), so connect now rather than after a backoff grown meanwhile (a router restart).
+        self._retry_now.set()
 
     @property
     def connected(self) -> bool:
@@ -85,17 +97,18 @@ class WorkerLinkClient:
 
     def stop(self) -> None:
         self._stop.set()
+        self._retry_now.set()
         if self._call is not None:
             self._call.cancel()
         self.outbox.close()
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        backoff = 0.05
+        backoff = self._first_backoff
         while not self._stop.is_set():
             try:
                 self._session()
-                backoff = 0.05
+                backoff = self._first_backoff
             except grpc.RpcError as e:
                 code = e.code() if hasattr(e, "code") else None
                 if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
@@ -111,11 +124,15 @@ class WorkerLinkClient:
                     self._disconnected_since = time.monotonic()
                 self._connected.clear()
                 self.outbox.disconnected()
-            self._stop.wait(backoff)
-            backoff = min(backoff * 2, self._max_backoff)
+            if self._retry_now.wait(backoff):
+                self._retry_now.clear()
+                backoff = self._first_backoff
+            else:
+                backoff = min(backoff * 2, self._max_backoff)
 
     def _session(self) -> None:
-        options = [("grpc.keepalive_time_ms", 10_000), ("grpc.max_receive_message_length", 64 << 20)]
+        options = [("grpc.keepalive_time_ms", 10_000), ("grpc.max_receive_message_length", 64 << 20),
+                   *RECONNECT_OPTIONS]  # fmt: skip
         if self._credentials is not None:
             channel = grpc.secure_channel(self.address, self._credentials, options=options)
         else:
