@@ -50,6 +50,7 @@ from kvserve.router.gate.auth import CallerAuthInterceptor
 from kvserve.router.gate.limits import InputLimits
 from kvserve.router.gate.tenancy import KeyRing, Tenancy
 from kvserve.workers.core.gc_pauses import settle_heap
+from kvserve.workers.core.reconnect import RECONNECT_OPTIONS
 from kvserve.workers.core.tls import add_port, channel_credentials
 
 logger = logging.getLogger(__name__)
@@ -129,9 +130,12 @@ class FrontendServer:
         s, c = self.settings, self.settings.router
         options = [("grpc.max_receive_message_length", c.max_message_bytes),
                    ("grpc.max_send_message_length", c.max_message_bytes)]  # fmt: skip
+        # NOTE: the router's channel: a restarted router is reached within 0.5 s of listening (core/reconnect.py)
+        router_options = [*options, *RECONNECT_OPTIONS]
         link_credentials = channel_credentials(*s.link_tls)
-        self._channel = (grpc.aio.insecure_channel(s.router_address, options=options) if link_credentials is None
-                         else grpc.aio.secure_channel(s.router_address, link_credentials, options=options))  # fmt: skip
+        address = s.router_address
+        self._channel = (grpc.aio.insecure_channel(address, options=router_options) if link_credentials is None
+                         else grpc.aio.secure_channel(address, link_credentials, options=router_options))  # fmt: skip
         data_address = await self._start_data_service(options)
         self._link = RouterLink(self._channel, s.frontend_key, c.max_buffered_responses, self.owned, data_address)
         relay = Relay(self._link, self._prompts, self.limits)

@@ -16,16 +16,11 @@ import grpc
 
 from kvserve.protos.kvserve.v1 import worker_pb2 as pb
 from kvserve.protos.kvserve.v1 import worker_pb2_grpc
+from kvserve.workers.core.reconnect import RECONNECT_OPTIONS
 from kvserve.workers.core.worker_credential import LINK_PROOF_HEADER, WORKER_CREDENTIAL_HEADER, link_proof
 from kvserve.workers.transport.outbox import Outbox
 
 logger = logging.getLogger(__name__)
-
-
-# NOTE: gRPC's own reconnect backoff starts at 1 s and grows to 120 s: a router (or frontend) restarting on the
-# same port would be reached seconds after it listens. Cluster links retry a refused connect within 0.1-0.5 s.
-RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                     ("grpc.max_reconnect_backoff_ms", 500))  # fmt: skip
 
 
 class WorkerLinkClient:
