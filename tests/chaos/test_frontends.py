@@ -9,8 +9,9 @@ section 1). A real serve, the tiny random Llama, 2 CPU workers, real gRPC and HT
   (ordering and de-duplication across the replay are the router's, carried unchanged over the mux);
   likewise a worker drained under them (each started stream moved by live migration, no replay).
 * A frontend SIGKILLed mid-stream: its streams end UNAVAILABLE (gRPC) or with their connection closed
-  before ``[DONE]`` (HTTP/SSE) with a prefix of the right tokens, the router aborts their requests (no
-  used block is left), the other frontend's streams complete token-identical, a new request on the
+  before ``[DONE]`` (HTTP/SSE) with a prefix of the right tokens, the router keeps their requests for the
+  owner's grace (a client may resume them elsewhere) and no used block is left after it, the other
+  frontend's streams complete token-identical, a new request on the
   same port succeeds, and Ray restarts the frontend.
 """
 
@@ -33,6 +34,7 @@ import pytest
 
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 from kvserve.protos.kvserve.v1 import serving_pb2_grpc
+from kvserve.router.requests.owned import OWNER_GRACE_S
 from tests.chaos.conftest import ServedCluster, serve_cluster, stop_cluster
 from tests.chaos.streams import Stream, prompt, request, run_all
 from tests.chaos.test_drain import drain_under_streams
@@ -237,11 +239,11 @@ def test_frontend_sigkill_ends_its_streams_frees_their_blocks_and_the_port_serve
     os.kill(pid, signal.SIGKILL)
     for s in cut + kept:
         s.wait(240)
-    # The router aborted the dead frontend's requests: idle, every block free, and well before they
-    # could have run to their end (~400 more steps).
-    idle = c.wait_idle()
+    # NOTE: the router keeps the dead frontend's placed requests for its owner's grace (a client may resume them
+    # through another frontend, or the frontend re-open its stream: kvserve/router/requests/owned.py
+    # ``stream_ended``), then cancels what nobody took: either way every block is free within the grace.
+    idle = c.wait_idle(timeout=OWNER_GRACE_S + 60)
     steps = {w.worker_id: w.report.decode_steps - steps_before[w.worker_id] for w in idle.workers}
-    assert max(steps.values()) < long // 4, steps  # NOTE: measured 16-40 aborted, 275-278 not
 
     reference = run_all(c.address, [s.req for s in cut + kept])  # the router direct, undisturbed
     for s, ref in zip(cut + kept, reference, strict=True):
@@ -316,8 +318,8 @@ def _http_clients(http: str, per_frontend: int) -> dict[str, list[httpx.Client]]
 def test_frontend_sigkill_ends_its_http_streams_at_once_and_frees_their_blocks(fronted: Fronted) -> None:
     """HTTP/SSE through a frontend that is SIGKILLed mid-stream: its clients' connections close at
     once (an incomplete stream: no ``[DONE]``, so an OpenAI client raises; never a hang), with a
-    prefix of the right tokens; the router aborts their requests (no used block, far fewer steps
-    than they asked for); the other frontend's streams complete token-identical."""
+    prefix of the right tokens; the router keeps their requests for the owner's grace, then frees them
+    (no used block); the other frontend's streams complete token-identical."""
     c = fronted.cluster
     long, short = 400, 40
     url = f"{fronted.http}/completions"
@@ -335,9 +337,8 @@ def test_frontend_sigkill_ends_its_http_streams_at_once_and_frees_their_blocks(f
     os.kill(pid, signal.SIGKILL)
     for s in cut + kept:
         assert s.ended.wait(240), "a stream hangs"
-    idle = c.wait_idle()
+    idle = c.wait_idle(timeout=OWNER_GRACE_S + 60)  # NOTE: kept for the owner's grace, then freed (as above)
     steps = {w.worker_id: w.report.decode_steps - steps_before[w.worker_id] for w in idle.workers}
-    assert max(steps.values()) < long // 4, steps  # aborted, not run to their 400 tokens
     for s in cut:
         assert not s.done and s.error is not None, "a cut stream looked complete"
         assert s.ended_at is not None and s.ended_at - t_kill < 10, "the client learnt of the kill late"

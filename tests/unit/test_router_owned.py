@@ -364,27 +364,75 @@ async def _queued(q: asyncio.Queue) -> AsyncIterator[spb.GenerateStreamRequest]:
         yield msg
 
 
-def test_the_real_stream_handler_answers_placed_ends_an_owned_request_silently_and_cancels_on_its_end() -> None:
+async def _placed_pair(router, sent: asyncio.Queue, stream):  # noqa: ANN001, ANN202
+    """Send k1 and k2 (owned by OWNER) and read until both are placed."""
+    sent.put_nowait(spb.GenerateStreamRequest(generate=_req("k1"), owner=OWNER))
+    sent.put_nowait(spb.GenerateStreamRequest(generate=_req("k2"), owner=spb.Owner(address=OWNER.address,
+                                                                                     key="k2")))  # fmt: skip
+    placed: list[str] = []
+    while len(placed) < 2:  # NOTE: a batch carrying only placed is sent (no response, no error in it)
+        batch = await asyncio.wait_for(stream.__anext__(), 10)  # NOTE: a bound, so a lost batch fails, not hangs
+        assert not batch.responses and not batch.errors
+        placed.extend(batch.placed)
+    assert sorted(placed) == ["k1", "k2"]
+    return router.requests["k1"], router.requests["k2"]
+
+
+def _aborts(router, r) -> list[str]:  # noqa: ANN001
+    return [c.abort.request_id for c in _commands(router, r.worker_id) if c.HasField("abort")]
+
+
+def test_the_real_stream_handler_answers_placed_ends_an_owned_request_silently_and_its_end_cancels_after_a_grace(
+) -> None:  # fmt: skip
     async def test() -> None:
         router, _ = _router()
+        router.owned.owner_grace_s = 0.2
         servicer = KVServeServicer(router, frontend_key="fk")
         sent: asyncio.Queue = asyncio.Queue()
         stream = servicer.GenerateStream(_queued(sent), _Context(((FRONTEND_CREDENTIAL_HEADER, "fk"),)))
-        sent.put_nowait(spb.GenerateStreamRequest(generate=_req("k1"), owner=OWNER))
-        sent.put_nowait(spb.GenerateStreamRequest(generate=_req("k2"), owner=spb.Owner(address=OWNER.address,
-                                                                                         key="k2")))  # fmt: skip
-        placed: list[str] = []
-        while len(placed) < 2:  # NOTE: a batch carrying only placed is sent (no response, no error in it)
-            batch = await asyncio.wait_for(stream.__anext__(), 10)  # NOTE: a bound, so a lost batch fails, not hangs
-            assert not batch.responses and not batch.errors
-            placed.extend(batch.placed)
-        assert sorted(placed) == ["k1", "k2"]
-        one, two = router.requests["k1"], router.requests["k2"]
+        one, two = await _placed_pair(router, sent, stream)
         router._on_output(one.worker_id, _progress(one.worker_rid, 8, finish="stop"))
         assert one.finished and not two.finished
-        await stream.aclose()  # NOTE: the frontend is gone: its stream's requests are cancelled, owned ones too
-        assert two.finished and two.cancelled and "k2" not in router.owned.by_key
-        aborts = [c.abort.request_id for c in _commands(router, two.worker_id) if c.HasField("abort")]
-        assert aborts == [two.worker_rid], "its worker stops it (one abort: the finished one needs none)"
+        await stream.aclose()  # NOTE: the frontend's stream ended and it never comes back
+        assert not two.finished and _aborts(router, two) == [], "a placed owned request outlives its stream"
+        for _ in range(300):
+            if two.finished:
+                break
+            await asyncio.sleep(0.01)
+        assert two.finished and two.cancelled and "k2" not in router.owned.by_key, "the grace ended: cancelled"
+        assert _aborts(router, two) == [two.worker_rid], "its worker stops it (one abort: the finished one needs none)"
+
+    _run(test)
+
+
+def test_an_owner_that_reopens_its_stream_within_the_grace_keeps_its_requests_and_may_cancel_them() -> None:
+    async def test() -> None:
+        router, _ = _router()
+        router.owned.owner_grace_s = 0.2
+        servicer = KVServeServicer(router, frontend_key="fk")
+        sent: asyncio.Queue = asyncio.Queue()
+        md = ((FRONTEND_CREDENTIAL_HEADER, "fk"),)
+        stream = servicer.GenerateStream(_queued(sent), _Context(md))
+        one, two = await _placed_pair(router, sent, stream)
+        await stream.aclose()  # NOTE: the stream broke; the frontend re-opens it at once and announces itself
+        again: asyncio.Queue = asyncio.Queue()
+        reopened = servicer.GenerateStream(_queued(again), _Context(md))
+        again.put_nowait(spb.GenerateStreamRequest(owner=spb.Owner(address=OWNER.address)))
+        nxt = asyncio.ensure_future(reopened.__anext__())
+        for _ in range(100):
+            if router.owned.owners.get(OWNER.address) is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert router.owned.owners.get(OWNER.address) is not None, "the announce was not read"
+        await asyncio.sleep(0.4)  # NOTE: past the grace on purpose: nothing may end them now
+        assert not one.finished and not two.finished and _aborts(router, one) == _aborts(router, two) == []
+        router._on_output(one.worker_id, _progress(one.worker_rid, 8, finish="length"))
+        assert one.finished and not one.cancelled, "its progress still ends it"
+        again.put_nowait(spb.GenerateStreamRequest(cancel_request_id="k2"))  # NOTE: its client's cancel
+        batch = await asyncio.wait_for(nxt, 10)
+        assert [(e.request_id, e.code) for e in batch.errors] == [("k2", grpc.StatusCode.CANCELLED.value[0])]
+        assert two.finished and two.cancelled and _aborts(router, two) == [two.worker_rid]
+        again.put_nowait(None)
+        await reopened.aclose()
 
     _run(test)

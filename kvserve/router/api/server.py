@@ -140,7 +140,8 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
         ended abnormally gets a ``RequestError``, not the stream's status. A message that cannot be
         answered by id (undecodable, no request_id, an id in use on the stream) ends the stream
         INVALID_ARGUMENT. Closing, cancelling or ending the stream cancels every request still running
-        on it (their blocks are freed)."""
+        on it (their blocks are freed), but an owned request already placed: it is kept for its owner's
+        grace (``OwnedRequests.stream_ended``)."""
         await self._wait_until_ready(context)
         mux = StreamMux()
         live: dict[str, RouterRequest] = {}
@@ -157,10 +158,10 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
             await _abort(context, e)
         finally:
             reader.cancel()
-            self.router.owned.forget_stream(mux)
-            for r in live.values():
-                if not r.finished:
-                    self.router.lifecycle.cancel(r)
+            # NOTE: an owned, placed request outlives its frontend's stream for a grace (its frontend re-opens
+            # it: kvserve/router/requests/owned.py ``stream_ended``); every other one is cancelled
+            for r in self.router.owned.stream_ended(mux, list(live.values())):
+                self.router.lifecycle.cancel(r)
 
     async def _read_requests(
         self,

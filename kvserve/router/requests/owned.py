@@ -14,6 +14,10 @@ The router keeps every decision about an owned request and none of its tokens:
 * ``ask_resume`` / ``resume``: to continue it elsewhere (its worker died, a drain's hand-off) the router
   needs the tokens its client has, which only the owner knows: ``GenerateBatch.replays = [key]``, answered
   by ``Resume(key, output_ids)``; none within ``RESUME_TIMEOUT_S`` ends it UNAVAILABLE;
+* ``stream_ended``: a frontend's stream that breaks while this router lives (a network blip, a proxy's
+  idle cut) cancels none of its placed requests: they are kept for their owner (``OwnerSlot``, as adopted
+  ones) for ``OWNER_GRACE_S``; the frontend re-opens its stream at once and announces itself, which keeps
+  them; only a grace that ends with no announce of that owner cancels them (the owner is gone);
 * ``adopt``: a restarted router takes over the owned requests a worker still runs (its ``RequestTable``,
   sent after every connect), so their streams outlive the router that placed them.
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import grpc
@@ -37,6 +42,11 @@ from kvserve.workers.core.sizes import blocks_for
 logger = logging.getLogger(__name__)
 
 RESUME_TIMEOUT_S = 10.0  # NOTE: a frontend re-opens its stream within ~2 s of a break (kvserve/frontend/link.py)
+# NOTE: the workers' ``orphan_timeout_s`` default (kvserve/workers/transport/options.py): a worker keeps an owned
+# request this long without its owner's data link, so the router keeps one this long without its owner's router
+# stream; a frontend re-opens that stream at once (backoff at most 2 s: kvserve/frontend/link.py), so 10 s is
+# five re-open attempts on a loaded box while bounding what a frontend gone for good holds.
+OWNER_GRACE_S = 10.0
 
 
 class OwnedPipeline(Protocol):
@@ -87,9 +97,14 @@ class OwnerSlot:
 class OwnedRequests:
     """Every owned request of this router, by owner key, and the latest stream of each owner."""
 
-    def __init__(self, router: OwnedPipeline, resume_timeout_s: float = RESUME_TIMEOUT_S) -> None:
+    def __init__(self, router: OwnedPipeline, resume_timeout_s: float = RESUME_TIMEOUT_S,
+                 owner_grace_s: float = OWNER_GRACE_S) -> None:  # fmt: skip
         self.router = router
         self.resume_timeout_s = resume_timeout_s
+        self.owner_grace_s = owner_grace_s
+        self._placed: set[str] = set()  # keys whose owner was told ``placed`` (only those outlive its stream)
+        # owner address -> (the keys kept since its stream ended, the grace's timer); an announce ends it
+        self._kept: dict[str, tuple[set[str], asyncio.TimerHandle | None]] = {}
         self.by_key: dict[str, RouterRequest] = {}
         self.owners: dict[str, StreamMux] = {}  # owner address -> the latest stream that named it
         self._waiting: dict[str, tuple[str, asyncio.TimerHandle | None]] = {}  # key -> (why, its timeout)
@@ -107,6 +122,11 @@ class OwnedRequests:
     def announce(self, address: str, mux: StreamMux) -> None:
         """``mux`` is the owner's latest stream: notices go there (those no stream took yet, at once)."""
         self.owners[address] = mux
+        kept = self._kept.pop(address, None)
+        if kept is not None:
+            if kept[1] is not None:
+                kept[1].cancel()
+            logger.info("owner %s is back: its %d kept requests continue", address, len(kept[0]))
         for key in self._unsent.pop(address, ()):
             mux.replay(key)
 
@@ -114,6 +134,53 @@ class OwnedRequests:
         """``mux`` ended: it takes no notices any more."""
         for address in [a for a, m in self.owners.items() if m is mux]:
             del self.owners[address]
+
+    def stream_ended(self, mux: StreamMux, live: Iterable[RouterRequest]) -> list[RouterRequest]:
+        """``mux`` ended (closed, cancelled, broken) while this router lives; ``live``: the requests that came on
+        it. Its owned requests whose owner was told ``placed`` are kept for their owner (their outputs never
+        crossed ``mux``: the worker streams them to the owner, which re-opens its stream and announces itself
+        within ``owner_grace_s``); returns the others, which the caller cancels (nobody keeps them: the frontend
+        ends a request not placed UNAVAILABLE itself, and its client retries it).
+
+        NOTE: a client's own cancel comes as ``cancel_request_id`` on the owner's next stream, or as an abort
+        on the worker's data link (``kvserve/frontend/link.py`` ``send_cancel``), so keeping one never outlives
+        its client's wish; a grace that ends with no announce cancels every request still kept."""
+        self.forget_stream(mux)
+        others: list[RouterRequest] = []
+        for r in live:
+            if r.finished:
+                continue
+            if not (r.owner_key and r.owner_key in self._placed and self.by_key.get(r.owner_key) is r):
+                others.append(r)
+                continue
+            # NOTE: from now on its error (its only possible response) goes to its owner's latest stream
+            r.responses = OwnerSlot(self.owners, r.owner, r.owner_key)
+            keys, timer = self._kept.get(r.owner, (set(), None))
+            if timer is None:
+                try:
+                    timer = asyncio.get_running_loop().call_later(self.owner_grace_s, self._grace_over, r.owner)
+                except RuntimeError:  # NOTE: no loop (a unit test driving the router by hand): no timeout
+                    pass
+            keys.add(r.owner_key)
+            self._kept[r.owner] = (keys, timer)
+        kept = sum(len(k) for k, _ in self._kept.values())
+        if kept:
+            logger.info("a frontend's router stream ended: %d placed requests kept for %.0fs for their owner",
+                        kept, self.owner_grace_s)  # fmt: skip
+        return others
+
+    def _grace_over(self, address: str) -> None:
+        """The owner at ``address`` did not come back within ``owner_grace_s``: cancel what was kept for it."""
+        keys, _ = self._kept.pop(address, (set(), None))
+        cancelled = 0
+        for key in keys:
+            r = self.by_key.get(key)
+            if r is not None and not r.finished:
+                self.router.lifecycle.cancel(r)
+                cancelled += 1
+        if cancelled:
+            logger.warning("owner %s did not re-open its router stream within %.0fs: %d kept requests cancelled",
+                           address, self.owner_grace_s, cancelled)  # fmt: skip
 
     def cancel(self, key: str, mux: StreamMux) -> bool:
         """A frontend's cancel, on ``mux``, of its request ``key`` that came on no stream of it (adopted): True if
@@ -127,6 +194,7 @@ class OwnedRequests:
 
     def placed(self, r: RouterRequest) -> None:
         """``r``'s worker took it: its owner may keep it past this router's death."""
+        self._placed.add(r.owner_key)
         mux = stream_mux(r) or self.owners.get(r.owner)
         if mux is not None:
             mux.placed(r.owner_key)
@@ -135,6 +203,10 @@ class OwnedRequests:
         """``r`` ended."""
         if self.by_key.get(r.owner_key) is r:
             del self.by_key[r.owner_key]
+            self._placed.discard(r.owner_key)
+        kept = self._kept.get(r.owner)
+        if kept is not None:
+            kept[0].discard(r.owner_key)
         waiting = self._waiting.pop(r.owner_key, None)
         if waiting is not None and waiting[1] is not None:
             waiting[1].cancel()
@@ -255,6 +327,7 @@ class OwnedRequests:
             entry.placed(o.request_id, 0)
             entry.started.add(o.request_id)
             self.by_key[o.owner_key] = r
+            self._placed.add(o.owner_key)
             adopted += 1
         if adopted:
             logger.info("adopted %d owned requests from worker %s (a router restart)", adopted, worker_id)
