@@ -172,6 +172,8 @@ def test_engine_speed_steps_dry(tmp_path: pathlib.Path, monkeypatch: pytest.Monk
         assert on["graph_steps"] > 0 and off["graph_steps"] == 0, name
         assert on["requests"] == off["requests"] == n and on["output_tokens_per_s"] > 0
         assert rows[f"{name}/graphs_on_off_identical_requests"] == f"{n}/{n}"  # fp32: the same tokens
+        assert rows[f"{name}/graphs_on_async"]["graph_steps"] > 0, name
+        assert rows[f"{name}/async_on_off_identical_requests"] == f"{n}/{n}"  # overlap: the same tokens
     profile = json.loads((tmp_path / "decode_profile.json").read_text())
     assert profile["passed"] and set(profile["rows"]) == {
         f"batch_{b}/graphs_{g}" for b in (1, 2, 4) for g in ("on", "off")

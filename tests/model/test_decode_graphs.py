@@ -40,11 +40,11 @@ def _guard_unowned_blocks(engine: LLMEngine) -> None:
     assert graphs is not None
     run = graphs.run
 
-    def guarded(batch, block_size):
+    def guarded(batch, block_size, *fix_ids):
         owned = {b for req, _ in batch for b in req.block_table}
         others = [b for b in range(engine.pool.num_blocks) if b not in owned]
         before = [layer[:, others].clone() for layer in engine.kv_cache.layers]
-        out = run(batch, block_size)
+        out = run(batch, block_size, *fix_ids)
         bucket = graphs.bucket(len(batch))
         _, _, attn = graphs.buffers.inputs(bucket)
         assert attn.slot_mapping[len(batch) :].eq(-1).all()

@@ -71,17 +71,18 @@ def test_host_ids_copies_in_order() -> None:
 def test_a_step_reads_its_ids_back_once(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, params: SamplingParams
 ) -> None:
-    """Every sampled step reads its ids back through one ``HostIds.fetch``, and its tokens are that read."""
+    """Every sampled step reads its ids back through one ``HostIds.start`` (the one transfer; ``wait`` only
+    waits for it), and its tokens are that read."""
     llm = LLM(str(tiny_llama_dir), device="cpu", block_size=4, num_gpu_blocks=128)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
     expected = [o.token_ids for o in llm.generate(prompts, params)]
     runner = llm.engine.runner
     fetched: list[list[int]] = []
-    fetch, execute = runner.host_ids.fetch, runner.execute
+    start, execute = runner.host_ids.start, runner.execute
 
-    def counted_fetch(ids: torch.Tensor) -> list[int]:
-        fetched.append(fetch(ids))
-        return fetched[-1]
+    def counted_start(ids: torch.Tensor) -> None:
+        fetched.append(ids.tolist())
+        start(ids)
 
     def checked_execute(out: object) -> list[int | None]:
         start = len(fetched)
@@ -92,7 +93,7 @@ def test_a_step_reads_its_ids_back_once(
             assert sorted(fetched[-1]) == sorted(tokens)
         return sampled
 
-    monkeypatch.setattr(runner.host_ids, "fetch", counted_fetch)
+    monkeypatch.setattr(runner.host_ids, "start", counted_start)
     monkeypatch.setattr(runner, "execute", checked_execute)
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     assert fetched

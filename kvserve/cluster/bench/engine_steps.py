@@ -3,7 +3,8 @@
 * ``engine_1b``: a random-weight Llama of Llama-3.2-1B's shape (hidden 2048, intermediate 8192, 16 layers,
   32/8 heads, vocab 32000), bf16, block 16, weights drawn on the device. Rows: decode-heavy (256 requests,
   prompts 32-64 tokens, 512 out) and mixed (512 requests, 128-1024 in, 256 out), each with decode graphs
-  on and off (``enforce_eager``); output and total tokens/s, and whether the two runs' tokens agree.
+  on and off (``enforce_eager``) and on with overlapped scheduling (``async_scheduling``); output and total
+  tokens/s, and whether the runs' tokens agree.
 * ``decode_profile``: ``torch.profiler`` over decode steps at batch 1, 32 and 256 (contexts 200-400),
   graphs on and off: wall per step, the GPU's busy share of it (kernel time / wall) and kernel launches
   per step (runtime + driver launches and graph launches).
@@ -135,8 +136,11 @@ def check_engine_1b(cfg: CheckConfig) -> dict[str, Any]:
     for name, (prompts, out_len) in workloads.items():
         params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
         tokens = {}
-        for graphs in (True, False):
-            llm = _engine(cfg, path, dtype, graphs, num_gpu_blocks=blocks, max_num_seqs=256)
+        # graphs on, off, and on with overlapped scheduling (async_scheduling: the host schedules the next
+        # step while the device runs this one)
+        for graphs, overlap in ((True, False), (False, False), (True, True)):
+            llm = _engine(cfg, path, dtype, graphs, num_gpu_blocks=blocks, max_num_seqs=256,
+                          async_scheduling=overlap)  # fmt: skip
             llm.generate(prompts[:8], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
             _sync(cfg)
             t0 = time.perf_counter()
@@ -146,18 +150,21 @@ def check_engine_1b(cfg: CheckConfig) -> dict[str, Any]:
             num_out = sum(len(o.token_ids) for o in outs)
             num_in = sum(map(len, prompts))
             graph_set = llm.engine.runner.decode_graphs
-            rows[f"{name}/graphs_{'on' if graphs else 'off'}"] = {
+            rows[f"{name}/graphs_{'on' if graphs else 'off'}{'_async' if overlap else ''}"] = {
                 "requests": len(prompts),
                 "output_tokens_per_s": round(num_out / seconds, 1),
                 "total_tokens_per_s": round((num_out + num_in) / seconds, 1),
                 "seconds": round(seconds, 3),
                 "graph_steps": graph_set.replays if graph_set is not None else 0,
             }
-            tokens[graphs] = [o.token_ids for o in outs]
+            tokens[graphs, overlap] = [o.token_ids for o in outs]
             _release(llm)
-        same = sum(a == b for a, b in zip(tokens[True], tokens[False], strict=True))
+        same = sum(a == b for a, b in zip(tokens[True, False], tokens[False, False], strict=True))
         rows[f"{name}/graphs_on_off_identical_requests"] = f"{same}/{len(prompts)}"
-    passed = all(r["graph_steps"] > 0 for k, r in rows.items() if k.endswith("graphs_on") and isinstance(r, dict))
+        same = sum(a == b for a, b in zip(tokens[True, False], tokens[True, True], strict=True))
+        rows[f"{name}/async_on_off_identical_requests"] = f"{same}/{len(prompts)}"
+    graph_rows = [r for k, r in rows.items() if k.endswith(("graphs_on", "graphs_on_async")) and isinstance(r, dict)]
+    passed = all(r["graph_steps"] > 0 for r in graph_rows)
     return {"passed": passed, "model": "llama-3.2-1b-shape" if not cfg.dry_run else "llama-tiny", "dtype": dtype,
             "block_size": 16, "rows": rows}  # fmt: skip
 

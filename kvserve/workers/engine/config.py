@@ -46,6 +46,11 @@ class EngineConfig:
     )
     gpu_memory_utilization: float = knob(0.9, help="fraction of the card for weights + KV", check=_UTILIZATION)
     enforce_eager: bool = knob(False, help="CUDA: run decode steps eagerly (no CUDA graphs; as vLLM's flag)")
+    # NOTE: off by default: on CPU the forward is synchronous, so there is nothing to overlap (the step only
+    # gets a step's latency added to its streaming); on CUDA it hides the host's scheduling behind the GPU's step.
+    async_scheduling: bool = knob(
+        False, help="overlapped scheduling: schedule step N+1 while step N runs; decodes read N's ids on the device"
+    )
     tensor_parallel_size: int = knob(
         1, help="ranks per worker: the model sharded over N devices (N processes; gloo on CPU, NCCL on CUDA)",
         check=POSITIVE,

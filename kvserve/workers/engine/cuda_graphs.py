@@ -115,14 +115,22 @@ class DecodeGraphs:
         i = bisect.bisect_left(self.buckets, num_seqs)
         return self.buckets[i] if i < len(self.buckets) and self.graphs else None
 
-    def run(self, batch: list[tuple[Request, int]], block_size: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    def run(
+        self,
+        batch: list[tuple[Request, int]],
+        block_size: int,
+        fix_ids: Callable[[torch.Tensor], None] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Fill the static buffers with a decode batch (padded to its bucket) and replay that bucket's
         graph. Returns the real rows' hidden states ``[len(batch), hidden]`` and greedy token ids
         ``[len(batch)]`` (views of the graph's outputs: read them before the next replay) and the batch
-        indices to sample."""
+        indices to sample. ``fix_ids`` rewrites the staged ids on the device before the replay (overlapped
+        scheduling: a token the host does not know yet)."""
         b = self.bucket(len(batch))
         assert b is not None, f"{len(batch)} decodes past the largest graph ({self.largest})"
         sample_reqs = self.buffers.stage(batch, block_size, b)
+        if fix_ids is not None:
+            fix_ids(self.buffers.inputs(b)[0])
         self.staged(batch, b, sample_reqs)
         hidden, greedy = self.replay(b)
         return hidden[: len(batch)], greedy[: len(batch)], sample_reqs

@@ -27,10 +27,10 @@ from kvserve.workers.engine.cuda_graphs import decode_buckets
 from kvserve.workers.engine.kv_cache import KVCache, bytes_per_block, kv_storage_dtype
 from kvserve.workers.engine.memory_budget import CudaMeter, ProfileShape, profile_kv_blocks
 from kvserve.workers.engine.migration import MigrationState, rebuild_output_text
-from kvserve.workers.engine.model_runner import ModelRunner
+from kvserve.workers.engine.model_runner import PENDING, Launched, ModelRunner
 from kvserve.workers.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.workers.engine.progress import RequestProgress
-from kvserve.workers.engine.request import Request
+from kvserve.workers.engine.request import Request, RequestStatus
 from kvserve.workers.engine.sampler import Sampler, make_token_rng
 from kvserve.workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.workers.engine.stats import EngineStats, engine_stats
@@ -109,6 +109,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.exporting: dict[str, Request] = {}  # paused by export_request, awaiting finish_export
         self.num_steps = 0
+        # Overlapped scheduling (config.async_scheduling): the step launched but not yet read back, and the
+        # outputs a drain between steps produced (returned by the next step()).
+        self._in_flight: tuple[SchedulerOutput, Launched] | None = None
+        self._drained: list[RequestOutput] = []
         self.tier_cost = TierCostModel(config.block_size)
         self.tiers: TieredCache | None = None
         if config.tiers_enabled:
@@ -290,15 +294,20 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        if req.output_token_ids and req.output_token_ids[-1] == PENDING:  # in flight: never streamed
+            req.output_token_ids.pop()
+            req.all_token_ids.pop()
         self.scheduler.finish(req, "abort")
         return self._output(req, (), "")
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or self._in_flight is not None or bool(self._drained)
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one batch. Returns news for every request that produced a token or finished."""
+        if self.config.async_scheduling:
+            return self._step_overlapped()
         scheduled = self.scheduler.schedule()
         if self.tiers is not None:  # blocks this schedule evicted: out to the tiers before anything rewrites them
             self.tiers.spill_evicted()
@@ -317,6 +326,92 @@ class LLMEngine:
         grew = self.scheduler.update(scheduled, sampled)
         self.num_steps += 1
         return [self._on_new_token(req) for req in grew]
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """One step of overlapped scheduling (vLLM V1's async scheduling, SGLang's overlap scheduler).
+
+        Step N is in flight (on CUDA: queued, not synchronised). The host schedules step N+1 meanwhile: a
+        request sampled in step N holds a ``PENDING`` token, so it decodes again, reading that token from
+        step N's ids on the device. Then the host reads step N's ids (the one sync), streams them and
+        checks stops; step N+1's tokens come back one step later.
+
+        Contract: no output carries a token past a stop. A stop found late (EOS, stop token or string, an
+        abort) finishes the request at once (its blocks go back); the token step N+1 computed for it is
+        dropped when N+1 is read. Requests that will stop on length are not scheduled again (nothing to drop).
+
+        Preemption needs no drain: a schedule that preempts admits and swaps in nothing, so a victim's
+        ``PENDING`` is resolved (below) before any schedule could hash it, and no K/V was ever written for it
+        (a swap copies computed positions only, queued behind step N on the same stream). The router's
+        commands between steps, which must see host ids (export, import, preempt), drain first (``_drain``):
+        correct over clever.
+        """
+        outputs, self._drained = self._drained, []
+        prev = self._in_flight
+        held = self._finishing_on_length()
+        for req in held:
+            self.scheduler.detach(req)
+        scheduled = self.scheduler.schedule()
+        for req in held:
+            self.scheduler.reattach(req)
+        if self.tiers is not None:
+            self.tiers.spill_evicted()
+        self.publish_tier_events()
+        self.kv_cache.swap_out(scheduled.swap_out)  # before the forward: see step()
+        self.kv_cache.swap_in(scheduled.swap_in)
+        launched = None if scheduled.is_empty else self.runner.launch(scheduled, prev[1] if prev else None)
+        self._in_flight = None
+        if prev is not None:  # step N's ids, read while N+1 runs
+            outputs += self._resolve(*prev)
+        if launched is not None:
+            self.runner.start_fetch(launched)
+            self._record_launch(scheduled, launched)
+        return outputs
+
+    def _record_launch(self, scheduled: SchedulerOutput, launched: Launched) -> None:
+        """Advance the requests of a launched step as if its tokens were known (``PENDING`` stands in);
+        a request that finished meanwhile (a stop found late, an abort) is left alone."""
+        sampled: list[int | None] = [None] * len(scheduled.scheduled)
+        for i in launched.rows:
+            sampled[i] = PENDING
+        keep = [i for i, (req, _) in enumerate(scheduled.scheduled) if req.status is not RequestStatus.FINISHED]
+        self.scheduler.update(
+            SchedulerOutput(scheduled=[scheduled.scheduled[i] for i in keep]), [sampled[i] for i in keep]
+        )
+        self.num_steps += 1
+        self._in_flight = (scheduled, launched)
+
+    def _resolve(self, scheduled: SchedulerOutput, launched: Launched) -> list[RequestOutput]:
+        """Read a launched step's ids, put each in place of its ``PENDING`` and stream it (stop checks).
+        A request finished since the launch gets nothing: its token is past its stop."""
+        outputs = []
+        for req, token in zip(launched.reqs, self.runner.collect(launched), strict=True):
+            if req.status is RequestStatus.FINISHED:
+                continue
+            assert req.output_token_ids[-1] == PENDING, req.request_id
+            req.output_token_ids[-1] = req.all_token_ids[-1] = token
+            outputs.append(self._on_new_token(req))
+        return outputs
+
+    def _drain_now(self) -> list[RequestOutput]:
+        """Resolve the step in flight: afterwards every request's tokens are known on the host."""
+        prev, self._in_flight = self._in_flight, None
+        return self._resolve(*prev) if prev is not None else []
+
+    def _drain(self) -> None:
+        """Drain before a command between steps that must see host ids (preemption, export, import);
+        its outputs go out with the next ``step()``."""
+        self._drained += self._drain_now()
+
+    def _finishing_on_length(self) -> list[Request]:
+        """Running requests whose pending token is their last (max_tokens or the model's length): their
+        stop is certain, so they are not scheduled again."""
+        return [
+            r
+            for r in self.scheduler.running
+            if r.output_token_ids
+            and r.output_token_ids[-1] == PENDING
+            and (r.num_output_tokens >= r.sampling_params.max_tokens or r.num_tokens >= self.max_model_len)
+        ]
 
     def _measure_prefill(self, scheduled: SchedulerOutput, seconds: float) -> None:
         """Feed the tier cost model with a step that was mostly prefill (a decode token is far cheaper
@@ -359,6 +454,7 @@ class LLMEngine:
     # ---- router commands (between steps) ---------------------------------------------------
     def preempt_request(self, request_id: str, mode: str | None = None) -> bool:
         """Preempt a running request now (swap copies run at once). False if not running."""
+        self._drain()
         req = self.requests.get(request_id)
         copies = self.scheduler.preempt(req, mode) if req is not None else None
         if copies is None:
@@ -371,6 +467,7 @@ class LLMEngine:
 
         The request keeps its blocks until ``finish_export``: migrated -> freed, else resumed.
         """
+        self._drain()
         req = self.requests.get(request_id)
         if req is None or request_id in self.exporting:
             return None
@@ -421,6 +518,7 @@ class LLMEngine:
 
         Raises ValueError if the state cannot belong to this engine (block size, model, id clash).
         """
+        self._drain()
         if state.block_size != self.config.block_size:
             raise ValueError(f"block size {state.block_size} != this worker's {self.config.block_size}")
         if state.model_id != self.model_id:

@@ -23,20 +23,37 @@ class HostIds:
         self.device = device
         self._pinned: torch.Tensor | None = None
         self._event = torch.cuda.Event() if device.type == "cuda" else None
+        self._ready: list[int] | torch.Tensor = []  # the last start's ids (CPU) or their pinned landing place
 
-    def fetch(self, ids: torch.Tensor) -> list[int]:
-        """The host copy of ``ids`` (``[n]`` integer, on ``device``), in order.
-
-        NOTE: the pinned buffer is reused by the next call, so the ids are read into a list here,
-        after the event says the copy landed, never handed out as a view.
-        """
+    def start(self, ids: torch.Tensor) -> None:
+        """Queue the copy of ``ids`` (on CPU: make it); ``wait`` returns it. One outstanding at a time:
+        the pinned buffer is shared (overlapped scheduling queues step N's copy before step N+1 launches,
+        and waits for it before queueing N+1's)."""
         if self._event is None:
-            return ids.tolist()
+            self._ready = ids.tolist()
+            return
         n = ids.numel()
         if self._pinned is None or self._pinned.numel() < n:
             self._pinned = torch.empty(max(n, 256), dtype=torch.int64, pin_memory=True)
         host = self._pinned[:n]
         host.copy_(ids.to(torch.int64), non_blocking=True)
         self._event.record()
+        self._ready = host
+
+    def wait(self) -> list[int]:
+        """The ids of the last ``start``, once the copy has landed."""
+        ready = self._ready
+        if isinstance(ready, list):
+            return ready
+        assert self._event is not None
         self._event.synchronize()
-        return host.tolist()
+        return ready.tolist()
+
+    def fetch(self, ids: torch.Tensor) -> list[int]:
+        """The host copy of ``ids`` (``[n]`` integer, on ``device``), in order: ``start`` then ``wait``.
+
+        NOTE: the pinned buffer is reused by the next call, so the ids are read into a list here,
+        after the event says the copy landed, never handed out as a view.
+        """
+        self.start(ids)
+        return self.wait()

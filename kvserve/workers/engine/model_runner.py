@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -46,39 +47,76 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[int | None]:
+        """One step, synchronously: launch it and read its ids. ``sampled[i]`` is the token of
+        ``out.scheduled[i]`` (None: mid-prefill)."""
+        launched = self.launch(out)
+        self.start_fetch(launched)
+        tokens = self.collect(launched)
+        sampled: list[int | None] = [None] * len(out.scheduled)
+        for i, tok in zip(launched.rows, tokens, strict=True):
+            sampled[i] = tok
+        return sampled
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, feed: Launched | None = None) -> Launched:
+        """Queue a step's forward and sampling; the sampled ids stay on the device (nothing syncs on CUDA).
+
+        Args:
+            out: the batch.
+            feed: the previous step, still in flight (overlapped scheduling): a decode whose input token
+                is ``PENDING`` (the host does not know it yet) takes it from ``feed.ids`` on the device.
+                The ids are then cloned, so the next graph replay cannot overwrite them before they are read.
+        """
         # Decodes first: the attention dispatch expects [decode tokens | prefill chunks].
         order = sorted(range(len(out.scheduled)), key=lambda i: out.scheduled[i][1] != 1)
         batch = [out.scheduled[i] for i in order]
+        fix = _pending_inputs(batch, feed)
         graphs = self.decode_graphs
         greedy_ids: torch.Tensor | None = None  # the graph's greedy head, where a graph ran
         if graphs is not None and batch and batch[-1][1] == 1 and graphs.bucket(len(batch)) is not None:
             # Every request decodes one token: the padded static buffers and the bucket's graph.
-            hidden, greedy_ids, sample_reqs = graphs.run(batch, self.block_size)
+            hidden, greedy_ids, sample_reqs = graphs.run(batch, self.block_size, fix)
             if len(sample_reqs) < len(batch):
                 hidden, greedy_ids = hidden[sample_reqs], greedy_ids[sample_reqs]
         else:
             input_ids, positions, attn, sample_rows, sample_reqs = self.prepare_inputs(batch)
+            if fix is not None:
+                fix(input_ids)
             hidden = self.model(input_ids, positions, self.kv_cache.layers, attn, self.kv_cache.layer_scales)
             if sample_reqs and len(sample_rows) != hidden.shape[0]:
                 hidden = hidden[sample_rows]
-        sampled: list[int | None] = [None] * len(out.scheduled)
-        if sample_reqs:
-            reqs = [batch[j][0] for j in sample_reqs]
+        reqs = [batch[j][0] for j in sample_reqs]
+        launched = Launched(reqs=reqs, rows=[order[j] for j in sample_reqs])
+        if reqs:
             params = [r.sampling_params for r in reqs]
-            logits: torch.Tensor | None = None
             if all(p.greedy and p.logprobs is None for p in params):
                 ids = greedy_ids if greedy_ids is not None else self.model.greedy_token_ids(hidden)
+                if feed is not None and greedy_ids is not None:
+                    ids = ids.clone()
             else:
-                logits = self.model.compute_logits(hidden)
-                ids = self.sampler.sample(logits, params, [r.generator for r in reqs])
-            tokens = self.host_ids.fetch(ids)  # the step's one device→host read of its ids
-            if logits is not None:
-                _attach_logprobs(logits, tokens, reqs)
-            for j, tok in zip(sample_reqs, tokens, strict=True):
-                sampled[order[j]] = tok
+                launched.logits = self.model.compute_logits(hidden)
+                ids = self.sampler.sample(launched.logits, params, [r.generator for r in reqs])
+            launched.ids = ids
         if self.governor is not None:
             self.governor.step_done()
-        return sampled
+        return launched
+
+    def start_fetch(self, launched: Launched) -> None:
+        """Queue the device→host copy of ``launched``'s ids (at most one outstanding: ``HostIds``' one buffer)."""
+        if launched.ids is not None:
+            self.host_ids.start(launched.ids)
+
+    @torch.inference_mode()
+    def collect(self, launched: Launched) -> list[int]:
+        """Wait for ``launched``'s ids on the host (the step's one sync) and attach the logprobs asked for.
+        Returns one id per ``launched.reqs``."""
+        if launched.ids is None:
+            return []
+        tokens = self.host_ids.wait()
+        if launched.logits is not None:
+            _attach_logprobs(launched.logits, tokens, launched.reqs)
+            launched.logits = None
+        return tokens
 
     def prepare_inputs(
         self, batch: list[tuple[Request, int]]
@@ -108,6 +146,46 @@ class ModelRunner:
         graphs = DecodeGraphs(forward, buckets, -(-max_model_len // self.block_size), self.device)
         graphs.capture()
         self.decode_graphs = graphs
+
+
+# A sampled token the host does not know yet (overlapped scheduling): its id is on the device.
+PENDING = -1
+
+
+@dataclasses.dataclass
+class Launched:
+    """A step whose forward and sampling are queued: ``ids[k]`` (device) is the token of ``reqs[k]``,
+    which is ``out.scheduled[rows[k]]``."""
+
+    reqs: list[Request]
+    rows: list[int]
+    ids: torch.Tensor | None = None  # [len(reqs)] int64, on the device
+    logits: torch.Tensor | None = None  # kept for logprobs where the sampler ran
+
+
+def _pending_inputs(
+    batch: list[tuple[Request, int]], feed: Launched | None
+) -> Callable[[torch.Tensor], None] | None:
+    """The device-side fix of a batch's input ids: each decode (the first rows) whose last token is
+    ``PENDING`` reads it from ``feed.ids``. None when no row needs it."""
+    if feed is None or feed.ids is None:
+        return None
+    src = {id(r): k for k, r in enumerate(feed.reqs)}
+    rows, from_ = [], []
+    for j, (req, n) in enumerate(batch):
+        if n == 1 and req.all_token_ids[-1] == PENDING:
+            rows.append(j)
+            from_.append(src[id(req)])
+    if not rows:
+        return None
+    assert all(n == 1 for _, n in batch[: len(rows)]) and rows == list(range(len(rows)))
+    ids = feed.ids
+    index = torch.tensor(from_, dtype=torch.int64).to(ids.device, non_blocking=True)
+
+    def fix(input_ids: torch.Tensor) -> None:
+        input_ids[: len(rows)] = ids.index_select(0, index).to(input_ids.dtype)
+
+    return fix
 
 
 def _attach_logprobs(logits: torch.Tensor, tokens: list[int], reqs: list[Request]) -> None:
