@@ -170,3 +170,24 @@ def test_overlap_replay_and_migration_continue_exactly(tiny_llama_dir: Path) -> 
         for out in dst.step():
             got.extend(out.new_token_ids)
     assert got == tokens
+
+
+def test_pending_decode_after_a_known_one(tiny_llama_dir: Path) -> None:
+    """A more important request whose chunked prefill ends with one known token sits in the decode row
+    before a request whose token is still pending: each row takes its own input."""
+    kw = {"block_size": 4, "num_gpu_blocks": 64, "max_num_batched_tokens": 16}
+    a, b = rand_ids(9, 21), rand_ids(16, 22)  # b: a 15-token chunk beside a's decode, then 1 token
+
+    def run(overlap: bool) -> dict[str, list[int]]:
+        engine = _llm(tiny_llama_dir, overlap, graphs=False, **kw).engine
+        engine.add_request(WorkerRequest("a", a, GREEDY))
+        got: dict[str, list[int]] = {"a": [], "b": []}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                got[out.request_id].extend(out.new_token_ids)
+            if len(got["a"]) == 2 and not got["b"] and "b" not in engine.requests:
+                engine.add_request(WorkerRequest("b", b, GREEDY, priority=1))
+        assert engine.pool.stats().used == 0
+        return got
+
+    assert run(True) == run(False)

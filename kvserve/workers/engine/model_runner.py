@@ -166,8 +166,11 @@ class Launched:
 def _pending_inputs(
     batch: list[tuple[Request, int]], feed: Launched | None
 ) -> Callable[[torch.Tensor], None] | None:
-    """The device-side fix of a batch's input ids: each decode (the first rows) whose last token is
-    ``PENDING`` reads it from ``feed.ids``. None when no row needs it."""
+    """The device-side fix of a batch's input ids: each decode row (decodes are the first rows, one token
+    each) whose last token is ``PENDING`` reads it from ``feed.ids``. None when no row needs it.
+
+    NOTE: pending rows need not be contiguous: a new request with a full prefix hit also decodes one
+    token, and a more important one sorts before the pending ones."""
     if feed is None or feed.ids is None:
         return None
     src = {id(r): k for k, r in enumerate(feed.reqs)}
@@ -178,12 +181,11 @@ def _pending_inputs(
             from_.append(src[id(req)])
     if not rows:
         return None
-    assert all(n == 1 for _, n in batch[: len(rows)]) and rows == list(range(len(rows)))
     ids = feed.ids
-    index = torch.tensor(from_, dtype=torch.int64).to(ids.device, non_blocking=True)
+    index = torch.tensor([rows, from_], dtype=torch.int64).to(ids.device, non_blocking=True)
 
     def fix(input_ids: torch.Tensor) -> None:
-        input_ids[: len(rows)] = ids.index_select(0, index).to(input_ids.dtype)
+        input_ids.index_copy_(0, index[0], ids.index_select(0, index[1]).to(input_ids.dtype))
 
     return fix
 
