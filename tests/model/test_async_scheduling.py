@@ -191,3 +191,12 @@ def test_pending_decode_after_a_known_one(tiny_llama_dir: Path) -> None:
         return got
 
     assert run(True) == run(False)
+
+
+def test_overlap_refuses_tensor_parallel() -> None:
+    """Tensor-parallel ranks get rank 0's host-staged ids, which a pending token is not part of."""
+    from kvserve.workers.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="async_scheduling needs tensor_parallel_size 1"):
+        EngineConfig(model="m", async_scheduling=True, tensor_parallel_size=2)
+    assert EngineConfig(model="m", async_scheduling=True).async_scheduling

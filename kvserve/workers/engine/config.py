@@ -110,6 +110,10 @@ class EngineConfig:
                 raise ValueError(f"{name}: {e}") from None
         if self.tiers_enabled and not (self.enable_prefix_caching and self.allocator == "paged"):
             raise ValueError("host_cache_memory / disk_cache_dir need prefix caching and the paged allocator")
+        # NOTE: rank 0 broadcasts a step's host-staged inputs to the other ranks before the forward, so a
+        # token only on the device (overlapped scheduling's PENDING) would reach them as -1.
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling needs tensor_parallel_size 1 (ranks get the host's input ids)")
         if self.preemption_mode == "swap" and self.swap_space == 0:
             raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of host memory)")
 
