@@ -38,7 +38,7 @@ def test_ray_calls_match_what_the_router_calls() -> None:
         called |= set(re.findall(r"handle\.(\w+)\.remote\(", path.read_text()))
     # RouterService's test and ops helpers, not the request path
     called -= {"pid", "check_integrity"}
-    label = "Ray calls, router → worker (methods of `kvserve/workers/transport/worker.py` `Worker`):"
+    label = "Ray calls, router → worker (methods of `kvserve/workers/transport/worker_actor.py` `Worker`):"
     assert _doc_list(label) - {"Worker"} == called
 
 
