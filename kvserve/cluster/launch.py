@@ -6,6 +6,13 @@ on CUDA clusters, or ``cpus_per_worker`` CPUs (and as many torch threads) otherw
 ``spread=True`` the workers go into one placement group (strategy SPREAD: distinct nodes where
 there are enough), so a multi-node cluster serves from all of its nodes.
 
+A tensor-parallel worker (``tensor_parallel_size`` N > 1) gets a placement group of its own: N bundles, one
+per rank (``{"GPU": 1, "CPU": 1}`` on GPU, ``{"CPU": cpus_per_worker}`` on CPU), strategy STRICT_PACK (one
+node); the worker actor (rank 0) goes into bundle 0 and starts ranks 1..N-1 as Ray actors in the other bundles
+(kvserve/workers/parallel/launchers.py). Ray cannot nest placement groups, so with ``spread=True`` there is
+no SPREAD group around them: each group is given a node as a soft target, round-robin over the nodes with
+room for a group (``_group_targets``). ``Cluster.shutdown`` removes the groups.
+
 Supervision (README "Failure behaviour"): worker actors have Ray ``max_restarts=-1``: Ray starts a
 killed worker's process again with the same arguments, and its new incarnation says Hello to the
 router, which takes it back with an empty pool (or retires it if it crash-loops: the router kills
@@ -124,6 +131,8 @@ class Cluster:
     frontend_port: int | None = None
     frontend_key: str | None = field(default=None, repr=False)
     router_actor: type[RouterActor] | None = None  # the router's actor class, for a restart (None: RouterActor)
+    # tensor_parallel_size > 1: each worker's own STRICT_PACK group (its ranks' bundles), removed on shutdown
+    tp_groups: dict[str, Any] = field(default_factory=dict)
     _stopped: bool = field(default=False, repr=False)
 
     def poll_router(self, timeout_s: float = ROUTER_CALL_TIMEOUT_S) -> RouterPoll:
@@ -215,9 +224,12 @@ class Cluster:
         except Exception:  # noqa: BLE001
             pass
         ray.kill(self.router)
-        if self.placement_group is not None:
+        # NOTE: removing a group also ends any actor still in it (a rank whose worker was killed above).
+        for pg in [self.placement_group, *self.tp_groups.values()]:
+            if pg is None:
+                continue
             try:
-                ray.util.remove_placement_group(self.placement_group)
+                ray.util.remove_placement_group(pg)
             except Exception:  # noqa: BLE001
                 pass
         if self.owns_ray:
@@ -302,37 +314,50 @@ def start_cluster(
     base = worker_options or WorkerOptions()
     actor = worker_actor_class()
     workers: dict[str, Any] = {}
-    # NOTE: a tensor-parallel worker is one actor (rank 0) whose other ranks are its own processes: it reserves
-    # N ranks' devices, and Ray places one actor's resources on one node, so the group never spans nodes.
+    # NOTE: a tensor-parallel worker is N Ray actors (ranks) in a STRICT_PACK placement group of its own: Ray
+    # reserves every rank's device and puts the group on one node (module docstring).
     tp = engine_config.tensor_parallel_size
-    resources = {"num_gpus": tp, "num_cpus": tp} if use_gpus else {"num_cpus": cpus_per_worker * tp}
-    pg = None
-    if spread:
-        bundle = {"GPU": tp, "CPU": tp} if use_gpus else {"CPU": cpus_per_worker * tp}
-        pg = ray.util.placement_group([dict(bundle) for _ in range(num_workers)], strategy="SPREAD")
+    bundle = {"GPU": 1, "CPU": 1} if use_gpus else {"CPU": cpus_per_worker}
+    resources = {"num_gpus": 1, "num_cpus": 1} if use_gpus else {"num_cpus": cpus_per_worker}
     worker_ids = [f"worker-{i}" for i in range(num_workers)]
+    pg = None
+    tp_groups: dict[str, Any] = {}
+    if tp > 1:
+        targets = _group_targets(bundle, tp, num_workers) if spread else [None] * num_workers
+        for worker_id, target in zip(worker_ids, targets, strict=True):
+            tp_groups[worker_id] = ray.util.placement_group(
+                [dict(bundle) for _ in range(tp)], strategy="STRICT_PACK", _soft_target_node_id=target
+            )
+    elif spread:
+        pg = ray.util.placement_group([dict(bundle) for _ in range(num_workers)], strategy="SPREAD")
     ray.get(router.expect_workers.remote(worker_ids))
     for i, worker_id in enumerate(worker_ids):
         options = worker_options_for(base, worker_id, worker_key, worker_link_address or link_address, fkey)
         # NOTE: Ray restarts a dead worker forever; the router retires one that crash-loops.
         opts: dict[str, Any] = dict(resources, max_restarts=-1)
-        if pg is not None:
+        if worker_id in tp_groups:  # rank 0 in bundle 0; its ranks take the others
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                tp_groups[worker_id], placement_group_bundle_index=0
+            )
+        elif pg is not None:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
         workers[worker_id] = actor.options(**opts).remote(
             worker_id, engine_config, options, None if use_gpus else cpus_per_worker
         )
     t0 = time.monotonic()
     try:
-        if pg is not None:
-            ray.get(pg.ready(), timeout=ready_timeout_s)
+        groups = [g for g in (pg, *tp_groups.values()) if g is not None]
+        if groups:
+            ray.get([g.ready() for g in groups], timeout=ready_timeout_s)
         identities = _register_workers(router, workers, ready_timeout_s)
     except BaseException:
-        Cluster(router, workers, router_address, metrics_port, owns_ray, pg).shutdown()
+        Cluster(router, workers, router_address, metrics_port, owns_ray, pg, tp_groups=tp_groups).shutdown()
         raise
     logger.info("cluster up in %.1fs: router %s, %d workers", time.monotonic() - t0, router_address, num_workers)
     cluster = Cluster(
         router, workers, router_address, metrics_port, owns_ray, pg, router_http, bound_config, name,
         identities=identities, worker_key=worker_key, frontend_key=fkey, router_actor=router_actor,
+        tp_groups=tp_groups,
     )  # fmt: skip
     if frontends:
         from kvserve.cluster.frontends import start_frontends
@@ -360,6 +385,25 @@ def worker_options_for(
         base, router_address=router_address, credential=issue_worker_credential(worker_key, worker_id),
         data_credential=data_credential,
     )  # fmt: skip
+
+
+def _group_targets(bundle: dict[str, float], size: int, count: int) -> list[str | None]:
+    """Soft target nodes for ``count`` STRICT_PACK groups of ``size`` bundles (``spread=True`` with tensor
+    parallelism): round-robin over the alive nodes with room for a whole group, in node id order; None where
+    no node has room (Ray places the group where it can)."""
+    import ray
+
+    fits = [
+        n["NodeID"]
+        for n in ray.nodes()
+        if n.get("Alive") and all(n.get("Resources", {}).get(k, 0) >= v * size for k, v in bundle.items())
+    ]
+    return spread_targets(sorted(fits), count)
+
+
+def spread_targets(nodes: list[str], count: int) -> list[str | None]:
+    """``count`` targets round-robin over ``nodes`` (all None without nodes)."""
+    return [nodes[i % len(nodes)] if nodes else None for i in range(count)]
 
 
 def _start_router(

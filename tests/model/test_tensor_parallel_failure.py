@@ -23,7 +23,7 @@ def test_killed_rank_fails_the_group_step(tiny_llama_dir: Path) -> None:
         engine.add_request(WorkerRequest("r", [1, 2, 3, 4], SamplingParams(max_tokens=50, ignore_eos=True)))
         for _ in range(3):
             assert engine.step()  # the group streams
-        (follower,) = engine._followers
+        (follower,) = engine._ranks.processes
         os.kill(follower.pid, signal.SIGKILL)
         follower.wait()
         assert not engine.followers_alive()
@@ -42,7 +42,7 @@ from kvserve.workers.engine.engine import LLM
 llm = LLM(sys.argv[1], device="cpu", num_gpu_blocks=64, tensor_parallel_size=2)
 llm.engine.add_request(WorkerRequest("r", [1, 2, 3], SamplingParams(max_tokens=10, ignore_eos=True)))
 llm.engine.step()
-print(llm.engine._followers[0].pid, flush=True)
+print(llm.engine._ranks.processes[0].pid, flush=True)
 sys.stdin.read()  # holds the group until killed
 """
 

@@ -1,6 +1,7 @@
 """``TPEngine``: rank 0 of a tensor-parallel group, an ``LLMEngine`` whose model is its shard.
 
-It starts the other ranks as processes of this machine (``follower``), joins them (``group``),
+It starts the other ranks (``launchers``: Ray actors in the worker's placement group, or without Ray child
+processes of this machine; both run ``follower``), joins them (``group``),
 sends them the KV pool's size once, and from then on one ``step_message`` per step. Scheduling, the
 block pool, prefix caching, preemption by recompute and sampling are rank 0's alone, unchanged: block
 ids and tables are the same on every rank, each rank holds its KV heads of every block.
@@ -15,10 +16,6 @@ moves between a group and any worker of the model, whatever its tensor-parallel 
 from __future__ import annotations
 
 import logging
-import os
-import pickle
-import subprocess
-import sys
 
 import torch
 import torch.distributed as dist
@@ -30,25 +27,13 @@ from kvserve.workers.engine.model_runner import ModelRunner
 from kvserve.workers.engine.sampler import Sampler
 from kvserve.workers.engine.tiered_cache import TieredCache
 from kvserve.workers.models.model import CausalLM
-from kvserve.workers.parallel import group, sizing, step_message
+from kvserve.workers.parallel import group, launchers, sizing, step_message
 from kvserve.workers.parallel.layers import ShardedCausalLM
 from kvserve.workers.parallel.runner import LeaderKVCache, LeaderRunner
 from kvserve.workers.parallel.shard_loader import load_shard
 from kvserve.workers.parallel.tiers import GroupTieredCache
 
 logger = logging.getLogger(__name__)
-
-
-def check_supported(config: EngineConfig, device: torch.device) -> None:
-    """Raise ValueError for what a tensor-parallel engine cannot run: more ranks than visible CUDA devices."""
-    n = config.tensor_parallel_size
-    if device.type == "cuda" and torch.cuda.device_count() < n:
-        raise ValueError(f"tensor_parallel_size={n} needs {n} CUDA devices, {torch.cuda.device_count()} visible")
-
-
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank ``rank``'s device when the group runs on one machine's devices: cuda:rank, or the CPU."""
-    return torch.device("cuda", rank) if device.type == "cuda" else device
 
 
 class TPEngine(LLMEngine):
@@ -58,7 +43,7 @@ class TPEngine(LLMEngine):
     device: tests; it must pickle, the other ranks get a copy)."""
 
     def __init__(self, config: EngineConfig, meter: MemoryMeter | None = None) -> None:
-        self._followers: list[subprocess.Popen] = []
+        self._ranks: launchers.RankLauncher | None = None
         self._closed = False
         self._meter = meter
         try:
@@ -72,27 +57,19 @@ class TPEngine(LLMEngine):
 
     def _load_model(self, max_positions: int) -> CausalLM:
         config, n = self.config, self.config.tensor_parallel_size
-        check_supported(config, self.device)
+        ranks = launchers.for_this_process(n)
+        ranks.check(self.device)
         if self.device.type == "cuda":
-            self.device = rank_device(self.device, 0)
+            self.device = group.rank_device(self.device, 0, ranks.own_device)
             torch.cuda.set_device(self.device)
-        address = f"127.0.0.1:{group.free_port()}"
+        address = f"{ranks.host}:{group.free_port(ranks.host)}"
         dtype = str(self.dtype).removeprefix("torch.")
-        # NOTE: fresh interpreters (``python -m kvserve.workers.parallel.follower``), neither fork (this process
-        # holds torch threads, maybe CUDA) nor multiprocessing's spawn (it re-imports the caller's __main__:
-        # a script without a main guard, or Ray's worker entry point).
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        for rank in range(1, n):
-            p = subprocess.Popen(
-                [sys.executable, "-m", "kvserve.workers.parallel.follower"], stdin=subprocess.PIPE, env=env
-            )
-            assert p.stdin is not None
-            args = (config, rank, address, dtype, max_positions, torch.get_num_threads(), self._meter)
-            p.stdin.write(pickle.dumps(args))
-            p.stdin.close()
-            self._followers.append(p)
+        threads, meter, own = torch.get_num_threads(), self._meter, ranks.own_device
+        self._ranks = ranks
+        ranks.start(lambda rank: (config, rank, address, dtype, max_positions, threads, meter, own))
         group.join(0, n, address, self.device)
-        logger.info("tensor-parallel group of %d joined at %s (%s)", n, address, dist.get_backend())
+        logger.info("tensor-parallel group of %d joined at %s (%s, %s)", n, address, dist.get_backend(),
+                    type(ranks).__name__)  # fmt: skip
         return load_shard(config.model, 0, n, self.dtype, self.device, max_positions)
 
     def _num_blocks(self, block_bytes: int) -> int:
@@ -134,23 +111,17 @@ class TPEngine(LLMEngine):
             step_message.send_stop(self.device)
         except RuntimeError as e:  # a rank already gone: nothing to stop there
             logger.warning("tensor-parallel group: stop not delivered (%s)", e)
-        for p in self._followers:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        if self._ranks is not None:
+            self._ranks.stop()
         group.leave()
 
     def _abandon(self) -> None:
         """End the other ranks and leave the group without a stop message (start-up failed part-way)."""
         self._closed = True
-        for p in self._followers:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        if self._ranks is not None:
+            self._ranks.kill()
         group.leave()
 
     def followers_alive(self) -> bool:
-        """Whether every other rank's process is still running."""
-        return all(p.poll() is None for p in self._followers)
+        """Whether every other rank (process or Ray actor) is still running."""
+        return self._ranks is None or self._ranks.alive()

@@ -1,7 +1,8 @@
-"""A rank > 0 of a tensor-parallel group, as its own process: ``python -m kvserve.workers.parallel.follower``
-reads its arguments (pickled by ``TPEngine``) from stdin, joins the group, loads its shard, sizes its KV pool
-with the group, allocates it as rank 0 says and runs rank 0's steps until told to stop. When rank 0 dies, the
-next collective fails and this process exits non-zero: a group never runs with a missing rank."""
+"""A rank > 0 of a tensor-parallel group: ``run`` joins the group, loads its shard, sizes its KV pool with the
+group, allocates it as rank 0 says and runs rank 0's steps until told to stop. It runs in a process of its own
+(``python -m kvserve.workers.parallel.follower`` reads its arguments, pickled by ``TPEngine``, from stdin) or in
+a Ray actor of the worker's placement group (``rank_actor``), as ``launchers`` starts it. When rank 0 dies, the
+next collective fails and ``run`` raises (the process exits non-zero): a group never runs with a missing rank."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from kvserve.workers.engine.memory_budget import MemoryMeter
 from kvserve.workers.engine.tier_cost import TierCostModel
 from kvserve.workers.models.model_config import parse_dtype
 from kvserve.workers.parallel import group, sizing
-from kvserve.workers.parallel.engine import rank_device
 from kvserve.workers.parallel.runner import follow
 from kvserve.workers.parallel.shard_loader import load_shard
 from kvserve.workers.parallel.tiers import GroupTieredCache
@@ -32,13 +32,15 @@ def run(
     max_positions: int,
     num_threads: int,
     meter: MemoryMeter | None = None,
+    own_device: bool = False,
 ) -> None:
     """Rank ``rank`` (> 0): join, load its shard, size its KV pool with the group (``sizing``), allocate it
-    as rank 0 says, build its tiers if the group has them, run steps until STOP."""
+    as rank 0 says, build its tiers if the group has them, run steps until STOP. ``own_device``: this
+    process sees only its own CUDA card (a Ray actor), else rank r takes ``cuda:r`` (``group.rank_device``)."""
     torch.set_num_threads(num_threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else (
         torch.device(config.device))  # fmt: skip
-    device = rank_device(device, rank)
+    device = group.rank_device(device, rank, own_device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     n = config.tensor_parallel_size
