@@ -21,11 +21,17 @@ never duplicate tokens), at most ``max_attempts`` attempts in all, and only whil
   an exponential backoff, and the retry waits for the channel to connect again
   (``wait_for_ready``) within the deadline, so a router restart costs one attempt, not all of them.
 
-After the first response, every error is raised as the ``grpc.RpcError`` the call ended with,
-UNAVAILABLE included: the router holds no durable state, so a stream cut by its death cannot be
-resumed by the client library (resending would repeat tokens the caller already has). A caller
-that wants to go on resubmits; greedy and seeded requests produce the same tokens again, so it can
-skip the ones it already has. Every other error is raised at once.
+Resume (docs/architecture.md section 2a, "Resuming through another frontend"): a stream served by a
+frontend carries a ``resume_token`` on its first response. If the call then ends UNAVAILABLE (its
+frontend died), the stream sends ``GenerateRequest.resume`` (its request id, the token, the tokens and
+text characters it already yielded: ``ResumeCursor``) to the client's addresses in turn, from the one after
+the address that failed (one address: that one again, which behind a shared port reaches a live frontend),
+for up to ``RESUME_WINDOW_S`` (the router keeps a lost owner's requests ``OWNER_GRACE_S``), and goes on
+yielding exactly the tokens after those it already yielded. A refused resume (NOT_FOUND: the request
+ended, or the token does not match) is raised. Without a token (the router direct, or a request with
+logprobs) every error after the first response is raised as the call ended, UNAVAILABLE included; a
+caller that wants to go on resubmits (greedy and seeded requests produce the same tokens again).
+Every other error is raised at once.
 
 Deadlines: every call has one. ``timeout=None`` (the default, per client or per call) means
 ``DEFAULT_GENERATE_TIMEOUT_S`` for a Generate (covering its retries) and ``DEFAULT_CALL_TIMEOUT_S``
@@ -59,6 +65,10 @@ DEFAULT_MAX_ATTEMPTS = 5
 DEFAULT_MAX_RETRY_WAIT_S = 30.0  # the router's retry-after ceiling
 DEFAULT_BACKOFF_S = 0.1  # first wait when the router sends no retry-after-ms, doubled per attempt
 MAX_UNAVAILABLE_BACKOFF_S = 2.0  # the longest wait before retrying an UNAVAILABLE Generate
+# NOTE: the router keeps a dead frontend's requests OWNER_GRACE_S (10 s: kvserve/router/requests/owned.py) for a
+# resume; trying longer finds nothing to resume.
+RESUME_WINDOW_S = 10.0
+MAX_RESUME_BACKOFF_S = 1.0
 # NOTE: no call waits forever for a router that will never answer. A Generate's default covers a
 # long generation (thousands of tokens on a loaded GPU); the unary calls answer from router tables.
 DEFAULT_GENERATE_TIMEOUT_S = 600.0
@@ -237,6 +247,30 @@ def _accumulate(responses: list[spb.GenerateResponse]) -> tuple[list[int], str, 
     return ids, "".join(r.text_delta for r in responses), responses[-1]
 
 
+class ResumeCursor:
+    """What a stream yielded so far, for a resume through another frontend: the request's id, its resume token
+    (from the first response that carried one), the tokens and the text characters yielded."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.token = ""
+        self.num_tokens = 0
+        self.num_text_chars = 0
+
+    def observe(self, response: spb.GenerateResponse) -> None:
+        """``response`` is being yielded to the caller."""
+        self.request_id = response.request_id or self.request_id
+        if response.resume_token:
+            self.token = response.resume_token
+        self.num_tokens += len(response.token_ids)
+        self.num_text_chars += len(response.text_delta)
+
+    def request(self) -> spb.GenerateRequest:
+        """The ``GenerateRequest`` that resumes the stream after what was yielded."""
+        return spb.GenerateRequest(request_id=self.request_id, resume=spb.ResumeStream(
+            token=self.token, num_tokens=self.num_tokens, num_text_chars=self.num_text_chars))  # fmt: skip
+
+
 class _GenerateAttempts:
     """What the sync and async Generate streams share: the request, its ``GenerateRetry``, the live call
     (a fresh attempt after each retried error), the router's request id, and ``cancel``. The streams
@@ -250,32 +284,75 @@ class _GenerateAttempts:
         self._received = False
         self._cancelled = False
         self.request_id = request.request_id  # the router's id once the first response arrived
+        self.cursor = ResumeCursor(request.request_id)
+        self._address = 0  # index into the client's addresses of the next call
+        self._resume_until: float | None = None  # resuming: give up at this monotonic time
+        self._resume_tries = 0
+        self.resumes = 0  # resumed calls that yielded a response (tests, logs)
 
     def _live_call(self) -> Any:
-        """The call to read: the live one, else a new attempt's; None once cancelled (the stream ends)."""
+        """The call to read: the live one, else a new attempt's (a resume once a response was yielded); None once
+        cancelled (the stream ends)."""
         if self._call is None:
             if self._cancelled:
                 return None
-            self._retry.attempts += 1
-            self._call = self._client._stub.Generate(
-                self._request,
-                timeout=self._retry.remaining(),
-                metadata=self._client._metadata,
-                wait_for_ready=self._retry.wait_for_ready,
-            )
+            stub = self._client._stub_at(self._address)
+            if self._received:
+                # NOTE: no wait_for_ready: a dead frontend's address must fail at once so the next one is tried
+                self._call = stub.Generate(self.cursor.request(), timeout=self._retry.remaining(),
+                                           metadata=self._client._metadata)  # fmt: skip
+            else:
+                self._retry.attempts += 1
+                self._call = stub.Generate(
+                    self._request,
+                    timeout=self._retry.remaining(),
+                    metadata=self._client._metadata,
+                    wait_for_ready=self._retry.wait_for_ready,
+                )
         return self._call
 
     def _retry_wait(self, error: grpc.RpcError) -> float | None:
         """Seconds to wait before the next attempt (the failed call is dropped); None: raise ``error``."""
-        wait = self._retry.wait_for(error, self._received, self._cancelled)
+        if self._received:
+            wait = self._resume_wait(error)
+        else:
+            wait = self._retry.wait_for(error, False, self._cancelled)
+            if wait is not None and error.code() == grpc.StatusCode.UNAVAILABLE:
+                self._address += 1  # NOTE: that address may be a dead frontend: the next one first
         if wait is not None:
             self._call = None
         return wait
 
+    def _resume_wait(self, error: grpc.RpcError) -> float | None:
+        """After a response: seconds before resuming through the next address; None: raise ``error`` (not
+        UNAVAILABLE, no resume token, cancelled, past ``RESUME_WINDOW_S`` or the deadline)."""
+        if self._cancelled or error.code() != grpc.StatusCode.UNAVAILABLE or not self.cursor.token:
+            return None
+        now = time.monotonic()
+        if self._resume_until is None:
+            self._resume_until, self._resume_tries = now + RESUME_WINDOW_S, 0
+        if now >= self._resume_until:
+            return None
+        self._resume_tries += 1
+        self._address += 1
+        # NOTE: every address once at once, then backoff: a frontend restarting or a take-over under way
+        rounds = (self._resume_tries - 1) // len(self._client.addresses)
+        wait = 0.0 if rounds == 0 else min(DEFAULT_BACKOFF_S * 2 ** (rounds - 1), MAX_RESUME_BACKOFF_S)
+        remaining = self._retry.remaining()
+        if remaining is not None and wait >= remaining:
+            return None
+        logger.info("stream %s: %s; resuming after %d tokens through %s", self.cursor.request_id, error.code().name,
+                    self.cursor.num_tokens, self._client.addresses[self._address % len(self._client.addresses)])
+        return wait
+
     def _received_one(self, response: spb.GenerateResponse) -> spb.GenerateResponse:
-        # NOTE: from here on no error is retried: a retry could repeat tokens the caller already has.
+        # NOTE: from here on an error is retried only as a resume (the cursor says what the caller has).
+        if self._resume_until is not None:
+            self._resume_until = None
+            self.resumes += 1
         self._received = True
         self.request_id = response.request_id or self.request_id
+        self.cursor.observe(response)
         return response
 
     def cancel(self) -> None:
@@ -321,7 +398,7 @@ class _ClientBase:
 
     def __init__(
         self,
-        address: str,
+        address: str | Sequence[str],
         auth_token: str | None = None,
         tls_ca: str | None = None,
         tls_cert: str | None = None,
@@ -332,13 +409,28 @@ class _ClientBase:
         max_retry_wait_s: float = DEFAULT_MAX_RETRY_WAIT_S,
         tls_server_name: str | None = None,
     ) -> None:
-        self.address = address
+        self.addresses = [address] if isinstance(address, str) else list(address)
+        if not self.addresses:
+            raise ValueError("give at least one address")
+        self.address = self.addresses[0]
         self.timeout = timeout
         self.max_attempts = max_attempts
         self.max_retry_wait_s = max_retry_wait_s
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
-        self._channel = open_channel(self._channels, address, tls_ca, tls_cert, tls_key, tls_server_name)
+        self._tls = (tls_ca, tls_cert, tls_key, tls_server_name)
+        self._channel = open_channel(self._channels, self.address, tls_ca, tls_cert, tls_key, tls_server_name)
         self._stub = serving_pb2_grpc.KVServeStub(self._channel)
+        self._more: dict[int, tuple[Any, Any]] = {}  # address index -> (channel, stub), opened on first use
+
+    def _stub_at(self, index: int) -> Any:
+        """The stub of ``addresses[index % len]`` (the first address's is the client's own ``_stub``)."""
+        i = index % len(self.addresses)
+        if i == 0:
+            return self._stub
+        if i not in self._more:
+            channel = open_channel(self._channels, self.addresses[i], *self._tls)
+            self._more[i] = (channel, serving_pb2_grpc.KVServeStub(channel))
+        return self._more[i][1]
 
     def _timeout(self, timeout: float | None, default: float = DEFAULT_CALL_TIMEOUT_S) -> float:
         """The deadline of a call: its own, else the client's, else ``default`` (never none)."""
@@ -351,7 +443,8 @@ class KVServeClient(_ClientBase):
     """A blocking client of one router.
 
     Args:
-        address: the router's ``host:port``.
+        address: the router's ``host:port``, or several frontends' (a stream resumes through the next one when
+            its frontend dies; a fresh request that finds one UNAVAILABLE is retried on the next).
         auth_token: sent as ``authorization: Bearer <token>`` on every call.
         tls_ca: PEM CA of the router's certificate; giving it (or a client cert) switches to TLS.
         tls_cert, tls_key: this client's PEM certificate and key (mTLS).
@@ -398,6 +491,8 @@ class KVServeClient(_ClientBase):
 
     def close(self) -> None:
         self._channel.close()
+        for channel, _ in self._more.values():
+            channel.close()
 
     def __enter__(self) -> KVServeClient:
         return self
@@ -484,6 +579,8 @@ class AsyncKVServeClient(_ClientBase):
 
     async def close(self) -> None:
         await self._channel.close()
+        for channel, _ in self._more.values():
+            await channel.close()
 
     async def __aenter__(self) -> AsyncKVServeClient:
         return self

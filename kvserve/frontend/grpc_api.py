@@ -4,6 +4,8 @@ checks the caller's token or key first, and refuses a worker credential).
 
 * ``Generate`` and ``GenerateStream``: relayed over the frontend's one stream to the router
   (``kvserve/frontend/link.py``); statuses, ordering, cancel and slow-consumer outcomes are the router's.
+  A ``Generate`` with ``resume`` continues a stream whose frontend died, from the client's cursor
+  (``RouterLink.take_over``, docs/architecture.md section 2a); ``GenerateStream`` takes no resumes.
   Every call's initial metadata names the frontend serving it (``kvserve-frontend``), so an
   operator (or a test) can tell which process a connection landed on behind the shared port.
 * ``Abort``, ``GetClusterStatus``, ``WatchBlockPressure``: passed through to the router with the
@@ -54,7 +56,10 @@ class FrontendServicer(serving_pb2_grpc.KVServeServicer):
         await context.send_initial_metadata(((FRONTEND_ID_HEADER, self.frontend_id),))
         client = client_of_peer(context.peer())
         try:
-            (rr,) = await self.relay.submit(client, [request], _authorization(context), context.time_remaining())
+            if request.HasField("resume"):  # NOTE: its frontend died; the client goes on from its cursor here
+                rr = self.relay.link.take_over(_authorization(context), request, client)
+            else:
+                (rr,) = await self.relay.submit(client, [request], _authorization(context), context.time_remaining())
         except RouterError as e:
             await _abort(context, e)
             return

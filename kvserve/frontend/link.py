@@ -44,6 +44,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import secrets
 import uuid
 from collections.abc import AsyncIterator
 
@@ -86,6 +87,9 @@ class RelayedRequest:
         self.prompt_field: str | None = None
         self._first: spb.GenerateResponse | RouterError | None = None
         self._answered = asyncio.Event()
+        # The secret its client may resume it with through another frontend (docs/architecture.md section 2a):
+        # on its first response; "" = not resumable (not owned, or it asked for logprobs).
+        self.resume_token = ""
 
     def put(self, item: spb.GenerateResponse | RouterError) -> None:
         if self.finished:
@@ -117,6 +121,7 @@ class RelayedRequest:
     async def responses(self) -> AsyncIterator[spb.GenerateResponse]:
         """Responses until the final one; RouterError if the request ended abnormally. Responses
         that waited are merged (same worker only), as ``kvserve/router/requests/demux.py`` ``stream_responses`` does."""
+        token = self.resume_token
         while True:
             item = await self.queue.get()
             if isinstance(item, RouterError):
@@ -126,6 +131,8 @@ class RelayedRequest:
                 if isinstance(nxt, RouterError) or nxt.worker_id != item.worker_id:
                     break
                 item = merge_responses(item, self.queue.get_nowait())  # type: ignore[arg-type]
+            if token:  # NOTE: at yield time, after any merge (a merge keeps the later response's fields)
+                item.resume_token, token = token, ""
             yield item
             if item.finish_reason:
                 return
@@ -210,6 +217,7 @@ class MuxConnection:
         rr.generation = self.generation
         self.live[rr.wire_id] = rr
         self.by_client[rid] = rr
+        grant = None
         if self.owned is not None and owner is not None:
             # NOTE: before the send: the worker's first output may come before the router's ``placed``.
             self.owned.register(owner.key, rr, list(request.token_ids.ids))
@@ -217,12 +225,43 @@ class MuxConnection:
             wire.CopyFrom(request)
             wire.request_id = owner.key
             request = wire
+            if not request.sampling.HasField("logprobs"):  # NOTE: a worker keeps no logprobs to resend (reown.py)
+                rr.resume_token = secrets.token_hex(16)  # 128 bits
+                grant = spb.ResumeGrant(token=rr.resume_token, request_id=rid)
         timeout_ms = 0 if timeout_s is None else max(1, math.ceil(timeout_s * 1000))
         # NOTE: token_columns: plain decode tokens come as columns, the router's cheapest path
         # (kvserve/router/requests/mux.py); on each request, not a message of its own, which a router that predates
         # the field could not answer (it ignores the field and sends responses only).
         self._outbox.put_nowait(spb.GenerateStreamRequest(generate=request, timeout_ms=timeout_ms, client=client,
-                                                          token_columns=True, owner=owner))  # fmt: skip
+                                                          token_columns=True, owner=owner,
+                                                          resumable=grant))  # fmt: skip
+        return rr
+
+    def take_over(self, request: spb.GenerateRequest, client: str) -> RelayedRequest:
+        """Ask the router to make this frontend the owner of ``request.request_id`` (its client resumes here with
+        ``request.resume``: docs/architecture.md section 2a); its worker then resends its whole output here and
+        ``OwnedRequests`` delivers only what follows the client's cursor. A refusal arrives on the handle.
+
+        Raises:
+            RouterError: as ``submit``; FAILED_PRECONDITION, this frontend owns no requests (no data service).
+        """
+        rid = request.request_id
+        if self.owned is None:
+            raise RouterError(grpc.StatusCode.FAILED_PRECONDITION, "this frontend resumes no streams (no data service)")
+        if self.closed:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, "the frontend lost its stream to the router; retry")
+        if rid in self.by_client:
+            raise RouterError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is in use")
+        owner = spb.Owner(address=self.data_address, key=uuid.uuid4().hex)
+        rr = RelayedRequest(self, rid, self.max_buffered, owner.key)
+        rr.generation = self.generation
+        rr.resume_token = request.resume.token
+        self.live[rr.wire_id] = rr
+        self.by_client[rid] = rr
+        state = self.owned.register(owner.key, rr, [])
+        state.cursor = (request.resume.num_tokens, request.resume.num_text_chars)
+        take = spb.TakeOver(request_id=rid, token=request.resume.token, owner=owner)
+        self._outbox.put_nowait(spb.GenerateStreamRequest(take_over=take, client=client))
         return rr
 
     def send_cancel(self, request_id: str) -> None:
@@ -383,12 +422,19 @@ class RouterLink:
     def submit(self, authorization: str | None, request: spb.GenerateRequest, timeout_s: float | None,
                client: str) -> RelayedRequest:  # fmt: skip
         """Relay one request (its ``request_id`` set) for a caller already authenticated here."""
+        return self._connection(authorization).submit(request, timeout_s, client)
+
+    def take_over(self, authorization: str | None, request: spb.GenerateRequest, client: str) -> RelayedRequest:
+        """Resume a stream another frontend owned (``MuxConnection.take_over``) for a caller authenticated here."""
+        return self._connection(authorization).take_over(request, client)
+
+    def _connection(self, authorization: str | None) -> MuxConnection:
         conn = self._connections.get(authorization)
         if conn is None or conn.closed:
             conn = MuxConnection(self.stub, self.metadata(authorization), self.max_buffered, self.owned,
                                  self.data_address)  # fmt: skip
             self._connections[authorization] = conn
-        return conn.submit(request, timeout_s, client)
+        return conn
 
     def abort(self, authorization: str | None, request_id: str) -> bool | None:
         """The Abort RPC for an owned request of this caller: it ends CANCELLED here and is aborted at the router

@@ -64,6 +64,9 @@ class OwnedState:
         workers: dispatch tag -> the workers that sent outputs of it (a new one for a known tag: a migration).
         fenced: tags whose outputs are dropped (every tag seen before a Resume).
         worker_id: the last worker that sent an output of a live tag (where a cancel's Abort goes).
+        cursor: taken over from a dead frontend (its client resumes here): (tokens, text characters) the client
+            has; what the worker resends below it is not delivered again (``trim``). None: not taken over.
+        text_seen: text characters of the request's output this frontend has seen (for the cursor's cut).
     """
 
     relayed: RelayedRequest
@@ -72,6 +75,33 @@ class OwnedState:
     workers: dict[str, set[str]] = field(default_factory=dict)
     fenced: set[str] = field(default_factory=set)
     worker_id: str | None = None
+    cursor: tuple[int, int] | None = None
+    text_seen: int = 0
+
+
+def trim(state: OwnedState, resp: dict, end: int) -> dict | None:
+    """``resp`` (response fields whose tokens end at output token ``end``) less what the client of a taken-over
+    request already has: the tokens below ``cursor[0]`` and the text below ``cursor[1]`` characters. None: nothing
+    is left and it does not finish the request. The worker's catch-up starts at token 0 and text 0 (reown.py),
+    and later outputs follow it in order (the demux), so both cuts fall inside the span seen so far."""
+    text = resp.get("text_delta", "")
+    start_text = state.text_seen
+    state.text_seen += len(text)
+    if state.cursor is None:
+        return resp
+    ids = resp["token_ids"]
+    n_tokens, n_chars = state.cursor
+    drop = min(max(n_tokens - (end - len(ids)), 0), len(ids))
+    cut = min(max(n_chars - start_text, 0), len(text))
+    if end >= n_tokens and state.text_seen >= n_chars:
+        state.cursor = None  # NOTE: past the cursor: from here on every output is delivered as it comes
+    if drop or cut:
+        resp = {**resp, "token_ids": ids[drop:], "text_delta": text[cut:]}
+        if "logprobs" in resp:
+            resp["logprobs"] = resp["logprobs"][drop:]
+    if not resp["token_ids"] and not resp["text_delta"] and "finish_reason" not in resp:
+        return None
+    return resp
 
 
 def split_owned_id(request_id: str) -> tuple[str, str]:
@@ -177,9 +207,15 @@ class OwnedRequests(WorkerLinkHandler):
             seen.add(worker_id)
         state.worker_id = worker_id
         rr = state.relayed
-        for d in demux_output(state.request, worker_id, out, now):
-            if d.response is not None:
-                rr.put(spb.GenerateResponse(**d.response))
+        r = state.request
+        if not r.prompt_ids and out.num_prompt_tokens:
+            # NOTE: taken over: this frontend never saw the prompt; only its length is used (the final usage)
+            r.prompt_ids = [0] * out.num_prompt_tokens
+        end = r.tokens_received
+        for d in demux_output(r, worker_id, out, now):
+            end += d.num_new_tokens
+            if d.response is not None and (resp := trim(state, d.response, end)) is not None:
+                rr.put(spb.GenerateResponse(**resp))
             if d.finished:
                 self._ended(key, state)
                 return

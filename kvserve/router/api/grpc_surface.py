@@ -186,7 +186,7 @@ async def read_generate_stream(
         cancel: stops a live request the client cancelled.
         columns: whether this stream answers in token columns when the client asks (the router does; a
             frontend answers with responses only, which such a client reads too).
-        control: takes a frontend's ``resume`` and owner-only messages, and a ``cancel_request_id`` of no
+        control: takes a frontend's ``resume``, ``take_over`` and owner-only messages, and a ``cancel_request_id`` of no
             request on this stream (the router's; None: resume and owner refused INVALID_ARGUMENT, such a
             cancel ignored, as a frontend answers its own clients).
 
@@ -200,9 +200,10 @@ async def read_generate_stream(
             if isinstance(msg, Undecodable):
                 raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable {msg.message_type}: {msg.error}")
             kind = msg.WhichOneof("kind")
-            if kind == "resume" or (kind is None and msg.HasField("owner")):
-                # NOTE: a frontend's own messages (docs/architecture.md 2a): an owner's Resume, or its stream saying
-                # whose it is (re-opened after a break: a restarted router's notices must reach it)
+            if kind in ("resume", "take_over") or (kind is None and msg.HasField("owner")):
+                # NOTE: a frontend's own messages (docs/architecture.md 2a): an owner's Resume, a take-over for a
+                # client resuming through it, or its stream saying whose it is (re-opened after a break: a restarted
+                # router's notices must reach it)
                 if control is None:
                     raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, "resume and owner are a frontend's messages")
                 control(msg)

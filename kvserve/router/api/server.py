@@ -55,8 +55,10 @@ from kvserve.router.observe.loop_lag import watch_loop_lag
 from kvserve.router.observe.metrics import RouterMetrics, start_metrics_server
 from kvserve.router.requests.demux import stream_responses
 from kvserve.router.requests.mux import StreamMux, stream_batches
+from kvserve.router.requests.owned import stream_mux
 from kvserve.router.requests.request import RouterRequest
 from kvserve.router.requests.router import Router, RouterError
+from kvserve.router.requests.takeover import grant_of
 from kvserve.router.table.supervision import WorkerSupervision
 from kvserve.workers.core.gc_pauses import settle_heap
 from kvserve.workers.core.identity import WorkerIdentity
@@ -186,6 +188,8 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
                 (live[rid],) = await self.bounds.submit_all(
                     client, [msg.generate], _time_remaining(msg.timeout_ms), who=who, mux=mux, owner=owner
                 )
+                if owner is not None and (grant := grant_of(msg, _tenant(who), client)) is not None:
+                    self.router.owned.takeovers.grant(live[rid], grant)
             except RouterError as e:
                 # NOTE: keyed as the router keys the request's responses (scoped), unscoped on the way out.
                 mux.put(rid if who is None else self.bounds.tenancy.scoped_id(who, rid), e)  # type: ignore[union-attr]
@@ -203,9 +207,16 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
                 self.router.owned.announce(msg.owner.address, mux)
             if msg.WhichOneof("kind") == "resume":
                 self.router.owned.resume(msg.resume.owner_key, list(msg.resume.output_ids), mux)
+            elif msg.WhichOneof("kind") == "take_over":  # NOTE: its client resumes through this frontend
+                client = msg.client or peer
+                self.router.owned.takeovers.take_over(msg.take_over, _tenant(who), client, mux)
 
-        await read_generate_stream(requests, mux, live, submit, self.router.lifecycle.cancel, columns=True,
-                                   control=control)  # fmt: skip
+        def cancel(r: RouterRequest) -> None:
+            if r.owner_key and stream_mux(r) is not mux:
+                return  # NOTE: taken over by another frontend (takeover.py): this stream's cancel is not its own
+            self.router.lifecycle.cancel(r)
+
+        await read_generate_stream(requests, mux, live, submit, cancel, columns=True, control=control)
 
     async def Abort(self, request: spb.AbortRequest, context: grpc.aio.ServicerContext) -> spb.AbortResponse:  # noqa: N802
         who = self._principal(context)
@@ -242,6 +253,11 @@ class KVServeServicer(serving_pb2_grpc.KVServeServicer):
         if self._snapshot is None or now - self._snapshot[0] >= WATCH_SNAPSHOT_S:
             self._snapshot = (now, self.router.cluster_status())
         return self._snapshot[1]
+
+
+def _tenant(who: Principal | None) -> str:
+    """The tenant a resume grant is bound to ("" without API keys: the token alone then)."""
+    return "" if who is None else who.tenant
 
 
 def _time_remaining(timeout_ms: int) -> Callable[[], float | None]:

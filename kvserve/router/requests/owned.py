@@ -36,6 +36,7 @@ from kvserve.protos.kvserve.v1 import worker_pb2 as pb
 from kvserve.router.gate.validation import ValidationError, sampling_params
 from kvserve.router.requests.mux import MuxSlot, StreamMux
 from kvserve.router.requests.request import RouterError, RouterRequest
+from kvserve.router.requests.takeover import TakeOvers
 from kvserve.workers.core.block_hash import cache_extra, hash_blocks
 from kvserve.workers.core.sizes import blocks_for
 
@@ -109,6 +110,8 @@ class OwnedRequests:
         self.owners: dict[str, StreamMux] = {}  # owner address -> the latest stream that named it
         self._waiting: dict[str, tuple[str, asyncio.TimerHandle | None]] = {}  # key -> (why, its timeout)
         self._unsent: dict[str, list[str]] = {}  # owner address -> replay notices no stream took yet
+        # NOTE: router.link at call time: the router builds its WorkerLink service after this object
+        self.takeovers = TakeOvers(self, lambda worker_id, cmd: router.link.send(worker_id, cmd), owner_grace_s)
 
     # ---- the owner's stream -------------------------------------------------------------------------
     def own(self, r: RouterRequest, address: str, key: str) -> None:
@@ -145,9 +148,13 @@ class OwnedRequests:
         NOTE: a client's own cancel comes as ``cancel_request_id`` on the owner's next stream, or as an abort
         on the worker's data link (``kvserve/frontend/link.py`` ``send_cancel``), so keeping one never outlives
         its client's wish; a grace that ends with no announce cancels every request still kept."""
+        # NOTE: requests taken over by this stream's owner (takeover.py) came on no stream: kept like its own
+        moved = [r for r in self.by_key.values()
+                 if r.resume is not None and stream_mux(r) is None and self.owners.get(r.owner) is mux]  # fmt: skip
         self.forget_stream(mux)
         others: list[RouterRequest] = []
-        for r in live:
+        for r in [*(r for r in live if not r.owner_key or stream_mux(r) is mux), *moved]:
+            # NOTE: a request of ``live`` whose stream is not ``mux`` was taken over by another frontend since
             if r.finished:
                 continue
             if not (r.owner_key and r.owner_key in self._placed and self.by_key.get(r.owner_key) is r):
@@ -201,6 +208,7 @@ class OwnedRequests:
 
     def forget(self, r: RouterRequest) -> None:
         """``r`` ended."""
+        self.takeovers.forget(r)
         if self.by_key.get(r.owner_key) is r:
             del self.by_key[r.owner_key]
             self._placed.discard(r.owner_key)
@@ -218,6 +226,37 @@ class OwnedRequests:
         mux = stream_mux(r)
         if mux is not None:
             mux.ended(r.request_id)
+
+    # ---- a take-over (kvserve/router/requests/takeover.py) ----------------------------------------------
+    def owner_gone(self, r: RouterRequest) -> bool:
+        """``r``'s owner's router stream ended and it has not come back (``r`` is kept for it)."""
+        kept = self._kept.get(r.owner)
+        return kept is not None and r.owner_key in kept[0]
+
+    def movable(self, r: RouterRequest) -> bool:
+        """``r`` runs on one worker (placed, not migrating), no replay waiting for its owner's ``Resume``."""
+        key = r.owner_key
+        one_worker = r.worker_id is not None and not r.target and len(r.dispatch_workers) <= 1
+        return one_worker and key in self._placed and key not in self._waiting
+
+    def move(self, r: RouterRequest, address: str, key: str, mux: StreamMux) -> None:
+        """``r`` is owned by the frontend at ``address`` under ``key`` from now on, and ``mux`` is its stream
+        (its error goes there, under ``key``); nothing of its old owner can end it any more (its cancel, its
+        grace, its stream's end)."""
+        old_mux = stream_mux(r)
+        if old_mux is not None:
+            old_mux.ended(r.request_id)  # NOTE: off its old stream's live requests: that stream's end keeps it not
+        old = r.owner_key
+        self.by_key.pop(old, None)
+        self._placed.discard(old)
+        kept = self._kept.get(r.owner)
+        if kept is not None:
+            kept[0].discard(old)
+        r.owner, r.owner_key = address, key
+        r.responses = OwnerSlot(self.owners, address, key)
+        self.by_key[key] = r
+        self._placed.add(key)
+        self.announce(address, mux)
 
     # ---- progress -----------------------------------------------------------------------------------
     def on_progress(self, worker_id: str, out: pb.RequestOutput, r: RouterRequest, now: float) -> None:
@@ -241,6 +280,8 @@ class OwnedRequests:
         router.metrics.streamed(ttft, None, new, now - r.arrival if finish else None)
         if not finish:
             return
+        if self.owner_gone(r) and finish in ("length", "stop"):
+            self.takeovers.finished_unread(r, now)  # NOTE: its tail may never have reached its client
         if r.started_at is not None and finish in ("length", "stop"):
             held = blocks_for(len(r.prompt_ids) + r.tokens_received, router.block_size)
             router.queue.service.observe(now - r.started_at, r.tokens_received, held, stopped=finish == "stop")

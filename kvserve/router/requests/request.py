@@ -84,3 +84,5 @@ class RouterRequest:
     # which knows it as ``owner_key``; the router gets its progress only (kvserve/router/requests/owned.py).
     owner: str = ""
     owner_key: str = ""
+    # Its ``ResumeGrant`` (kvserve/router/requests/takeover.py): a client may resume it through another frontend.
+    resume: Any = None

@@ -139,6 +139,8 @@ class Router(WorkerLinkHandler):
             self.table.heartbeat(worker_id, msg.heartbeat)
         elif kind == "request_table":
             self.owned.adopt(worker_id, msg.request_table)
+        elif kind == "ack":  # NOTE: only a take-over's Reown awaits its ack (kvserve/router/requests/takeover.py)
+            self.owned.takeovers.on_ack(worker_id, msg.ack)
         elif kind == "drain_me":
             self._drain_requested(worker_id, msg.drain_me.reason or "the worker asked")
         elif kind == "block_snapshot":

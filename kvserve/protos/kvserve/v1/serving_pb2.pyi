@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "messages", "sampling", "priority", "tenant")
+    __slots__ = ("request_id", "text", "token_ids", "messages", "sampling", "priority", "tenant", "resume")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -24,7 +25,18 @@ class GenerateRequest(_message.Message):
     sampling: SamplingParams
     priority: int
     tenant: str
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+    resume: ResumeStream
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ..., resume: _Optional[_Union[ResumeStream, _Mapping]] = ...) -> None: ...
+
+class ResumeStream(_message.Message):
+    __slots__ = ("token", "num_tokens", "num_text_chars")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    num_tokens: int
+    num_text_chars: int
+    def __init__(self, token: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_text_chars: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("worker_id", "deadline_s")
@@ -114,7 +126,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., logprobs: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text_delta", "finish_reason", "usage", "worker_id", "num_preemptions", "num_swaps", "num_migrations", "num_replays", "logprobs")
+    __slots__ = ("request_id", "token_ids", "text_delta", "finish_reason", "usage", "worker_id", "num_preemptions", "num_swaps", "num_migrations", "num_replays", "logprobs", "resume_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_DELTA_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +138,7 @@ class GenerateResponse(_message.Message):
     NUM_MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_REPLAYS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text_delta: str
@@ -137,25 +150,48 @@ class GenerateResponse(_message.Message):
     num_migrations: int
     num_replays: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., worker_id: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., num_swaps: _Optional[int] = ..., num_migrations: _Optional[int] = ..., num_replays: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    resume_token: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., worker_id: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., num_swaps: _Optional[int] = ..., num_migrations: _Optional[int] = ..., num_replays: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., resume_token: _Optional[str] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
-    __slots__ = ("generate", "cancel_request_id", "resume", "timeout_ms", "client", "token_columns", "owner")
+    __slots__ = ("generate", "cancel_request_id", "resume", "take_over", "timeout_ms", "client", "token_columns", "owner", "resumable")
     GENERATE_FIELD_NUMBER: _ClassVar[int]
     CANCEL_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    TAKE_OVER_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    RESUMABLE_FIELD_NUMBER: _ClassVar[int]
     generate: GenerateRequest
     cancel_request_id: str
     resume: Resume
+    take_over: TakeOver
     timeout_ms: int
     client: str
     token_columns: bool
     owner: Owner
-    def __init__(self, generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel_request_id: _Optional[str] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., client: _Optional[str] = ..., token_columns: _Optional[bool] = ..., owner: _Optional[_Union[Owner, _Mapping]] = ...) -> None: ...
+    resumable: ResumeGrant
+    def __init__(self, generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel_request_id: _Optional[str] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., take_over: _Optional[_Union[TakeOver, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., client: _Optional[str] = ..., token_columns: _Optional[bool] = ..., owner: _Optional[_Union[Owner, _Mapping]] = ..., resumable: _Optional[_Union[ResumeGrant, _Mapping]] = ...) -> None: ...
+
+class ResumeGrant(_message.Message):
+    __slots__ = ("token", "request_id")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    request_id: str
+    def __init__(self, token: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class TakeOver(_message.Message):
+    __slots__ = ("request_id", "token", "owner")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token: str
+    owner: Owner
+    def __init__(self, request_id: _Optional[str] = ..., token: _Optional[str] = ..., owner: _Optional[_Union[Owner, _Mapping]] = ...) -> None: ...
 
 class Owner(_message.Message):
     __slots__ = ("address", "key")

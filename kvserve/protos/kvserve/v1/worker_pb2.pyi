@@ -241,18 +241,28 @@ class CommandAck(_message.Message):
     def __init__(self, command_seq: _Optional[int] = ..., request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class RouterCommand(_message.Message):
-    __slots__ = ("seq", "acked_seq", "abort", "preempt", "request_snapshot")
+    __slots__ = ("seq", "acked_seq", "abort", "preempt", "request_snapshot", "reown")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     ACKED_SEQ_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     PREEMPT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    REOWN_FIELD_NUMBER: _ClassVar[int]
     seq: int
     acked_seq: int
     abort: Abort
     preempt: Preempt
     request_snapshot: RequestSnapshot
-    def __init__(self, seq: _Optional[int] = ..., acked_seq: _Optional[int] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., preempt: _Optional[_Union[Preempt, _Mapping]] = ..., request_snapshot: _Optional[_Union[RequestSnapshot, _Mapping]] = ...) -> None: ...
+    reown: Reown
+    def __init__(self, seq: _Optional[int] = ..., acked_seq: _Optional[int] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., preempt: _Optional[_Union[Preempt, _Mapping]] = ..., request_snapshot: _Optional[_Union[RequestSnapshot, _Mapping]] = ..., reown: _Optional[_Union[Reown, _Mapping]] = ...) -> None: ...
+
+class Reown(_message.Message):
+    __slots__ = ("request_id", "owner")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    owner: _serving_pb2.Owner
+    def __init__(self, request_id: _Optional[str] = ..., owner: _Optional[_Union[_serving_pb2.Owner, _Mapping]] = ...) -> None: ...
 
 class Abort(_message.Message):
     __slots__ = ("request_id",)
