@@ -88,7 +88,9 @@ def active_nodes(address: str, env: dict[str, str]) -> int:
 
 
 @pytest.fixture
-def two_nodes() -> Iterator[tuple[str, dict[str, str], list[Proc]]]:
+def two_nodes(request: pytest.FixtureRequest) -> Iterator[tuple[str, dict[str, str], list[Proc]]]:
+    """Two nodes of 2 CPUs each (``indirect`` parametrization: another count)."""
+    num_cpus = getattr(request, "param", 2)
     # NOTE: short and fresh: Ray's Unix sockets live under it (paths must stay < 108 bytes).
     temp_dir = tempfile.mkdtemp(prefix="kvr", dir="/tmp")
     env = clean_env(RAY_AUTH_MODE="disabled")
@@ -97,7 +99,7 @@ def two_nodes() -> Iterator[tuple[str, dict[str, str], list[Proc]]]:
 
     def node(*extra: str) -> list[str]:
         return [
-            RAY, "start", "--num-cpus=2", "--node-ip-address=127.0.0.1", f"--temp-dir={temp_dir}", "--block",
+            RAY, "start", f"--num-cpus={num_cpus}", "--node-ip-address=127.0.0.1", f"--temp-dir={temp_dir}", "--block",
             "--disable-usage-stats", *extra,
         ]  # fmt: skip
 
@@ -173,6 +175,53 @@ def test_workers_spread_over_two_nodes(two_nodes: tuple[str, dict[str, str], lis
     finally:
         if serve.popen.poll() is None:
             serve.kill_tree()
+
+
+@pytest.mark.parametrize("two_nodes", [4], indirect=True)
+def test_tp_groups_spread_over_nodes(two_nodes: tuple[str, dict[str, str], list[Proc]], tiny_llama_dir: Path) -> None:
+    """``--spread`` with ``--tensor-parallel-size 2``: each worker's STRICT_PACK group (rank 0 + a rank actor) on
+    one node, the two groups on distinct nodes though either node has room for both (4 CPUs each)."""
+    ray_address, env, nodes = two_nodes
+    serve = Proc(
+        kvserve_argv(
+            "serve", "--address", ray_address, "--workers", "2", "--spread", "--tensor-parallel-size", "2",
+            "--port", "0", "--metrics-port", "off", "--model", str(tiny_llama_dir), "--device", "cpu",
+            "--num-gpu-blocks", "64", "--ready-timeout", "180",
+        ),
+        env,
+    )  # fmt: skip
+    try:
+        address = serve.wait_for_line(API_LINE, timeout=240).group(1)
+        status = cluster_status(address)
+        placed = {w.worker_id: w.node_id for w in status.workers}
+        assert sorted(placed) == ["worker-0", "worker-1"] and [w.tensor_parallel_size for w in status.workers] == [2, 2]
+        assert all(placed.values()) and len(set(placed.values())) == 2, f"one group per node: {placed}"
+        # every node runs one group whole: its rank 0 (Worker) and its rank 1 (RankActor)
+        per_node = [sorted(_actor_class(p) for p in _children(node) if _actor_class(p) in ("Worker", "RankActor"))
+                    for node in nodes]  # fmt: skip
+        assert per_node == [["RankActor", "Worker"], ["RankActor", "Worker"]], per_node
+        finals = [stream_tokens(address, [11 + 7 * i + j for j in range(24)], max_tokens=8)[-1] for i in range(2)]
+        assert all(f.finish_reason == "length" and f.usage.completion_tokens == 8 for f in finals)
+        serve.popen.send_signal(signal.SIGINT)
+        assert serve.popen.wait(timeout=60) == 0, serve.err[-4000:]
+        deadline = time.monotonic() + 20  # the ranks it created are gone with their groups
+        while left := [p for node in nodes for p in _children(node) if _actor_class(p) in ("Worker", "RankActor")]:
+            assert time.monotonic() < deadline, f"actor processes left behind: {[p.pid for p in left]}"
+            time.sleep(0.5)
+    finally:
+        if serve.popen.poll() is None:
+            serve.kill_tree()
+
+
+def _actor_class(p: psutil.Process) -> str | None:
+    """The actor class a live Ray actor process runs (Ray titles it ``ray::Class`` or ``ray::Class.method``)."""
+    try:
+        cmd = " ".join(p.cmdline())
+        if not cmd.startswith("ray::") or p.status() == psutil.STATUS_ZOMBIE:
+            return None
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+    return cmd.removeprefix("ray::").split()[0].split(".")[0]
 
 
 def _children(node: Proc) -> list[psutil.Process]:
