@@ -10,11 +10,13 @@ import grpc
 
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.router.api.server import KVServeServicer
 from kvserve.router.requests.mux import StreamMux
+from kvserve.router.requests.request import RouterError
 from kvserve.router.requests.takeover import ResumeGrant
-from tests.unit.test_router_failover import _commands, _run, _settle
+from tests.unit.test_router_failover import _commands, _req, _run, _settle
 from tests.unit.test_router_failover import _router as _failover_router
-from tests.unit.test_router_owned import OWNER, _owned, _progress
+from tests.unit.test_router_owned import OWNER, _messages, _owned, _progress
 
 TOKEN = "ab" * 16
 NEW = "127.0.0.1:7001"
@@ -144,5 +146,31 @@ def test_a_request_taken_over_is_kept_when_its_new_owner_dies_too_and_can_be_tak
         router.owned.takeovers.take_over(msg, "alpha", "10.0.0.1", third)
         assert r.owner_key == "k3" and not router.owned.owner_gone(r)
         assert [x.owner.key for x in _reowns(router, r.worker_id)] == ["k2", "k3"]
+
+    _run(test)
+
+
+def test_only_a_frontend_stream_may_take_over_and_the_handler_binds_the_grant_to_the_callers_client() -> None:
+    async def test() -> None:
+        router, _ = _failover_router()
+        servicer = KVServeServicer(router)
+        take = spb.GenerateStreamRequest(take_over=spb.TakeOver(request_id="c", token=TOKEN,
+                                                                owner=spb.Owner(address=NEW, key="k2")))  # fmt: skip
+        try:
+            await servicer._read_requests(_messages(take), StreamMux(), {}, ("peer", None, False))
+            raise AssertionError("a take-over on a client's stream was taken")
+        except RouterError as e:
+            assert e.code == grpc.StatusCode.PERMISSION_DENIED
+        # a frontend's request with a grant: bound to the end client it names (its tenant: none without keys)
+        owned = spb.GenerateStreamRequest(generate=_req("k1"), owner=spb.Owner(address=OWNER.address, key="k1"),
+                                          client="10.0.0.1", resumable=spb.ResumeGrant(token=TOKEN, request_id="c"))
+        live: dict = {}
+        await servicer._read_requests(_messages(owned), StreamMux(), live, ("peer", None, True))
+        await _settle()
+        assert live["k1"].resume == ResumeGrant(TOKEN, "c", "", "10.0.0.1")
+        refused = StreamMux()
+        await servicer._read_requests(_messages(take), refused, {}, ("10.0.0.9", None, True))  # NOTE: another client
+        (err,) = refused.take().errors
+        assert err.code == grpc.StatusCode.NOT_FOUND.value[0] and live["k1"].owner_key == "k1"
 
     _run(test)
