@@ -35,7 +35,9 @@ router's stream carries only ``placed`` / ``replays`` / ``errors``. A placed req
 stream: when the stream breaks, the connection re-opens its ``GenerateStream`` at once while it still has
 live requests (a restarted router's replay notices must reach it). A replay notice is answered with a
 ``Resume`` carrying exactly the tokens the client got. A cancel also aborts the request on its data link
-(it works while the router is away).
+(it works while the router is away). Each owned request without logprobs gets a resume token (its first
+response's ``resume_token``, granted at the router); ``take_over`` is the other side: a client whose frontend
+died resumes here (docs/architecture.md section 2a, "Resuming through another frontend").
 """
 
 from __future__ import annotations

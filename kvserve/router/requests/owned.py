@@ -19,7 +19,10 @@ The router keeps every decision about an owned request and none of its tokens:
   ones) for ``OWNER_GRACE_S``; the frontend re-opens its stream at once and announces itself, which keeps
   them; only a grace that ends with no announce of that owner cancels them (the owner is gone);
 * ``adopt``: a restarted router takes over the owned requests a worker still runs (its ``RequestTable``,
-  sent after every connect), so their streams outlive the router that placed them.
+  sent after every connect), so their streams outlive the router that placed them;
+* ``move`` (for ``kvserve/router/requests/takeover.py``): a client whose frontend died resumes through
+  another, which becomes the request's owner; a request taken over counts as its new owner's when that
+  owner's stream ends (kept for the grace again).
 """
 
 from __future__ import annotations
