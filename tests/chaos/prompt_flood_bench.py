@@ -48,15 +48,15 @@ class StreamingWorker(test_schema_fuzz.AnsweringWorker):
         class Method:
             def remote(self, *args: Any, **kwargs: Any) -> asyncio.Future:
                 loop = asyncio.get_running_loop()
-                if name == "add_request":
-                    rid = args[0].request_id
+                requests = [args[0]] if name == "add_request" else args[0] if name == "add_requests" else []
+                for rid in [request.request_id for request in requests]:
                     for i in range(1, TOKENS + 1):
                         out = pb.RequestOutput(request_id=rid, new_token_ids=[1], num_output_tokens=i,
                                                finish_reason="length" if i == TOKENS else "",
                                                num_prompt_tokens=1)  # fmt: skip
                         loop.call_later(i * STEP_S, router._on_output, "w", out)
                 fut = loop.create_future()
-                fut.set_result(None)
+                fut.set_result([None] * len(requests) if name == "add_requests" else None)
                 return fut
 
         return Method()

@@ -65,12 +65,13 @@ class AnsweringWorker:
         class Method:
             def remote(self, *args: Any, **kwargs: Any) -> asyncio.Future:
                 loop = asyncio.get_running_loop()
-                if name == "add_request":
-                    out = pb.RequestOutput(request_id=args[0].request_id, new_token_ids=[1], num_output_tokens=1,
+                requests = [args[0]] if name == "add_request" else args[0] if name == "add_requests" else []
+                for request in requests:
+                    out = pb.RequestOutput(request_id=request.request_id, new_token_ids=[1], num_output_tokens=1,
                                            finish_reason="length", num_prompt_tokens=1)  # fmt: skip
                     loop.call_soon(router._on_output, "w", out)
                 fut = loop.create_future()
-                fut.set_result(None)
+                fut.set_result([None] * len(requests) if name == "add_requests" else None)
                 return fut
 
         return Method()

@@ -52,8 +52,10 @@ class FakeWorker:
             def remote(self, *args: Any, **kwargs: Any) -> asyncio.Future:
                 if name == "add_request":
                     worker.added.append(args[0])
+                if name == "add_requests":  # several placed while a call was in flight
+                    worker.added.extend(args[0])
                 fut = asyncio.get_running_loop().create_future()
-                fut.set_result(None)
+                fut.set_result([None] * len(args[0]) if name == "add_requests" else None)
                 return fut
 
         return Method()

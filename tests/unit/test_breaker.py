@@ -45,12 +45,12 @@ class _FailingWorker(FakeWorker):
 
         class _M:
             def remote(self, *args: Any, **kwargs: Any) -> asyncio.Future:
-                method.remote(*args, **kwargs)
+                answer = method.remote(*args, **kwargs)
                 fut = asyncio.get_running_loop().create_future()
-                if name == "add_request" and outer.failing:
+                if name in ("add_request", "add_requests") and outer.failing:
                     fut.set_exception(RuntimeError("engine refused the request"))
                 else:
-                    fut.set_result(None)
+                    fut.set_result(answer.result())
                 return fut
 
         return _M()

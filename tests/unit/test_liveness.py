@@ -52,7 +52,7 @@ class _Worker(FakeWorker):
                 elif name == "check_health" and outer.health_error is not None:
                     fut = asyncio.get_running_loop().create_future()
                     fut.set_exception(outer.health_error)
-                elif name == "add_request" and outer.hang_add_request:
+                elif name in ("add_request", "add_requests") and outer.hang_add_request:
                     fut = asyncio.get_running_loop().create_future()  # completes only if the test says so
                     outer.pending_adds.append(fut)
                 return fut

@@ -33,11 +33,20 @@ class _Method:
         self.calls.append((self.worker_id, request.request_id.partition("#")[0]))
 
 
+class _Batch(_Method):
+    async def remote(self, requests: list[WorkerRequest]) -> list[None]:  # type: ignore[override]
+        for request in requests:
+            await super().remote(request)
+        return [None] * len(requests)
+
+
 class _FakeWorker:
-    """Stands for a Ray actor handle: ``await handle.add_request.remote(...)`` records the call."""
+    """Stands for a Ray actor handle: ``await handle.add_request.remote(...)`` (or ``add_requests``, several
+    placed while one call was in flight) records the call."""
 
     def __init__(self, calls: list[tuple[str, str]], worker_id: str) -> None:
         self.add_request = _Method(calls, worker_id)
+        self.add_requests = _Batch(calls, worker_id)
 
 
 def _router(monkeypatch: pytest.MonkeyPatch) -> tuple[Router, list[tuple[str, str]]]:

@@ -146,7 +146,7 @@ class SimWorker:
     def __init__(self, worker_id: str, options: WorkerOptions, spec: SimSpec) -> None:
         self.worker_id, self.options, self.spec = worker_id, options, spec
         self.incarnation = uuid.uuid4().hex
-        self.outbox = Outbox()
+        self.outbox = Outbox(hold_s=options.router_hold_ms / 1000)
         self._lock = threading.Lock()
         self._running: dict[str, _Running] = {}
         self._steps = 0
@@ -192,6 +192,12 @@ class SimWorker:
     def add_request(self, request: WorkerRequest) -> None:
         with self._lock:
             self._running[request.request_id] = _Running(request, len(request.resume_output_ids))
+
+    def add_requests(self, requests: list[WorkerRequest]) -> list[tuple[str, str] | None]:
+        """As ``Worker.add_requests``: every one queued."""
+        for request in requests:
+            self.add_request(request)
+        return [None] * len(requests)
 
     def check_health(self) -> None:
         if not self._thread.is_alive():

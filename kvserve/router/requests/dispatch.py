@@ -29,7 +29,8 @@ _MAX_ORPHANS = 4096
 
 
 class Dispatcher:
-    """Sends requests to workers (Ray ``add_request``) and maps worker-side ids back to requests."""
+    """Sends requests to workers (Ray ``add_request``, or ``add_requests`` for several placed on one worker
+    while its previous call was in flight) and maps worker-side ids back to requests."""
 
     def __init__(self, router: RequestPipeline) -> None:
         self.router = router
@@ -39,6 +40,9 @@ class Dispatcher:
         self._orphans: OrderedDict[str, None] = OrderedDict()  # stray dispatch ids already aborted
         self._foreign_logged: set[str] = set()
         self.adding: set[str] = set()  # dispatch ids whose add_request call has not resolved yet
+        # id(worker entry) -> (entry, [(request, dispatch id)]) placed there and not sent yet (``_send``)
+        self._outgoing: dict[int, tuple[WorkerState, list[tuple[RouterRequest, str]]]] = {}
+        self._sending: set[int] = set()  # id(worker entry) with an add call in flight
 
     def current(self, worker_rid: str) -> RouterRequest | None:
         return self.by_worker_rid.get(worker_rid)
@@ -99,20 +103,80 @@ class Dispatcher:
         r.target = worker_id
         if r.started_at is None:
             r.started_at = time.monotonic()  # service time (kvserve/router/policy/service_times.py) counts from here
-        router.spawn(self._add_request(r, entry, r.worker_rid))
+        self._send(r, entry)
 
-    async def _add_request(self, r: RouterRequest, entry: WorkerState, worker_rid: str) -> None:
-        router = self.router
-        router.metrics.dispatched(time.monotonic() - r.arrival)
-        request = WorkerRequest(worker_rid, tuple(r.prompt_ids), r.params, r.priority, r.tenant or None,
-                                tuple(r.output_ids), owner=r.owner, owner_key=r.owner_key)  # fmt: skip
-        incarnation = entry.incarnation  # evidence from this call concerns this process only
-        # NOTE: the worker takes a request between two steps, so an answer slower than its stall
-        # threshold means it is stalled (kvserve/router/table/liveness.py): never wait longer.
+    def _send(self, r: RouterRequest, entry: WorkerState) -> None:
+        """Queue ``r``'s dispatch for ``entry``. At most one add call per worker is in flight; what is placed
+        there meanwhile goes in the next call, all together (``_send_all``). The worker takes requests only
+        between two steps and its actor answers calls one at a time, so a queued request waits no longer
+        than a call of its own would, and a burst of N arrivals costs the router a few actor calls per
+        worker, not N (issue 41: router CPU per request; a Ray call is a third of it)."""
+        key = id(entry)
+        self._outgoing.setdefault(key, (entry, []))[1].append((r, r.worker_rid))
+        if key not in self._sending:
+            self._sending.add(key)
+            self.router.spawn(self._send_all(key))
+
+    async def _send_all(self, key: int) -> None:
+        """Send ``key``'s queued dispatches, one call at a time, until none is left."""
         try:
-            await self.router.table.bounded(entry, entry.handle.add_request.remote(request))
-        except TimeoutError:
-            self._release(entry, worker_rid)
+            while key in self._outgoing:
+                entry, items = self._outgoing.pop(key)
+                if entry.state != WORKER_UP:  # it went down while they waited: continue them elsewhere
+                    for r, worker_rid in items:
+                        self._not_sent(r, entry, worker_rid)
+                    continue
+                await self._add_requests(entry, items)
+        finally:
+            self._sending.discard(key)
+
+    def _not_sent(self, r: RouterRequest, entry: WorkerState, worker_rid: str) -> None:
+        self._release(entry, worker_rid)
+        if r.worker_rid != worker_rid or r.finished:
+            return
+        r.target, r.worker_id = None, entry.worker_id
+        self.replay(r, entry.worker_id)
+
+    def _worker_request(self, r: RouterRequest, worker_rid: str) -> WorkerRequest:
+        return WorkerRequest(worker_rid, tuple(r.prompt_ids), r.params, r.priority, r.tenant or None,
+                             tuple(r.output_ids), owner=r.owner, owner_key=r.owner_key)  # fmt: skip
+
+    async def _add_requests(self, entry: WorkerState, items: list[tuple[RouterRequest, str]]) -> None:
+        """One ``add_request`` (a single request: the call every worker and test double answers) or
+        ``add_requests`` (several: per request None, or why the worker refused it) and each outcome applied
+        as that request's own. NOTE: the worker takes requests between two steps, so an answer slower
+        than its stall threshold means it is stalled (kvserve/router/table/liveness.py): never wait longer."""
+        router = self.router
+        now = time.monotonic()
+        for r, _ in items:
+            router.metrics.dispatched(now - r.arrival)
+        requests = [self._worker_request(r, worker_rid) for r, worker_rid in items]
+        incarnation = entry.incarnation  # evidence from this call concerns this process only
+        try:
+            if len(requests) == 1:
+                await router.table.bounded(entry, entry.handle.add_request.remote(requests[0]))
+                refusals: list[tuple[str, str] | None] = [None]
+            else:
+                refusals = await router.table.bounded(entry, entry.handle.add_requests.remote(requests))  # type: ignore[assignment]
+        except Exception as e:  # noqa: BLE001 - Ray wraps the worker's exception; each request meets it
+            for r, worker_rid in items:
+                self._not_added(r, entry, worker_rid, e, incarnation)
+            return
+        for (r, worker_rid), refusal in zip(items, refusals, strict=True):
+            if refusal is None:
+                self._added(r, entry, worker_rid)
+            else:
+                kind, message = refusal
+                self._not_added(r, entry, worker_rid, ValueError(message) if kind == "invalid" else
+                                RuntimeError(message), incarnation)  # fmt: skip
+
+    def _not_added(self, r: RouterRequest, entry: WorkerState, worker_rid: str, e: BaseException,
+                   incarnation: str | None) -> None:  # fmt: skip
+        """``r``'s add on ``entry`` failed with ``e``: a stalled worker is given up, a dead one is down (``r``
+        continues elsewhere either way), a refusal ends ``r`` (INVALID_ARGUMENT for bad input)."""
+        router = self.router
+        self._release(entry, worker_rid)
+        if isinstance(e, TimeoutError):
             if r.worker_rid != worker_rid or r.finished:
                 # NOTE: the call may still land: stop that copy (an abort of an unknown id is a no-op)
                 router.link.abort(entry.worker_id, worker_rid)
@@ -123,29 +187,30 @@ class Dispatcher:
             if r.worker_id == entry.worker_id:  # NOTE: give_up replays it unless it did not apply
                 self.replay(r, entry.worker_id)
             return
-        except Exception as e:  # noqa: BLE001 - Ray wraps the worker's exception
-            self._release(entry, worker_rid)
-            if r.worker_rid != worker_rid or r.finished:
-                return  # superseded meanwhile (its worker died and it was replayed, or it ended)
-            r.target = None
-            cause = getattr(e, "cause", e)
-            if isinstance(cause, ValueError):
-                router.lifecycle.fail(r, grpc.StatusCode.INVALID_ARGUMENT, str(cause))
-            elif actor_dead(e):
-                r.worker_id = entry.worker_id
-                router.table.down(entry, f"a call found its actor dead ({type(e).__name__})", incarnation)
-                if r.worker_id == entry.worker_id:  # a later process of it lives: continue elsewhere
-                    self.replay(r, entry.worker_id)
-            else:
-                logger.warning("dispatch of %s to %s failed: %r", r.request_id, entry.worker_id, e)
-                router.table.dispatch_failed(entry, repr(cause))  # its circuit breaker (router/table/breaker.py)
-                router.lifecycle.fail(r, grpc.StatusCode.UNAVAILABLE, f"worker {entry.worker_id} failed: {cause}")
-            return
+        if r.worker_rid != worker_rid or r.finished:
+            return  # superseded meanwhile (its worker died and it was replayed, or it ended)
+        r.target = None
+        cause = getattr(e, "cause", e)
+        if isinstance(cause, ValueError):
+            router.lifecycle.fail(r, grpc.StatusCode.INVALID_ARGUMENT, str(cause))
+        elif actor_dead(e):
+            r.worker_id = entry.worker_id
+            router.table.down(entry, f"a call found its actor dead ({type(e).__name__})", incarnation)
+            if r.worker_id == entry.worker_id:  # a later process of it lives: continue elsewhere
+                self.replay(r, entry.worker_id)
+        else:
+            logger.warning("dispatch of %s to %s failed: %r", r.request_id, entry.worker_id, e)
+            router.table.dispatch_failed(entry, repr(cause))  # its circuit breaker (router/table/breaker.py)
+            router.lifecycle.fail(r, grpc.StatusCode.UNAVAILABLE, f"worker {entry.worker_id} failed: {cause}")
+
+    def _added(self, r: RouterRequest, entry: WorkerState, worker_rid: str) -> None:
+        """``r`` is on ``entry`` now (or, superseded or ended meanwhile, its copy there is stopped)."""
+        router = self.router
         router.table.dispatch_ok(entry)
         if r.worker_rid != worker_rid or r.finished:
             # Superseded, or ended (the client left), while the call was in flight: this copy
             # landed and holds blocks on the worker, so stop it before releasing its promise.
-            await self._abort_landed(entry, worker_rid)
+            router.spawn(self._abort_landed(entry, worker_rid))
             return
         self.adding.discard(worker_rid)
         r.target = None

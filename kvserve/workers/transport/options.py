@@ -33,6 +33,13 @@ class WorkerOptions:
     tls_key: str | None = knob(None, help="PEM: client key (mTLS)")
     pressure_interval_ms: float = knob(50.0, help="most frequent pressure report, ms", check=NON_NEGATIVE)
     idle_report_s: float = knob(1.0, help="pressure report interval when nothing changes, s", check=POSITIVE)
+    # NOTE: 20 ms: the router then reads at most ~50 messages a second per worker whatever the step rate
+    # (issue 41); a finish reaches the router's admission at most this late, as pressure does by
+    # pressure_interval_ms. Clients' tokens never wait: owned ones go to the frontends, router-owned ones at once.
+    router_hold_ms: float = knob(
+        20.0, help="most an owned request's progress, block events and pressure wait to go to the router together, ms",
+        check=NON_NEGATIVE,
+    )  # fmt: skip
     high_watermark: float = knob(0.9, help="report at once when pool usage crosses this")
     low_watermark: float = knob(0.7, help="report at once when pool usage crosses this")
     # NOTE: 5 s: a few seconds above the slowest step we expect by default (~1 s: a full

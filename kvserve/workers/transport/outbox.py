@@ -12,12 +12,19 @@ the next message it gets carries every step since, one ``RequestOutput`` per req
 tokens (vLLM V1's ``RequestOutputCollector`` merges delta outputs for a slow consumer the same way).
 So the work per message (serialising, the router's demux, the client's stream) stops growing with the
 engine's step rate exactly when it would fall further behind, and nothing waits for a batch to fill.
+
+With ``hold_s`` > 0 a step message that carries nothing a client waits for (owned requests' progress,
+block events, pressure: docs/architecture.md §2a) is not taken until it is ``hold_s`` old, so every step
+in that window folds into it: the router pays its per-message cost at most ``1 / hold_s`` times a second
+per worker instead of once per step (issue 41: router CPU per request). A message with a router-owned
+request's output (a client's token), or any message after it, goes at once, as does every other message.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 
@@ -28,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 
 class Outbox:
-    def __init__(self, max_messages: int = 100_000) -> None:
+    def __init__(self, max_messages: int = 100_000, hold_s: float = 0.0) -> None:
         self._cond = threading.Condition()
         self._log: deque[pb.WorkerMessage] = deque()
         self._seq = 0
@@ -41,6 +48,9 @@ class Outbox:
         # reached the router and are never changed; only those above it may coalesce.
         self._taken = 0
         self.num_coalesced = 0  # steps folded into an earlier step's messages (a metric, for benches)
+        self.hold_s = hold_s
+        # (seq, monotonic birth) of the last message while it may still be held (None: it goes at once)
+        self._holdable: tuple[int, float] | None = None
 
     @property
     def last_seq(self) -> int:
@@ -54,6 +64,7 @@ class Outbox:
             self._seq += 1
             msg.seq = self._seq
             self._log.append(msg)
+            self._holdable = None
             if len(self._log) > self.max_messages:
                 dropped = self._log.popleft()
                 logger.warning("outbox full: dropped message seq %d (router unreachable?)", dropped.seq)
@@ -87,13 +98,17 @@ class Outbox:
             if outputs is None and events is None and pressure is None:
                 return False
             last = self._log[-1] if self._log else None
+            urgent = outputs is not None and not _progress_only(outputs)
             if last is not None and last.seq > self._taken and last.WhichOneof("body") == "step":
                 _merge_step(last.step, outputs, events, pressure)
                 self.num_coalesced += 1
+                if urgent:
+                    self._holdable = None
             else:
                 self._seq += 1
                 step = pb.StepMessages(outputs=outputs, events=events, pressure=pressure)
                 self._log.append(pb.WorkerMessage(seq=self._seq, step=step))
+                self._holdable = None if urgent or self.hold_s <= 0 else (self._seq, time.monotonic())
                 while len(self._log) > self.max_messages:
                     dropped = self._log.popleft()
                     logger.warning("outbox full: dropped message seq %d (router unreachable?)", dropped.seq)
@@ -123,24 +138,30 @@ class Outbox:
             cursor = 0
             while True:
                 with self._cond:
-                    while (
-                        not self._closed
-                        and generation == self._generation
-                        and (not self._log or self._log[-1].seq <= cursor)
-                    ):
-                        self._cond.wait(timeout=0.5)
+                    while not self._closed and generation == self._generation:
+                        held = self._held_for()
+                        end = len(self._log) - (1 if held > 0 else 0)  # NOTE: only the last one is ever held
+                        if end > 0 and self._log[end - 1].seq > cursor:
+                            break
+                        self._cond.wait(timeout=held if held > 0 and self._log[-1].seq > cursor else 0.5)
                     if self._closed or generation != self._generation:
                         return
-                    i = len(self._log)
+                    i = end
                     while i > 0 and self._log[i - 1].seq > cursor:
                         i -= 1
-                    batch = [self._log[j] for j in range(i, len(self._log))]
+                    batch = [self._log[j] for j in range(i, end)]
                     self._taken = max(self._taken, batch[-1].seq)
                 for msg in batch:
                     cursor = msg.seq
                     yield msg
 
         return stream()
+
+    def _held_for(self) -> float:
+        """Seconds the last message is still held (0: it may go). Caller holds ``_cond``."""
+        if self._holdable is None or not self._log or self._log[-1].seq != self._holdable[0]:
+            return 0.0
+        return max(0.0, self._holdable[1] + self.hold_s - time.monotonic())
 
     def disconnected(self) -> None:
         with self._cond:
@@ -152,6 +173,11 @@ class Outbox:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+
+
+def _progress_only(outputs: pb.StepOutputs) -> bool:
+    """``outputs`` carries owned requests' progress only (no client waits on the router for it)."""
+    return not outputs.HasField("columns") and all(o.owned for o in outputs.outputs)
 
 
 def _merge_step(

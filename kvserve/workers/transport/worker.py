@@ -74,7 +74,7 @@ class WorkerCore:
         self._inbox: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self.outbox = Outbox()
+        self.outbox = Outbox(hold_s=self.options.router_hold_ms / 1000)
         o = self.options
         self._pressure = PressurePolicy.from_options(o)
         self._report_seq = 0
@@ -137,6 +137,30 @@ class WorkerCore:
                 self._own(request.request_id, (request.owner, request.owner_key))
 
         self._call(add)
+
+    def add_requests(self, requests: list[WorkerRequest]) -> list[tuple[str, str] | None]:
+        """``add_request`` for several in one turn of the engine thread (the router batches a burst).
+        Per request: None (queued) or why it was refused, ``("invalid", message)`` for bad input (a
+        ValueError) or ``("error", message)``; one refused never stops the others. Raises WorkerError
+        (dead) for all of them."""
+
+        def add_all() -> list[tuple[str, str] | None]:
+            refusals: list[tuple[str, str] | None] = []
+            for request in requests:
+                try:
+                    self.engine.add_request(request)
+                except ValueError as e:
+                    refusals.append(("invalid", str(e)))
+                    continue
+                except Exception as e:  # noqa: BLE001 - reported for this request alone, as add_request raises it
+                    refusals.append(("error", f"{type(e).__name__}: {e}"))
+                    continue
+                if request.owner:
+                    self._own(request.request_id, (request.owner, request.owner_key))
+                refusals.append(None)
+            return refusals
+
+        return self._call(add_all)
 
     def abort(self, request_id: str) -> bool:
         return self._call(lambda: self._abort(request_id))
