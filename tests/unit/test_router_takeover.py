@@ -11,6 +11,8 @@ import grpc
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 from kvserve.protos.kvserve.v1 import worker_pb2 as pb
 from kvserve.router.api.server import KVServeServicer
+from kvserve.router.gate.prompts import prompt_ids
+from kvserve.router.gate.validation import ModelLimits, ValidationError
 from kvserve.router.requests.mux import StreamMux
 from kvserve.router.requests.request import RouterError
 from kvserve.router.requests.takeover import ResumeGrant
@@ -174,3 +176,12 @@ def test_only_a_frontend_stream_may_take_over_and_the_handler_binds_the_grant_to
         assert err.code == grpc.StatusCode.NOT_FOUND.value[0] and live["k1"].owner_key == "k1"
 
     _run(test)
+
+
+def test_a_resume_sent_to_the_router_direct_is_refused_naming_the_field() -> None:
+    req = spb.GenerateRequest(request_id="c", resume=spb.ResumeStream(token=TOKEN, num_tokens=3))
+    try:
+        prompt_ids(req, ModelLimits(vocab_size=100, max_model_len=64), None, None)
+        raise AssertionError("a resume without a frontend was taken as a request")
+    except ValidationError as e:
+        assert e.field == "resume" and "frontend" in str(e)

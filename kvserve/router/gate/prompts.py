@@ -110,6 +110,8 @@ def prompt_ids(
             raise ValidationError("prompt.messages", str(e)) from e
         validate_prompt_ids(ids, limits, "prompt.messages")
         return ids
+    if request.HasField("resume"):  # NOTE: a frontend's client resuming; the router direct owns no stream to resume
+        raise ValidationError("resume", "a stream resumes only through a frontend (kvserve frontend / --frontends)")
     raise ValidationError("prompt", "set prompt.text, prompt.token_ids or prompt.messages")
 
 
