@@ -39,10 +39,12 @@ from kvserve.workers.engine.config import EngineConfig
 from kvserve.workers.engine.engine import make_engine
 from kvserve.workers.engine.migration import MigrationState
 from kvserve.workers.engine.outputs import RequestOutput
+from kvserve.workers.engine.request import Request
 from kvserve.workers.transport.data_links import PROGRESS_INTERVAL_S, DataLinks, owner_request_id
 from kvserve.workers.transport.options import WorkerOptions
 from kvserve.workers.transport.outbox import Outbox
 from kvserve.workers.transport.pressure import PressurePolicy, pressure_report
+from kvserve.workers.transport.reown import FinishedOwned, catch_up
 from kvserve.workers.transport.request_table import owned_request_proto
 from kvserve.workers.transport.worker_link import WorkerLinkClient
 
@@ -106,6 +108,10 @@ class WorkerCore:
         # owner key), and each one's last progress on the router's link (monotonic, preemptions, swaps).
         self._owners: dict[str, tuple[str, str]] = {}
         self._progress: dict[str, tuple[float, int, int]] = {}
+        # Each owned request's engine Request (its whole output, for a take-over's catch-up: reown.py), and the
+        # ones that finished while their owner's data link was down (their client may lack the end).
+        self._owned_reqs: dict[str, Request] = {}
+        self._finished_owned = FinishedOwned(o.orphan_timeout_s)
         self.data_links = DataLinks(o, hello=self._hello, submit=self._submit, abort=self._abort_owned)
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -399,6 +405,9 @@ class WorkerCore:
             if (p := self._due_progress(o, now)) is not None:
                 progress.append(p)
             if o.finish_reason is not None:
+                req = self._owned_reqs.get(o.request_id)
+                if req is not None and self.data_links.disconnected_for(address) > 0:
+                    self._finished_owned.keep(o.request_id, req, now)
                 self._forget(o.request_id)
         for address, outs in owned.items():
             self.data_links.outbox_for(address).put_step(_step_outputs(step, outs), None, None)
@@ -429,12 +438,29 @@ class WorkerCore:
         so it is up by the first token (and an owner that never answers orphans the request in time)."""
         self._owners[request_id] = owner
         self._progress.pop(request_id, None)
+        req = self.engine.requests.get(request_id)
+        if req is not None:
+            self._owned_reqs[request_id] = req
         self.data_links.outbox_for(owner[0])
+
+    def _reown(self, request_id: str, address: str, key: str) -> bool:
+        """Engine thread: a take-over (reown.py): ``request_id`` streams to (``address``, ``key``) from now on,
+        starting with its catch-up (all its output so far); a request that finished unread gets its final
+        output there. False: neither here (it moved or ended; the router tells the new owner NOT_FOUND)."""
+        req = self.engine.requests.get(request_id) if request_id in self._owners else None
+        if req is not None:
+            self._own(request_id, (address, key))
+        elif (req := self._finished_owned.take(request_id)) is None:
+            return False
+        out = catch_up(req, owner_request_id(key, request_id))
+        self.data_links.outbox_for(address).put_step(_step_outputs(self.engine.num_steps, [out]), None, None)
+        return True
 
     def _forget(self, request_id: str) -> None:
         """Engine thread: the request left this worker (finished, aborted, migrated away)."""
         self._owners.pop(request_id, None)
         self._progress.pop(request_id, None)
+        self._owned_reqs.pop(request_id, None)
 
     def _abort_owned(self, address: str, key: str) -> bool:
         """Engine thread: abort what the owner at ``address`` knows as ``key`` (an Abort on its data link);
@@ -508,6 +534,9 @@ class WorkerCore:
             ok = self.engine.preempt_request(rid, _PREEMPT_MODES[cmd.preempt.mode])
         elif kind == "request_snapshot":
             self._send_snapshot()
+        elif kind == "reown":
+            rid = cmd.reown.request_id
+            ok = self._reown(rid, cmd.reown.owner.address, cmd.reown.owner.key)
         if not ok:
             logger.info("worker %s: %s for unknown or inapplicable request %r ignored", self.worker_id, kind, rid)
         self.outbox.put(pb.WorkerMessage(ack=pb.CommandAck(command_seq=cmd.seq, request_id=rid, ok=ok)))
