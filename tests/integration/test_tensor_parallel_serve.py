@@ -3,7 +3,7 @@ actors in the worker's own STRICT_PACK placement group (rank 0 = the worker acto
 ``RankActor`` in bundle 1); the router sees one worker per group. Streams equal offline greedy (TP=1) and HF; a
 rank actor SIGKILLed mid-stream takes its worker down as one, the stream continues token-identical (replayed on
 the other worker) and the group comes back whole (Ray restarts rank 0, which starts a new rank actor in the same
-bundle); shutdown leaves no placement group and no actor behind."""
+bundle), as it does when rank 0 itself is SIGKILLed; shutdown leaves no placement group and no actor behind."""
 
 from __future__ import annotations
 
@@ -154,25 +154,45 @@ def test_killed_rank_actor_replays_elsewhere_and_group_returns(tp_cluster, expec
                     os.kill(old["pid"], signal.SIGKILL)  # the rank actor's process, mid-stream
     assert victim is not None
     assert tokens == want  # the stream went on elsewhere, token-identical
-    # The group comes back whole: a new rank 0 (Ray restarted the worker actor) with a new rank actor in bundle 1.
+    _assert_group_returns(tp_cluster, victim, old_pid, old["actor_id"], expected)
+
+
+def test_killed_rank0_ends_its_rank_actor_and_group_returns(tp_cluster, expected) -> None:
+    """SIGKILL rank 0 (the worker actor's process): its rank actor does not outlive it, and Ray's restart of
+    rank 0 brings the group back whole in the same bundles."""
+    victim = "worker-1"
+    old_pid = _pid(tp_cluster, victim)
+    (rank1,) = _rank_actors(tp_cluster, victim)
+    old = _where(rank1)
+    os.kill(old_pid, signal.SIGKILL)
+    _assert_group_returns(tp_cluster, victim, old_pid, old["actor_id"], expected)
+
+
+def _assert_group_returns(cluster, victim: str, old_pid: int, old_rank: str, expected) -> None:
+    """The group comes back whole: a new rank 0 (Ray restarted the worker actor) with a new rank actor in bundle
+    1, the old rank actor dead (never restarted alone, never left beside the new one), serving token-identical."""
     deadline = time.monotonic() + 180
     new = None
     while time.monotonic() < deadline:
         try:
-            pid = _pid(tp_cluster, victim)
-            ranks = _rank_actors(tp_cluster, victim)
+            pid = _pid(cluster, victim)
+            ranks = _rank_actors(cluster, victim)
             new = _where(ranks[0]) if len(ranks) == 1 else None
         except Exception:  # noqa: BLE001 - restarting: an actor does not answer yet
             pid, new = None, None
-        if pid is not None and pid != old_pid and new is not None and new["actor_id"] != old["actor_id"]:
+        if pid is not None and pid != old_pid and new is not None and new["actor_id"] != old_rank:
             break
         time.sleep(0.5)
     else:
         pytest.fail(f"{victim} did not come back as a whole group")
-    assert _assert_group_placed(tp_cluster, victim)["actor_id"] == new["actor_id"]  # same group, same bundles
-    assert _actor_table()[old["actor_id"]]["State"] == "DEAD"  # never restarted alone
-    # and the group serves again, token-identical
-    with KVServeClient(tp_cluster.address, timeout=RPC_TIMEOUT) as client:
+    assert _assert_group_placed(cluster, victim)["actor_id"] == new["actor_id"]  # same group, same bundles
+    assert _actor_table()[old_rank]["State"] == "DEAD"
+    # and both groups serve again, token-identical
+    with KVServeClient(cluster.address, timeout=RPC_TIMEOUT) as client:
+        wait = time.monotonic() + 120
+        while not all(w.healthy for w in client.status().workers):
+            assert time.monotonic() < wait, "the restarted worker never became healthy"
+            time.sleep(0.2)
         prompts = [rand_prompt(80 + i, 12) for i in range(4)]
         with cf.ThreadPoolExecutor(len(prompts)) as ex:
             results = list(ex.map(lambda p: client.generate_all(p, max_tokens=8, ignore_eos=True), prompts))
