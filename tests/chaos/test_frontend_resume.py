@@ -10,7 +10,8 @@ own their requests (data services; real gRPC on 127.0.0.1, real Ray).
 * The frontend SIGKILLed under sync and async ``KVServeClient`` streams (greedy and seeded) given both
   frontends' addresses: every stream resumes through the other and ends token- and text-identical to an
   undisturbed run (no token duplicated or missing), one of them only after its request finished on its worker
-  while its owner was dead (its tail resent once); no KV block is left used.
+  while its owner was dead (its tail resent once), and one cancelled by its client after its resume (it ends
+  CANCELLED with a prefix of the right tokens); no KV block is left used.
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ class Reader:
     token: str = ""
     request_id: str = ""
     hold: threading.Event | None = None
+    cancel_after_resume: int = 0  # >0: cancel the stream once it got this many tokens after its resume
     started: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -141,6 +143,8 @@ class Reader:
                         self.started.set()
                         if self.hold is not None:
                             self.hold.wait(TIMEOUT_S)
+                    if stream.resumes and self.cancel_after_resume and len(self.ids) >= self.cancel_after_resume:
+                        stream.cancel()  # NOTE: the new owner aborts it: its blocks must be freed
                 self.resumes = stream.resumes
         except BaseException as e:  # noqa: BLE001 - what the client saw is the result
             self.error = e
@@ -216,7 +220,8 @@ def test_a_killed_frontends_streams_resume_through_the_other_token_identical(fro
     long_tokens, late_tokens = 300, 60
     jobs = [(prompt(100 + i), _kwargs(long_tokens, 9000 + i if i % 2 else None)) for i in range(6)]
     late_job = (prompt(120), _kwargs(late_tokens, None))
-    *reference, late_ref = _reference(c, [*jobs, late_job])
+    cancel_job = (prompt(130), _kwargs(long_tokens, None))
+    *reference, late_ref, cancel_ref = _reference(c, [*jobs, late_job, cancel_job])
     c.wait_idle()
 
     readers = [Reader() for _ in jobs]
@@ -230,19 +235,23 @@ def test_a_killed_frontends_streams_resume_through_the_other_token_identical(fro
     # NOTE: this one stops reading after its first tokens; its request runs on and ends while fe0 is dead
     late = Reader(hold=threading.Event())
     threading.Thread(target=late.read_sync, args=(addresses, *late_job), daemon=True).start()
-    for r in [*readers, late]:
+    # NOTE: and this one is cancelled by its client after its resume (and after the late one finished): the new
+    # owner must free its blocks
+    cancelled = Reader(cancel_after_resume=150)
+    threading.Thread(target=cancelled.read_sync, args=(addresses, *cancel_job), daemon=True).start()
+    for r in [*readers, late, cancelled]:
         assert r.started.wait(120) and r.error is None and r.ids, r.error
     at_kill = [len(r.ids) for r in [*readers, late]]
     t_kill = time.monotonic()
     fronts.procs[0].popen.kill()  # SIGKILL: every stream above is on fe0 (their first address)
     # the late request finishes on its worker (the others, 5x longer, still run): then its client reads on
     deadline = time.monotonic() + 120
-    while c.status().router.requests_in_flight > len(readers):
+    while c.status().router.requests_in_flight > len(readers) + 1:
         assert time.monotonic() < deadline, "the late request never finished on its worker"
         time.sleep(0.05)
-    assert not any(r.done.is_set() for r in readers), "a long stream ended before the late one: nothing tested"
+    assert not any(r.done.is_set() for r in [*readers, cancelled]), "a long stream ended before the late one"
     late.hold.set()  # type: ignore[union-attr]
-    for r in [*readers, late]:
+    for r in [*readers, late, cancelled]:
         assert r.done.wait(TIMEOUT_S), "a stream hangs"
     gaps = []
     for r, ref, n in zip([*readers, late], [*reference, late_ref], at_kill, strict=True):
@@ -253,10 +262,13 @@ def test_a_killed_frontends_streams_resume_through_the_other_token_identical(fro
         assert r.final.usage.completion_tokens == len(ref[0])
         assert n < len(ref[0]) and r.resumes == 1, (n, r.resumes)
         gaps.append(n)
-    c.wait_idle(timeout=60)  # NOTE: every block free on every worker, pool integrity checked
+    assert isinstance(cancelled.error, grpc.RpcError) and cancelled.error.code() == grpc.StatusCode.CANCELLED
+    assert 150 <= len(cancelled.ids) < long_tokens
+    assert cancelled.ids == cancel_ref[0][: len(cancelled.ids)]
+    c.wait_idle(timeout=60)  # NOTE: every block free on every worker (the cancelled one's too), integrity checked
     # the gap each (not held) stream saw: its first response after the kill less its last one before
     gap = max(min(t for t in r.times if t > t_kill) - max(t for t in r.times if t <= t_kill) for r in readers)
-    print(f"\nFIGURES frontend SIGKILL under {len(readers) + 1} KVServeClient streams (3 sync, 3 async, 1 late reader; "
-          f"greedy and seeded): all resumed through the other frontend token- and text-identical; tokens at the kill "
-          f"{gaps}; longest gap across the kill {gap:.2f}s; all done {time.monotonic() - t_kill:.1f}s after the kill; "
-          "blocks leaked 0")
+    print(f"\nFIGURES frontend SIGKILL under {len(readers) + 2} KVServeClient streams (3 sync, 3 async, 1 late "
+          f"reader, 1 cancelled after its resume; greedy and seeded): all resumed through the other frontend token- "
+          f"and text-identical; tokens at the kill {gaps}; longest gap across the kill {gap:.2f}s; all done "
+          f"{time.monotonic() - t_kill:.1f}s after the kill; blocks leaked 0")
