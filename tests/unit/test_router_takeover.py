@@ -185,3 +185,21 @@ def test_a_resume_sent_to_the_router_direct_is_refused_naming_the_field() -> Non
         raise AssertionError("a resume without a frontend was taken as a request")
     except ValidationError as e:
         assert e.field == "resume" and "frontend" in str(e)
+
+
+def test_a_reown_its_worker_refuses_while_the_router_has_it_live_is_answered_unavailable_and_retried() -> None:
+    async def test() -> None:
+        router, mux, r = _kept_request()
+        await _settle()
+        router.owned.stream_ended(mux, [r])
+        new = StreamMux()
+        _take(router, new)
+        (seq,) = [c.seq for c in _commands(router, r.worker_id) if c.HasField("reown")]
+        router.on_message(r.worker_id, pb.WorkerMessage(ack=pb.CommandAck(command_seq=seq, ok=False)))
+        (err,) = new.take().errors
+        assert err.code == grpc.StatusCode.UNAVAILABLE.value[0], "a live request (a migration's export): retry"
+        again = StreamMux()
+        _take(router, again, key="k3")  # the client's retry: the grant still holds
+        assert r.owner_key == "k3" and [x.owner.key for x in _reowns(router, r.worker_id)] == ["k2", "k3"]
+
+    _run(test)

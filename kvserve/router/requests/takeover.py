@@ -148,6 +148,12 @@ class TakeOvers:
         key, mux = pending
         if ack.ok:
             mux.placed(key)
+            return
+        r = self.owners.by_key.get(key)
+        if r is not None and not r.finished:
+            # NOTE: not on that worker though the router has it live: a live migration's export took it off the
+            # engine meanwhile; once it lands, a retry reaches its new worker
+            mux.put(key, RouterError(grpc.StatusCode.UNAVAILABLE, "the request is moving between workers; retry"))
         else:
             mux.put(key, RouterError(grpc.StatusCode.NOT_FOUND, f"{NOT_RESUMABLE} (it ended on its worker)"))
 
