@@ -193,11 +193,10 @@ class SimWorker:
         with self._lock:
             self._running[request.request_id] = _Running(request, len(request.resume_output_ids))
 
-    def add_requests(self, requests: list[WorkerRequest]) -> list[tuple[str, str] | None]:
-        """As ``Worker.add_requests``: every one queued."""
+    def add_requests(self, requests: list[WorkerRequest]) -> None:
+        """As ``Worker.add_requests``: every one queued (None)."""
         for request in requests:
             self.add_request(request)
-        return [None] * len(requests)
 
     def check_health(self) -> None:
         if not self._thread.is_alive():

@@ -126,7 +126,14 @@ class Dispatcher:
                     for r, worker_rid in items:
                         self._not_sent(r, entry, worker_rid)
                     continue
-                await self._add_requests(entry, items)
+                try:
+                    await self._add_requests(entry, items)
+                except Exception:  # noqa: BLE001 - a bug here must not leave these requests waiting forever
+                    logger.exception("dispatching %d request(s) to %s failed", len(items), entry.worker_id)
+                    for r, worker_rid in items:
+                        if r.worker_rid == worker_rid and not r.finished and r.worker_id is None:
+                            self._release(entry, worker_rid)
+                            self.router.lifecycle.fail(r, grpc.StatusCode.INTERNAL, "dispatch failed (router bug)")
         finally:
             self._sending.discard(key)
 
@@ -143,7 +150,8 @@ class Dispatcher:
 
     async def _add_requests(self, entry: WorkerState, items: list[tuple[RouterRequest, str]]) -> None:
         """One ``add_request`` (a single request: the call every worker and test double answers) or
-        ``add_requests`` (several: per request None, or why the worker refused it) and each outcome applied
+        ``add_requests`` (several: None when all were queued, else per request None or why the worker refused it),
+        and each outcome applied
         as that request's own. NOTE: the worker takes requests between two steps, so an answer slower
         than its stall threshold means it is stalled (kvserve/router/table/liveness.py): never wait longer."""
         router = self.router
@@ -155,14 +163,14 @@ class Dispatcher:
         try:
             if len(requests) == 1:
                 await router.table.bounded(entry, entry.handle.add_request.remote(requests[0]))
-                refusals: list[tuple[str, str] | None] = [None]
+                refusals: list[tuple[str, str] | None] | None = None
             else:
-                refusals = await router.table.bounded(entry, entry.handle.add_requests.remote(requests))  # type: ignore[assignment]
+                refusals = await router.table.bounded(entry, entry.handle.add_requests.remote(requests))
         except Exception as e:  # noqa: BLE001 - Ray wraps the worker's exception; each request meets it
             for r, worker_rid in items:
                 self._not_added(r, entry, worker_rid, e, incarnation)
             return
-        for (r, worker_rid), refusal in zip(items, refusals, strict=True):
+        for (r, worker_rid), refusal in zip(items, refusals or [None] * len(items), strict=True):
             if refusal is None:
                 self._added(r, entry, worker_rid)
             else:

@@ -144,11 +144,11 @@ class WorkerCore:
 
         self._call(add)
 
-    def add_requests(self, requests: list[WorkerRequest]) -> list[tuple[str, str] | None]:
+    def add_requests(self, requests: list[WorkerRequest]) -> list[tuple[str, str] | None] | None:
         """``add_request`` for several in one turn of the engine thread (the router batches a burst).
-        Per request: None (queued) or why it was refused, ``("invalid", message)`` for bad input (a
-        ValueError) or ``("error", message)``; one refused never stops the others. Raises WorkerError
-        (dead) for all of them."""
+        None when every one was queued (the common answer, the smallest); else per request None (queued)
+        or why it was refused, ``("invalid", message)`` for bad input (a ValueError) or ``("error",
+        message)``; one refused never stops the others. Raises WorkerError (dead) for all of them."""
 
         def add_all() -> list[tuple[str, str] | None]:
             refusals: list[tuple[str, str] | None] = []
@@ -164,7 +164,7 @@ class WorkerCore:
                 if request.owner:
                     self._own(request.request_id, (request.owner, request.owner_key))
                 refusals.append(None)
-            return refusals
+            return refusals if any(refusals) else None
 
         return self._call(add_all)
 

@@ -87,9 +87,9 @@ class Worker:
         (failover replay: the router passes what it already streamed)."""
         self.core.add_request(request)
 
-    def add_requests(self, requests: list[WorkerRequest]) -> list[tuple[str, str] | None]:
-        """Several ``add_request`` in one call (a burst the router placed here): per request None or why
-        it was refused (``WorkerCore.add_requests``)."""
+    def add_requests(self, requests: list[WorkerRequest]) -> list[tuple[str, str] | None] | None:
+        """Several ``add_request`` in one call (a burst the router placed here): None when all were queued,
+        else per request None or why it was refused (``WorkerCore.add_requests``)."""
         return self.core.add_requests(requests)
 
     def abort(self, request_id: str) -> bool:
