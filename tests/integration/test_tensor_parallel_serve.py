@@ -3,7 +3,8 @@ actors in the worker's own STRICT_PACK placement group (rank 0 = the worker acto
 ``RankActor`` in bundle 1); the router sees one worker per group. Streams equal offline greedy (TP=1) and HF; a
 rank actor SIGKILLed mid-stream takes its worker down as one, the stream continues token-identical (replayed on
 the other worker) and the group comes back whole (Ray restarts rank 0, which starts a new rank actor in the same
-bundle), as it does when rank 0 itself is SIGKILLed; shutdown leaves no placement group and no actor behind."""
+bundle), as it does when the rank actor hangs (SIGSTOP) or rank 0 itself is SIGKILLed; shutdown leaves no
+placement group and no actor behind."""
 
 from __future__ import annotations
 
@@ -155,6 +156,38 @@ def test_killed_rank_actor_replays_elsewhere_and_group_returns(tp_cluster, expec
     assert victim is not None
     assert tokens == want  # the stream went on elsewhere, token-identical
     _assert_group_returns(tp_cluster, victim, old_pid, old["actor_id"], expected)
+
+
+def test_hung_rank_actor_takes_its_group_down_and_group_returns(tp_cluster, expected) -> None:
+    """SIGSTOP a rank actor mid-stream (alive to the OS and to Ray, never answers its collective): rank 0's step
+    blocks without computing, the liveness rule declares the worker stalled, its stream is replayed elsewhere
+    token-identical and the group comes back whole without the hung rank (killed, not resumed)."""
+    prompt = rand_prompt(78, 20)
+    want = expected([prompt], 96)[0]
+    tokens: list[int] = []
+    stopped = None
+    try:
+        with KVServeClient(tp_cluster.address, timeout=RPC_TIMEOUT) as client:
+            with client.generate(prompt, max_tokens=96, ignore_eos=True) as stream:
+                victim = None
+                for response in stream:
+                    tokens.extend(response.token_ids)
+                    if victim is None and len(tokens) >= 4 and response.worker_id:
+                        victim = response.worker_id
+                        old_pid = _pid(tp_cluster, victim)
+                        (rank1,) = _rank_actors(tp_cluster, victim)
+                        old = _where(rank1)
+                        stopped = old["pid"]
+                        os.kill(stopped, signal.SIGSTOP)
+        assert victim is not None
+        assert tokens == want  # the stream went on elsewhere, token-identical
+        _assert_group_returns(tp_cluster, victim, old_pid, old["actor_id"], expected)
+    finally:
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGCONT)  # only if the test failed before the group replaced it
+            except ProcessLookupError:
+                pass
 
 
 def test_killed_rank0_ends_its_rank_actor_and_group_returns(tp_cluster, expected) -> None:
