@@ -54,6 +54,13 @@ class RelayBackend:
         await self.relay.admitted(handles)
         return handles
 
+    async def take_over(self, client: str, request: spb.GenerateRequest, authorization: str | None) -> RelayedRequest:
+        """Resume a stream another frontend owned (``request.resume``: the HTTP API's ``kvserve-resume``); waits for
+        the router's first answer, so a refusal is an HTTP status (404) before any body."""
+        handle = self.relay.link.take_over(authorization, request, client)
+        await self.relay.admitted([handle])
+        return handle
+
     def expire(self, handle: RelayedRequest, error: RouterError) -> None:
         if not handle.finished:
             handle.put(error)  # ends its stream (and marks it finished) ...

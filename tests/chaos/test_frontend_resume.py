@@ -2,7 +2,7 @@
 (issue 41 item 3; docs/architecture.md 2a "Resuming through another frontend").
 
 A 2-worker ``kvserve serve`` (tiny model, CPU, API keys of two tenants) and two ``kvserve frontend`` processes that
-own their requests (data services; real gRPC on 127.0.0.1, real Ray).
+own their requests (data services; real gRPC and HTTP on 127.0.0.1, real Ray).
 
 * Attacks at the trust boundary, both frontends alive: a resume through the other frontend with a wrong token,
   with another tenant's key, for an unknown id, for a request that finished: each refused NOT_FOUND, and the
@@ -11,7 +11,8 @@ own their requests (data services; real gRPC on 127.0.0.1, real Ray).
   frontends' addresses: every stream resumes through the other and ends token- and text-identical to an
   undisturbed run (no token duplicated or missing), one of them only after its request finished on its worker
   while its owner was dead (its tail resent once), and one cancelled by its client after its resume (it ends
-  CANCELLED with a prefix of the right tokens); no KV block is left used.
+  CANCELLED with a prefix of the right tokens); two HTTP/SSE completions (greedy, seeded) resume the same way
+  through the other frontend's HTTP API (the ``kvserve-resume`` header); no KV block is left used.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 
 from kvserve.cluster.client import AsyncKVServeClient, KVServeClient
@@ -39,7 +41,7 @@ from kvserve.protos.kvserve.v1 import serving_pb2_grpc
 from kvserve.router.gate.tenancy import hash_key
 from tests.chaos.conftest import ServedCluster, serve_cluster, stop_cluster
 from tests.chaos.streams import prompt
-from tests.integration.test_serve import Proc, clean_env, kvserve_argv
+from tests.integration.test_serve import HTTP_LINE, Proc, clean_env, kvserve_argv
 
 FRONTEND_LINE = re.compile(r"frontend \S+ serving gRPC kvserve.v1.KVServe on (\S+),")
 KEY_A, KEY_B = "key-of-tenant-alpha", "key-of-tenant-beta"
@@ -52,6 +54,7 @@ class Frontends:
     cluster: ServedCluster
     procs: list[Proc]
     addresses: list[str]
+    http: list[str]  # each frontend's HTTP base URL (.../v1)
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +77,12 @@ def fronts(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     try:
         for i in range(2):
             procs.append(Proc(kvserve_argv("frontend", "--router", c.address, "--model", str(c.model_dir),
-                                           "--grpc-port", "0", "--http-port", "off", "--frontend-id", f"fe{i}",
+                                           "--grpc-port", "0", "--http-port", "0", "--frontend-id", f"fe{i}",
                                            "--auth-keys", str(keys)),
                               clean_env(**{FRONTEND_KEY_ENV: key})))  # fmt: skip
         addresses = [p.wait_for_line(FRONTEND_LINE, timeout=120).group(1) for p in procs]
-        yield Frontends(c, procs, addresses)
+        http = [p.wait_for_line(HTTP_LINE, timeout=60).group(1) for p in procs]
+        yield Frontends(c, procs, addresses, http)
     finally:
         for p in procs:
             if p.popen.poll() is None:
@@ -168,6 +172,57 @@ class Reader:
             self.done.set()
 
 
+@dataclass
+class SseReader:
+    """One streamed completion over HTTP/SSE (kvserve's resume extension: the ``kvserve-resume`` header): read on
+    a thread through ``bases[0]``; a stream that breaks before ``[DONE]`` is resumed through the next base with
+    the ids and text characters it has."""
+
+    bases: list[str]
+    body: dict
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    done: bool = False  # ``[DONE]`` came
+    resumes: int = 0
+    finish: str = ""
+    error: BaseException | None = None
+    started: threading.Event = field(default_factory=threading.Event)
+    ended: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        headers = {"authorization": f"Bearer {KEY_A}"}
+        body = {**self.body, "stream": True, "return_token_ids": True}
+        resume = ""
+        try:
+            for base in self.bases:
+                try:
+                    extra = {"kvserve-resume": f"{resume} {len(self.ids)} {len(self.text)}"} if self.resumes else {}
+                    with httpx.stream("POST", f"{base}/completions", json=body, headers={**headers, **extra},
+                                      timeout=TIMEOUT_S) as r:  # fmt: skip
+                        assert r.status_code == 200, r.read()
+                        resume = resume or r.headers["kvserve-resume"]
+                        for line in r.iter_lines():
+                            if line == "data: [DONE]":
+                                self.done = True
+                            elif line.startswith("data: "):
+                                for choice in json.loads(line[6:])["choices"]:
+                                    self.ids.extend(choice.get("token_ids") or ())
+                                    self.text += choice.get("text") or ""
+                                    self.finish = choice.get("finish_reason") or self.finish
+                                if len(self.ids) >= 3:
+                                    self.started.set()
+                except httpx.HTTPError:
+                    pass  # NOTE: the frontend died mid-stream: resume through the next one
+                if self.done:
+                    return
+                self.resumes += 1
+        except BaseException as e:  # noqa: BLE001 - what the client saw is the result
+            self.error = e
+        finally:
+            self.started.set()
+            self.ended.set()
+
+
 def _resume(address: str, key: str, rid: str, token: str, n: int = 0) -> grpc.RpcError | None:
     """One resume call; the error it ended with (None: it streamed)."""
     req = spb.GenerateRequest(request_id=rid, resume=spb.ResumeStream(token=token, num_tokens=n))
@@ -221,7 +276,8 @@ def test_a_killed_frontends_streams_resume_through_the_other_token_identical(fro
     jobs = [(prompt(100 + i), _kwargs(long_tokens, 9000 + i if i % 2 else None)) for i in range(6)]
     late_job = (prompt(120), _kwargs(late_tokens, None))
     cancel_job = (prompt(130), _kwargs(long_tokens, None))
-    *reference, late_ref, cancel_ref = _reference(c, [*jobs, late_job, cancel_job])
+    sse_jobs = [(prompt(140 + i), _kwargs(long_tokens, 7000 + i if i else None)) for i in range(2)]
+    *reference, late_ref, cancel_ref, sse_ref0, sse_ref1 = _reference(c, [*jobs, late_job, cancel_job, *sse_jobs])
     c.wait_idle()
 
     readers = [Reader() for _ in jobs]
@@ -239,20 +295,28 @@ def test_a_killed_frontends_streams_resume_through_the_other_token_identical(fro
     # owner must free its blocks
     cancelled = Reader(cancel_after_resume=150)
     threading.Thread(target=cancelled.read_sync, args=(addresses, *cancel_job), daemon=True).start()
-    for r in [*readers, late, cancelled]:
+    sse = [SseReader(fronts.http, {"prompt": p, **kw}) for p, kw in sse_jobs]
+    for s in sse:
+        threading.Thread(target=s.run, daemon=True).start()
+    for r in [*readers, late, cancelled, *sse]:
         assert r.started.wait(120) and r.error is None and r.ids, r.error
     at_kill = [len(r.ids) for r in [*readers, late]]
     t_kill = time.monotonic()
     fronts.procs[0].popen.kill()  # SIGKILL: every stream above is on fe0 (their first address)
     # the late request finishes on its worker (the others, 5x longer, still run): then its client reads on
     deadline = time.monotonic() + 120
-    while c.status().router.requests_in_flight > len(readers) + 1:
+    while c.status().router.requests_in_flight > len(readers) + 1 + len(sse):
         assert time.monotonic() < deadline, "the late request never finished on its worker"
         time.sleep(0.05)
     assert not any(r.done.is_set() for r in [*readers, cancelled]), "a long stream ended before the late one"
     late.hold.set()  # type: ignore[union-attr]
     for r in [*readers, late, cancelled]:
         assert r.done.wait(TIMEOUT_S), "a stream hangs"
+    for s, ref in zip(sse, [sse_ref0, sse_ref1], strict=True):
+        assert s.ended.wait(TIMEOUT_S), "an SSE stream hangs"
+        assert s.error is None and s.done and s.finish == "length", (s.error, s.done, s.finish)
+        assert (s.ids, s.text) == ref, "a resumed SSE stream differs from the undisturbed run"
+        assert s.resumes == 1
     gaps = []
     for r, ref, n in zip([*readers, late], [*reference, late_ref], at_kill, strict=True):
         assert r.error is None, r.error
@@ -268,7 +332,7 @@ def test_a_killed_frontends_streams_resume_through_the_other_token_identical(fro
     c.wait_idle(timeout=60)  # NOTE: every block free on every worker (the cancelled one's too), integrity checked
     # the gap each (not held) stream saw: its first response after the kill less its last one before
     gap = max(min(t for t in r.times if t > t_kill) - max(t for t in r.times if t <= t_kill) for r in readers)
-    print(f"\nFIGURES frontend SIGKILL under {len(readers) + 2} KVServeClient streams (3 sync, 3 async, 1 late "
-          f"reader, 1 cancelled after its resume; greedy and seeded): all resumed through the other frontend token- "
-          f"and text-identical; tokens at the kill {gaps}; longest gap across the kill {gap:.2f}s; all done "
-          f"{time.monotonic() - t_kill:.1f}s after the kill; blocks leaked 0")
+    print(f"\nFIGURES frontend SIGKILL under {len(readers) + 2} KVServeClient streams + {len(sse)} SSE (3 sync, "
+          f"3 async, 1 late reader, 1 cancelled after its resume; greedy and seeded): all resumed through the other "
+          f"frontend token- and text-identical; tokens at the kill {gaps}; longest gap across the kill {gap:.2f}s; "
+          f"all done {time.monotonic() - t_kill:.1f}s after the kill; blocks leaked 0")

@@ -20,6 +20,12 @@ a frontend serves it without the router's state.
 Auth: the router's bearer token (``Authorization: Bearer``) or an API key, checked before the body
 is parsed. A client that disconnects (stream or not) cancels its requests at once, which frees
 their blocks at the workers' next step.
+
+Resume (a kvserve extension, through frontends only: docs/architecture.md section 2a "Resuming through another
+frontend"): a streamed single choice answers with the header ``kvserve-resume: <request id> <token>``; a client
+whose stream broke before ``[DONE]`` (its frontend died) POSTs the same body to another frontend with the header
+``kvserve-resume: <request id> <token> <tokens it has> <text characters it has>`` and gets the rest of the
+stream. OpenAI clients ignore the header (they cannot resume).
 """
 
 from __future__ import annotations
@@ -62,6 +68,8 @@ from kvserve.router.gate.tenancy import Principal
 from kvserve.router.requests.request import RouterError
 
 logger = logging.getLogger(__name__)
+
+RESUME_HEADER = "kvserve-resume"
 
 ROUTES = frozenset(
     ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/health/ready", "/health/live")
@@ -177,6 +185,26 @@ class OpenAIApi:
         )
         return admitted, timer
 
+    async def _resume(self, request: Request, header: str, chat: bool) -> tuple[list[Any], asyncio.TimerHandle]:
+        """Take over the stream ``header`` names (``<request id> <token> <tokens> <text characters>``) for its
+        client, through the backend's ``take_over`` (a frontend's; the router direct has none: 400)."""
+        take_over = getattr(self.backend, "take_over", None)
+        if take_over is None:
+            raise bad_request(RESUME_HEADER, "a stream resumes only through a frontend")
+        parts = header.split()
+        if len(parts) != 4 or not parts[2].isdigit() or not parts[3].isdigit():
+            raise bad_request(RESUME_HEADER, "expected '<request id> <token> <tokens> <text characters>'")
+        resume = spb.GenerateRequest(request_id=parts[0], resume=spb.ResumeStream(
+            token=parts[1], num_tokens=int(parts[2]), num_text_chars=int(parts[3])))  # fmt: skip
+        client = request.client.host if request.client else ""
+        timeout_s = self.backend.default_timeout_s
+        try:
+            handle = await take_over(client, resume, request.headers.get("authorization"))
+        except RouterError as e:
+            raise api_error(e, chat) from e
+        timer = asyncio.get_running_loop().call_later(timeout_s, self._expire, [handle], timeout_s)
+        return [handle], timer
+
     def _expire(self, admitted: list[Any], timeout_s: float) -> None:
         """The HTTP deadline passed: end what still runs with DEADLINE_EXCEEDED and abort it on its
         worker (its blocks are freed at the worker's next step)."""
@@ -235,7 +263,13 @@ class OpenAIApi:
         return await self._generate(request, body, chat_requests(body), chat=True)
 
     async def _generate(self, request: Request, body: Any, requests: list[spb.GenerateRequest], chat: bool) -> Any:
-        admitted, timer = await self._submit(request, requests, chat)
+        resume = request.headers.get(RESUME_HEADER)
+        if resume is not None:
+            if not body.stream or len(requests) != 1:
+                raise bad_request(RESUME_HEADER, "a resume continues one streamed choice (stream true, n 1)")
+            admitted, timer = await self._resume(request, resume, chat)
+        else:
+            admitted, timer = await self._submit(request, requests, chat)
         head = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
             "created": int(time.time()),
@@ -245,7 +279,11 @@ class OpenAIApi:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = self._stream(admitted, head, body.n, chat, k, include_usage, body.return_token_ids, timer)
-            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            headers = {"Cache-Control": "no-cache"}
+            token = getattr(admitted[0], "resume_token", "") if len(admitted) == 1 else ""
+            if token:  # NOTE: a frontend's owned request (never logprobs): its client may resume it elsewhere
+                headers[RESUME_HEADER] = f"{admitted[0].request_id} {token}"
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         collect = asyncio.ensure_future(self._collect(admitted, head, body.n, chat, k, body.return_token_ids))
         gone = asyncio.ensure_future(_until_disconnect(request))
         try:
