@@ -62,6 +62,10 @@ from kvserve.router.requests.request import RouterError
 
 logger = logging.getLogger(__name__)
 
+# NOTE: a batch of requests is one message: the router's per-message receive cost is paid once per batch
+# (issue 41, router CPU per request); bounded so that a batch stays far below gRPC's message size limit.
+MAX_BATCH = 64
+MAX_BATCH_BYTES = 1 << 20
 REOPEN_BACKOFF_S = (0.05, 2.0)  # NOTE: (first, most) wait before re-opening a stream that ended with no batch read
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
@@ -193,11 +197,23 @@ class MuxConnection:
     @staticmethod
     async def _requests(outbox: asyncio.Queue[spb.GenerateStreamRequest | None],
                         ) -> AsyncIterator[spb.GenerateStreamRequest]:  # fmt: skip
+        carry: spb.GenerateStreamRequest | None = None
         while True:
-            msg = await outbox.get()
+            msg = carry if carry is not None else await outbox.get()
+            carry = None
             if msg is None:
                 return
-            yield msg
+            queued, size = [msg], msg.ByteSize()  # NOTE: what came while the last message was written: one batch
+            while len(queued) < MAX_BATCH and not outbox.empty():
+                if (more := outbox.get_nowait()) is None:
+                    yield _one_message(queued)
+                    return
+                size += more.ByteSize()
+                if size > MAX_BATCH_BYTES:
+                    carry = more
+                    break
+                queued.append(more)
+            yield _one_message(queued)
 
     def submit(self, request: spb.GenerateRequest, timeout_s: float | None, client: str) -> RelayedRequest:
         """Send ``request`` (its id set, its prompt as token ids) on the stream; owned (registered in
@@ -459,3 +475,10 @@ class RouterLink:
         for conn in self._connections.values():
             await conn.close()
         self._connections.clear()
+
+
+def _one_message(queued: list[spb.GenerateStreamRequest]) -> spb.GenerateStreamRequest:
+    """``queued`` as one GenerateStream message: itself when alone, else a batch the router reads in order."""
+    if len(queued) == 1:
+        return queued[0]
+    return spb.GenerateStreamRequest(batch=spb.GenerateStreamRequests(requests=queued))

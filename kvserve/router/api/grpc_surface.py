@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import sys
@@ -24,6 +25,8 @@ from google.protobuf.message import DecodeError, Message
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 from kvserve.router.requests.mux import StreamMux
 from kvserve.router.requests.request import RouterError
+
+BATCH_TURN = 64  # a GenerateStream batch's messages read per turn of the router's loop
 
 logger = logging.getLogger(__name__)
 
@@ -196,36 +199,57 @@ async def read_generate_stream(
             to the request holding the id.
     """
     try:
-        async for msg in requests:
-            if isinstance(msg, Undecodable):
-                raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable {msg.message_type}: {msg.error}")
-            kind = msg.WhichOneof("kind")
-            if kind in ("resume", "take_over") or (kind is None and msg.HasField("owner")):
-                # NOTE: a frontend's own messages (docs/architecture.md 2a): an owner's Resume, a take-over for a
-                # client resuming through it, or its stream saying whose it is (re-opened after a break: a restarted
-                # router's notices must reach it)
-                if control is None:
-                    raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, "resume and owner are a frontend's messages")
-                control(msg)
-                continue
-            if msg.token_columns:
-                if columns:
-                    mux.columns = True
-                if kind is None:  # NOTE: a message that only says so
-                    continue
-            if msg.WhichOneof("kind") == "cancel_request_id":
-                r = live.get(msg.cancel_request_id)
-                if r is not None and not r.finished:
-                    cancel(r)
-                    mux.put(r.request_id, RouterError(grpc.StatusCode.CANCELLED, "cancelled by the client"))
-                elif r is None and control is not None:
-                    control(msg)  # NOTE: none on this stream: a frontend's, maybe one a restarted router adopted
-                continue
-            rid = msg.generate.request_id
-            if not rid or rid in live:
-                why = "missing" if not rid else f"{rid!r} already in use on this stream"
-                raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"request_id {why}: GenerateStream requests need ids of their own")  # fmt: skip
-            await submit(rid, msg)
+        async for wire in requests:
+            if isinstance(wire, Undecodable):
+                raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable {wire.message_type}: {wire.error}")
+            batch = wire.batch.requests if wire.WhichOneof("kind") == "batch" else (wire,)
+            for i, msg in enumerate(batch):
+                if i and i % BATCH_TURN == 0:
+                    await asyncio.sleep(0)  # NOTE: a large batch must not hold the loop (hostile sizes)
+                await _read_one(msg, mux, live, submit, cancel, columns=columns, control=control)
     finally:
         mux.wake()
+
+
+async def _read_one(
+    msg: spb.GenerateStreamRequest,
+    mux: StreamMux,
+    live: Mapping[str, LiveRequest],
+    submit: Callable[[str, spb.GenerateStreamRequest], Awaitable[None]],
+    cancel: Callable[[Any], None],
+    *,
+    columns: bool,
+    control: Callable[[spb.GenerateStreamRequest], None] | None,
+) -> None:
+    """One message of a GenerateStream (alone, or one of a batch's): as ``read_generate_stream`` says."""
+    kind = msg.WhichOneof("kind")
+    if kind == "batch":
+        raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, "a GenerateStream batch inside a batch")
+    if kind in ("resume", "take_over") or (kind is None and msg.HasField("owner")):
+        # NOTE: a frontend's own messages (docs/architecture.md 2a): an owner's Resume, a take-over for a
+        # client resuming through it, or its stream saying whose it is (re-opened after a break: a restarted
+        # router's notices must reach it)
+        if control is None:
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, "resume and owner are a frontend's messages")
+        control(msg)
+        return
+    if msg.token_columns:
+        if columns:
+            mux.columns = True
+        if kind is None:  # NOTE: a message that only says so
+            return
+    if msg.WhichOneof("kind") == "cancel_request_id":
+        r = live.get(msg.cancel_request_id)
+        if r is not None and not r.finished:
+            cancel(r)
+            mux.put(r.request_id, RouterError(grpc.StatusCode.CANCELLED, "cancelled by the client"))
+        elif r is None and control is not None:
+            control(msg)  # NOTE: none on this stream: a frontend's, maybe one a restarted router adopted
+        return
+    rid = msg.generate.request_id
+    if not rid or rid in live:
+        why = "missing" if not rid else f"{rid!r} already in use on this stream"
+        raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"request_id {why}: GenerateStream requests need ids of their own")  # fmt: skip
+    await submit(rid, msg)
+

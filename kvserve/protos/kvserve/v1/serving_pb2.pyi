@@ -154,11 +154,12 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., worker_id: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., num_swaps: _Optional[int] = ..., num_migrations: _Optional[int] = ..., num_replays: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., resume_token: _Optional[str] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
-    __slots__ = ("generate", "cancel_request_id", "resume", "take_over", "timeout_ms", "client", "token_columns", "owner", "resumable")
+    __slots__ = ("generate", "cancel_request_id", "resume", "take_over", "batch", "timeout_ms", "client", "token_columns", "owner", "resumable")
     GENERATE_FIELD_NUMBER: _ClassVar[int]
     CANCEL_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     TAKE_OVER_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COLUMNS_FIELD_NUMBER: _ClassVar[int]
@@ -168,12 +169,19 @@ class GenerateStreamRequest(_message.Message):
     cancel_request_id: str
     resume: Resume
     take_over: TakeOver
+    batch: GenerateStreamRequests
     timeout_ms: int
     client: str
     token_columns: bool
     owner: Owner
     resumable: ResumeGrant
-    def __init__(self, generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel_request_id: _Optional[str] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., take_over: _Optional[_Union[TakeOver, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., client: _Optional[str] = ..., token_columns: _Optional[bool] = ..., owner: _Optional[_Union[Owner, _Mapping]] = ..., resumable: _Optional[_Union[ResumeGrant, _Mapping]] = ...) -> None: ...
+    def __init__(self, generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel_request_id: _Optional[str] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., take_over: _Optional[_Union[TakeOver, _Mapping]] = ..., batch: _Optional[_Union[GenerateStreamRequests, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., client: _Optional[str] = ..., token_columns: _Optional[bool] = ..., owner: _Optional[_Union[Owner, _Mapping]] = ..., resumable: _Optional[_Union[ResumeGrant, _Mapping]] = ...) -> None: ...
+
+class GenerateStreamRequests(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[GenerateStreamRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[GenerateStreamRequest, _Mapping]]] = ...) -> None: ...
 
 class ResumeGrant(_message.Message):
     __slots__ = ("token", "request_id")
