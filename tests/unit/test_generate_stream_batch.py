@@ -14,7 +14,7 @@ import pytest
 from kvserve.frontend import link
 from kvserve.frontend.link import MuxConnection
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
-from kvserve.router.api.grpc_surface import read_generate_stream
+from kvserve.router.api.grpc_surface import BATCH_TURN, read_generate_stream
 from kvserve.router.requests.mux import StreamMux
 from kvserve.router.requests.request import RouterError
 
@@ -113,3 +113,34 @@ def test_the_frontend_bounds_a_batch_by_count_and_by_bytes(monkeypatch: pytest.M
     monkeypatch.setattr(link, "MAX_BATCH_BYTES", 2 * _gen("x", big).ByteSize() + 10)
     out = _written([_gen(f"b{i}", big) for i in range(5)] + [None])
     assert [_ids(m) for m in out] == [["b0", "b1"], ["b2", "b3"], ["b4"]]  # none lost, none past the bound
+
+
+def test_a_large_batch_does_not_hold_the_routers_loop() -> None:
+    """A client's batch of thousands of messages is read a slice per loop turn: other streams go on meanwhile."""
+    n = 20 * BATCH_TURN
+
+    async def run() -> tuple[int, int]:
+        turns = 0
+        done = False
+
+        async def other_stream() -> None:
+            nonlocal turns
+            while not done:
+                turns += 1
+                await asyncio.sleep(0)
+
+        async def submit(rid: str, msg: spb.GenerateStreamRequest) -> None:
+            live[rid] = _Live(rid)  # NOTE: never suspends, as a refusal or a cheap admission does not
+
+        live: dict[str, _Live] = {}
+        ticker = asyncio.create_task(other_stream())
+        await asyncio.sleep(0)
+        before = turns
+        wire = _batch(*[_gen(f"r{i}") for i in range(n)])
+        await read_generate_stream(_iterate(wire), StreamMux(), live, submit, lambda r: None, columns=False)
+        done = True
+        await ticker
+        return turns - before, len(live)
+
+    turns, read = asyncio.run(run())
+    assert read == n and turns >= n // BATCH_TURN - 1, (turns, read)
