@@ -248,8 +248,8 @@ class FakeRouter(serving_pb2_grpc.KVServeServicer):
         self.streams += 1
 
         async def read() -> None:
-            async for msg in request_iterator:
-                self.got.append(msg)
+            async for msg in request_iterator:  # NOTE: a batch's messages as if each came alone, as the router reads
+                self.got.extend(msg.batch.requests if msg.WhichOneof("kind") == "batch" else [msg])
 
         reader = asyncio.get_running_loop().create_task(read())
         try:
