@@ -83,7 +83,7 @@ class PrefixIndex:
         Raises:
             TypeError: an event of an unknown type.
         """
-        index = self._workers.setdefault(worker_id, _WorkerIndex())
+        index = self._index(worker_id)
         found_gap = False
         for event in events:
             if not isinstance(event, BlockStored | BlockRemoved | AllBlocksCleared):
@@ -123,7 +123,7 @@ class PrefixIndex:
         Returns:
             True if the snapshot was loaded.
         """
-        index = self._workers.setdefault(worker_id, _WorkerIndex())
+        index = self._index(worker_id)
         if not index.needs_resync and seq < index.last_seq:
             return False
         index.last_seq = seq
@@ -158,7 +158,7 @@ class PrefixIndex:
 
     def mark_resync(self, worker_id: str) -> None:
         """Drop ``worker_id``'s entries and await a snapshot (e.g. after its stream reconnects)."""
-        index = self._workers.setdefault(worker_id, _WorkerIndex())
+        index = self._index(worker_id)
         index.needs_resync = True
         index.hashes.clear()
 
@@ -178,6 +178,14 @@ class PrefixIndex:
             count += 1
         return count
 
+    def _index(self, worker_id: str) -> _WorkerIndex:
+        """``worker_id``'s index, made on first use (NOTE: not ``setdefault``, which would build a throwaway
+        index with its counters on every call: per placed request, on the router's loop)."""
+        index = self._workers.get(worker_id)
+        if index is None:
+            index = self._workers[worker_id] = _WorkerIndex()
+        return index
+
     def add_pending(self, worker_id: str, request_id: str, hashes: Sequence[int]) -> None:
         """Record that ``request_id``, whose prompt has block ``hashes``, was placed on ``worker_id``.
 
@@ -188,7 +196,7 @@ class PrefixIndex:
             raise ValueError(f"request {request_id!r} is already pending on {self._pending[request_id][0]}")
         chain = tuple(hashes)
         self._pending[request_id] = (worker_id, chain)
-        self._workers.setdefault(worker_id, _WorkerIndex()).pending.update(chain)
+        self._index(worker_id).pending.update(chain)
 
     def drop_pending(self, request_id: str) -> bool:
         """Forget ``request_id``'s pending placement (it ended, failed or moves). False if unknown."""

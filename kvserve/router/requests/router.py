@@ -36,7 +36,7 @@ from kvserve.router.gate.validation import ModelLimits, ValidationError, samplin
 from kvserve.router.observe.metrics import RouterMetrics
 from kvserve.router.observe.status import build_cluster_status
 from kvserve.router.policy.admission import AdmissionQueue, RejectReason
-from kvserve.router.policy.placement import Decision, Placement, PlacementRequest, fits_anywhere_ever
+from kvserve.router.policy.placement import Decision, Placement, PlacementRequest, WorkerView, fits_anywhere_ever
 from kvserve.router.policy.prefix_index import PrefixIndex
 from kvserve.router.policy.rebalance import MigrationLedger, Watermarks
 from kvserve.router.requests.columns import deliver_columns
@@ -222,7 +222,7 @@ class Router(WorkerLinkHandler):
             )
         if owner is not None and owner.key:
             self.owned.own(r, owner.address, owner.key)
-        if not self._queue_has_precedence(r) and self.place(r):
+        if not self._queue_has_precedence(r) and self.place(r, views):
             self.requests[rid] = r
             self.metrics.admitted(len(ids))
             return r
@@ -275,14 +275,15 @@ class Router(WorkerLinkHandler):
         """FIFO within priority: a newcomer never overtakes a queued request as important or more."""
         return any(q.priority >= r.priority for q in self.queue)
 
-    def decide(self, r: RouterRequest) -> Decision | None:
-        """Where placement would put ``r`` now (None: nowhere has room); nothing is dispatched."""
+    def decide(self, r: RouterRequest, views: list[WorkerView] | None = None) -> Decision | None:
+        """Where placement would put ``r`` now (None: nowhere has room); nothing is dispatched. ``views``: the
+        workers as ``table.views()`` shows them now, when the caller just made them (one build per request)."""
         # NOTE: affinity counts prefixes placed but not yet reported stored, so same-prefix requests that
         # arrive close together follow each other instead of being placed by load alone.
-        return self.placement.decide(self._shape(r), self.table.views(), self.prefix_index.affinity)
+        return self.placement.decide(self._shape(r), views or self.table.views(), self.prefix_index.affinity)
 
-    def place(self, r: RouterRequest) -> bool:
-        decision = self.decide(r)
+    def place(self, r: RouterRequest, views: list[WorkerView] | None = None) -> bool:
+        decision = self.decide(r, views)
         if decision is not None:
             self.dispatcher.dispatch(r, decision.worker_id, decision.promised_blocks)
         return decision is not None
