@@ -140,11 +140,18 @@ def test_tp_ranks_are_ray_actors_in_strict_pack_groups(tp_cluster, expected, hf_
 
 def test_killed_rank_actor_replays_elsewhere_and_group_returns(tp_cluster, expected) -> None:
     prompt = rand_prompt(77, 20)
-    want = expected([prompt], 96)[0]
+    tokens, victim, old_pid, old = _signal_rank_mid_stream(tp_cluster, prompt, signal.SIGKILL)
+    assert tokens == expected([prompt], 96)[0]  # the stream went on elsewhere, token-identical
+    _assert_group_returns(tp_cluster, victim, old_pid, old["actor_id"], expected)
+
+
+def _signal_rank_mid_stream(tp_cluster, prompt: list[int], sig: signal.Signals, stopped: list[int] | None = None):  # noqa: ANN001, ANN202
+    """Stream 96 tokens of ``prompt``; after 4, send ``sig`` to the rank actor of the worker serving it (its pid
+    appended to ``stopped``). Returns (tokens, the worker, rank 0's pid, the rank actor's placement before)."""
     tokens: list[int] = []
+    victim = old_pid = old = None
     with KVServeClient(tp_cluster.address, timeout=RPC_TIMEOUT) as client:
         with client.generate(prompt, max_tokens=96, ignore_eos=True) as stream:
-            victim = None
             for response in stream:
                 tokens.extend(response.token_ids)
                 if victim is None and len(tokens) >= 4 and response.worker_id:
@@ -152,10 +159,11 @@ def test_killed_rank_actor_replays_elsewhere_and_group_returns(tp_cluster, expec
                     old_pid = _pid(tp_cluster, victim)
                     (rank1,) = _rank_actors(tp_cluster, victim)
                     old = _where(rank1)
-                    os.kill(old["pid"], signal.SIGKILL)  # the rank actor's process, mid-stream
-    assert victim is not None
-    assert tokens == want  # the stream went on elsewhere, token-identical
-    _assert_group_returns(tp_cluster, victim, old_pid, old["actor_id"], expected)
+                    if stopped is not None:
+                        stopped.append(old["pid"])
+                    os.kill(old["pid"], sig)  # the rank actor's process, mid-stream
+    assert victim is not None and old is not None
+    return tokens, victim, old_pid, old
 
 
 def test_hung_rank_actor_takes_its_group_down_and_group_returns(tp_cluster, expected) -> None:
@@ -163,29 +171,15 @@ def test_hung_rank_actor_takes_its_group_down_and_group_returns(tp_cluster, expe
     blocks without computing, the liveness rule declares the worker stalled, its stream is replayed elsewhere
     token-identical and the group comes back whole without the hung rank (killed, not resumed)."""
     prompt = rand_prompt(78, 20)
-    want = expected([prompt], 96)[0]
-    tokens: list[int] = []
-    stopped = None
+    stopped: list[int] = []
     try:
-        with KVServeClient(tp_cluster.address, timeout=RPC_TIMEOUT) as client:
-            with client.generate(prompt, max_tokens=96, ignore_eos=True) as stream:
-                victim = None
-                for response in stream:
-                    tokens.extend(response.token_ids)
-                    if victim is None and len(tokens) >= 4 and response.worker_id:
-                        victim = response.worker_id
-                        old_pid = _pid(tp_cluster, victim)
-                        (rank1,) = _rank_actors(tp_cluster, victim)
-                        old = _where(rank1)
-                        stopped = old["pid"]
-                        os.kill(stopped, signal.SIGSTOP)
-        assert victim is not None
-        assert tokens == want  # the stream went on elsewhere, token-identical
+        tokens, victim, old_pid, old = _signal_rank_mid_stream(tp_cluster, prompt, signal.SIGSTOP, stopped)
+        assert tokens == expected([prompt], 96)[0]  # the stream went on elsewhere, token-identical
         _assert_group_returns(tp_cluster, victim, old_pid, old["actor_id"], expected)
     finally:
-        if stopped is not None:
+        for pid in stopped:
             try:
-                os.kill(stopped, signal.SIGCONT)  # only if the test failed before the group replaced it
+                os.kill(pid, signal.SIGCONT)  # only if the test failed before the group replaced it
             except ProcessLookupError:
                 pass
 
