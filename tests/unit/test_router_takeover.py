@@ -164,8 +164,12 @@ def test_only_a_frontend_stream_may_take_over_and_the_handler_binds_the_grant_to
         except RouterError as e:
             assert e.code == grpc.StatusCode.PERMISSION_DENIED
         # a frontend's request with a grant: bound to the end client it names (its tenant: none without keys)
-        owned = spb.GenerateStreamRequest(generate=_req("k1"), owner=spb.Owner(address=OWNER.address, key="k1"),
-                                          client="10.0.0.1", resumable=spb.ResumeGrant(token=TOKEN, request_id="c"))
+        owned = spb.GenerateStreamRequest(
+            generate=_req("k1"),
+            owner=spb.Owner(address=OWNER.address, key="k1"),
+            client="10.0.0.1",
+            resumable=spb.ResumeGrant(token=TOKEN, request_id="c"),
+        )
         live: dict = {}
         await servicer._read_requests(_messages(owned), StreamMux(), live, ("peer", None, True))
         await _settle()
@@ -201,5 +205,33 @@ def test_a_reown_its_worker_refuses_while_the_router_has_it_live_is_answered_una
         again = StreamMux()
         _take(router, again, key="k3")  # the client's retry: the grant still holds
         assert r.owner_key == "k3" and [x.owner.key for x in _reowns(router, r.worker_id)] == ["k2", "k3"]
+
+    _run(test)
+
+
+def test_a_grant_reaches_the_worker_and_a_restarted_router_honours_it_from_the_workers_table() -> None:
+    """The grant rides the dispatch to the worker (``WorkerRequest.resume_grant``), which lists it in its
+    ``RequestTable``; a router that adopts the request from that table takes a matching resume, and only that."""
+
+    async def test() -> None:
+        router, _, r = _kept_request()
+        await _settle()
+        worker = router.table[r.worker_id].handle
+        ((request,), _) = worker.added()[-1]
+        assert request.resume_grant == (TOKEN, "client-7", "alpha", "10.0.0.1")
+        fresh, _ = _failover_router()  # the new router after a restart: it knows nothing yet
+        table = pb.RequestTable(requests=[pb.OwnedRequest(
+            request_id=r.worker_rid, owner=OWNER.address, owner_key="k1", prompt_ids=list(r.prompt_ids),
+            sampling=spb.SamplingParams(max_tokens=8), num_output_tokens=2, resume_token=TOKEN,
+            resume_request_id="client-7", resume_tenant="alpha", resume_client="10.0.0.1")])  # fmt: skip
+        fresh.on_message(r.worker_id, pb.WorkerMessage(request_table=table))
+        adopted = fresh.owned.by_key["k1"]
+        wrong = StreamMux()
+        _take(fresh, wrong, tenant="beta")  # another tenant: refused, nothing moved
+        assert [e.code for e in wrong.take().errors] == [grpc.StatusCode.NOT_FOUND.value[0]]
+        _take(fresh, StreamMux())
+        assert (adopted.owner, adopted.owner_key) == (NEW, "k2")
+        (reown,) = _reowns(fresh, r.worker_id)
+        assert (reown.request_id, reown.owner.key) == (r.worker_rid, "k2")
 
     _run(test)

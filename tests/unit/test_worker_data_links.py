@@ -179,7 +179,8 @@ def test_a_router_reconnect_gets_the_table_of_live_owned_requests(
     _wait(lambda: router.messages("w-table", "request_table"), what="the first connect's table")
     assert not router.messages("w-table", "request_table")[0].request_table.requests, "nothing owned yet"
     params = SamplingParams(max_tokens=3000, temperature=0.7, top_k=5, top_p=0.9, seed=7, logprobs=2)
-    core.add_request(_owned("r2#1", "k2", owner, params, priority=3, cache_salt="tenant-a"))
+    grant = ("t0k3n", "client-r2", "tenant-a", "10.0.0.9")
+    core.add_request(_owned("r2#1", "k2", owner, params, priority=3, cache_salt="tenant-a", resume_grant=grant))
     core.add_request(WorkerRequest("plain#0", PROMPT, LONG))  # router-owned: never in the table
     owner.wait_tokens("k2#1", 3)
     router.restart()
@@ -194,6 +195,8 @@ def test_a_router_reconnect_gets_the_table_of_live_owned_requests(
     assert list(entry.prompt_ids) == list(PROMPT)
     assert (entry.priority, entry.cache_salt) == (3, "tenant-a")
     assert entry.num_output_tokens >= 3
+    # its resume grant: a restarted router still lets its client resume through another frontend
+    assert (entry.resume_token, entry.resume_request_id, entry.resume_tenant, entry.resume_client) == grant
     s = entry.sampling
     assert (s.max_tokens, s.top_k, s.seed, s.logprobs, s.ignore_eos) == (3000, 5, 7, 2, False)
     assert s.temperature == pytest.approx(0.7) and s.HasField("top_p") and s.top_p == pytest.approx(0.9)
@@ -261,13 +264,15 @@ def test_a_migrated_owned_request_streams_to_the_same_owner(
     src, dst = make_core("w-src", router.address), make_core("w-dst", router.address)
     dst.add_request(WorkerRequest("ref#0", PROMPT, params))
     reference = router.wait_finished(["ref#0"])["ref#0"]
-    src.add_request(_owned("m#0", "km", owner, params))
+    grant = ("tok", "client-m", "", "10.0.0.9")
+    src.add_request(_owned("m#0", "km", owner, params, resume_grant=grant))
     owner.wait_tokens("km#0", 5)
     state = src.export_request("m#0")
-    assert state is not None and state.owner == (owner.address, "km")
+    assert state is not None and state.owner == (owner.address, "km") and state.resume_grant == grant
     assert dst.import_request(state)
+    assert dst._call(lambda: dst._grants.get("m#0")) == grant  # its destination lists the grant from now on
     assert src.finish_export("m#0", migrated=True)
-    assert src._call(lambda: dict(src._owners)) == {}
+    assert src._call(lambda: (dict(src._owners), dict(src._grants))) == ({}, {})
     tokens = owner.wait_finished(["km#0"])["km#0"]
     assert tokens == reference
     assert owner.outputs("km#0", "w-src") and owner.outputs("km#0", "w-dst"), "both legs went to the owner"

@@ -145,8 +145,12 @@ class Dispatcher:
         self.replay(r, entry.worker_id)
 
     def _worker_request(self, r: RouterRequest, worker_rid: str) -> WorkerRequest:
+        # NOTE: the stream handler binds a resume grant right after submit, in the same turn of the loop,
+        # so it is set by the time the dispatch task builds this (a queued request's later still)
+        g = r.resume
+        grant = (g.token, g.request_id, g.tenant, g.client) if g is not None else ()
         return WorkerRequest(worker_rid, tuple(r.prompt_ids), r.params, r.priority, r.tenant or None,
-                             tuple(r.output_ids), owner=r.owner, owner_key=r.owner_key)  # fmt: skip
+                             tuple(r.output_ids), owner=r.owner, owner_key=r.owner_key, resume_grant=grant)  # fmt: skip
 
     async def _add_requests(self, entry: WorkerState, items: list[tuple[RouterRequest, str]]) -> None:
         """One ``add_request`` (a single request: the call every worker and test double answers) or

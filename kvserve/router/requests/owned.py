@@ -39,7 +39,7 @@ from kvserve.protos.kvserve.v1 import worker_pb2 as pb
 from kvserve.router.gate.validation import ValidationError, sampling_params
 from kvserve.router.requests.mux import MuxSlot, StreamMux
 from kvserve.router.requests.request import RouterError, RouterRequest
-from kvserve.router.requests.takeover import TakeOvers
+from kvserve.router.requests.takeover import ResumeGrant, TakeOvers
 from kvserve.workers.core.block_hash import cache_extra, hash_blocks
 from kvserve.workers.core.sizes import blocks_for
 
@@ -372,6 +372,9 @@ class OwnedRequests:
             entry.started.add(o.request_id)
             self.by_key[o.owner_key] = r
             self._placed.add(o.owner_key)
+            if o.resume_token:  # NOTE: its client may still resume it through another frontend
+                self.takeovers.grant(r, ResumeGrant(o.resume_token, o.resume_request_id, o.resume_tenant,
+                                                    o.resume_client))  # fmt: skip
             adopted += 1
         if adopted:
             logger.info("adopted %d owned requests from worker %s (a router restart)", adopted, worker_id)

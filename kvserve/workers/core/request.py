@@ -22,6 +22,9 @@ class WorkerRequest:
         owner: address of the data service its outputs go to (a frontend's, docs/architecture.md
             section 2a); "" = the router's WorkerLink, as every request before owners.
         owner_key: the owner's key for the request (its outputs there are ``<owner_key>#<dispatch>``).
+        resume_grant: (token, the client's request id, tenant, end client) a client's resume through another
+            frontend must match (kvserve/router/requests/takeover.py), or () for none. The worker only keeps
+            it and lists it in its ``RequestTable``, so a restarted router can still honour the resume.
     """
 
     request_id: str
@@ -32,3 +35,4 @@ class WorkerRequest:
     resume_output_ids: tuple[int, ...] = ()
     owner: str = ""
     owner_key: str = ""
+    resume_grant: tuple[str, ...] = ()

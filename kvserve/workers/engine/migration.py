@@ -50,6 +50,7 @@ class MigrationState:
     # (address, key) of the request's owner (kvserve/workers/core/request.py ``WorkerRequest.owner``); the
     # worker sets it on export and reads it on import (the engine does not use it). None: the router.
     owner: tuple[str, str] | None = None
+    resume_grant: tuple[str, ...] = ()  # its ``WorkerRequest.resume_grant``, carried as ``owner`` is
 
     @property
     def num_tokens(self) -> int:

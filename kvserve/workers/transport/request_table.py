@@ -37,10 +37,12 @@ def sampling_proto(params: SamplingParams) -> spb.SamplingParams:
     return msg
 
 
-def owned_request_proto(req: Request, owner: tuple[str, str]) -> pb.OwnedRequest:
+def owned_request_proto(req: Request, owner: tuple[str, str], grant: tuple[str, ...] = ()) -> pb.OwnedRequest:
     """One live owned request as the table lists it: its dispatch id on this worker, its owner
-    ``(address, key)``, what it runs (prompt, sampling, priority, tenant) and how far it got."""
+    ``(address, key)``, what it runs (prompt, sampling, priority, tenant), how far it got, and its resume
+    ``grant`` (token, client's request id, tenant, end client; () for none)."""
     address, key = owner
+    token, client_rid, tenant, client = grant if len(grant) == 4 else ("", "", "", "")
     return pb.OwnedRequest(
         request_id=req.request_id,
         owner=address,
@@ -50,4 +52,8 @@ def owned_request_proto(req: Request, owner: tuple[str, str]) -> pb.OwnedRequest
         priority=req.priority,
         cache_salt=req.cache_salt or "",
         num_output_tokens=req.num_output_tokens,
+        resume_token=token,
+        resume_request_id=client_rid,
+        resume_tenant=tenant,
+        resume_client=client,
     )

@@ -111,6 +111,9 @@ class WorkerCore:
         # Each owned request's engine Request (its whole output, for a take-over's catch-up: reown.py), and the
         # ones that finished while their owner's data link was down (their client may lack the end).
         self._owned_reqs: dict[str, Request] = {}
+        # Each owned request's resume grant (WorkerRequest.resume_grant): listed in the RequestTable, so that a
+        # restarted router can still let its client resume through another frontend.
+        self._grants: dict[str, tuple[str, ...]] = {}
         self._finished_owned = FinishedOwned(o.orphan_timeout_s)
         self.data_links = DataLinks(o, hello=self._hello, submit=self._submit, abort=self._abort_owned)
 
@@ -140,7 +143,7 @@ class WorkerCore:
         def add() -> None:  # NOTE: the engine's Request stays on the engine thread; the caller gets None
             self.engine.add_request(request)
             if request.owner:
-                self._own(request.request_id, (request.owner, request.owner_key))
+                self._own(request.request_id, (request.owner, request.owner_key), request.resume_grant)
 
         self._call(add)
 
@@ -162,7 +165,7 @@ class WorkerCore:
                     refusals.append(("error", f"{type(e).__name__}: {e}"))
                     continue
                 if request.owner:
-                    self._own(request.request_id, (request.owner, request.owner_key))
+                    self._own(request.request_id, (request.owner, request.owner_key), request.resume_grant)
                 refusals.append(None)
             return refusals if any(refusals) else None
 
@@ -181,7 +184,9 @@ class WorkerCore:
         def export() -> MigrationState | None:
             state = self.engine.export_request(request_id)
             owner = self._owners.get(request_id)
-            return dataclasses.replace(state, owner=owner) if state is not None and owner else state
+            if state is None or not owner:
+                return state
+            return dataclasses.replace(state, owner=owner, resume_grant=self._grants.get(request_id, ()))
 
         return self._call(export)
 
@@ -204,7 +209,7 @@ class WorkerCore:
             ok = self.engine.import_request(state)
             self._num_imports += int(bool(ok))
             if ok and state.owner:
-                self._own(state.request_id, state.owner)
+                self._own(state.request_id, state.owner, state.resume_grant)
             return ok
 
         return self._call(import_)
@@ -433,10 +438,13 @@ class WorkerCore:
         self._progress[o.request_id] = (now, o.num_preemptions, o.num_swaps)
         return _progress_message(o)
 
-    def _own(self, request_id: str, owner: tuple[str, str]) -> None:
+    def _own(self, request_id: str, owner: tuple[str, str], grant: tuple[str, ...] | None = None) -> None:
         """Engine thread: ``request_id`` streams to ``owner`` = (address, key); its data link is dialled now,
-        so it is up by the first token (and an owner that never answers orphans the request in time)."""
+        so it is up by the first token (and an owner that never answers orphans the request in time).
+        ``grant``: its resume grant (``WorkerRequest.resume_grant``; None keeps the one it has: a take-over)."""
         self._owners[request_id] = owner
+        if grant is not None:
+            self._grants[request_id] = grant
         self._progress.pop(request_id, None)
         req = self.engine.requests.get(request_id)
         if req is not None:
@@ -461,6 +469,7 @@ class WorkerCore:
         self._owners.pop(request_id, None)
         self._progress.pop(request_id, None)
         self._owned_reqs.pop(request_id, None)
+        self._grants.pop(request_id, None)
 
     def _abort_owned(self, address: str, key: str) -> bool:
         """Engine thread: abort what the owner at ``address`` knows as ``key`` (an Abort on its data link);
@@ -506,7 +515,11 @@ class WorkerCore:
         """Engine thread: every live owned request (a finished one has left ``_owners`` already)."""
         live = self.engine.requests
         return pb.RequestTable(
-            requests=[owned_request_proto(live[rid], owner) for rid, owner in self._owners.items() if rid in live]
+            requests=[
+                owned_request_proto(live[rid], owner, self._grants.get(rid, ()))
+                for rid, owner in self._owners.items()
+                if rid in live
+            ]
         )
 
     def _send_snapshot(self) -> None:
