@@ -32,8 +32,9 @@ def test_freeze_exempts_what_exists_from_collection_and_leaves_later_garbage_col
     # process (a server a previous test left stopping) may make garbage or freeze their own heap meanwhile.
     before = _Node()
     before_ref = weakref.ref(before)
-    frozen = freeze_heap("test")
-    assert frozen > 0 and gc.get_freeze_count() >= frozen
+    # NOTE: no comparison with gc.get_freeze_count() later: a frozen object freed by its refcount leaves the
+    # count (it fell by 3 between two reads in a full run)
+    assert freeze_heap("test") > 0
     del before
     gc.collect()
     assert before_ref() is not None, "the frozen cycle is not walked, so not freed"

@@ -98,6 +98,12 @@ class WorkerLinkService(worker_pb2_grpc.WorkerLinkServicer):
             s.last_seq = s.acked_seq = 0
             s.unapplied.clear()
         s.incarnation = hello.incarnation
+        if hello.last_command_seq >= s.next_command_seq:
+            # NOTE: the worker drops a command whose seq it has seen (a resend): a restarted router (or frontend,
+            # whose data service is this class) numbers its commands after what it applied from the previous
+            # process, or its first Aborts and Reowns would vanish without an error. Nothing is unapplied here:
+            # a new incarnation's Hello cleared it above, and the same one's last seq is below ours.
+            s.next_command_seq = hello.last_command_seq + 1
         s.generation += 1
         generation = s.generation
         s.queue = queue = asyncio.Queue()
