@@ -22,6 +22,7 @@ import json
 import os
 import re
 import secrets
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -55,6 +56,8 @@ class Frontends:
     procs: list[Proc]
     addresses: list[str]
     http: list[str]  # each frontend's HTTP base URL (.../v1)
+    frontend_key: str = ""
+    keys: Path | None = None
 
 
 @pytest.fixture(scope="module")
@@ -76,18 +79,22 @@ def fronts(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     procs: list[Proc] = []
     try:
         for i in range(2):
-            procs.append(Proc(kvserve_argv("frontend", "--router", c.address, "--model", str(c.model_dir),
-                                           "--grpc-port", "0", "--http-port", "0", "--frontend-id", f"fe{i}",
-                                           "--auth-keys", str(keys)),
-                              clean_env(**{FRONTEND_KEY_ENV: key})))  # fmt: skip
+            procs.append(_frontend(c, f"fe{i}", key, keys))
         addresses = [p.wait_for_line(FRONTEND_LINE, timeout=120).group(1) for p in procs]
         http = [p.wait_for_line(HTTP_LINE, timeout=60).group(1) for p in procs]
-        yield Frontends(c, procs, addresses, http)
+        yield Frontends(c, procs, addresses, http, key, keys)
     finally:
         for p in procs:
             if p.popen.poll() is None:
                 p.kill_tree()
         stop_cluster(c)
+
+
+def _frontend(c: ServedCluster, frontend_id: str, key: str, keys: Path) -> Proc:
+    """A ``kvserve frontend`` process in front of ``c``'s router (gRPC and HTTP on ports of its own)."""
+    return Proc(kvserve_argv("frontend", "--router", c.address, "--model", str(c.model_dir), "--grpc-port", "0",
+                             "--http-port", "0", "--frontend-id", frontend_id, "--auth-keys", str(keys)),
+                clean_env(**{FRONTEND_KEY_ENV: key}))  # fmt: skip
 
 
 def _kwargs(max_tokens: int, seed: int | None) -> dict[str, Any]:
@@ -265,12 +272,14 @@ def test_resumes_that_do_not_match_are_refused_and_the_stream_runs_on_untouched(
     assert (victim.ids, victim.text) == ref_long, "the attacked stream differs from the undisturbed run"
     assert victim.resumes == 0
     c.wait_idle()
-    print(f"\nFIGURES resume attacks: {len(attempts)} refused NOT_FOUND in {refused_s:.2f}s through the other "
-          "frontend; the attacked stream completed token-identical on its own frontend")
+    print(
+        f"\nFIGURES resume attacks: {len(attempts)} refused NOT_FOUND in {refused_s:.2f}s through the other "
+        "frontend; the attacked stream completed token-identical on its own frontend"
+    )
 
 
 def test_a_killed_frontends_streams_resume_through_the_other_token_identical(fronts: Frontends) -> None:
-    """Last in the module: it kills frontend fe0 for good."""
+    """It kills frontend fe0 for good (the test after it uses fe1 and a third frontend)."""
     c, addresses = fronts.cluster, fronts.addresses
     long_tokens, late_tokens = 300, 60
     jobs = [(prompt(100 + i), _kwargs(long_tokens, 9000 + i if i % 2 else None)) for i in range(6)]
@@ -332,7 +341,55 @@ def test_a_killed_frontends_streams_resume_through_the_other_token_identical(fro
     c.wait_idle(timeout=60)  # NOTE: every block free on every worker (the cancelled one's too), integrity checked
     # the gap each (not held) stream saw: its first response after the kill less its last one before
     gap = max(min(t for t in r.times if t > t_kill) - max(t for t in r.times if t <= t_kill) for r in readers)
-    print(f"\nFIGURES frontend SIGKILL under {len(readers) + 2} KVServeClient streams + {len(sse)} SSE (3 sync, "
-          f"3 async, 1 late reader, 1 cancelled after its resume; greedy and seeded): all resumed through the other "
-          f"frontend token- and text-identical; tokens at the kill {gaps}; longest gap across the kill {gap:.2f}s; "
-          f"all done {time.monotonic() - t_kill:.1f}s after the kill; blocks leaked 0")
+    print(
+        f"\nFIGURES frontend SIGKILL under {len(readers) + 2} KVServeClient streams + {len(sse)} SSE (3 sync, "
+        f"3 async, 1 late reader, 1 cancelled after its resume; greedy and seeded): all resumed through the other "
+        f"frontend token- and text-identical; tokens at the kill {gaps}; longest gap across the kill {gap:.2f}s; "
+        f"all done {time.monotonic() - t_kill:.1f}s after the kill; blocks leaked 0"
+    )
+
+
+ROUTER_RESTARTED = re.compile(r"router restarted \(1\)")
+
+
+def test_a_stream_placed_before_a_router_restart_resumes_after_its_frontend_dies(fronts: Frontends) -> None:
+    """After the test above (fe0 dead): streams through fe1 live through a router SIGKILL (the new router adopts
+    them from the workers' tables, their resume grants included), then fe1 is SIGKILLed and their clients
+    resume through a new frontend fe2, token- and text-identical."""
+    c = fronts.cluster
+    assert fronts.keys is not None
+    fe2 = _frontend(c, "fe2", fronts.frontend_key, fronts.keys)
+    try:
+        addresses = [fronts.addresses[1], fe2.wait_for_line(FRONTEND_LINE, timeout=120).group(1)]
+        jobs = [(prompt(150 + i), _kwargs(1500, 6000 + i if i % 2 else None)) for i in range(2)]
+        reference = _reference(c, jobs)
+        c.wait_idle()
+        readers = [Reader() for _ in jobs]
+        for r, job in zip(readers, jobs, strict=True):
+            threading.Thread(target=r.read_sync, args=(addresses, *job), daemon=True).start()
+        for r in readers:
+            assert r.started.wait(120) and r.error is None and r.ids, r.error
+        os.kill(c.router_pid(), signal.SIGKILL)
+        c.proc.wait_for_dated_line(ROUTER_RESTARTED, timeout=240)
+        deadline = time.monotonic() + 120  # NOTE: the new router adopted both (from the workers' tables)
+        while c.status().router.requests_in_flight < len(jobs):
+            assert time.monotonic() < deadline, "the restarted router never adopted the running requests"
+            assert not any(r.done.is_set() for r in readers), "a stream ended before its frontend died"
+            time.sleep(0.05)
+        at_kill = [len(r.ids) for r in readers]
+        fronts.procs[1].popen.kill()  # SIGKILL: both streams are on fe1 (their first address)
+        for r in readers:
+            assert r.done.wait(TIMEOUT_S), "a stream hangs"
+        for r, ref, n in zip(readers, reference, at_kill, strict=True):
+            assert r.error is None, r.error
+            assert r.final is not None and r.final.finish_reason == "length", r.final
+            assert (r.ids, r.text) == ref, "a resumed stream differs from the undisturbed run"
+            assert n < len(ref[0]) and r.resumes == 1, (n, r.resumes)
+        c.wait_idle(timeout=60)
+        print(
+            f"\nFIGURES router SIGKILL, then the owning frontend SIGKILL: {len(readers)} streams resumed through "
+            f"a third frontend token- and text-identical (tokens at the frontend's kill {at_kill}); blocks leaked 0"
+        )
+    finally:
+        if fe2.popen.poll() is None:
+            fe2.kill_tree()
