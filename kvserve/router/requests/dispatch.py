@@ -154,10 +154,10 @@ class Dispatcher:
 
     async def _add_requests(self, entry: WorkerState, items: list[tuple[RouterRequest, str]]) -> None:
         """One ``add_request`` (a single request: the call every worker and test double answers) or
-        ``add_requests`` (several: None when all were queued, else per request None or why the worker refused it),
-        and each outcome applied
-        as that request's own. NOTE: the worker takes requests between two steps, so an answer slower
-        than its stall threshold means it is stalled (kvserve/router/table/liveness.py): never wait longer."""
+        ``add_requests`` (several: None when all were queued, else per request None or why the worker refused
+        it), and each outcome applied as that request's own. NOTE: the worker takes requests between two steps,
+        so an answer slower than its stall threshold means it is stalled (kvserve/router/table/liveness.py):
+        never wait longer."""
         router = self.router
         now = time.monotonic()
         for r, _ in items:
