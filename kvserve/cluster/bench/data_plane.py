@@ -53,6 +53,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvserve.cluster.bench.proc_cpu import CpuReading, read_cpu
+
 if TYPE_CHECKING:
     from kvserve.router.config import RouterConfig
 
@@ -102,7 +104,7 @@ class _Meter:
     tokens: int = 0
     started: int = 0  # streams that got their first token
     ended: int = 0
-    samples: list[tuple[int, float]] = field(default_factory=list)  # (tokens, router CPU s), steady only
+    samples: list[tuple[int, CpuReading]] = field(default_factory=list)  # (tokens, router CPU), steady only
     _next_sample: float = 0.0
 
     def received(self, before: int, new_tokens: int, final: bool) -> None:
@@ -112,7 +114,7 @@ class _Meter:
         self.ended += final
         if self.router_pid is not None and self.steady() and (now := time.monotonic()) >= self._next_sample:
             self._next_sample = now + self.period_s
-            self.samples.append((self.tokens, _proc_cpu_s(self.router_pid)))
+            self.samples.append((self.tokens, read_cpu(self.router_pid)))
 
     def steady(self) -> bool:
         """Every stream runs: all started, none ended."""
@@ -122,7 +124,7 @@ class _Meter:
         if len(self.samples) < 2 or self.samples[-1][0] == self.samples[0][0]:
             return float("nan")
         (t0, c0), (t1, c1) = self.samples[0], self.samples[-1]
-        return (c1 - c0) / (t1 - t0) * 1e6
+        return c1.seconds_since(c0) / (t1 - t0) * 1e6
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -247,13 +249,6 @@ def bench_router_config(streams: int) -> RouterConfig:
                         max_streams_per_client=max(RouterConfig().max_streams_per_client, streams))  # fmt: skip
 
 
-def _proc_cpu_s(pid: int) -> float:
-    import psutil
-
-    t = psutil.Process(pid).cpu_times()
-    return t.user + t.system
-
-
 def measure(workers: int, streams: int, tokens_per_step: int, step_ms: float, max_tokens: int,
             protocol: str, frontends: int = 0, py_spy: str | None = None, sim: str = "plain",
             sim_blocks: int = 1 << 16) -> PlanePoint:  # fmt: skip
@@ -295,7 +290,7 @@ def measure(workers: int, streams: int, tokens_per_step: int, step_ms: float, ma
         front_pids = [ray.get(f.pid.remote()) for f in fronts]
         pid = ray.get(router.pid.remote())
         http_url = f"http://127.0.0.1:{http_port}/v1/completions" if protocol == "http" else None
-        cpu0, fcpu0 = _proc_cpu_s(pid), sum(_proc_cpu_s(p) for p in front_pids)
+        cpu0, fcpu0 = read_cpu(pid), [read_cpu(p) for p in front_pids]
         mux = protocol == "grpc-mux"
         spy = _py_spy(pid, py_spy) if py_spy else None
         try:
@@ -306,8 +301,8 @@ def measure(workers: int, streams: int, tokens_per_step: int, step_ms: float, ma
             if spy is not None:
                 spy.send_signal(signal.SIGINT)
                 spy.wait(timeout=60)
-        cpu = _proc_cpu_s(pid) - cpu0
-        fcpu = sum(_proc_cpu_s(p) for p in front_pids) - fcpu0
+        cpu = read_cpu(pid).seconds_since(cpu0)
+        fcpu = sum(read_cpu(p).seconds_since(c0) for p, c0 in zip(front_pids, fcpu0, strict=True))
         rss = psutil.Process(pid).memory_info().rss / 2**20
     finally:
         stop_frontends(fronts)
