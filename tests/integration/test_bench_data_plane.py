@@ -62,15 +62,16 @@ def test_every_emitted_token_is_streamed_and_counted(protocol: str, frontends: i
 
 def test_the_steady_window_is_from_every_stream_started_to_the_first_ended() -> None:
     from kvserve.cluster.bench.data_plane import _Meter
+    from kvserve.cluster.bench.proc_cpu import CpuReading
 
     meter = _Meter(streams=2)
     meter.received(0, 1, final=False)
     assert not meter.steady()  # one of two streams started
     meter.received(0, 1, final=False)
     assert meter.steady()
-    meter.samples.append((meter.tokens, 1.0))
+    meter.samples.append((meter.tokens, CpuReading(1.0, {})))
     meter.received(1, 2000, final=False)
-    meter.samples.append((meter.tokens, 2.5))
+    meter.samples.append((meter.tokens, CpuReading(2.5, {})))
     meter.received(1, 5, final=True)
     assert not meter.steady()  # the first stream ended
     assert meter.tokens == 2007 and meter.steady_us_per_token() == pytest.approx((2.5 - 1.0) / 2000 * 1e6)
