@@ -426,3 +426,23 @@ def test_the_real_frontend_relays_an_owned_request_and_aborts_what_it_does_not_o
     frontend.call(lambda: frontend.owned.cancel("fk3"))
     router.wait_finished(["c3#1"])
     assert router.finish_reason("c3#1") == "abort" and _live(core) == set()
+
+
+def test_an_owner_that_refuses_the_data_link_orphans_its_requests(
+    router: RecordingRouter, make_core: Callable[..., WorkerCore]
+) -> None:
+    # The owner is up but refuses every connect (it checks data credentials under another key): each refused
+    # connect must not count as "up", or the refusals would keep resetting the orphan clock for ever.
+    refusing = RecordingRouter()
+    refusing.service = DataCredentialService(refusing.handler, new_worker_key())
+    refusing.start()
+    try:
+        core = make_core("w-refused", router.address, orphan_timeout_s=3.0)  # NOTE: > the 2 s longest backoff
+        t0 = time.monotonic()
+        core.add_request(_owned("own#0", "k", refusing))
+        _wait(lambda: refusing.service.refused >= 2, what="the owner refusing the link twice")
+        _wait(lambda: "own#0" not in _live(core), timeout=30, what="the refused owner's request orphaned")
+        assert time.monotonic() - t0 > 3.0 and not refusing.handler.hellos
+        assert router.finish_reason("own#0") == "abort"
+    finally:
+        refusing.close()

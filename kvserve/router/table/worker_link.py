@@ -18,6 +18,7 @@ import grpc
 from kvserve.protos.kvserve.v1 import worker_pb2 as pb
 from kvserve.protos.kvserve.v1 import worker_pb2_grpc
 from kvserve.workers.core.kv_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
+from kvserve.workers.core.worker_credential import LINK_ACCEPTED_HEADER
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ class WorkerLinkService(worker_pb2_grpc.WorkerLinkServicer):
             else:
                 del s.unapplied[seq]
         self.handler.on_hello(worker_id, hello, restarted)
+        await context.send_initial_metadata(((LINK_ACCEPTED_HEADER, "1"),))
         reader = asyncio.create_task(self._read(worker_id, s, it))
         try:
             while not reader.done():

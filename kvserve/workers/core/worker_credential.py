@@ -32,6 +32,9 @@ import secrets
 
 WORKER_CREDENTIAL_HEADER = "kvserve-worker-credential"
 LINK_PROOF_HEADER = "kvserve-worker-link-proof"
+# NOTE: the link's server sends this header once it has accepted the Hello; only then does the worker count
+# the link as up (a refused connect opens a call too, and must not reset its owner's orphan clock)
+LINK_ACCEPTED_HEADER = "kvserve-link-accepted"
 _LINK_DOMAIN = b"kvserve WorkerLink incarnation v1\0"
 _DOMAIN = b"kvserve WorkerLink v1\0"  # NOTE: binds the MAC to this use, should the key be reused
 _MAC_HEX_LEN = 64

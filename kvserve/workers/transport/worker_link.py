@@ -17,7 +17,12 @@ import grpc
 from kvserve.protos.kvserve.v1 import worker_pb2 as pb
 from kvserve.protos.kvserve.v1 import worker_pb2_grpc
 from kvserve.workers.core.reconnect import RECONNECT_OPTIONS
-from kvserve.workers.core.worker_credential import LINK_PROOF_HEADER, WORKER_CREDENTIAL_HEADER, link_proof
+from kvserve.workers.core.worker_credential import (
+    LINK_ACCEPTED_HEADER,
+    LINK_PROOF_HEADER,
+    WORKER_CREDENTIAL_HEADER,
+    link_proof,
+)
 from kvserve.workers.transport.outbox import Outbox
 
 logger = logging.getLogger(__name__)
@@ -143,7 +148,15 @@ class WorkerLinkClient:
                 metadata = (*metadata, (LINK_PROOF_HEADER, proof))
             call = stub.Connect(self.outbox.open_stream([hello]), metadata=metadata)
             self._call = call
-            self.num_connects += 1
+            self.num_connects += 1  # NOTE: attempts that reached the server, refused or not
+            # NOTE: up only once the server says it accepted the Hello: a refusal (bad credential, an owner
+            # that is not ours, a router without our nonce) ends the call before that header, and the link
+            # stays down, so ``disconnected_for`` keeps counting and the owner's requests orphan in time
+            accepted = dict(call.initial_metadata() or ()).get(LINK_ACCEPTED_HEADER) == "1"
+            if not accepted or call.done():
+                for _ in call:  # NOTE: raises the refusal's status (none: the server ended the stream)
+                    pass
+                return
             self._connected.set()
             self._on_connect()
             for cmd in call:
