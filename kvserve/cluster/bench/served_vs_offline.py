@@ -109,6 +109,24 @@ def _thread_cpu_s(pid: int) -> dict[str, float]:
     return out
 
 
+def _comm_names(pid: int) -> dict[str, str]:
+    """The kernel's name of each thread of process ``pid`` (``/proc/<pid>/task/<tid>/comm``), by tid."""
+    out: dict[str, str] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out[tid] = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+        except OSError:
+            continue
+    return out
+
+
+def _busiest(before: dict[str, float], after: dict[str, float], names: dict[str, str]) -> dict[str, float]:
+    """The 6 threads that spent the most CPU seconds between two ``_thread_cpu_s`` readings, ``name/tid``."""
+    busy = {tid: round(v - before.get(tid, 0.0), 3) for tid, v in after.items() if v > before.get(tid, 0.0)}
+    top = sorted(busy.items(), key=lambda kv: -kv[1])[:6]
+    return {f"{names.get(tid, '?')}/{tid}": v for tid, v in top}
+
+
 def _cpu_s(pid: int, tid: str | None = None) -> float:
     """User + system CPU seconds of process ``pid`` (all its threads) so far."""
     path = f"/proc/{pid}/task/{tid}/stat" if tid else f"/proc/{pid}/stat"
@@ -154,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     per_token: dict[str, list[float]] = {"router": [], "frontends": [], "client": []}  # CPU us per streamed token
     offline_cpu: list[float] = []
     thread_cpu: list[dict[str, float]] = []  # worker CPU seconds per served pass, by thread name
+    router_threads: list[dict[str, float]] = []  # the router's, by the kernel's thread name (Ray's and gRPC's)
     messages: list[int] = []  # WorkerLink messages the worker logged per served pass
     coalesced: list[int] = []  # steps folded into an earlier step's messages per served pass
     identical = True
@@ -173,11 +192,13 @@ def main(argv: list[str] | None = None) -> int:
                 ]
                 time.sleep(1.0)  # NOTE: let py-spy attach before the pass starts
             link0, threads0 = _link_counts(worker), _thread_cpu_s(worker_pid)
+            router_threads0 = _thread_cpu_s(router_pid)
             before = (_cpu_s(worker_pid), _cpu_s(router_pid), time.process_time(), sum(map(_cpu_s, frontend_pids)))
             run = asyncio.run(served_pass(address, prompt_ids, max_tokens))
             after = (_cpu_s(worker_pid), _cpu_s(router_pid), time.process_time(), sum(map(_cpu_s, frontend_pids)))
             streamed = sum(len(t) for t in run.token_ids)
             link1, threads1 = _link_counts(worker), _thread_cpu_s(worker_pid)
+            router_threads.append(_busiest(router_threads0, _thread_cpu_s(router_pid), _comm_names(router_pid)))
             busy = {k: round(v - threads0.get(k, 0.0), 2) for k, v in threads1.items() if v - threads0.get(k, 0.0) > 0}
             names = _thread_names(worker)
             top = sorted(busy.items(), key=lambda kv: -kv[1])[:6]
@@ -227,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         **{f"{who}_cpu_us_per_token_median": round(statistics.median(v), 2) for who, v in per_token.items()},
         "cpu_model": _cpu_model(),
         "worker_thread_cpu_s": thread_cpu,
+        "router_thread_cpu_s": router_threads,
         "link_messages": messages,
         "steps_coalesced": coalesced,
         "offline_cpu_s_median": statistics.median(offline_cpu) if offline_cpu else None,

@@ -119,7 +119,11 @@ class WorkerView:
             "total_blocks", "free_blocks", "cached_evictable_blocks", "running", "waiting", "blocks_in_flight",
             "used_blocks", "blocks_migrating_in", "blocks_migrating_out", "swap_blocks",
         )  # fmt: skip
-        if min(getattr(self, n) for n in names) >= 0:  # NOTE: one check on the common path
+        # NOTE: one check on the common path (a view per worker per placed request): an OR of ints is
+        # negative exactly when one of them is
+        if (self.total_blocks | self.free_blocks | self.cached_evictable_blocks | self.running | self.waiting
+                | self.blocks_in_flight | self.used_blocks | self.blocks_migrating_in | self.blocks_migrating_out
+                | self.swap_blocks) >= 0:  # fmt: skip
             return
         for name in names:
             if getattr(self, name) < 0:
