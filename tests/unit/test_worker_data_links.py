@@ -200,6 +200,15 @@ def test_a_router_reconnect_gets_the_table_of_live_owned_requests(
     s = entry.sampling
     assert (s.max_tokens, s.top_k, s.seed, s.logprobs, s.ignore_eos) == (3000, 5, 7, 2, False)
     assert s.temperature == pytest.approx(0.7) and s.HasField("top_p") and s.top_p == pytest.approx(0.9)
+    assert not entry.exporting
+    # paused by a migration (exported, not yet freed): flagged, so a router restarted mid-migration can settle it
+    assert core.export_request("r2#1") is not None
+    n = len(router.messages("w-table", "request_table"))
+    router.restart()
+    table = _wait(lambda: router.messages("w-table", "request_table")[n:], what="the table after a second reconnect")
+    (entry,) = table[-1].request_table.requests
+    assert entry.request_id == "r2#1" and entry.exporting
+    assert core.finish_export("r2#1", migrated=False)
     assert core.abort("r2#1") and core.abort("plain#0")
 
 

@@ -157,7 +157,7 @@ class Mover:
             if exported:
                 # Resume the source's copy if the request still lives there; free it otherwise.
                 resume = not committed and self._still_on(r, src.worker_id, rid)
-                await self._finish_export(src, src_inc, rid, migrated=not resume)
+                await self.finish_export(src, src_inc, rid, migrated=not resume)
             self.busy.difference_update((move.src, move.dst))
 
     @staticmethod
@@ -177,7 +177,8 @@ class Mover:
             table.give_up(entry, f"{method} did not return in {threshold:.1f}s with no progress", incarnation)
             raise
 
-    async def _finish_export(self, src: WorkerState, incarnation: str, rid: str, migrated: bool) -> None:
+    async def finish_export(self, src: WorkerState, incarnation: str, rid: str, migrated: bool) -> None:
+        """Free (``migrated``) or resume the copy of ``rid`` an export paused on ``src``; a failure is logged."""
         try:
             await self._call(src, incarnation, "finish_export", src.handle.finish_export.remote(rid, migrated))
         except Exception as e:  # noqa: BLE001 - a dead or hung source takes its paused copy with it

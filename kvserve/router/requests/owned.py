@@ -37,6 +37,7 @@ import grpc
 
 from kvserve.protos.kvserve.v1 import worker_pb2 as pb
 from kvserve.router.gate.validation import ValidationError, sampling_params
+from kvserve.router.requests.exported import ExportedCopies
 from kvserve.router.requests.mux import MuxSlot, StreamMux
 from kvserve.router.requests.request import RouterError, RouterRequest
 from kvserve.router.requests.takeover import ResumeGrant, TakeOvers
@@ -65,6 +66,7 @@ class OwnedPipeline(Protocol):
     limits: Any
     block_size: int
     model_id: str
+    mover: Any
 
 
 def stream_mux(r: RouterRequest) -> StreamMux | None:
@@ -115,6 +117,8 @@ class OwnedRequests:
         self._unsent: dict[str, list[str]] = {}  # owner address -> replay notices no stream took yet
         # NOTE: router.link at call time: the router builds its WorkerLink service after this object
         self.takeovers = TakeOvers(self, lambda worker_id, cmd: router.link.send(worker_id, cmd), owner_grace_s)
+        self.exported = ExportedCopies(self._finish_export, self._adopt_settled)
+        self._tasks: set[asyncio.Task] = set()
 
     # ---- the owner's stream -------------------------------------------------------------------------
     def own(self, r: RouterRequest, address: str, key: str) -> None:
@@ -337,45 +341,82 @@ class OwnedRequests:
 
     # ---- a restarted router -------------------------------------------------------------------------
     def adopt(self, worker_id: str, table: pb.RequestTable) -> int:
-        """Take over the owned requests ``worker_id`` runs that this router does not know; returns how many."""
+        """Take over the owned requests ``worker_id`` runs that this router does not know; returns how many.
+        A copy paused by a migration a previous router left unfinished is settled (``ExportedCopies``)."""
         router = self.router
-        entry = router.table.get(worker_id)
-        if entry is None or router.limits is None:
+        if router.table.get(worker_id) is None or router.limits is None:
             return 0
         adopted = 0
         for o in table.requests:
-            if router.dispatcher.current(o.request_id) is not None or o.owner_key in self.by_key:
+            known = router.dispatcher.current(o.request_id)
+            if o.exporting:
+                if worker_id not in router.mover.busy:  # NOTE: busy: this router's own migration ends it
+                    elsewhere = known is not None and known.worker_id != worker_id
+                    if known is None or elsewhere:
+                        self.exported.paused(worker_id, o, running_elsewhere=elsewhere)
                 continue
-            ids = list(o.prompt_ids)
-            try:
-                params = sampling_params(o.sampling, len(ids), router.limits)
-            except ValidationError as e:  # NOTE: a worker's table is trusted input, but never crash the loop
-                logger.warning("worker %s: owned request %s not adopted: %s", worker_id, o.request_id, e)
+            if known is not None or o.owner_key in self.by_key:
                 continue
-            rid = o.request_id.rpartition("#")[0] or o.request_id
-            if rid in router.requests:
-                continue
-            salt = o.cache_salt or None
-            r = RouterRequest(rid, ids, params, o.priority, o.cache_salt,
-                              tuple(hash_blocks(ids, router.block_size, cache_extra(router.model_id, salt))),
-                              blocks_for(len(ids), router.block_size))  # fmt: skip
-            r.owner, r.owner_key = o.owner, o.owner_key
-            r.responses = OwnerSlot(self.owners, o.owner, o.owner_key)
-            r.worker_id, r.worker_rid, r.dispatch_workers = worker_id, o.request_id, {worker_id}
-            r.tokens_received = o.num_output_tokens
-            r.started_at = r.first_token_time = time.monotonic()
-            router.requests[rid] = r
-            router.dispatcher.by_worker_rid[o.request_id] = r
-            # NOTE: counted on its worker as a dispatch there that already started, promising nothing: the
-            # worker's reports already count its blocks (the next one drops the entry, as for any start).
-            entry.placed(o.request_id, 0)
-            entry.started.add(o.request_id)
-            self.by_key[o.owner_key] = r
-            self._placed.add(o.owner_key)
-            if o.resume_token:  # NOTE: its client may still resume it through another frontend
-                self.takeovers.grant(r, ResumeGrant(o.resume_token, o.resume_request_id, o.resume_tenant,
-                                                    o.resume_client))  # fmt: skip
-            adopted += 1
+            if self._adopt_one(worker_id, o):
+                adopted += 1
+                self.exported.running(worker_id, o.request_id)
         if adopted:
             logger.info("adopted %d owned requests from worker %s (a router restart)", adopted, worker_id)
         return adopted
+
+    def _adopt_one(self, worker_id: str, o: pb.OwnedRequest) -> bool:
+        """Take over ``o``, which ``worker_id`` runs; False if it cannot be (unknown worker, bad entry, id in use)."""
+        router = self.router
+        entry = router.table.get(worker_id)
+        if entry is None or router.limits is None:
+            return False
+        ids = list(o.prompt_ids)
+        try:
+            params = sampling_params(o.sampling, len(ids), router.limits)
+        except ValidationError as e:  # NOTE: a worker's table is trusted input, but never crash the loop
+            logger.warning("worker %s: owned request %s not adopted: %s", worker_id, o.request_id, e)
+            return False
+        rid = o.request_id.rpartition("#")[0] or o.request_id
+        if rid in router.requests:
+            return False
+        salt = o.cache_salt or None
+        r = RouterRequest(rid, ids, params, o.priority, o.cache_salt,
+                          tuple(hash_blocks(ids, router.block_size, cache_extra(router.model_id, salt))),
+                          blocks_for(len(ids), router.block_size))  # fmt: skip
+        r.owner, r.owner_key = o.owner, o.owner_key
+        r.responses = OwnerSlot(self.owners, o.owner, o.owner_key)
+        r.worker_id, r.worker_rid, r.dispatch_workers = worker_id, o.request_id, {worker_id}
+        r.tokens_received = o.num_output_tokens
+        r.started_at = r.first_token_time = time.monotonic()
+        router.requests[rid] = r
+        router.dispatcher.by_worker_rid[o.request_id] = r
+        # NOTE: counted on its worker as a dispatch there that already started, promising nothing: the
+        # worker's reports already count its blocks (the next one drops the entry, as for any start).
+        entry.placed(o.request_id, 0)
+        entry.started.add(o.request_id)
+        self.by_key[o.owner_key] = r
+        self._placed.add(o.owner_key)
+        if o.resume_token:  # NOTE: its client may still resume it through another frontend
+            self.takeovers.grant(r, ResumeGrant(o.resume_token, o.resume_request_id, o.resume_tenant,
+                                                o.resume_client))  # fmt: skip
+        return True
+
+    def _adopt_settled(self, worker_id: str, o: pb.OwnedRequest) -> bool:
+        """A paused copy no running one replaced: adopt it, unless its request is known here by now."""
+        if self.router.dispatcher.current(o.request_id) is not None or o.owner_key in self.by_key:
+            return False
+        return self._adopt_one(worker_id, o)
+
+    def _finish_export(self, worker_id: str, rid: str, migrated: bool) -> None:
+        """Free (``migrated``) or resume a paused copy on ``worker_id`` (an ``ExportedCopies`` decision)."""
+        entry = self.router.table.get(worker_id)
+        if entry is None:
+            return
+        try:
+            task = asyncio.get_running_loop().create_task(
+                self.router.mover.finish_export(entry, entry.incarnation, rid, migrated)
+            )
+        except RuntimeError:  # NOTE: no loop (a unit test driving the router by hand)
+            return
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

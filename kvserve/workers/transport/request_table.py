@@ -37,10 +37,13 @@ def sampling_proto(params: SamplingParams) -> spb.SamplingParams:
     return msg
 
 
-def owned_request_proto(req: Request, owner: tuple[str, str], grant: tuple[str, ...] = ()) -> pb.OwnedRequest:
+def owned_request_proto(
+    req: Request, owner: tuple[str, str], grant: tuple[str, ...] = (), exporting: bool = False
+) -> pb.OwnedRequest:
     """One live owned request as the table lists it: its dispatch id on this worker, its owner
-    ``(address, key)``, what it runs (prompt, sampling, priority, tenant), how far it got, and its resume
-    ``grant`` (token, client's request id, tenant, end client; () for none)."""
+    ``(address, key)``, what it runs (prompt, sampling, priority, tenant), how far it got, its resume
+    ``grant`` (token, client's request id, tenant, end client; () for none), and whether it is paused for a
+    migration (``exporting``)."""
     address, key = owner
     token, client_rid, tenant, client = grant if len(grant) == 4 else ("", "", "", "")
     return pb.OwnedRequest(
@@ -56,4 +59,5 @@ def owned_request_proto(req: Request, owner: tuple[str, str], grant: tuple[str, 
         resume_request_id=client_rid,
         resume_tenant=tenant,
         resume_client=client,
+        exporting=exporting,
     )

@@ -516,7 +516,7 @@ class WorkerCore:
         live = self.engine.requests
         return pb.RequestTable(
             requests=[
-                owned_request_proto(live[rid], owner, self._grants.get(rid, ()))
+                owned_request_proto(live[rid], owner, self._grants.get(rid, ()), rid in self.engine.exporting)
                 for rid, owner in self._owners.items()
                 if rid in live
             ]

@@ -53,7 +53,7 @@ class RequestTable(_message.Message):
     def __init__(self, requests: _Optional[_Iterable[_Union[OwnedRequest, _Mapping]]] = ...) -> None: ...
 
 class OwnedRequest(_message.Message):
-    __slots__ = ("request_id", "owner", "owner_key", "prompt_ids", "sampling", "priority", "cache_salt", "num_output_tokens", "resume_token", "resume_request_id", "resume_tenant", "resume_client")
+    __slots__ = ("request_id", "owner", "owner_key", "prompt_ids", "sampling", "priority", "cache_salt", "num_output_tokens", "resume_token", "resume_request_id", "resume_tenant", "resume_client", "exporting")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     OWNER_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class OwnedRequest(_message.Message):
     RESUME_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RESUME_TENANT_FIELD_NUMBER: _ClassVar[int]
     RESUME_CLIENT_FIELD_NUMBER: _ClassVar[int]
+    EXPORTING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     owner: str
     owner_key: str
@@ -78,7 +79,8 @@ class OwnedRequest(_message.Message):
     resume_request_id: str
     resume_tenant: str
     resume_client: str
-    def __init__(self, request_id: _Optional[str] = ..., owner: _Optional[str] = ..., owner_key: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., num_output_tokens: _Optional[int] = ..., resume_token: _Optional[str] = ..., resume_request_id: _Optional[str] = ..., resume_tenant: _Optional[str] = ..., resume_client: _Optional[str] = ...) -> None: ...
+    exporting: bool
+    def __init__(self, request_id: _Optional[str] = ..., owner: _Optional[str] = ..., owner_key: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., num_output_tokens: _Optional[int] = ..., resume_token: _Optional[str] = ..., resume_request_id: _Optional[str] = ..., resume_tenant: _Optional[str] = ..., resume_client: _Optional[str] = ..., exporting: _Optional[bool] = ...) -> None: ...
 
 class StepMessages(_message.Message):
     __slots__ = ("outputs", "events", "pressure")
