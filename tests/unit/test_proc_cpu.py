@@ -1,4 +1,4 @@
-"""The benchmarks' CPU reader: fine enough for a few milliseconds, never below what /proc's ticks say."""
+"""The benchmarks' CPU reader: nanoseconds while every thread lives, /proc's ticks once one has exited."""
 
 import os
 import time
@@ -25,5 +25,5 @@ def test_an_exited_thread_falls_back_to_the_tick_count() -> None:
     before = CpuReading(ticks_s=1.0, threads_ns={1: 10**9, 2: 5 * 10**9})
     after = CpuReading(ticks_s=1.5, threads_ns={1: 10**9 + 10**8})  # thread 2 exited after running 0.4 s
     assert after.seconds_since(before) == 0.5
-    grown = CpuReading(ticks_s=1.0, threads_ns={1: 10**9 + 3 * 10**6, 3: 10**6})  # a new thread counts whole
+    grown = CpuReading(ticks_s=1.0, threads_ns={1: 10**9 + 3 * 10**6, 2: 5 * 10**9, 3: 10**6})  # a new one counts whole
     assert abs(grown.seconds_since(before) - 0.004) < 1e-12

@@ -19,16 +19,18 @@ _HELP = {
     "kernels": "Triton attention kernels vs the torch reference, timed on a GPU",
     "data-plane": "streamed tokens/s and router CPU per token through the real router, simulated workers",
     "hop-latency": "what one process-to-process hop costs on this machine (pipe, TCP, asyncio, gRPC)",
+    "served": "served vs offline passes of a workload: tokens/s, and CPU per streamed token by role",
 }
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``bench`` with its subcommands ``offline``, ``serve``, ``compare-serve``, ``router``, ``kernels``,
-    ``data-plane`` and ``hop-latency``."""
+    ``data-plane``, ``hop-latency`` and ``served``."""
     bench = subparsers.add_parser("bench", help="benchmarks: offline engine, served cluster, router, kernels")
     sub = bench.add_subparsers(dest="bench_command", required=True, action=LazySubParsers)
     loaders = (("offline", _offline), ("serve", _serve), ("compare-serve", _compare_serve), ("router", _router),
-               ("kernels", _kernels), ("data-plane", _data_plane), ("hop-latency", _hop_latency))  # fmt: skip
+               ("kernels", _kernels), ("data-plane", _data_plane), ("hop-latency", _hop_latency),
+               ("served", _served))  # fmt: skip
     for name, loader in loaders:
         sub.add_lazy({name: _HELP[name]}, loader)
 
@@ -90,6 +92,14 @@ def _kernels(sub: LazySubParsers) -> None:
 def _fail(message: str) -> int:
     print(message, file=sys.stderr)
     return 2
+
+
+def _served(sub: LazySubParsers) -> None:
+    from kvserve.cluster.bench import served_vs_offline
+
+    p = sub.add_parser("served", help=_HELP["served"])
+    served_vs_offline.add_arguments(p)
+    p.set_defaults(func=served_vs_offline.run)
 
 
 def _data_plane(sub: LazySubParsers) -> None:

@@ -1,9 +1,10 @@
 """CPU time of another process, fine enough for short benchmark runs.
 
-``/proc/<pid>/stat`` counts user + system time in clock ticks (10 ms): a router that spends 6 ms over a
-short run reads 0 or 10 ms. ``/proc/<pid>/task/<tid>/schedstat`` counts each live thread's run time in
-nanoseconds but forgets threads that exited. Both are lower bounds of the truth, so the CPU time between
-two readings is the larger of the two differences.
+``/proc/<pid>/stat`` counts user + system time in whole clock ticks (10 ms), each truncated: a router that
+spends 6 ms over a short run reads 0, 10 or 20 ms. ``/proc/<pid>/task/<tid>/schedstat`` counts each live
+thread's run time in nanoseconds but forgets threads that exited. So the CPU time between two readings is the
+threads' nanoseconds when every thread of the first reading is still there (a thread both born and gone
+in between is missed), and the ticks' difference otherwise.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ class CpuReading:
 
     def seconds_since(self, earlier: CpuReading) -> float:
         """CPU seconds the process spent between ``earlier`` and this reading (see the module doc)."""
-        coarse = self.ticks_s - earlier.ticks_s
-        fine = sum(ns - earlier.threads_ns.get(tid, 0) for tid, ns in self.threads_ns.items()) / 1e9
-        return max(coarse, fine, 0.0)
+        if self.threads_ns and earlier.threads_ns.keys() <= self.threads_ns.keys():
+            return sum(ns - earlier.threads_ns.get(tid, 0) for tid, ns in self.threads_ns.items()) / 1e9
+        return max(self.ticks_s - earlier.ticks_s, 0.0)
 
 
 def read_cpu(pid: int) -> CpuReading:

@@ -15,7 +15,7 @@ and load average are in the summary: on a shared machine the figures carry other
 
 Usage::
 
-    python -m kvserve.cluster.bench.served_vs_offline --model /tmp/m-tiny --rounds 3 [--json]
+    kvserve bench served --model /tmp/m-tiny --rounds 3 [--workers 2 --frontends 2] [--json]
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvserve.cluster.bench.proc_cpu import read_cpu
 from kvserve.cluster.bench.workloads import WORKLOADS, prompts
 
 
@@ -134,8 +135,7 @@ def _cpu_s(pid: int, tid: str | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--workload", default="tiny", choices=sorted(WORKLOADS))
     p.add_argument("--rounds", type=int, default=3)
@@ -152,16 +152,28 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--json", action="store_true")
     p.add_argument("--offline-child", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvserve bench served", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """One cluster, ``--rounds`` served (and offline) passes, the summary printed (module doc)."""
     if args.offline_child:
         return _offline_child(args)
 
     from kvserve.cluster.launch import start_cluster
+    from kvserve.router.config import RouterConfig
     from kvserve.workers.engine.config import EngineConfig
 
     prompt_ids, max_tokens = prompts(args.workload)
     config = EngineConfig(model=args.model, dtype="float32", block_size=args.block_size)
-    cluster = start_cluster(config, args.workers, cpus_per_worker=args.cpus_per_worker, frontends=args.frontends)
+    # NOTE: a free port (0), so a run beside a served cluster or another bench does not collide
+    cluster = start_cluster(config, args.workers, RouterConfig(port=0), cpus_per_worker=args.cpus_per_worker,
+                            frontends=args.frontends)
     address = f"127.0.0.1:{cluster.frontend_port}" if args.frontends else cluster.address
     served: list[float] = []
     offline: list[float] = []
@@ -193,9 +205,14 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(1.0)  # NOTE: let py-spy attach before the pass starts
             link0, threads0 = _link_counts(worker), _thread_cpu_s(worker_pid)
             router_threads0 = _thread_cpu_s(router_pid)
-            before = (_cpu_s(worker_pid), _cpu_s(router_pid), time.process_time(), sum(map(_cpu_s, frontend_pids)))
+            # NOTE: schedstat as well as ticks (kvserve/cluster/bench/proc_cpu.py): a router pass costs ~0.1 s,
+            # and one 10 ms tick more or less is 2.4 us per token of the tiny workload
+            readings = [read_cpu(p) for p in (worker_pid, router_pid, *frontend_pids)]
+            client0 = time.process_time()
             run = asyncio.run(served_pass(address, prompt_ids, max_tokens))
-            after = (_cpu_s(worker_pid), _cpu_s(router_pid), time.process_time(), sum(map(_cpu_s, frontend_pids)))
+            client1 = time.process_time()
+            spent = [read_cpu(p).seconds_since(r) for p, r in zip((worker_pid, router_pid, *frontend_pids), readings,
+                                                                  strict=True)]  # fmt: skip
             streamed = sum(len(t) for t in run.token_ids)
             link1, threads1 = _link_counts(worker), _thread_cpu_s(worker_pid)
             router_threads.append(_busiest(router_threads0, _thread_cpu_s(router_pid), _comm_names(router_pid)))
@@ -208,10 +225,10 @@ def main(argv: list[str] | None = None) -> int:
             for spy in spies:
                 spy.send_signal(signal.SIGINT)
                 spy.wait(timeout=60)
-            worker_cpu.append(after[0] - before[0])
-            router_cpu.append(after[1] - before[1])
-            client_cpu.append(after[2] - before[2])
-            frontend_cpu.append(after[3] - before[3])
+            worker_cpu.append(spent[0])
+            router_cpu.append(spent[1])
+            client_cpu.append(client1 - client0)
+            frontend_cpu.append(sum(spent[2:]))
             for who, cpu in (("router", router_cpu), ("frontends", frontend_cpu), ("client", client_cpu)):
                 per_token[who].append(cpu[-1] / max(streamed, 1) * 1e6)
             served.append(run.output_tokens_per_s)
