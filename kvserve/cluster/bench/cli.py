@@ -20,17 +20,18 @@ _HELP = {
     "data-plane": "streamed tokens/s and router CPU per token through the real router, simulated workers",
     "hop-latency": "what one process-to-process hop costs on this machine (pipe, TCP, asyncio, gRPC)",
     "served": "served vs offline passes of a workload: tokens/s, and CPU per streamed token by role",
+    "step-inputs": "the host's cost of laying out one decode step's inputs, per batch size",
 }
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``bench`` with its subcommands ``offline``, ``serve``, ``compare-serve``, ``router``, ``kernels``,
-    ``data-plane``, ``hop-latency`` and ``served``."""
+    ``data-plane``, ``hop-latency``, ``served`` and ``step-inputs``."""
     bench = subparsers.add_parser("bench", help="benchmarks: offline engine, served cluster, router, kernels")
     sub = bench.add_subparsers(dest="bench_command", required=True, action=LazySubParsers)
     loaders = (("offline", _offline), ("serve", _serve), ("compare-serve", _compare_serve), ("router", _router),
                ("kernels", _kernels), ("data-plane", _data_plane), ("hop-latency", _hop_latency),
-               ("served", _served))  # fmt: skip
+               ("served", _served), ("step-inputs", _step_inputs))  # fmt: skip
     for name, loader in loaders:
         sub.add_lazy({name: _HELP[name]}, loader)
 
@@ -100,6 +101,14 @@ def _served(sub: LazySubParsers) -> None:
     p = sub.add_parser("served", help=_HELP["served"])
     served_vs_offline.add_arguments(p)
     p.set_defaults(func=served_vs_offline.run)
+
+
+def _step_inputs(sub: LazySubParsers) -> None:
+    from kvserve.cluster.bench import step_inputs
+
+    p = sub.add_parser("step-inputs", help=_HELP["step-inputs"])
+    step_inputs.add_arguments(p)
+    p.set_defaults(func=step_inputs.run)
 
 
 def _data_plane(sub: LazySubParsers) -> None:

@@ -54,8 +54,8 @@ class _Filled:
 
 def _fill(batch: list[tuple[Request, int]], block_size: int) -> _Filled:
     """The vectorised layout of a batch ordered [decodes | prefill chunks] (the only per-request Python:
-    list slices and one row copy each). Padding a block table with block 0 is safe: kernels never read
-    past a sequence's context length."""
+    list slices and one row copy each, from the request's table mirror: kvserve/workers/engine/table_mirror.py).
+    Padding a block table with block 0 is safe: kernels never read past a sequence's context length."""
     bs = block_size
     num_reqs = len(batch)
     ids: list[int] = []
@@ -63,7 +63,7 @@ def _fill(batch: list[tuple[Request, int]], block_size: int) -> _Filled:
     counts = np.empty(num_reqs, dtype=np.int64)
     skip = np.empty(num_reqs, dtype=np.int64)
     sample_reqs: list[int] = []
-    tables = [req.block_table for req, _ in batch]
+    tables = [req.table_mirror.view(req.block_table) for req, _ in batch]
     width = max(map(len, tables), default=0)
     table = np.zeros((num_reqs, width), dtype=np.int64)
     for j, (req, n) in enumerate(batch):

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from kvserve.workers.core.block_hash import ROOT_HASH, hash_block
 from kvserve.workers.core.sampling_params import SamplingParams
+from kvserve.workers.engine.table_mirror import TableMirror
 
 if TYPE_CHECKING:  # NOTE: annotations only; the scheduler imports this module and must not pull in torch
     import torch
@@ -65,6 +66,8 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None
     # Text already handed out (for stop strings and incremental detokenization).
     output_text: str = ""
+    # ``block_table`` as numpy, grown as the table is extended (kvserve/workers/engine/table_mirror.py)
+    table_mirror: TableMirror = field(default_factory=TableMirror, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
