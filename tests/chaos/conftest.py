@@ -135,6 +135,10 @@ class ServedCluster:
         """The router's live migration of ``request_id`` to ``dst``; whether it moved."""
         return bool(self._ask({"op": "migrate", "request_id": request_id, "dst": dst}))
 
+    def owned_keys(self) -> list[str]:
+        """The router's ids of the requests frontends own (a ``fault_router`` cluster's ``FaultRouter``)."""
+        return list(self._ask({"op": "owned_keys"}))  # type: ignore[call-overload]
+
     def router_pid(self) -> int:
         """The OS pid of the router actor (the current one: serve may have restarted it)."""
         pid = int(self._ask({"op": "router_pid"}))

@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 PHASES = ("before_export", "before_import", "after_import")  # Mover.fault's phase boundaries
 ACTIONS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
-SIDES = ("src", "dst")
+SIDES = ("src", "dst", "router")  # "router": the router's own process (killed mid-migration)
 
 
 class FaultRouter(RouterActor):
@@ -32,7 +32,8 @@ class FaultRouter(RouterActor):
     async def arm_migration_fault(self, phase: str, action: str, side: str) -> None:
         """At the next migration's ``phase`` boundary (``Mover.fault``: "before_export",
         "before_import", "after_import"), SIGKILL ("kill") or SIGSTOP ("hang") the process of that
-        move's ``side`` ("src" or "dst") worker, then let the move go on. Once: the fault disarms itself.
+        move's ``side`` ("src" or "dst") worker, or the router's own ("router"), then let the move go on. Once:
+        the fault disarms itself.
 
         Raises:
             ValueError: an unknown phase, action or side.
@@ -45,6 +46,10 @@ class FaultRouter(RouterActor):
             if at != phase:
                 return
             mover.fault = None  # once
+            if side == "router":
+                logger.warning("test fault: %s of the router itself at %s of %s", action, phase, r.request_id)
+                os.kill(os.getpid(), ACTIONS[action])
+                return
             worker_id = move.src if side == "src" else move.dst
             pid = int(await self.router.table[worker_id].handle.pid.remote())
             os.kill(pid, ACTIONS[action])
@@ -52,3 +57,7 @@ class FaultRouter(RouterActor):
                            phase, r.request_id)  # fmt: skip
 
         mover.fault = fault
+
+    async def owned_keys(self) -> list[str]:
+        """The router's ids of the requests frontends own (their owner keys; kvserve/router/requests/owned.py)."""
+        return sorted(self.router.owned.by_key)

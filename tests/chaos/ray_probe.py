@@ -64,6 +64,8 @@ def main(gcs_address: str) -> None:
                                 timeout=TIMEOUT_S)  # fmt: skip
             elif cmd["op"] == "migrate":
                 value = ray.get(router.migrate.remote(cmd["request_id"], cmd["dst"]), timeout=TIMEOUT_S)
+            elif cmd["op"] == "owned_keys":
+                value = ray.get(router.owned_keys.remote(), timeout=TIMEOUT_S)
             elif cmd["op"] == "frontend_pid":
                 frontend = ray.get_actor(FRONTEND_NAME.format(cmd["index"]))
                 value = ray.get(frontend.pid.remote(), timeout=TIMEOUT_S)
