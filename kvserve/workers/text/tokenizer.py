@@ -59,6 +59,9 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.add_bos_token = add_bos_token
         self._vocab_size = hf_tokenizer.get_vocab_size(with_added_tokens=True)
+        # decode([id], skip) of each known id seen so far, one dict per skip_special_tokens value (see
+        # ``_decode_one``); at most the vocabulary's size.
+        self._one_id_text: dict[bool, dict[int, str]] = {False: {}, True: {}}
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -188,6 +191,17 @@ class Tokenizer:
         known = [i for i in ids if 0 <= i < self._vocab_size]
         return self._tok.decode(known, skip_special_tokens=skip_special_tokens)
 
+    def _decode_one(self, token_id: int, skip_special_tokens: bool) -> str:
+        """``decode([token_id], skip_special_tokens)``, cached (decoding is a pure function of the ids):
+        the detokenizer's prefix window is most often a single id."""
+        cache = self._one_id_text[skip_special_tokens]
+        text = cache.get(token_id)
+        if text is None:
+            text = self.decode([token_id], skip_special_tokens)
+            if 0 <= token_id < self._vocab_size:  # bounded by the vocabulary
+                cache[token_id] = text
+        return text
+
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
     """The model's tokenizer, or None when it has none (prompts must then be given as token ids).
@@ -244,18 +258,42 @@ class IncrementalDetokenizer:
         """
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
+        self._one_id_text = tokenizer._one_id_text[skip_special_tokens]  # decode([id]) by id
         self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         # Chars beyond decode(ids[prefix:read]) already emitted while the tail was incomplete.
         self._emitted_in_window = 0
+        # len(decode(ids[prefix:read])) while the offsets stay put (a held-back tail), else None.
+        self._prefix_len: int | None = None
+        # Index of the last id outside the vocabulary (-1: none): a window starting after it needs
+        # no filtering and goes straight to tokenizers.
+        self._last_unknown = _last_unknown_index(self._ids, tokenizer.vocab_size)
         self.text = ""  # everything emitted so far
 
     def add(self, token_id: int) -> str:
         """Feed the next output id; return the newly complete text (possibly "")."""
-        self._ids.append(token_id)
-        prefix_text, window_text = self._decode_window()
-        start = len(prefix_text) + self._emitted_in_window
+        ids = self._ids
+        ids.append(token_id)
+        tokenizer = self._tokenizer
+        if not 0 <= token_id < tokenizer._vocab_size:
+            self._last_unknown = len(ids) - 1
+        start = self._prefix_offset
+        # Every id from the window's start on is known: tokenizers' own decode is Tokenizer.decode.
+        decode = tokenizer._tok.decode if self._last_unknown < start else tokenizer.decode
+        prefix_len = self._prefix_len
+        if prefix_len is None:
+            read = self._read_offset
+            if read - start == 1:
+                text = self._one_id_text.get(ids[start])
+                if text is None:
+                    text = tokenizer._decode_one(ids[start], self._skip_special)
+                prefix_len = len(text)
+            else:
+                prefix_len = len(decode(ids[start:read], self._skip_special))
+            self._prefix_len = prefix_len
+        window_text = decode(ids[start:], self._skip_special)
+        start = prefix_len + self._emitted_in_window
         if window_text.endswith(REPLACEMENT_CHAR):
             # Emit what precedes the incomplete tail, but keep the window open: the next tokens
             # may turn the trailing U+FFFD into a real character.
@@ -265,18 +303,23 @@ class IncrementalDetokenizer:
         else:
             delta = window_text[start:] if len(window_text) > start else ""
             self._prefix_offset = self._read_offset
-            self._read_offset = len(self._ids)
+            self._read_offset = len(ids)
             self._emitted_in_window = 0
-        self.text += delta
+            self._prefix_len = None
+        if delta:
+            self.text += delta
         return delta
 
     def flush(self) -> str:
         """At finish: return any held-back tail (with its U+FFFD, as a full decode would show it)."""
-        prefix_text, window_text = self._decode_window()
+        ids, skip, decode = self._ids, self._skip_special, self._tokenizer.decode
+        prefix_text = decode(ids[self._prefix_offset : self._read_offset], skip)
+        window_text = decode(ids[self._prefix_offset :], skip)
         start = len(prefix_text) + self._emitted_in_window
         delta = window_text[start:] if len(window_text) > start else ""
-        self._prefix_offset = self._read_offset = len(self._ids)
+        self._prefix_offset = self._read_offset = len(ids)
         self._emitted_in_window = 0
+        self._prefix_len = None
         self.text += delta
         return delta
 
@@ -293,13 +336,16 @@ class IncrementalDetokenizer:
         detok._ids = list(state.ids)
         detok._prefix_offset, detok._read_offset = state.prefix_offset, state.read_offset
         detok._emitted_in_window, detok.text = state.emitted_in_window, state.text
+        detok._last_unknown = _last_unknown_index(detok._ids, tokenizer.vocab_size)
         return detok
 
-    def _decode_window(self) -> tuple[str, str]:
-        ids, skip = self._ids, self._skip_special
-        prefix_text = self._tokenizer.decode(ids[self._prefix_offset : self._read_offset], skip)
-        window_text = self._tokenizer.decode(ids[self._prefix_offset :], skip)
-        return prefix_text, window_text
+
+def _last_unknown_index(ids: Sequence[int], vocab_size: int) -> int:
+    """Index of the last id outside ``[0, vocab_size)`` in ``ids``, -1 when there is none."""
+    for i in range(len(ids) - 1, -1, -1):
+        if not 0 <= ids[i] < vocab_size:
+            return i
+    return -1
 
 
 def _read_json(path: Path) -> dict:
