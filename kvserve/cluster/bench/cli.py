@@ -21,17 +21,18 @@ _HELP = {
     "hop-latency": "what one process-to-process hop costs on this machine (pipe, TCP, asyncio, gRPC)",
     "served": "served vs offline passes of a workload: tokens/s, and CPU per streamed token by role",
     "step-inputs": "the host's cost of laying out one decode step's inputs, per batch size",
+    "call-cost": "the router's CPU per dispatch message to a worker: a Ray actor call vs a gRPC stream message",
 }
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``bench`` with its subcommands ``offline``, ``serve``, ``compare-serve``, ``router``, ``kernels``,
-    ``data-plane``, ``hop-latency``, ``served`` and ``step-inputs``."""
+    ``data-plane``, ``hop-latency``, ``served``, ``step-inputs`` and ``call-cost``."""
     bench = subparsers.add_parser("bench", help="benchmarks: offline engine, served cluster, router, kernels")
     sub = bench.add_subparsers(dest="bench_command", required=True, action=LazySubParsers)
     loaders = (("offline", _offline), ("serve", _serve), ("compare-serve", _compare_serve), ("router", _router),
                ("kernels", _kernels), ("data-plane", _data_plane), ("hop-latency", _hop_latency),
-               ("served", _served), ("step-inputs", _step_inputs))  # fmt: skip
+               ("served", _served), ("step-inputs", _step_inputs), ("call-cost", _call_cost))  # fmt: skip
     for name, loader in loaders:
         sub.add_lazy({name: _HELP[name]}, loader)
 
@@ -101,6 +102,14 @@ def _served(sub: LazySubParsers) -> None:
     p = sub.add_parser("served", help=_HELP["served"])
     served_vs_offline.add_arguments(p)
     p.set_defaults(func=served_vs_offline.run)
+
+
+def _call_cost(sub: LazySubParsers) -> None:
+    from kvserve.cluster.bench import call_cost
+
+    p = sub.add_parser("call-cost", help=_HELP["call-cost"])
+    call_cost.add_arguments(p)
+    p.set_defaults(func=call_cost.run)
 
 
 def _step_inputs(sub: LazySubParsers) -> None:
