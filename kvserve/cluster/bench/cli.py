@@ -7,7 +7,9 @@ not import torch, and ``bench kernels`` is the only one that imports Triton.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from collections.abc import Callable
 
 from kvserve.cluster.lazy_subcommands import LazySubParsers
 
@@ -25,56 +27,38 @@ _HELP = {
 }
 
 
+# subcommand -> its module under kvserve/cluster/bench (each has ``add_arguments(parser)`` and ``run(args)``);
+# imported only when the subcommand is used or listed in full (LazySubParsers)
+_MODULES = {
+    "offline": "offline",
+    "serve": "serve",
+    "compare-serve": "compare_serve",
+    "router": "router_bench",
+    "data-plane": "data_plane",
+    "hop-latency": "hop_latency",
+    "served": "served_vs_offline",
+    "step-inputs": "step_inputs",
+    "call-cost": "call_cost",
+}
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``bench`` with its subcommands ``offline``, ``serve``, ``compare-serve``, ``router``, ``kernels``,
-    ``data-plane``, ``hop-latency``, ``served``, ``step-inputs`` and ``call-cost``."""
+    """Add ``bench`` with its subcommands: ``kernels`` and those of ``_MODULES``."""
     bench = subparsers.add_parser("bench", help="benchmarks: offline engine, served cluster, router, kernels")
     sub = bench.add_subparsers(dest="bench_command", required=True, action=LazySubParsers)
-    loaders = (("offline", _offline), ("serve", _serve), ("compare-serve", _compare_serve), ("router", _router),
-               ("kernels", _kernels), ("data-plane", _data_plane), ("hop-latency", _hop_latency),
-               ("served", _served), ("step-inputs", _step_inputs), ("call-cost", _call_cost))  # fmt: skip
-    for name, loader in loaders:
-        sub.add_lazy({name: _HELP[name]}, loader)
+    for name, module in _MODULES.items():
+        sub.add_lazy({name: _HELP[name]}, _loader(name, module))
+    sub.add_lazy({"kernels": _HELP["kernels"]}, _kernels)
 
 
-def _offline(sub: LazySubParsers) -> None:
-    from kvserve.cluster.bench import offline
+def _loader(name: str, module: str) -> Callable[[LazySubParsers], None]:
+    def load(sub: LazySubParsers) -> None:
+        bench = importlib.import_module(f"kvserve.cluster.bench.{module}")
+        p = sub.add_parser(name, help=_HELP[name])
+        bench.add_arguments(p)
+        p.set_defaults(func=bench.run)
 
-    p = sub.add_parser("offline", help=_HELP["offline"])
-    offline.add_arguments(p)
-    p.set_defaults(func=offline.run)
-
-
-def _serve(sub: LazySubParsers) -> None:
-    from kvserve.cluster.bench import serve
-
-    p = sub.add_parser("serve", help=_HELP["serve"])
-    serve.add_arguments(p)
-    p.set_defaults(func=serve.run)
-
-
-def _compare_serve(sub: LazySubParsers) -> None:
-    from kvserve.cluster.bench import compare_serve
-
-    p = sub.add_parser("compare-serve", help=_HELP["compare-serve"])
-    compare_serve.add_arguments(p)
-    p.set_defaults(func=compare_serve.run)
-
-
-def _hop_latency(sub: LazySubParsers) -> None:
-    from kvserve.cluster.bench import hop_latency
-
-    p = sub.add_parser("hop-latency", help=_HELP["hop-latency"])
-    hop_latency.add_arguments(p)
-    p.set_defaults(func=hop_latency.run)
-
-
-def _router(sub: LazySubParsers) -> None:
-    from kvserve.cluster.bench import router_bench
-
-    p = sub.add_parser("router", help=_HELP["router"])
-    router_bench.add_arguments(p)
-    p.set_defaults(func=router_bench.run)
+    return load
 
 
 def _kernels(sub: LazySubParsers) -> None:
@@ -94,35 +78,3 @@ def _kernels(sub: LazySubParsers) -> None:
 def _fail(message: str) -> int:
     print(message, file=sys.stderr)
     return 2
-
-
-def _served(sub: LazySubParsers) -> None:
-    from kvserve.cluster.bench import served_vs_offline
-
-    p = sub.add_parser("served", help=_HELP["served"])
-    served_vs_offline.add_arguments(p)
-    p.set_defaults(func=served_vs_offline.run)
-
-
-def _call_cost(sub: LazySubParsers) -> None:
-    from kvserve.cluster.bench import call_cost
-
-    p = sub.add_parser("call-cost", help=_HELP["call-cost"])
-    call_cost.add_arguments(p)
-    p.set_defaults(func=call_cost.run)
-
-
-def _step_inputs(sub: LazySubParsers) -> None:
-    from kvserve.cluster.bench import step_inputs
-
-    p = sub.add_parser("step-inputs", help=_HELP["step-inputs"])
-    step_inputs.add_arguments(p)
-    p.set_defaults(func=step_inputs.run)
-
-
-def _data_plane(sub: LazySubParsers) -> None:
-    from kvserve.cluster.bench import data_plane
-
-    p = sub.add_parser("data-plane", help=_HELP["data-plane"])
-    data_plane.add_arguments(p)
-    p.set_defaults(func=data_plane.run)
