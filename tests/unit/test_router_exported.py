@@ -35,7 +35,7 @@ async def _until(predicate, timeout: float = 5.0) -> None:  # noqa: ANN001
 def test_the_paused_copy_is_freed_when_the_running_one_is_adopted_in_either_order() -> None:
     for paused_first in (True, False):
 
-        async def test() -> None:
+        async def test(paused_first: bool = paused_first) -> None:
             router, workers = _router()
             router.owned.exported.settle_s = 60.0  # NOTE: freed by the running copy's table, not by a timeout
             first, second = (("a", _table(True)), ("b", _table(False, 3)))[:: 1 if paused_first else -1]
@@ -76,5 +76,21 @@ def test_a_copy_paused_by_this_routers_own_migration_is_left_to_it() -> None:
         router.on_message("a", _table(True))
         await asyncio.sleep(0.2)
         assert not _finishes(workers["a"]) and "old" not in router.requests and len(router.owned.exported) == 0
+
+    _run(test)
+
+
+def test_a_paused_copy_without_owner_is_freed_at_once() -> None:
+    # NOTE: a router-owned request paused by the previous router: its client went with that router
+    async def test() -> None:
+        router, workers = _router()
+        router.owned.exported.settle_s = 60.0
+        message = _table(True)
+        message.request_table.requests[0].ClearField("owner")
+        message.request_table.requests[0].ClearField("owner_key")
+        router.on_message("a", message)
+        await _until(lambda: _finishes(workers["a"]))
+        assert _finishes(workers["a"]) == [(RID, True)] and "old" not in router.requests
+        assert len(router.owned.exported) == 0
 
     _run(test)

@@ -209,6 +209,14 @@ def test_a_router_reconnect_gets_the_table_of_live_owned_requests(
     (entry,) = table[-1].request_table.requests
     assert entry.request_id == "r2#1" and entry.exporting
     assert core.finish_export("r2#1", migrated=False)
+    # a router-owned request paused so is listed too, with no owner (a restarted router frees it)
+    assert core.export_request("plain#0") is not None
+    n = len(router.messages("w-table", "request_table"))
+    router.restart()
+    table = _wait(lambda: router.messages("w-table", "request_table")[n:], what="the table after a third reconnect")
+    entries = {e.request_id: e for e in table[-1].request_table.requests}
+    assert not entries["r2#1"].exporting and entries["plain#0"].exporting and not entries["plain#0"].owner_key
+    assert core.finish_export("plain#0", migrated=False)
     assert core.abort("r2#1") and core.abort("plain#0")
 
 

@@ -352,10 +352,16 @@ class OwnedRequests:
             if o.exporting:
                 if worker_id not in router.mover.busy:  # NOTE: busy: this router's own migration ends it
                     elsewhere = known is not None and known.worker_id != worker_id
-                    if known is None or elsewhere:
+                    if known is None and not o.owner_key:
+                        # NOTE: a router-owned request paused by a previous router: its client's stream ended
+                        # with that router, so nobody reads any copy of it (a running one is stopped as stray)
+                        logger.info("freeing %s on %s: paused by a previous router, no owner", o.request_id,
+                                    worker_id)  # fmt: skip
+                        self._finish_export(worker_id, o.request_id, True)
+                    elif known is None or elsewhere:
                         self.exported.paused(worker_id, o, running_elsewhere=elsewhere)
                 continue
-            if known is not None or o.owner_key in self.by_key:
+            if known is not None or not o.owner_key or o.owner_key in self.by_key:
                 continue
             if self._adopt_one(worker_id, o):
                 adopted += 1

@@ -512,15 +512,14 @@ class WorkerCore:
         self.outbox.put(pb.WorkerMessage(request_table=self._request_table()))
 
     def _request_table(self) -> pb.RequestTable:
-        """Engine thread: every live owned request (a finished one has left ``_owners`` already)."""
-        live = self.engine.requests
-        return pb.RequestTable(
-            requests=[
-                owned_request_proto(live[rid], owner, self._grants.get(rid, ()), rid in self.engine.exporting)
-                for rid, owner in self._owners.items()
-                if rid in live
-            ]
-        )
+        """Engine thread: every live owned request (a finished one has left ``_owners`` already), and every
+        router-owned one paused by an export (no owner: a restarted router frees it, its client is gone)."""
+        live, exporting = self.engine.requests, self.engine.exporting
+        owned = [owned_request_proto(live[rid], owner, self._grants.get(rid, ()), rid in exporting)
+                 for rid, owner in self._owners.items() if rid in live]  # fmt: skip
+        paused = [owned_request_proto(req, ("", ""), exporting=True)
+                  for rid, req in exporting.items() if rid not in self._owners]  # fmt: skip
+        return pb.RequestTable(requests=owned + paused)
 
     def _send_snapshot(self) -> None:
         pool = self.engine.pool
