@@ -6,7 +6,8 @@ that last call leaves two copies: the destination's running, the source's paused
 The next router sees the paused one flagged ``exporting`` in the source's table and:
 
 * frees it (``finish_export(migrated=True)``) once a running copy of the same dispatch is adopted elsewhere,
-  whichever table came first;
+  whichever table came first, and at once when it has no owner (a router-owned request: its client's stream
+  ended with the router that paused it);
 * adopts it and resumes it where it is (``finish_export(migrated=False)``) when no running copy turned up
   within ``settle_s`` (the router died before the import landed), so the request goes on; one that cannot
   be adopted (its request known otherwise by now) is freed instead.
@@ -50,8 +51,11 @@ class ExportedCopies:
         """``worker_id``'s table lists ``entry`` paused; ``running_elsewhere``: this router already has the
         same dispatch running on another worker."""
         rid = entry.request_id
-        if running_elsewhere:
-            logger.info("freeing %s on %s: paused by a migration that landed elsewhere", rid, worker_id)
+        if running_elsewhere or not entry.owner_key:
+            # NOTE: no owner: a router-owned request; its client's stream ended with the router that paused it,
+            # so nobody reads any copy of it (a running one is stopped as a stray)
+            why = "a migration that landed elsewhere" if running_elsewhere else "a previous router, no owner"
+            logger.info("freeing %s on %s: paused by %s", rid, worker_id, why)
             self._finish_export(worker_id, rid, True)
             return
         if rid in self._pending:  # NOTE: the same table again (a reconnect): its timer runs already

@@ -68,6 +68,8 @@ class OwnedPipeline(Protocol):
     model_id: str
     mover: Any
 
+    def spawn(self, coro: Any) -> None: ...
+
 
 def stream_mux(r: RouterRequest) -> StreamMux | None:
     """The stream ``r`` arrived on (None: its own stream, or none: adopted)."""
@@ -118,7 +120,6 @@ class OwnedRequests:
         # NOTE: router.link at call time: the router builds its WorkerLink service after this object
         self.takeovers = TakeOvers(self, lambda worker_id, cmd: router.link.send(worker_id, cmd), owner_grace_s)
         self.exported = ExportedCopies(self._finish_export, self._adopt_settled)
-        self._tasks: set[asyncio.Task] = set()
 
     # ---- the owner's stream -------------------------------------------------------------------------
     def own(self, r: RouterRequest, address: str, key: str) -> None:
@@ -352,13 +353,7 @@ class OwnedRequests:
             if o.exporting:
                 if worker_id not in router.mover.busy:  # NOTE: busy: this router's own migration ends it
                     elsewhere = known is not None and known.worker_id != worker_id
-                    if known is None and not o.owner_key:
-                        # NOTE: a router-owned request paused by a previous router: its client's stream ended
-                        # with that router, so nobody reads any copy of it (a running one is stopped as stray)
-                        logger.info("freeing %s on %s: paused by a previous router, no owner", o.request_id,
-                                    worker_id)  # fmt: skip
-                        self._finish_export(worker_id, o.request_id, True)
-                    elif known is None or elsewhere:
+                    if known is None or elsewhere:
                         self.exported.paused(worker_id, o, running_elsewhere=elsewhere)
                 continue
             if known is not None or not o.owner_key or o.owner_key in self.by_key:
@@ -416,13 +411,5 @@ class OwnedRequests:
     def _finish_export(self, worker_id: str, rid: str, migrated: bool) -> None:
         """Free (``migrated``) or resume a paused copy on ``worker_id`` (an ``ExportedCopies`` decision)."""
         entry = self.router.table.get(worker_id)
-        if entry is None:
-            return
-        try:
-            task = asyncio.get_running_loop().create_task(
-                self.router.mover.finish_export(entry, entry.incarnation, rid, migrated)
-            )
-        except RuntimeError:  # NOTE: no loop (a unit test driving the router by hand)
-            return
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        if entry is not None:
+            self.router.spawn(self.router.mover.finish_export(entry, entry.incarnation, rid, migrated))
