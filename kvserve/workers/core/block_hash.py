@@ -18,32 +18,31 @@ _PARENT = struct.Struct("<Q")
 
 def hash_block(parent: int, token_ids: Sequence[int], extra: str = "") -> int:
     """Hash of one full block given its parent's hash; a stable unsigned 64-bit int."""
-    h = hashlib.sha256()
-    h.update(struct.pack("<Q", parent))
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    h.update(extra.encode())
-    return int.from_bytes(h.digest()[:8], "little")
+    return _chain(parent, struct.pack(f"<{len(token_ids)}q", *token_ids), extra.encode())
 
 
 def hash_blocks(
     token_ids: Sequence[int], block_size: int, extra: str = "", parent: int = ROOT_HASH
 ) -> list[int]:
     """Hash chain of every full block of ``token_ids`` (a trailing partial block is not hashed)."""
-    # NOTE: the same bytes as ``hash_block`` per block, packed once for the whole prompt: the router
-    # hashes every prompt it places, so this loop is part of its CPU per request (issue 41)
+    # NOTE: the tokens packed once for the whole prompt, not per block: the router hashes every prompt it
+    # places, so this loop is part of its CPU per request (issue 41)
     full = len(token_ids) // block_size
     packed = memoryview(struct.pack(f"<{full * block_size}q", *token_ids[: full * block_size]))
-    tail = extra.encode()
-    step = 8 * block_size
+    tail, step = extra.encode(), 8 * block_size
     hashes: list[int] = []
-    sha256, pack_parent, from_bytes = hashlib.sha256, _PARENT.pack, int.from_bytes
     for start in range(0, full * step, step):
-        h = sha256(pack_parent(parent))
-        h.update(packed[start : start + step])
-        h.update(tail)
-        parent = from_bytes(h.digest()[:8], "little")
+        parent = _chain(parent, packed[start : start + step], tail)
         hashes.append(parent)
     return hashes
+
+
+def _chain(parent: int, block: bytes | memoryview, tail: bytes) -> int:
+    """H(parent, the block's packed tokens, extra): sha256 truncated to 64 bits, little-endian."""
+    h = hashlib.sha256(_PARENT.pack(parent))
+    h.update(block)
+    h.update(tail)
+    return int.from_bytes(h.digest()[:8], "little")
 
 
 def cache_extra(model_id: str, cache_salt: str | None) -> str:
