@@ -258,7 +258,6 @@ class IncrementalDetokenizer:
         """
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
-        self._one_id_text = tokenizer._one_id_text[skip_special_tokens]  # decode([id]) by id
         self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -285,10 +284,7 @@ class IncrementalDetokenizer:
         if prefix_len is None:
             read = self._read_offset
             if read - start == 1:
-                text = self._one_id_text.get(ids[start])
-                if text is None:
-                    text = tokenizer._decode_one(ids[start], self._skip_special)
-                prefix_len = len(text)
+                prefix_len = len(tokenizer._decode_one(ids[start], self._skip_special))
             else:
                 prefix_len = len(decode(ids[start:read], self._skip_special))
             self._prefix_len = prefix_len
