@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvserve.cluster.bench.proc_cpu import read_cpu
+from kvserve.cluster.bench.proc_cpu import CpuReading, read_cpu
 from kvserve.cluster.bench.workloads import WORKLOADS, prompts
 
 
@@ -99,40 +99,22 @@ def _offline_child(args: argparse.Namespace) -> int:
     return 0
 
 
-def _thread_cpu_s(pid: int) -> dict[str, float]:
-    """CPU seconds so far of each thread of process ``pid``, keyed ``tid`` (Ray names every thread alike)."""
-    out: dict[str, float] = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            out[tid] = _cpu_s(pid, tid)
-        except (OSError, IndexError, ValueError):
-            continue  # a thread that just exited
-    return out
-
-
-def _comm_names(pid: int) -> dict[str, str]:
+def _comm_names(pid: int) -> dict[int, str]:
     """The kernel's name of each thread of process ``pid`` (``/proc/<pid>/task/<tid>/comm``), by tid."""
-    out: dict[str, str] = {}
+    out: dict[int, str] = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            out[tid] = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            out[int(tid)] = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
         except OSError:
             continue
     return out
 
 
-def _busiest(before: dict[str, float], after: dict[str, float], names: dict[str, str]) -> dict[str, float]:
-    """The 6 threads that spent the most CPU seconds between two ``_thread_cpu_s`` readings, ``name/tid``."""
-    busy = {tid: round(v - before.get(tid, 0.0), 3) for tid, v in after.items() if v > before.get(tid, 0.0)}
-    top = sorted(busy.items(), key=lambda kv: -kv[1])[:6]
-    return {f"{names.get(tid, '?')}/{tid}": v for tid, v in top}
-
-
-def _cpu_s(pid: int, tid: str | None = None) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads) so far."""
-    path = f"/proc/{pid}/task/{tid}/stat" if tid else f"/proc/{pid}/stat"
-    fields = Path(path).read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def _busiest(before: CpuReading, after: CpuReading, names: dict[int, str], default: str) -> dict[str, float]:
+    """The 6 threads that spent the most CPU seconds between two readings of a process, as ``name/tid``."""
+    spent = {tid: (ns - before.threads_ns.get(tid, 0)) / 1e9 for tid, ns in after.threads_ns.items()}
+    top = sorted(((tid, s) for tid, s in spent.items() if s > 0), key=lambda kv: -kv[1])[:6]
+    return {f"{names.get(tid, default)}/{tid}": round(s, 3) for tid, s in top}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -203,23 +185,20 @@ def run(args: argparse.Namespace) -> int:
                     for who, pid in (("worker", worker_pid), ("router", router_pid))
                 ]
                 time.sleep(1.0)  # NOTE: let py-spy attach before the pass starts
-            link0, threads0 = _link_counts(worker), _thread_cpu_s(worker_pid)
-            router_threads0 = _thread_cpu_s(router_pid)
+            link0 = _link_counts(worker)
             # NOTE: schedstat as well as ticks (kvserve/cluster/bench/proc_cpu.py): a router pass costs ~0.1 s,
             # and one 10 ms tick more or less is 2.4 us per token of the tiny workload
-            readings = [read_cpu(p) for p in (worker_pid, router_pid, *frontend_pids)]
+            pids = (worker_pid, router_pid, *frontend_pids)
+            before = [read_cpu(p) for p in pids]
             client0 = time.process_time()
             run = asyncio.run(served_pass(address, prompt_ids, max_tokens))
             client1 = time.process_time()
-            spent = [read_cpu(p).seconds_since(r) for p, r in zip((worker_pid, router_pid, *frontend_pids), readings,
-                                                                  strict=True)]  # fmt: skip
+            after = [read_cpu(p) for p in pids]
+            spent = [a.seconds_since(b) for a, b in zip(after, before, strict=True)]
             streamed = sum(len(t) for t in run.token_ids)
-            link1, threads1 = _link_counts(worker), _thread_cpu_s(worker_pid)
-            router_threads.append(_busiest(router_threads0, _thread_cpu_s(router_pid), _comm_names(router_pid)))
-            busy = {k: round(v - threads0.get(k, 0.0), 2) for k, v in threads1.items() if v - threads0.get(k, 0.0) > 0}
-            names = _thread_names(worker)
-            top = sorted(busy.items(), key=lambda kv: -kv[1])[:6]
-            thread_cpu.append({f"{names.get(int(tid), 'native')}/{tid}": v for tid, v in top})
+            link1 = _link_counts(worker)
+            router_threads.append(_busiest(before[1], after[1], _comm_names(router_pid), "?"))
+            thread_cpu.append(_busiest(before[0], after[0], _thread_names(worker), "native"))
             messages.append(link1[0] - link0[0])
             coalesced.append(link1[1] - link0[1])
             for spy in spies:
