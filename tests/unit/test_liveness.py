@@ -305,8 +305,11 @@ def test_a_dispatch_that_lands_after_its_client_left_holds_its_promise_until_the
     asyncio.run(test())
 
 
-async def _until(ok: Any) -> None:
+async def _until(ok: Any, timeout: float | None = None) -> None:
+    """Poll ``ok`` until truthy; ``timeout``: fail after that many seconds (None: wait as long as the test runs)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     while not ok():
+        assert deadline is None or time.monotonic() < deadline, f"timed out after {timeout}s"
         await asyncio.sleep(0.01)
 
 

@@ -8,10 +8,13 @@ import asyncio
 
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from tests.unit.test_liveness import _until
 from tests.unit.test_router_failover import _router, _run
 from tests.unit.test_router_owned import OWNER
 
 RID = "old#dead.3"
+# NOTE: bounded waits: a copy freed only by the settle timer (60 s in the tests that set it) must fail, not pass late
+WAIT_S = 5.0
 
 
 def _table(exporting: bool, total: int = 2) -> pb.WorkerMessage:
@@ -25,13 +28,6 @@ def _finishes(worker) -> list[tuple]:  # noqa: ANN001 - a FakeWorker
     return [args for name, args, _ in worker.calls if name == "finish_export"]
 
 
-async def _until(predicate, timeout: float = 5.0) -> None:  # noqa: ANN001
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.01)
-
-
 def test_the_paused_copy_is_freed_when_the_running_one_is_adopted_in_either_order() -> None:
     for paused_first in (True, False):
 
@@ -43,10 +39,10 @@ def test_the_paused_copy_is_freed_when_the_running_one_is_adopted_in_either_orde
             router.on_message(*second)
             r = router.requests["old"]
             assert (r.worker_id, r.worker_rid, r.tokens_received) == ("b", RID, 3)
-            await _until(lambda: _finishes(workers["a"]))
+            await _until(lambda: _finishes(workers["a"]), WAIT_S)
             assert _finishes(workers["a"]) == [(RID, True)] and not _finishes(workers["b"])
             router.on_message("a", _table(True))  # the source reconnects before it got the call: freed again
-            await _until(lambda: len(_finishes(workers["a"])) == 2)
+            await _until(lambda: len(_finishes(workers["a"])) == 2, WAIT_S)
             assert router.requests["old"].worker_id == "b" and len(router.owned.exported) == 0
 
         _run(test)
@@ -58,7 +54,7 @@ def test_a_paused_copy_nobody_runs_is_resumed_and_adopted_where_it_is() -> None:
         router.owned.exported.settle_s = 0.05
         router.on_message("a", _table(True))
         assert "old" not in router.requests  # NOTE: not yet: the destination's table may still come
-        await _until(lambda: _finishes(workers["a"]))
+        await _until(lambda: _finishes(workers["a"]), WAIT_S)
         assert _finishes(workers["a"]) == [(RID, False)]
         r = router.requests["old"]
         assert (r.worker_id, r.worker_rid, r.tokens_received) == ("a", RID, 2)
@@ -89,7 +85,7 @@ def test_a_paused_copy_without_owner_is_freed_at_once() -> None:
         message.request_table.requests[0].ClearField("owner")
         message.request_table.requests[0].ClearField("owner_key")
         router.on_message("a", message)
-        await _until(lambda: _finishes(workers["a"]))
+        await _until(lambda: _finishes(workers["a"]), WAIT_S)
         assert _finishes(workers["a"]) == [(RID, True)] and "old" not in router.requests
         assert len(router.owned.exported) == 0
 
