@@ -42,6 +42,7 @@ from kvserve.protos.kvserve.v1 import serving_pb2_grpc
 from kvserve.router.gate.tenancy import hash_key
 from tests.chaos.conftest import ServedCluster, serve_cluster, stop_cluster
 from tests.chaos.streams import prompt
+from tests.chaos.test_router_death import ROUTER_RESTARTED
 from tests.integration.test_serve import HTTP_LINE, Proc, clean_env, kvserve_argv
 
 FRONTEND_LINE = re.compile(r"frontend \S+ serving gRPC kvserve.v1.KVServe on (\S+),")
@@ -349,7 +350,6 @@ def test_a_killed_frontends_streams_resume_through_the_other_token_identical(fro
     )
 
 
-ROUTER_RESTARTED = re.compile(r"router restarted \(1\)")
 
 
 def test_a_stream_placed_before_a_router_restart_resumes_after_its_frontend_dies(fronts: Frontends) -> None:

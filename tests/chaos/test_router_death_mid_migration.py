@@ -9,7 +9,6 @@ The stream completes token-identical to an undisturbed run, and no block is left
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,8 +19,8 @@ import pytest
 from tests.chaos.conftest import ServedCluster, serve_cluster, stop_cluster
 from tests.chaos.streams import Stream, prompt, request, run_all
 from tests.chaos.test_frontends import FRONTEND_LINE
+from tests.chaos.test_router_death import ROUTER_RESTARTED
 
-ROUTER_RESTARTED = re.compile(r"router restarted \(\d+\)")
 MAX_TOKENS = 600  # long enough to be mid-stream when the move starts, and after the router is back
 
 
