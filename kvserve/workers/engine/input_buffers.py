@@ -25,6 +25,7 @@ import torch
 
 from kvserve.workers.engine.attention_metadata import AttentionMetadata
 from kvserve.workers.engine.request import Request
+from kvserve.workers.engine.table_mirror import TableRows
 
 
 @dataclass
@@ -173,18 +174,35 @@ class DecodeBuffers:
 
     ``inputs(batch_size)`` gives the views a graph is captured on (or, on CPU, replayed with); ``stage``
     fills the first rows with a decode batch and pads the rest up to the bucket.
+
+    Block tables live in a persistent device table (``[max_batch + 1, max_blocks]`` int32) whose rows the
+    decoding requests keep across steps (``table_mirror.TableRows`` holds the host side). A step uploads only
+    what changed there, as packed (flat index, value) entries scattered on the device, plus each batch row's
+    table row; one gather then lays the batch's rows out in the static ``[max_batch, max_blocks]`` table the
+    graphs read (padding rows gather the all-zero last row). Per graph step: one copy of the static inputs,
+    the gather, and where a table changed one more copy and the scatter; then the replay.
     """
 
     def __init__(self, max_batch: int, max_blocks: int, device: torch.device) -> None:
         self.max_batch, self.max_blocks, self.device = max_batch, max_blocks, device
-        # int64 rows: ids | positions | slots; padding rows: id 0 at position 0, stored nowhere.
-        self._h64 = _staging(3 * max_batch, torch.int64, device)
-        self._h32 = _staging(max_batch, torch.int32, device)  # context lens (padding: 1, reads block 0)
-        self._htable = _staging(max_batch * max_blocks, torch.int32, device)  # compact [rows, width] per step
-        self._d64 = torch.zeros(3 * max_batch, dtype=torch.int64, device=device)
-        self._d32 = torch.ones(max_batch, dtype=torch.int32, device=device)
-        self._dtable = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
-        self._d64[2 * max_batch :] = -1
+        m = max_batch
+        self.table = TableRows(m, max_blocks)
+        # One static area, uploaded with one copy: int64 ids | positions | slots, then int32 context lens |
+        # table rows. Padding rows: id 0 at position 0, stored nowhere, context 1 (block 0 of the zero row).
+        self._hstatic = _staging(32 * m, torch.uint8, device)
+        self._dstatic = torch.zeros(32 * m, dtype=torch.uint8, device=device)
+        self._h64 = self._hstatic.numpy()[: 24 * m].view(np.int64)
+        self._h32 = self._hstatic.numpy()[24 * m :].view(np.int32)
+        self._d64 = self._dstatic[: 24 * m].view(torch.int64)
+        self._d32 = self._dstatic[24 * m :].view(torch.int32)
+        self._h64[2 * m :], self._h32[:m], self._h32[m:] = -1, 1, self.table.pad_row
+        self._dstatic.copy_(self._hstatic)
+        self._rows = self._d32[m:]  # [max_batch] the table row of each batch row
+        self._ptable = torch.zeros(m + 1, max_blocks, dtype=torch.int32, device=device)  # persistent
+        self._dtable = torch.zeros(m, max_blocks, dtype=torch.int32, device=device)  # what the graphs read
+        # The step's table entries: int64 flat indices | int32 values (grown by doubling, read by no graph).
+        self._hdelta = _staging(0, torch.uint8, device)
+        self._ddelta = self._hdelta
         self._empty_tables = torch.zeros(0, max_blocks, dtype=torch.int32, device=device)
         self._empty_lens = torch.zeros(0, dtype=torch.int32, device=device)
         self._cu0 = torch.zeros(1, dtype=torch.int32, device=device)
@@ -208,21 +226,47 @@ class DecodeBuffers:
     def stage(self, batch: list[tuple[Request, int]], block_size: int, batch_size: int) -> list[int]:
         """Write a decode batch (every count 1, ``len(batch) <= batch_size <= max_batch``) into the first
         rows, pad up to ``batch_size``, upload; return the batch indices whose token gets sampled."""
-        f = _fill(batch, block_size)
-        n, b, m = len(batch), batch_size, self.max_batch
-        assert f.num_decodes == n <= b <= m, (f.num_decodes, n, b, m)
-        w = min(_width(f.ends, block_size), self.max_blocks)
+        n, b, m, bs = len(batch), batch_size, self.max_batch, block_size
+        assert sum(c for _, c in batch) == n <= b <= m, (n, b, m)  # NOTE: counts are >= 1, so all 1
+        ids: list[int] = []
+        starts = np.empty(n, dtype=np.int64)
+        skip = np.empty(n, dtype=np.int64)
+        sample_reqs: list[int] = []
+        for j, (req, _) in enumerate(batch):
+            start = req.num_computed_tokens
+            ids.append(req.all_token_ids[start])
+            starts[j], skip[j] = start, req.skip_store_below
+            if start + 1 == req.num_tokens:
+                sample_reqs.append(j)
+        rows, flat, values = self.table.assign([req.block_table for req, _ in batch])
+        slots = self.table.host[rows, starts // bs] * bs + starts % bs
+        slots[starts < skip] = -1
         self._fence.before_write()
-        h64, h32 = self._h64.numpy(), self._h32.numpy()
-        for k, col in enumerate((f.ids, f.positions, f.slots)):
-            h64[k * m : k * m + n] = col
-            h64[k * m + n : k * m + b] = -1 if k == 2 else 0
-        h32[:n], h32[n:b] = f.ends, 1
-        table = self._htable[: b * w].numpy().reshape(b, w)
-        table[:n] = f.table[:, :w]
-        table[n:] = 0
-        self._d64.copy_(self._h64, non_blocking=True)
-        self._d32.copy_(self._h32, non_blocking=True)
-        self._dtable[:b, :w].copy_(self._htable[: b * w].view(b, w), non_blocking=True)
+        h64, h32 = self._h64, self._h32
+        h64[:n], h64[n:b] = ids, 0
+        h64[m : m + n], h64[m + n : m + b] = starts, 0
+        h64[2 * m : 2 * m + n], h64[2 * m + n : 2 * m + b] = slots, -1
+        h32[:n], h32[n:b] = starts + 1, 1
+        h32[m : m + n], h32[m + n : m + b] = rows, self.table.pad_row
+        self._dstatic.copy_(self._hstatic, non_blocking=True)
+        k = len(flat)
+        if k:
+            hdelta, ddelta = self._delta_area(12 * k)
+            hdelta[: 8 * k].view(np.int64)[:] = flat
+            hdelta[8 * k : 12 * k].view(np.int32)[:] = values
+            if ddelta is not self._hdelta:
+                ddelta[: 12 * k].copy_(self._hdelta[: 12 * k], non_blocking=True)
+            index, vals = ddelta[: 8 * k].view(torch.int64), ddelta[8 * k : 12 * k].view(torch.int32)
+            self._ptable.view(-1).index_put_((index,), vals)
+        torch.index_select(self._ptable, 0, self._rows[:b], out=self._dtable[:b])
         self._fence.after_upload()
-        return f.sample_reqs
+        return sample_reqs
+
+    def _delta_area(self, nbytes: int) -> tuple[np.ndarray, torch.Tensor]:
+        """Staging (numpy view) and device buffer of at least ``nbytes`` bytes for the step's table entries."""
+        if self._hdelta.numel() < nbytes:
+            size = 1 << max(nbytes - 1, 4095).bit_length()  # NOTE: doubling: a few reallocations over a run
+            self._hdelta = _staging(size, torch.uint8, self.device)
+            on_host = self.device.type == "cpu"
+            self._ddelta = self._hdelta if on_host else torch.zeros(size, dtype=torch.uint8, device=self.device)
+        return self._hdelta.numpy(), self._ddelta
