@@ -272,7 +272,8 @@ class AdmissionQueue(Generic[T]):
         self.max_wait_s = max_wait_s
         self.unknown_retry_ms = unknown_retry_ms
         self.cold_capacity = cold_capacity
-        self.service = ServiceTimes(clock=clock)  # the router reports each completion to it
+        # The router reports each completion to it; it scales them to the workers' current step (its module doc).
+        self.service = ServiceTimes(clock=clock, step_now=self._step_now_s)
         self._deadlines: list[tuple[float, int, str]] = []  # heap of (deadline, tie, request_id)
         self._deadline_of: dict[str, float] = {}
         self._tie = 0
@@ -346,7 +347,7 @@ class AdmissionQueue(Generic[T]):
     def admit(
         self, item: T, *, fits_ever: bool = True, deadline: float | None = None, max_tokens: int = 0,
         blocks_ever: int = 0,
-    ) -> Refusal | None:
+    ) -> Refusal | None:  # fmt: skip
         """Queue ``item`` only if it fits the bounds and is projected to start in time, and, with a
         deadline, to finish by it (its start plus its expected service time, ``self.service``).
 
@@ -371,7 +372,9 @@ class AdmissionQueue(Generic[T]):
         now = self._clock()
         reason = self.check(item, fits_ever=fits_ever)
         wait = self.projected_wait_s(item.num_blocks, item.priority)
-        service = self.service.expected_s(max_tokens) if deadline is not None else 0.0
+        cap = self.cold_capacity() if self.cold_capacity is not None else None  # one snapshot for the estimates
+        step = cap.step_now_s if cap is not None else 0.0
+        service = self.service.expected_s(max_tokens, step_s=step) if deadline is not None else 0.0
         if reason is None:
             if deadline is not None and deadline <= now:
                 reason = RejectReason.WAIT_EXCEEDS_DEADLINE
@@ -379,13 +382,13 @@ class AdmissionQueue(Generic[T]):
                 if wait is None or (len(self._drains) < MIN_TRUSTED_DRAINS and self.cold_capacity is not None):
                     # NOTE: cold: no rate, or one from a handful of pops over an arbitrary span (the
                     # first completions after a start), which would refuse what can start in time.
-                    wait = self._cold_start_s(item)
+                    wait = self._cold_start_s(item, cap)
                 # NOTE: the decode work ahead (``work``) guards the client's deadline: a request that cannot start
                 # by it is refused now rather than queued to expire. The operator's queue-wait cap keeps the
                 # drain-rate projection: the work estimate is an upper bound (every request at its max_tokens
                 # unless most stop early), and on a slow machine it refused a burst whose generous deadlines
                 # it would have met.
-                work = self._work_start_s(item, max_tokens, blocks_ever)
+                work = self._work_start_s(item, max_tokens, blocks_ever, cap)
                 if wait is None:
                     wait = work
                 start = wait if work is None or wait is None else max(wait, work)
@@ -413,25 +416,27 @@ class AdmissionQueue(Generic[T]):
             retry = max(self.retry_after_ms(item.num_blocks), math.ceil(wait * 1000))
         return Refusal(reason, retry, wait)
 
-    def _cold_start_s(self, item: T) -> float | None:
-        """With no drain rate to trust: when ``item`` could start (``ColdCapacity``), or None."""
-        if self.cold_capacity is None:
+    def _step_now_s(self) -> float:
+        """The serving workers' current step time (``ColdCapacity.step_now_s``), 0.0 when unknown."""
+        return self.cold_capacity().step_now_s if self.cold_capacity is not None else 0.0
+
+    def _cold_start_s(self, item: T, cap: ColdCapacity | None) -> float | None:
+        """With no drain rate to trust: when ``item`` could start (``cap``), or None."""
+        if cap is None:
             return None
-        cap = self.cold_capacity()
-        typical = self.service.typical_s()
+        typical = self.service.typical_s(step_s=cap.step_now_s)
         if typical is not None and cap.pool_blocks > 0:
             ahead = self._requests_ahead(item.priority)
             return cap.estimated_start_s(ahead, typical, self.service.typical_blocks())
         return cap.earliest_start_s(self._blocks_ahead(item.priority) + item.num_blocks)
 
-    def _work_start_s(self, item: T, max_tokens: int, blocks_ever: int) -> float | None:
+    def _work_start_s(self, item: T, max_tokens: int, blocks_ever: int, cap: ColdCapacity | None) -> float | None:
         """When ``item`` could start given the decode work ahead of it (module doc), or None when
         nothing measured gives a time per token (or there is no pool)."""
-        if self.cold_capacity is None:
+        if cap is None:
             return None
-        cap = self.cold_capacity()
-        # NOTE: the slower of the completions' pace and the current step: either may lag the load now.
-        per_token = max(self.service.per_token_s() or 0.0, cap.step_now_s) or cap.step_s
+        # NOTE: the completions' pace (scaled to the current step) or the bare step if slower.
+        per_token = max(self.service.per_token_s(step_s=cap.step_now_s) or 0.0, cap.step_now_s) or cap.step_s
         if per_token <= 0 or cap.pool_blocks <= 0:
             return None
         typical = self.service.typical_tokens()
