@@ -19,6 +19,7 @@ ends without the token read-back that would otherwise have synchronised).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from operator import attrgetter
 
 import numpy as np
@@ -54,29 +55,32 @@ class _Filled:
     sample_reqs: list[int]
 
 
+_TOKENS, _COMPUTED = attrgetter("all_token_ids"), attrgetter("num_computed_tokens")
+_SKIP, _TABLE = attrgetter("skip_store_below"), attrgetter("block_table")
+
+
 def _fill(batch: list[tuple[Request, int]], block_size: int) -> _Filled:
     """The vectorised layout of a batch ordered [decodes | prefill chunks] (the only per-request Python:
-    list slices and one row copy each, from the request's table mirror: kvserve/workers/engine/table_mirror.py).
-    Padding a block table with block 0 is safe: kernels never read past a sequence's context length."""
+    attribute reads through ``map``, list slices and one row copy each, from the request's table mirror:
+    kvserve/workers/engine/table_mirror.py). Padding a block table with block 0 is safe: kernels never read
+    past a sequence's context length."""
     bs = block_size
     num_reqs = len(batch)
-    ids: list[int] = []
-    starts = np.empty(num_reqs, dtype=np.int64)
-    counts = np.empty(num_reqs, dtype=np.int64)
-    skip = np.empty(num_reqs, dtype=np.int64)
-    sample_reqs: list[int] = []
-    tables = [req.table_mirror.view(req.block_table) for req, _ in batch]
+    reqs, counts_l = zip(*batch, strict=True) if batch else ((), ())
+    tokens = list(map(_TOKENS, reqs))
+    first = list(map(_COMPUTED, reqs))
+    ids = list(chain.from_iterable(map(_chunk, tokens, first, counts_l)))
+    starts = np.array(first, dtype=np.int64)
+    counts = np.array(counts_l, dtype=np.int64)
+    skip = np.fromiter(map(_SKIP, reqs), dtype=np.int64, count=num_reqs)
+    ends = starts + counts
+    sample_reqs = np.flatnonzero(ends == np.fromiter(map(len, tokens), dtype=np.int64, count=num_reqs)).tolist()
+    tables = [req.table_mirror.view(req.block_table) for req in reqs]
     width = max(map(len, tables), default=0)
     table = np.zeros((num_reqs, width), dtype=np.int64)
-    for j, (req, n) in enumerate(batch):
-        start = req.num_computed_tokens
-        ids += req.all_token_ids[start : start + n]
-        starts[j], counts[j], skip[j] = start, n, req.skip_store_below
-        table[j, : len(tables[j])] = tables[j]
-        if start + n == req.num_tokens:
-            sample_reqs.append(j)
+    for j, t in enumerate(tables):
+        table[j, : len(t)] = t
     num_tokens = len(ids)
-    ends = starts + counts
     # positions: start_j, start_j + 1, ... for each request j, concatenated.
     row = np.repeat(np.arange(num_reqs), counts)  # [num_tokens] request of each token
     cu = np.cumsum(counts)
@@ -85,6 +89,10 @@ def _fill(batch: list[tuple[Request, int]], block_size: int) -> _Filled:
     slots[pos < skip[row]] = -1
     num_dec = int((counts == 1).sum())  # decodes (one new token) come first
     return _Filled(np.asarray(ids, dtype=np.int64), pos, slots, ends, cu, table, num_dec, sample_reqs)
+
+
+def _chunk(tokens: list[int], start: int, n: int) -> list[int]:
+    return tokens[start : start + n]
 
 
 def _width(context_lens: np.ndarray, block_size: int) -> int:
@@ -168,10 +176,6 @@ class StepBuffers:
             prefill_context_lens=d32[d:r],
         )
         return StepInputs(d64[0:t], d64[t : 2 * t], attn, d64[3 * t : n64], f.sample_reqs)
-
-
-_TOKENS, _COMPUTED = attrgetter("all_token_ids"), attrgetter("num_computed_tokens")
-_SKIP, _TABLE = attrgetter("skip_store_below"), attrgetter("block_table")
 
 
 class DecodeBuffers:
