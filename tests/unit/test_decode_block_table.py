@@ -83,8 +83,9 @@ def _check_step(buffers: DecodeBuffers, batch: list[tuple[Request, int]], bucket
     buffers.stage(batch, BS, bucket)
     ids, positions, attn = buffers.inputs(bucket)
     n, ref = len(batch), _fill(batch, BS)
-    expect = np.zeros((bucket, WIDTH), dtype=np.int64)
-    expect[:n, : ref.table.shape[1]] = ref.table  # the full rebuild, zero-padded to the table width
+    expect = np.zeros((bucket, WIDTH), dtype=np.int64)  # the full rebuild from the lists, zero-padded
+    for j, (req, _) in enumerate(batch):
+        expect[j, : len(req.block_table)] = req.block_table
     assert np.array_equal(attn.decode_block_tables.numpy(), expect)
     assert attn.slot_mapping.tolist() == ref.slots.tolist() + [-1] * (bucket - n)
     assert attn.decode_context_lens.tolist() == ref.ends.tolist() + [1] * (bucket - n)
@@ -126,3 +127,19 @@ def test_a_batch_keeps_its_rows_and_the_least_recently_used_row_is_reclaimed() -
     assert rows.host[got[1]].tolist() == [8, 0, 0, 0]  # the recycled row's old entries are zeroed
     assert rows.host[got[2]].tolist() == [1, 0, 0, 0]
     assert {id(t) for t in rows.row_tables() if t is not None} == {id(b), id(a), id(rows.row_tables()[got[1]])}
+
+
+def test_a_step_uploads_only_the_entries_appended_since_the_row_was_written() -> None:
+    rows = TableRows(4, 8)
+    a, b = [3, 4, 5], [6]
+    got, flat, _ = rows.assign([a, b])
+    assert flat.size == 4  # both new: whole rows
+    assert rows.assign([a, b])[1].size == 0  # nothing changed: nothing to write
+    a.append(7)
+    b.extend([8, 9])
+    got2, flat, values = rows.assign([b, a])
+    assert got2.tolist() == got.tolist()[::-1]
+    assert sorted(zip(flat.tolist(), values.tolist(), strict=True)) == sorted(
+        [(got[0] * 8 + 3, 7), (got[1] * 8 + 1, 8), (got[1] * 8 + 2, 9)]
+    )
+    assert rows.assign([a])[1].size == 0 and rows.assign([b])[1].size == 0  # rows kept across other batches
