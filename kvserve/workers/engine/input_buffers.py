@@ -9,7 +9,10 @@ Two layouts, one filling rule (``_fill``):
   They grow (rarely, by doubling) when a step needs more room.
 - ``DecodeBuffers`` (the decode graphs): fixed addresses, because a captured CUDA graph reads the
   device tensors it was captured on. Rows past the real batch are padding that reads block 0 and
-  stores nowhere (slot -1), so a padded row never writes into a real block.
+  stores nowhere (slot -1), so a padded row never writes into a real block. Block tables are not
+  rebuilt per step: each decoding request keeps a row of a persistent device table, a step uploads
+  only the entries that changed there (one scatter) and one gather lays the batch's rows out for the
+  graph (``table_mirror.TableRows`` is the host side).
 
 NOTE (contract): staging is rewritten by the next step, so on CUDA each buffer records an event after its
 upload and waits for it before writing staging again (a step that samples nothing, e.g. a prefill chunk,
