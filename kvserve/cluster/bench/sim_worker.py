@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.workers.core.add_command import request_from_proto
 from kvserve.workers.core.block_hash import cache_extra, hash_block, hash_blocks
 from kvserve.workers.core.gc_pauses import settle_heap
 from kvserve.workers.core.identity import WorkerIdentity
@@ -179,7 +180,9 @@ class SimWorker:
         return WorkerIdentity(self.worker_id, "sim", s.block_size, s.total_blocks, s.max_model_len, s.vocab_size)
 
     def _hello(self) -> pb.Hello:
-        return self.identity().to_hello(self.incarnation)
+        hello = self.identity().to_hello(self.incarnation)
+        hello.takes_adds = True  # as a real worker: the router adds requests on the link (``_on_command``)
+        return hello
 
     def ready(self) -> WorkerIdentity:
         return self.identity()
@@ -224,6 +227,13 @@ class SimWorker:
 
     def _on_command(self, cmd: pb.RouterCommand) -> None:
         kind = cmd.WhichOneof("command")
+        if kind == "add_requests":  # as ``WorkerCore._add_command``: queued, acked before any output of them
+            requests = [request_from_proto(m) for m in cmd.add_requests.requests]
+            with self._lock:  # NOTE: a step sees them only after the ack is logged
+                for request in requests:
+                    self._running[request.request_id] = _Running(request, len(request.resume_output_ids))
+                self.outbox.put(pb.WorkerMessage(ack=pb.CommandAck(command_seq=cmd.seq, ok=True)))
+            return
         rid = cmd.abort.request_id if kind == "abort" else ""
         with self._lock:
             run = self._running.pop(rid, None) if kind == "abort" else None

@@ -18,6 +18,7 @@ from collections import OrderedDict
 import grpc
 
 from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.router.requests.link_adds import AddLost, LinkAdds
 from kvserve.router.requests.pipeline import RequestPipeline
 from kvserve.router.requests.request import WORKER_UP, RouterRequest
 from kvserve.router.table.workers import WorkerState, actor_dead
@@ -29,8 +30,8 @@ _MAX_ORPHANS = 4096
 
 
 class Dispatcher:
-    """Sends requests to workers (Ray ``add_request``, or ``add_requests`` for several placed on one worker
-    while its previous call was in flight) and maps worker-side ids back to requests."""
+    """Sends requests to workers (``AddRequests`` on the WorkerLink, ``link_adds.py``; the Ray call to a worker
+    that does not take them) and maps worker-side ids back to requests."""
 
     def __init__(self, router: RequestPipeline) -> None:
         self.router = router
@@ -43,6 +44,7 @@ class Dispatcher:
         # id(worker entry) -> (entry, [(request, dispatch id)]) placed there and not sent yet (``_send``)
         self._outgoing: dict[int, tuple[WorkerState, list[tuple[RouterRequest, str]]]] = {}
         self._sending: set[int] = set()  # id(worker entry) with an add call in flight
+        self.link_adds = LinkAdds(router.link)
 
     def current(self, worker_rid: str) -> RouterRequest | None:
         return self.by_worker_rid.get(worker_rid)
@@ -153,11 +155,12 @@ class Dispatcher:
                              tuple(r.output_ids), owner=r.owner, owner_key=r.owner_key, resume_grant=grant)  # fmt: skip
 
     async def _add_requests(self, entry: WorkerState, items: list[tuple[RouterRequest, str]]) -> None:
-        """One ``add_request`` (a single request: the call every worker and test double answers) or
-        ``add_requests`` (several: None when all were queued, else per request None or why the worker refused
-        it), and each outcome applied as that request's own. NOTE: the worker takes requests between two steps,
-        so an answer slower than its stall threshold means it is stalled (kvserve/router/table/liveness.py):
-        never wait longer."""
+        """Add ``items`` on ``entry`` and apply each outcome as that request's own: an ``AddRequests`` on its
+        link (``entry.takes_adds``: what real workers say), else the Ray call, ``add_request`` for one (the call
+        every test double answers) or ``add_requests`` for several. Either answers None when all were queued,
+        else per request None or why the worker refused it. NOTE: the worker takes requests between two
+        steps, so an answer slower than its stall threshold means it is stalled
+        (kvserve/router/table/liveness.py): never wait longer."""
         router = self.router
         now = time.monotonic()
         for r, _ in items:
@@ -165,7 +168,9 @@ class Dispatcher:
         requests = [self._worker_request(r, worker_rid) for r, worker_rid in items]
         incarnation = entry.incarnation  # evidence from this call concerns this process only
         try:
-            if len(requests) == 1:
+            if entry.takes_adds:
+                refusals = await router.table.bounded(entry, self.link_adds.add(entry.worker_id, requests))
+            elif len(requests) == 1:
                 await router.table.bounded(entry, entry.handle.add_request.remote(requests[0]))
                 refusals: list[tuple[str, str] | None] | None = None
             else:
@@ -188,6 +193,11 @@ class Dispatcher:
         continues elsewhere either way), a refusal ends ``r`` (INVALID_ARGUMENT for bad input)."""
         router = self.router
         self._release(entry, worker_rid)
+        if isinstance(e, AddLost):  # NOTE: the worker is down already (``replay_all`` failed its adds)
+            if r.worker_rid == worker_rid and not r.finished:
+                r.target, r.worker_id = None, entry.worker_id
+                self.replay(r, entry.worker_id)
+            return
         if isinstance(e, TimeoutError):
             if r.worker_rid != worker_rid or r.finished:
                 # NOTE: the call may still land: stop that copy (an abort of an unknown id is a no-op)
@@ -249,7 +259,9 @@ class Dispatcher:
         entry.released(worker_rid)
 
     def replay_all(self, entry: WorkerState) -> None:
-        """``entry`` went down: continue each of its requests elsewhere."""
+        """``entry`` went down: continue each of its requests elsewhere (those being added there too, as
+        their adds fail: ``_not_added``)."""
+        self.link_adds.lost(entry.worker_id)
         for r in [r for r in self.router.requests.values() if r.worker_id == entry.worker_id]:
             self.replay(r, entry.worker_id)
 

@@ -4,8 +4,8 @@ Policy lives in pure modules over ``WorkerView``s (kvserve/router/policy/placeme
 router/policy/rebalance.py), output ordering in router/requests/demux.py; the worker table and its lifecycle in
 router/table/workers.py, migrations and router preemptions in router/requests/migrations.py. Everything runs on
 one asyncio loop (the Ray actor's, or a test's), so the tables need no locks. Requests go to
-workers by Ray calls; what comes back (outputs, pressure, block events) arrives over WorkerLink
-(``on_message``).
+workers as AddRequests on their WorkerLinks (a Ray call to a worker whose Hello does not take them);
+what comes back (acks, outputs, pressure, block events) arrives over WorkerLink (``on_message``).
 
 Lifecycle of a request: ``submit`` validates and either places it (``place``: the dispatcher's
 one dispatch path) or queues it (only if it is projected to start within its deadline and
@@ -139,8 +139,9 @@ class Router(WorkerLinkHandler):
             self.table.heartbeat(worker_id, msg.heartbeat)
         elif kind == "request_table":
             self.owned.adopt(worker_id, msg.request_table)
-        elif kind == "ack":  # NOTE: only a take-over's Reown awaits its ack (kvserve/router/requests/takeover.py)
-            self.owned.takeovers.on_ack(worker_id, msg.ack)
+        elif kind == "ack":  # NOTE: adds (link_adds.py) and take-overs' Reowns (takeover.py) await their acks
+            if not self.dispatcher.link_adds.on_ack(worker_id, msg.ack):
+                self.owned.takeovers.on_ack(worker_id, msg.ack)
         elif kind == "drain_me":
             self._drain_requested(worker_id, msg.drain_me.reason or "the worker asked")
         elif kind == "block_snapshot":

@@ -70,6 +70,12 @@ class WorkerLinkService(worker_pb2_grpc.WorkerLinkServicer):
             s.queue.put_nowait(command)
         return command.seq
 
+    def withdraw(self, worker_id: str, seq: int) -> None:
+        """Never resend command ``seq`` (one already on the wire may still arrive)."""
+        s = self.sessions.get(worker_id)
+        if s is not None:
+            s.unapplied.pop(seq, None)
+
     def abort(self, worker_id: str, worker_rid: str) -> int:
         """Stop dispatch ``worker_rid`` on ``worker_id`` at its next step boundary (the one place an
         ``Abort`` is built; an abort of an id the worker no longer has is a no-op there)."""

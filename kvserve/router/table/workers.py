@@ -115,6 +115,9 @@ class WorkerState:
     incarnation: str = ""
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     drain: DrainMark | None = None
+    # Its Hello says it takes requests as AddRequests on the link (kvserve/router/requests/link_adds.py), not
+    # only by the Ray call.
+    takes_adds: bool = False
 
     @property
     def worker_id(self) -> str:
@@ -343,6 +346,7 @@ class WorkerTable:
             return False
         entry.progress_time = time.monotonic()
         entry.incarnation = hello.incarnation
+        entry.takes_adds = hello.takes_adds
         lost_at, entry.link_lost_at = entry.link_lost_at, None
         if restarted:
             entry.slowest_step_s = 0.0

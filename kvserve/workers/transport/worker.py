@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 from kvserve.protos.kvserve.v1 import worker_pb2 as pb
+from kvserve.workers.core.add_command import request_from_proto
 from kvserve.workers.core.identity import WorkerIdentity
 from kvserve.workers.core.kv_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
 from kvserve.workers.core.liveness import (
@@ -153,23 +154,25 @@ class WorkerCore:
         or why it was refused, ``("invalid", message)`` for bad input (a ValueError) or ``("error",
         message)``; one refused never stops the others. Raises WorkerError (dead) for all of them."""
 
-        def add_all() -> list[tuple[str, str] | None]:
-            refusals: list[tuple[str, str] | None] = []
-            for request in requests:
-                try:
-                    self.engine.add_request(request)
-                except ValueError as e:
-                    refusals.append(("invalid", str(e)))
-                    continue
-                except Exception as e:  # noqa: BLE001 - reported for this request alone, as add_request raises it
-                    refusals.append(("error", f"{type(e).__name__}: {e}"))
-                    continue
-                if request.owner:
-                    self._own(request.request_id, (request.owner, request.owner_key), request.resume_grant)
-                refusals.append(None)
+        def add_all() -> list[tuple[str, str] | None] | None:
+            refusals = [self._add_one(request) for request in requests]
             return refusals if any(refusals) else None
 
         return self._call(add_all)
+
+    def _add_one(self, request: WorkerRequest | pb.AddRequest) -> tuple[str, str] | None:
+        """Engine thread: queue ``request`` (the Ray call's, or one of an ``AddRequests``); None, or why it was
+        refused: ``("invalid", message)`` for bad input (a ValueError), else ``("error", message)``."""
+        try:
+            r = request if isinstance(request, WorkerRequest) else request_from_proto(request)
+            self.engine.add_request(r)
+        except ValueError as e:
+            return ("invalid", str(e))
+        except Exception as e:  # noqa: BLE001 - reported for this request alone, as add_request raises it
+            return ("error", f"{type(e).__name__}: {e}")
+        if r.owner:
+            self._own(r.request_id, (r.owner, r.owner_key), r.resume_grant)
+        return None
 
     def abort(self, request_id: str) -> bool:
         return self._call(lambda: self._abort(request_id))
@@ -494,7 +497,9 @@ class WorkerCore:
         return True
 
     def _hello(self) -> pb.Hello:
-        return self.identity().to_hello(self.incarnation)
+        hello = self.identity().to_hello(self.incarnation)
+        hello.takes_adds = True  # the router adds requests on the link (``_add_command``), not by a Ray call
+        return hello
 
     def request_drain(self, reason: str) -> None:
         """Ask the router to drain this worker (its requests moved away, then this process
@@ -549,9 +554,22 @@ class WorkerCore:
         elif kind == "reown":
             rid = cmd.reown.request_id
             ok = self._reown(rid, cmd.reown.owner.address, cmd.reown.owner.key)
+        elif kind == "add_requests":
+            self.outbox.put(pb.WorkerMessage(ack=self._add_command(cmd)))
+            return
         if not ok:
             logger.info("worker %s: %s for unknown or inapplicable request %r ignored", self.worker_id, kind, rid)
         self.outbox.put(pb.WorkerMessage(ack=pb.CommandAck(command_seq=cmd.seq, request_id=rid, ok=ok)))
+
+    def _add_command(self, cmd: pb.RouterCommand) -> pb.CommandAck:
+        """Engine thread: queue an ``AddRequests``' requests in order; the ack names those refused. It goes on
+        the outbox before this step's outputs, so the router learns a request was added before its first token."""
+        ack = pb.CommandAck(command_seq=cmd.seq, ok=True)
+        for msg in cmd.add_requests.requests:
+            refusal = self._add_one(msg)
+            if refusal is not None:
+                ack.refusals.add(request_id=msg.request_id, kind=refusal[0], message=refusal[1])
+        return ack
 
 
 def _ray_node_id() -> str:

@@ -27,15 +27,15 @@ from kvserve.protos.kvserve.v1 import pressure_pb2 as kvserve_dot_v1_dot_pressur
 
 from kvserve.protos.kvserve.v1.pressure_pb2 import *
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvserve/v1/worker.proto\x12\nkvserve.v1\x1a\x18kvserve/v1/serving.proto\x1a\x19kvserve/v1/pressure.proto\"\x81\x04\n\rWorkerMessage\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\"\n\x05hello\x18\x02 \x01(\x0b\x32\x11.kvserve.v1.HelloH\x00\x12/\n\x0cstep_outputs\x18\x03 \x01(\x0b\x32\x17.kvserve.v1.StepOutputsH\x00\x12.\n\x08pressure\x18\x04 \x01(\x0b\x32\x1a.kvserve.v1.PressureReportH\x00\x12/\n\x0c\x62lock_events\x18\x05 \x01(\x0b\x32\x17.kvserve.v1.BlockEventsH\x00\x12\x33\n\x0e\x62lock_snapshot\x18\x06 \x01(\x0b\x32\x19.kvserve.v1.BlockSnapshotH\x00\x12%\n\x03\x61\x63k\x18\x08 \x01(\x0b\x32\x16.kvserve.v1.CommandAckH\x00\x12\'\n\x08\x64rain_me\x18\t \x01(\x0b\x32\x13.kvserve.v1.DrainMeH\x00\x12.\n\theartbeat\x18\n \x01(\x0b\x32\x19.kvserve.v1.StepHeartbeatH\x00\x12(\n\x04step\x18\x0b \x01(\x0b\x32\x18.kvserve.v1.StepMessagesH\x00\x12\x31\n\rrequest_table\x18\x0c \x01(\x0b\x32\x18.kvserve.v1.RequestTableH\x00\x42\x06\n\x04\x62odyJ\x04\x08\x07\x10\x08R\rexport_result\":\n\x0cRequestTable\x12*\n\x08requests\x18\x01 \x03(\x0b\x32\x18.kvserve.v1.OwnedRequest\"\xb9\x02\n\x0cOwnedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x11\n\towner_key\x18\x03 \x01(\t\x12\x12\n\nprompt_ids\x18\x04 \x03(\x05\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.kvserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x19\n\x11num_output_tokens\x18\x08 \x01(\r\x12\x14\n\x0cresume_token\x18\t \x01(\t\x12\x19\n\x11resume_request_id\x18\n \x01(\t\x12\x15\n\rresume_tenant\x18\x0b \x01(\t\x12\x15\n\rresume_client\x18\x0c \x01(\t\x12\x11\n\texporting\x18\r \x01(\x08\"\x8f\x01\n\x0cStepMessages\x12(\n\x07outputs\x18\x01 \x01(\x0b\x32\x17.kvserve.v1.StepOutputs\x12\'\n\x06\x65vents\x18\x02 \x01(\x0b\x32\x17.kvserve.v1.BlockEvents\x12,\n\x08pressure\x18\x03 \x01(\x0b\x32\x1a.kvserve.v1.PressureReport\"\x19\n\x07\x44rainMe\x12\x0e\n\x06reason\x18\x01 \x01(\t\";\n\rStepHeartbeat\x12\x16\n\x0estep_elapsed_s\x18\x01 \x01(\x01\x12\x12\n\nstep_cpu_s\x18\x02 \x01(\x01\"\xbe\x02\n\x05Hello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x04\x12\x13\n\x0bswap_blocks\x18\x05 \x01(\x04\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x14\n\x07node_id\x18\x07 \x01(\tH\x00\x88\x01\x01\x12\x14\n\x07\x61\x64\x64ress\x18\x08 \x01(\tH\x01\x88\x01\x01\x12\x13\n\x0bincarnation\x18\t \x01(\t\x12\x18\n\x10last_command_seq\x18\n \x01(\x04\x12\x12\n\nvocab_size\x18\x0b \x01(\r\x12\x15\n\rhas_tokenizer\x18\x0c \x01(\x08\x12\x1c\n\x14tensor_parallel_size\x18\r \x01(\rB\n\n\x08_node_idB\n\n\x08_address\"z\n\x0bStepOutputs\x12\x13\n\x0b\x64\x65\x63ode_step\x18\x01 \x01(\x04\x12*\n\x07outputs\x18\x02 \x03(\x0b\x32\x19.kvserve.v1.RequestOutput\x12*\n\x07\x63olumns\x18\x03 \x01(\x0b\x32\x19.kvserve.v1.DecodeColumns\"w\n\rDecodeColumns\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x19\n\x11num_output_tokens\x18\x04 \x03(\r\x12\x13\n\x0btext_deltas\x18\x05 \x03(\t\"\xad\x02\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x12\n\ntext_delta\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\r\x12\x11\n\tnum_swaps\x18\x08 \x01(\r\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x19\n\x11num_output_tokens\x18\n \x01(\r\x12+\n\x08logprobs\x18\x0b \x03(\x0b\x32\x19.kvserve.v1.TokenLogprobs\x12\r\n\x05owned\x18\x0c \x01(\x08\"5\n\x0b\x42lockEvents\x12&\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x16.kvserve.v1.BlockEvent\"\xaa\x01\n\nBlockEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12)\n\x06stored\x18\x02 \x01(\x0b\x32\x17.kvserve.v1.BlockStoredH\x00\x12+\n\x07removed\x18\x03 \x01(\x0b\x32\x18.kvserve.v1.BlockRemovedH\x00\x12/\n\x07\x63leared\x18\x04 \x01(\x0b\x32\x1c.kvserve.v1.AllBlocksClearedH\x00\x42\x06\n\x04kind\"=\n\x0b\x42lockStored\x12\x0e\n\x06hashes\x18\x01 \x03(\x04\x12\x1e\n\x04tier\x18\x02 \x01(\x0e\x32\x10.kvserve.v1.Tier\">\n\x0c\x42lockRemoved\x12\x0e\n\x06hashes\x18\x01 \x03(\x04\x12\x1e\n\x04tier\x18\x02 \x01(\x0e\x32\x10.kvserve.v1.Tier\"\x12\n\x10\x41llBlocksCleared\"V\n\rBlockSnapshot\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0e\n\x06hashes\x18\x02 \x03(\x04\x12\x13\n\x0bhost_hashes\x18\x03 \x03(\x04\x12\x13\n\x0b\x64isk_hashes\x18\x04 \x03(\x04\"P\n\nCommandAck\x12\x13\n\x0b\x63ommand_seq\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\x8d\x02\n\rRouterCommand\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x11\n\tacked_seq\x18\n \x01(\x04\x12\"\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x11.kvserve.v1.AbortH\x00\x12&\n\x07preempt\x18\x03 \x01(\x0b\x32\x13.kvserve.v1.PreemptH\x00\x12\x37\n\x10request_snapshot\x18\x07 \x01(\x0b\x32\x1b.kvserve.v1.RequestSnapshotH\x00\x12\"\n\x05reown\x18\x08 \x01(\x0b\x32\x11.kvserve.v1.ReownH\x00\x42\t\n\x07\x63ommandJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07R\x07swap_inR\x06\x65xportR\x05\x64rain\"=\n\x05Reown\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12 \n\x05owner\x18\x02 \x01(\x0b\x32\x11.kvserve.v1.Owner\"\x1b\n\x05\x41\x62ort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"|\n\x07Preempt\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x04mode\x18\x02 \x01(\x0e\x32\x18.kvserve.v1.Preempt.Mode\"5\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tRECOMPUTE\x10\x01\x12\x08\n\x04SWAP\x10\x02\"\x11\n\x0fRequestSnapshot*5\n\x04Tier\x12\x0f\n\x0bTIER_DEVICE\x10\x00\x12\r\n\tTIER_HOST\x10\x01\x12\r\n\tTIER_DISK\x10\x02\x32Q\n\nWorkerLink\x12\x43\n\x07\x43onnect\x12\x19.kvserve.v1.WorkerMessage\x1a\x19.kvserve.v1.RouterCommand(\x01\x30\x01P\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvserve/v1/worker.proto\x12\nkvserve.v1\x1a\x18kvserve/v1/serving.proto\x1a\x19kvserve/v1/pressure.proto\"\x81\x04\n\rWorkerMessage\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\"\n\x05hello\x18\x02 \x01(\x0b\x32\x11.kvserve.v1.HelloH\x00\x12/\n\x0cstep_outputs\x18\x03 \x01(\x0b\x32\x17.kvserve.v1.StepOutputsH\x00\x12.\n\x08pressure\x18\x04 \x01(\x0b\x32\x1a.kvserve.v1.PressureReportH\x00\x12/\n\x0c\x62lock_events\x18\x05 \x01(\x0b\x32\x17.kvserve.v1.BlockEventsH\x00\x12\x33\n\x0e\x62lock_snapshot\x18\x06 \x01(\x0b\x32\x19.kvserve.v1.BlockSnapshotH\x00\x12%\n\x03\x61\x63k\x18\x08 \x01(\x0b\x32\x16.kvserve.v1.CommandAckH\x00\x12\'\n\x08\x64rain_me\x18\t \x01(\x0b\x32\x13.kvserve.v1.DrainMeH\x00\x12.\n\theartbeat\x18\n \x01(\x0b\x32\x19.kvserve.v1.StepHeartbeatH\x00\x12(\n\x04step\x18\x0b \x01(\x0b\x32\x18.kvserve.v1.StepMessagesH\x00\x12\x31\n\rrequest_table\x18\x0c \x01(\x0b\x32\x18.kvserve.v1.RequestTableH\x00\x42\x06\n\x04\x62odyJ\x04\x08\x07\x10\x08R\rexport_result\":\n\x0cRequestTable\x12*\n\x08requests\x18\x01 \x03(\x0b\x32\x18.kvserve.v1.OwnedRequest\"\xb9\x02\n\x0cOwnedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x11\n\towner_key\x18\x03 \x01(\t\x12\x12\n\nprompt_ids\x18\x04 \x03(\x05\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.kvserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x19\n\x11num_output_tokens\x18\x08 \x01(\r\x12\x14\n\x0cresume_token\x18\t \x01(\t\x12\x19\n\x11resume_request_id\x18\n \x01(\t\x12\x15\n\rresume_tenant\x18\x0b \x01(\t\x12\x15\n\rresume_client\x18\x0c \x01(\t\x12\x11\n\texporting\x18\r \x01(\x08\"\x8f\x01\n\x0cStepMessages\x12(\n\x07outputs\x18\x01 \x01(\x0b\x32\x17.kvserve.v1.StepOutputs\x12\'\n\x06\x65vents\x18\x02 \x01(\x0b\x32\x17.kvserve.v1.BlockEvents\x12,\n\x08pressure\x18\x03 \x01(\x0b\x32\x1a.kvserve.v1.PressureReport\"\x19\n\x07\x44rainMe\x12\x0e\n\x06reason\x18\x01 \x01(\t\";\n\rStepHeartbeat\x12\x16\n\x0estep_elapsed_s\x18\x01 \x01(\x01\x12\x12\n\nstep_cpu_s\x18\x02 \x01(\x01\"\xd2\x02\n\x05Hello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x04\x12\x13\n\x0bswap_blocks\x18\x05 \x01(\x04\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x14\n\x07node_id\x18\x07 \x01(\tH\x00\x88\x01\x01\x12\x14\n\x07\x61\x64\x64ress\x18\x08 \x01(\tH\x01\x88\x01\x01\x12\x13\n\x0bincarnation\x18\t \x01(\t\x12\x18\n\x10last_command_seq\x18\n \x01(\x04\x12\x12\n\nvocab_size\x18\x0b \x01(\r\x12\x15\n\rhas_tokenizer\x18\x0c \x01(\x08\x12\x1c\n\x14tensor_parallel_size\x18\r \x01(\r\x12\x12\n\ntakes_adds\x18\x0e \x01(\x08\x42\n\n\x08_node_idB\n\n\x08_address\"z\n\x0bStepOutputs\x12\x13\n\x0b\x64\x65\x63ode_step\x18\x01 \x01(\x04\x12*\n\x07outputs\x18\x02 \x03(\x0b\x32\x19.kvserve.v1.RequestOutput\x12*\n\x07\x63olumns\x18\x03 \x01(\x0b\x32\x19.kvserve.v1.DecodeColumns\"w\n\rDecodeColumns\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x19\n\x11num_output_tokens\x18\x04 \x03(\r\x12\x13\n\x0btext_deltas\x18\x05 \x03(\t\"\xad\x02\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x12\n\ntext_delta\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\r\x12\x11\n\tnum_swaps\x18\x08 \x01(\r\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x19\n\x11num_output_tokens\x18\n \x01(\r\x12+\n\x08logprobs\x18\x0b \x03(\x0b\x32\x19.kvserve.v1.TokenLogprobs\x12\r\n\x05owned\x18\x0c \x01(\x08\"5\n\x0b\x42lockEvents\x12&\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x16.kvserve.v1.BlockEvent\"\xaa\x01\n\nBlockEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12)\n\x06stored\x18\x02 \x01(\x0b\x32\x17.kvserve.v1.BlockStoredH\x00\x12+\n\x07removed\x18\x03 \x01(\x0b\x32\x18.kvserve.v1.BlockRemovedH\x00\x12/\n\x07\x63leared\x18\x04 \x01(\x0b\x32\x1c.kvserve.v1.AllBlocksClearedH\x00\x42\x06\n\x04kind\"=\n\x0b\x42lockStored\x12\x0e\n\x06hashes\x18\x01 \x03(\x04\x12\x1e\n\x04tier\x18\x02 \x01(\x0e\x32\x10.kvserve.v1.Tier\">\n\x0c\x42lockRemoved\x12\x0e\n\x06hashes\x18\x01 \x03(\x04\x12\x1e\n\x04tier\x18\x02 \x01(\x0e\x32\x10.kvserve.v1.Tier\"\x12\n\x10\x41llBlocksCleared\"V\n\rBlockSnapshot\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0e\n\x06hashes\x18\x02 \x03(\x04\x12\x13\n\x0bhost_hashes\x18\x03 \x03(\x04\x12\x13\n\x0b\x64isk_hashes\x18\x04 \x03(\x04\"z\n\nCommandAck\x12\x13\n\x0b\x63ommand_seq\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12(\n\x08refusals\x18\x05 \x03(\x0b\x32\x16.kvserve.v1.AddRefusal\"?\n\nAddRefusal\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xbe\x02\n\rRouterCommand\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x11\n\tacked_seq\x18\n \x01(\x04\x12\"\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x11.kvserve.v1.AbortH\x00\x12&\n\x07preempt\x18\x03 \x01(\x0b\x32\x13.kvserve.v1.PreemptH\x00\x12\x37\n\x10request_snapshot\x18\x07 \x01(\x0b\x32\x1b.kvserve.v1.RequestSnapshotH\x00\x12\"\n\x05reown\x18\x08 \x01(\x0b\x32\x11.kvserve.v1.ReownH\x00\x12/\n\x0c\x61\x64\x64_requests\x18\t \x01(\x0b\x32\x17.kvserve.v1.AddRequestsH\x00\x42\t\n\x07\x63ommandJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07R\x07swap_inR\x06\x65xportR\x05\x64rain\"7\n\x0b\x41\x64\x64Requests\x12(\n\x08requests\x18\x01 \x03(\x0b\x32\x16.kvserve.v1.AddRequest\"\xef\x01\n\nAddRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvserve.v1.WorkerSampling\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x17\n\ncache_salt\x18\x05 \x01(\tH\x00\x88\x01\x01\x12\x19\n\x11resume_output_ids\x18\x06 \x03(\x05\x12\r\n\x05owner\x18\x07 \x01(\t\x12\x11\n\towner_key\x18\x08 \x01(\t\x12\x14\n\x0cresume_grant\x18\t \x03(\tB\r\n\x0b_cache_salt\"\xd1\x01\n\x0eWorkerSampling\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"=\n\x05Reown\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12 \n\x05owner\x18\x02 \x01(\x0b\x32\x11.kvserve.v1.Owner\"\x1b\n\x05\x41\x62ort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"|\n\x07Preempt\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x04mode\x18\x02 \x01(\x0e\x32\x18.kvserve.v1.Preempt.Mode\"5\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tRECOMPUTE\x10\x01\x12\x08\n\x04SWAP\x10\x02\"\x11\n\x0fRequestSnapshot*5\n\x04Tier\x12\x0f\n\x0bTIER_DEVICE\x10\x00\x12\r\n\tTIER_HOST\x10\x01\x12\r\n\tTIER_DISK\x10\x02\x32Q\n\nWorkerLink\x12\x43\n\x07\x43onnect\x12\x19.kvserve.v1.WorkerMessage\x1a\x19.kvserve.v1.RouterCommand(\x01\x30\x01P\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvserve.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=3142
-  _globals['_TIER']._serialized_end=3195
+  _globals['_TIER']._serialized_start=3829
+  _globals['_TIER']._serialized_end=3882
   _globals['_WORKERMESSAGE']._serialized_start=93
   _globals['_WORKERMESSAGE']._serialized_end=606
   _globals['_REQUESTTABLE']._serialized_start=608
@@ -49,39 +49,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPHEARTBEAT']._serialized_start=1157
   _globals['_STEPHEARTBEAT']._serialized_end=1216
   _globals['_HELLO']._serialized_start=1219
-  _globals['_HELLO']._serialized_end=1537
-  _globals['_STEPOUTPUTS']._serialized_start=1539
-  _globals['_STEPOUTPUTS']._serialized_end=1661
-  _globals['_DECODECOLUMNS']._serialized_start=1663
-  _globals['_DECODECOLUMNS']._serialized_end=1782
-  _globals['_REQUESTOUTPUT']._serialized_start=1785
-  _globals['_REQUESTOUTPUT']._serialized_end=2086
-  _globals['_BLOCKEVENTS']._serialized_start=2088
-  _globals['_BLOCKEVENTS']._serialized_end=2141
-  _globals['_BLOCKEVENT']._serialized_start=2144
-  _globals['_BLOCKEVENT']._serialized_end=2314
-  _globals['_BLOCKSTORED']._serialized_start=2316
-  _globals['_BLOCKSTORED']._serialized_end=2377
-  _globals['_BLOCKREMOVED']._serialized_start=2379
-  _globals['_BLOCKREMOVED']._serialized_end=2441
-  _globals['_ALLBLOCKSCLEARED']._serialized_start=2443
-  _globals['_ALLBLOCKSCLEARED']._serialized_end=2461
-  _globals['_BLOCKSNAPSHOT']._serialized_start=2463
-  _globals['_BLOCKSNAPSHOT']._serialized_end=2549
-  _globals['_COMMANDACK']._serialized_start=2551
-  _globals['_COMMANDACK']._serialized_end=2631
-  _globals['_ROUTERCOMMAND']._serialized_start=2634
-  _globals['_ROUTERCOMMAND']._serialized_end=2903
-  _globals['_REOWN']._serialized_start=2905
-  _globals['_REOWN']._serialized_end=2966
-  _globals['_ABORT']._serialized_start=2968
-  _globals['_ABORT']._serialized_end=2995
-  _globals['_PREEMPT']._serialized_start=2997
-  _globals['_PREEMPT']._serialized_end=3121
-  _globals['_PREEMPT_MODE']._serialized_start=3068
-  _globals['_PREEMPT_MODE']._serialized_end=3121
-  _globals['_REQUESTSNAPSHOT']._serialized_start=3123
-  _globals['_REQUESTSNAPSHOT']._serialized_end=3140
-  _globals['_WORKERLINK']._serialized_start=3197
-  _globals['_WORKERLINK']._serialized_end=3278
+  _globals['_HELLO']._serialized_end=1557
+  _globals['_STEPOUTPUTS']._serialized_start=1559
+  _globals['_STEPOUTPUTS']._serialized_end=1681
+  _globals['_DECODECOLUMNS']._serialized_start=1683
+  _globals['_DECODECOLUMNS']._serialized_end=1802
+  _globals['_REQUESTOUTPUT']._serialized_start=1805
+  _globals['_REQUESTOUTPUT']._serialized_end=2106
+  _globals['_BLOCKEVENTS']._serialized_start=2108
+  _globals['_BLOCKEVENTS']._serialized_end=2161
+  _globals['_BLOCKEVENT']._serialized_start=2164
+  _globals['_BLOCKEVENT']._serialized_end=2334
+  _globals['_BLOCKSTORED']._serialized_start=2336
+  _globals['_BLOCKSTORED']._serialized_end=2397
+  _globals['_BLOCKREMOVED']._serialized_start=2399
+  _globals['_BLOCKREMOVED']._serialized_end=2461
+  _globals['_ALLBLOCKSCLEARED']._serialized_start=2463
+  _globals['_ALLBLOCKSCLEARED']._serialized_end=2481
+  _globals['_BLOCKSNAPSHOT']._serialized_start=2483
+  _globals['_BLOCKSNAPSHOT']._serialized_end=2569
+  _globals['_COMMANDACK']._serialized_start=2571
+  _globals['_COMMANDACK']._serialized_end=2693
+  _globals['_ADDREFUSAL']._serialized_start=2695
+  _globals['_ADDREFUSAL']._serialized_end=2758
+  _globals['_ROUTERCOMMAND']._serialized_start=2761
+  _globals['_ROUTERCOMMAND']._serialized_end=3079
+  _globals['_ADDREQUESTS']._serialized_start=3081
+  _globals['_ADDREQUESTS']._serialized_end=3136
+  _globals['_ADDREQUEST']._serialized_start=3139
+  _globals['_ADDREQUEST']._serialized_end=3378
+  _globals['_WORKERSAMPLING']._serialized_start=3381
+  _globals['_WORKERSAMPLING']._serialized_end=3590
+  _globals['_REOWN']._serialized_start=3592
+  _globals['_REOWN']._serialized_end=3653
+  _globals['_ABORT']._serialized_start=3655
+  _globals['_ABORT']._serialized_end=3682
+  _globals['_PREEMPT']._serialized_start=3684
+  _globals['_PREEMPT']._serialized_end=3808
+  _globals['_PREEMPT_MODE']._serialized_start=3755
+  _globals['_PREEMPT_MODE']._serialized_end=3808
+  _globals['_REQUESTSNAPSHOT']._serialized_start=3810
+  _globals['_REQUESTSNAPSHOT']._serialized_end=3827
+  _globals['_WORKERLINK']._serialized_start=3884
+  _globals['_WORKERLINK']._serialized_end=3965
 # @@protoc_insertion_point(module_scope)

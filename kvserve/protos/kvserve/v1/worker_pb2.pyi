@@ -107,7 +107,7 @@ class StepHeartbeat(_message.Message):
     def __init__(self, step_elapsed_s: _Optional[float] = ..., step_cpu_s: _Optional[float] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("worker_id", "model_id", "block_size", "total_blocks", "swap_blocks", "max_model_len", "node_id", "address", "incarnation", "last_command_seq", "vocab_size", "has_tokenizer", "tensor_parallel_size")
+    __slots__ = ("worker_id", "model_id", "block_size", "total_blocks", "swap_blocks", "max_model_len", "node_id", "address", "incarnation", "last_command_seq", "vocab_size", "has_tokenizer", "tensor_parallel_size", "takes_adds")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,7 @@ class Hello(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TAKES_ADDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model_id: str
     block_size: int
@@ -134,7 +135,8 @@ class Hello(_message.Message):
     vocab_size: int
     has_tokenizer: bool
     tensor_parallel_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., swap_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[str] = ..., last_command_seq: _Optional[int] = ..., vocab_size: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    takes_adds: bool
+    def __init__(self, worker_id: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., swap_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[str] = ..., last_command_seq: _Optional[int] = ..., vocab_size: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., takes_adds: _Optional[bool] = ...) -> None: ...
 
 class StepOutputs(_message.Message):
     __slots__ = ("decode_step", "outputs", "columns")
@@ -239,32 +241,96 @@ class BlockSnapshot(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., hashes: _Optional[_Iterable[int]] = ..., host_hashes: _Optional[_Iterable[int]] = ..., disk_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommandAck(_message.Message):
-    __slots__ = ("command_seq", "request_id", "ok", "error")
+    __slots__ = ("command_seq", "request_id", "ok", "error", "refusals")
     COMMAND_SEQ_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    REFUSALS_FIELD_NUMBER: _ClassVar[int]
     command_seq: int
     request_id: str
     ok: bool
     error: str
-    def __init__(self, command_seq: _Optional[int] = ..., request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    refusals: _containers.RepeatedCompositeFieldContainer[AddRefusal]
+    def __init__(self, command_seq: _Optional[int] = ..., request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., refusals: _Optional[_Iterable[_Union[AddRefusal, _Mapping]]] = ...) -> None: ...
+
+class AddRefusal(_message.Message):
+    __slots__ = ("request_id", "kind", "message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    kind: str
+    message: str
+    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class RouterCommand(_message.Message):
-    __slots__ = ("seq", "acked_seq", "abort", "preempt", "request_snapshot", "reown")
+    __slots__ = ("seq", "acked_seq", "abort", "preempt", "request_snapshot", "reown", "add_requests")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     ACKED_SEQ_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     PREEMPT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     REOWN_FIELD_NUMBER: _ClassVar[int]
+    ADD_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     acked_seq: int
     abort: Abort
     preempt: Preempt
     request_snapshot: RequestSnapshot
     reown: Reown
-    def __init__(self, seq: _Optional[int] = ..., acked_seq: _Optional[int] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., preempt: _Optional[_Union[Preempt, _Mapping]] = ..., request_snapshot: _Optional[_Union[RequestSnapshot, _Mapping]] = ..., reown: _Optional[_Union[Reown, _Mapping]] = ...) -> None: ...
+    add_requests: AddRequests
+    def __init__(self, seq: _Optional[int] = ..., acked_seq: _Optional[int] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., preempt: _Optional[_Union[Preempt, _Mapping]] = ..., request_snapshot: _Optional[_Union[RequestSnapshot, _Mapping]] = ..., reown: _Optional[_Union[Reown, _Mapping]] = ..., add_requests: _Optional[_Union[AddRequests, _Mapping]] = ...) -> None: ...
+
+class AddRequests(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[AddRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[AddRequest, _Mapping]]] = ...) -> None: ...
+
+class AddRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_ids", "sampling", "priority", "cache_salt", "resume_output_ids", "owner", "owner_key", "resume_grant")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    RESUME_OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    OWNER_KEY_FIELD_NUMBER: _ClassVar[int]
+    RESUME_GRANT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: WorkerSampling
+    priority: int
+    cache_salt: str
+    resume_output_ids: _containers.RepeatedScalarFieldContainer[int]
+    owner: str
+    owner_key: str
+    resume_grant: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[WorkerSampling, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., resume_output_ids: _Optional[_Iterable[int]] = ..., owner: _Optional[str] = ..., owner_key: _Optional[str] = ..., resume_grant: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WorkerSampling(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    logprobs: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class Reown(_message.Message):
     __slots__ = ("request_id", "owner")
