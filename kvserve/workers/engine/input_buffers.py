@@ -22,8 +22,6 @@ ends without the token read-back that would otherwise have synchronised).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
-from operator import attrgetter
 
 import numpy as np
 import torch
@@ -58,31 +56,35 @@ class _Filled:
     sample_reqs: list[int]
 
 
-_TOKENS, _COMPUTED = attrgetter("all_token_ids"), attrgetter("num_computed_tokens")
-_SKIP, _TABLE = attrgetter("skip_store_below"), attrgetter("block_table")
-
-
 def _fill(batch: list[tuple[Request, int]], block_size: int) -> _Filled:
     """The vectorised layout of a batch ordered [decodes | prefill chunks] (the only per-request Python:
-    attribute reads through ``map``, list slices and one row copy each, from the request's table mirror:
-    kvserve/workers/engine/table_mirror.py). Padding a block table with block 0 is safe: kernels never read
-    past a sequence's context length."""
+    list appends and slices and one row copy each, from the request's table mirror:
+    kvserve/workers/engine/table_mirror.py; no per-row numpy scalar writes). Padding a block table with
+    block 0 is safe: kernels never read past a sequence's context length."""
     bs = block_size
     num_reqs = len(batch)
-    reqs, counts_l = zip(*batch, strict=True) if batch else ((), ())
-    tokens = list(map(_TOKENS, reqs))
-    first = list(map(_COMPUTED, reqs))
-    ids = list(chain.from_iterable(map(_chunk, tokens, first, counts_l)))
-    starts = np.array(first, dtype=np.int64)
-    counts = np.array(counts_l, dtype=np.int64)
-    skip = np.fromiter(map(_SKIP, reqs), dtype=np.int64, count=num_reqs)
-    ends = starts + counts
-    sample_reqs = np.flatnonzero(ends == np.fromiter(map(len, tokens), dtype=np.int64, count=num_reqs)).tolist()
-    tables = [req.table_mirror.view(req.block_table) for req in reqs]
+    ids: list[int] = []
+    first: list[int] = []
+    counts_l: list[int] = []
+    skip_l: list[int] = []
+    sample_reqs: list[int] = []
+    tables = [req.table_mirror.view(req.block_table) for req, _ in batch]
     width = max(map(len, tables), default=0)
     table = np.zeros((num_reqs, width), dtype=np.int64)
-    for j, t in enumerate(tables):
-        table[j, : len(t)] = t
+    for j, (req, n) in enumerate(batch):
+        start = req.num_computed_tokens
+        tokens = req.all_token_ids
+        ids += tokens[start : start + n]
+        first.append(start)
+        counts_l.append(n)
+        skip_l.append(req.skip_store_below)
+        table[j, : len(tables[j])] = tables[j]
+        if start + n == len(tokens):
+            sample_reqs.append(j)
+    starts = np.array(first, dtype=np.int64)
+    counts = np.array(counts_l, dtype=np.int64)
+    skip = np.array(skip_l, dtype=np.int64)
+    ends = starts + counts
     num_tokens = len(ids)
     # positions: start_j, start_j + 1, ... for each request j, concatenated.
     row = np.repeat(np.arange(num_reqs), counts)  # [num_tokens] request of each token
@@ -92,10 +94,6 @@ def _fill(batch: list[tuple[Request, int]], block_size: int) -> _Filled:
     slots[pos < skip[row]] = -1
     num_dec = int((counts == 1).sum())  # decodes (one new token) come first
     return _Filled(np.asarray(ids, dtype=np.int64), pos, slots, ends, cu, table, num_dec, sample_reqs)
-
-
-def _chunk(tokens: list[int], start: int, n: int) -> list[int]:
-    return tokens[start : start + n]
 
 
 def _width(context_lens: np.ndarray, block_size: int) -> int:
@@ -239,17 +237,25 @@ class DecodeBuffers:
         """Write a decode batch (every count 1, ``len(batch) <= batch_size <= max_batch``) into the first
         rows, pad up to ``batch_size``, upload; return the batch indices whose token gets sampled."""
         n, b, m, bs = len(batch), batch_size, self.max_batch, block_size
-        reqs, counts = zip(*batch, strict=True) if batch else ((), ())
-        assert sum(counts) == n <= b <= m, (n, b, m)  # NOTE: counts are >= 1, so all 1
-        # Per-request attribute reads in C (map), the rest vectorised: no per-row numpy writes.
-        tokens = list(map(_TOKENS, reqs))
-        first = list(map(_COMPUTED, reqs))
-        ids = list(map(list.__getitem__, tokens, first))
+        ids: list[int] = []
+        first: list[int] = []
+        skip_l: list[int] = []
+        tables: list[list[int]] = []
+        sample_reqs: list[int] = []
+        for j, (req, c) in enumerate(batch):
+            assert c == 1, c
+            start, tokens = req.num_computed_tokens, req.all_token_ids
+            ids.append(tokens[start])
+            first.append(start)
+            skip_l.append(req.skip_store_below)
+            tables.append(req.block_table)
+            if start + 1 == len(tokens):
+                sample_reqs.append(j)
+        assert n <= b <= m, (n, b, m)
         starts = np.array(first, dtype=np.int64)
-        skip = np.fromiter(map(_SKIP, reqs), dtype=np.int64, count=n)
+        skip = np.array(skip_l, dtype=np.int64)
         ends = starts + 1
-        sample_reqs = np.flatnonzero(ends == np.fromiter(map(len, tokens), dtype=np.int64, count=n)).tolist()
-        rows, flat, values = self.table.assign(list(map(_TABLE, reqs)))
+        rows, flat, values = self.table.assign(tables)
         slots = self.table.host[rows, starts // bs] * bs + starts % bs
         slots[starts < skip] = -1
         self._fence.before_write()
