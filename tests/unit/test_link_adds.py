@@ -93,7 +93,7 @@ def _connect_taking_adds(router: Router, worker_id: str, incarnation: str) -> No
         s.unapplied.clear()
     s.incarnation = incarnation
     s.queue = asyncio.Queue()
-    hello = pb.Hello(worker_id=worker_id, total_blocks=32, incarnation=incarnation, takes_adds=True)
+    hello = pb.Hello(worker_id=worker_id, total_blocks=router.table[worker_id].identity.total_blocks, incarnation=incarnation, takes_adds=True)
     router.on_hello(worker_id, hello, restarted)
 
 

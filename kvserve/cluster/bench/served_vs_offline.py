@@ -35,6 +35,8 @@ from pathlib import Path
 from kvserve.cluster.bench.proc_cpu import CpuReading, read_cpu
 from kvserve.cluster.bench.workloads import WORKLOADS, prompts
 
+IDLE_S = 2.0  # the window the router's idle CPU is read over, before the passes
+
 
 @dataclass(frozen=True)
 class ServedRun:
@@ -158,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
                             frontends=args.frontends)
     address = f"127.0.0.1:{cluster.frontend_port}" if args.frontends else cluster.address
     served: list[float] = []
+    seconds: list[float] = []  # wall seconds per served pass
     offline: list[float] = []
     worker_cpu: list[float] = []  # worker process CPU seconds per served pass
     router_cpu: list[float] = []
@@ -177,6 +180,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"cluster up: router {cluster.address} (pid {router_pid}), worker pid {worker_pid}",
               file=sys.stderr, flush=True)  # fmt: skip
         asyncio.run(served_pass(address, prompt_ids[:2], 4))  # warm-up
+        # NOTE: what the router spends per second with nothing to serve (timers, Ray's and gRPC's threads, the
+        # links' acks): part of every pass's CPU, whatever the requests and tokens
+        idle0 = read_cpu(router_pid)
+        time.sleep(IDLE_S)
+        router_idle_ms_per_s = read_cpu(router_pid).seconds_since(idle0) / IDLE_S * 1e3
         for i in range(args.rounds):
             spies = []
             if args.py_spy and i == 0:
@@ -211,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
             for who, cpu in (("router", router_cpu), ("frontends", frontend_cpu), ("client", client_cpu)):
                 per_token[who].append(cpu[-1] / max(streamed, 1) * 1e6)
             served.append(run.output_tokens_per_s)
+            seconds.append(run.seconds)
             line = (f"round {i}: served {run.output_tokens_per_s:.0f} tok/s ({run.seconds:.2f}s, {streamed} tokens; "
                     f"cpu s: worker {worker_cpu[-1]:.2f} router {router_cpu[-1]:.2f} frontends {frontend_cpu[-1]:.2f} "
                     f"client {client_cpu[-1]:.2f}; router {per_token['router'][-1]:.1f} us/token; "
@@ -242,6 +251,8 @@ def run(args: argparse.Namespace) -> int:
         "frontends": args.frontends,
         "streamed_tokens_per_pass": len(prompt_ids) * max_tokens,
         **{f"{who}_cpu_us_per_token_median": round(statistics.median(v), 2) for who, v in per_token.items()},
+        "router_idle_cpu_ms_per_s": round(router_idle_ms_per_s, 2),
+        "served_seconds_median": statistics.median(seconds),
         "cpu_model": _cpu_model(),
         "worker_thread_cpu_s": thread_cpu,
         "router_thread_cpu_s": router_threads,
