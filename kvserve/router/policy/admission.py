@@ -17,7 +17,8 @@ would instead idle every worker until the big one fits.
 
 Admission that answers in time (``admit``): besides the bounds, a request is queued only if its
 projected start is within ``max_wait_s`` and its projected start plus its expected service time
-(``ServiceTimes``: recent completions, kvserve/router/policy/service_times.py) is within its own deadline;
+(``ServiceTimes``: recent completions at the workers' current pace,
+kvserve/router/policy/service_times.py) is within its own deadline;
 otherwise it is refused at once with a ``retry_after_ms`` no shorter than the projected start.
 NOTE: the service time counts because a deadline covers the whole generation: a request admitted
 to start just before its deadline would fail DEADLINE_EXCEEDED mid-stream instead. The projection
@@ -140,6 +141,9 @@ class ColdCapacity:
             seconds per token before any completion is measured.
         running_tokens: for each running request, the tokens it may still generate (empty: unknown,
             then ``running`` requests of the typical length).
+        decode_step_s: their mean seconds per token-producing step over their last busy report
+            interval (0 = none measured): the pace running requests get tokens at now, what the
+            service times are scaled by (kvserve/router/policy/service_times.py).
     """
 
     step_s: float
@@ -148,6 +152,7 @@ class ColdCapacity:
     running: int = 0
     step_now_s: float = 0.0  # the serving workers' current step time (mean of their last reports)
     running_tokens: tuple[int, ...] = ()  # tokens each running request may still generate
+    decode_step_s: float = 0.0  # their mean seconds per token-producing step of late (0 = none measured)
 
     def estimated_start_s(self, requests_ahead: int, typical_s: float, typical_blocks: int) -> float:
         """When a newcomer behind ``requests_ahead`` queued ones could start, from measured
@@ -272,7 +277,7 @@ class AdmissionQueue(Generic[T]):
         self.max_wait_s = max_wait_s
         self.unknown_retry_ms = unknown_retry_ms
         self.cold_capacity = cold_capacity
-        # The router reports each completion to it; it scales them to the workers' current step (its module doc).
+        # The router reports each completion to it; it scales them to the workers' current pace (its module doc).
         self.service = ServiceTimes(clock=clock, step_now=self._step_now_s)
         self._deadlines: list[tuple[float, int, str]] = []  # heap of (deadline, tie, request_id)
         self._deadline_of: dict[str, float] = {}
@@ -373,7 +378,7 @@ class AdmissionQueue(Generic[T]):
         reason = self.check(item, fits_ever=fits_ever)
         wait = self.projected_wait_s(item.num_blocks, item.priority)
         cap = self.cold_capacity() if self.cold_capacity is not None else None  # one snapshot for the estimates
-        step = cap.step_now_s if cap is not None else 0.0
+        step = cap.decode_step_s if cap is not None else 0.0
         service = self.service.expected_s(max_tokens, step_s=step) if deadline is not None else 0.0
         if reason is None:
             if deadline is not None and deadline <= now:
@@ -417,14 +422,14 @@ class AdmissionQueue(Generic[T]):
         return Refusal(reason, retry, wait)
 
     def _step_now_s(self) -> float:
-        """The serving workers' current step time (``ColdCapacity.step_now_s``), 0.0 when unknown."""
-        return self.cold_capacity().step_now_s if self.cold_capacity is not None else 0.0
+        """The serving workers' current pace (``ColdCapacity.decode_step_s``), 0.0 when unknown."""
+        return self.cold_capacity().decode_step_s if self.cold_capacity is not None else 0.0
 
     def _cold_start_s(self, item: T, cap: ColdCapacity | None) -> float | None:
         """With no drain rate to trust: when ``item`` could start (``cap``), or None."""
         if cap is None:
             return None
-        typical = self.service.typical_s(step_s=cap.step_now_s)
+        typical = self.service.typical_s(step_s=cap.decode_step_s)
         if typical is not None and cap.pool_blocks > 0:
             ahead = self._requests_ahead(item.priority)
             return cap.estimated_start_s(ahead, typical, self.service.typical_blocks())
@@ -435,8 +440,8 @@ class AdmissionQueue(Generic[T]):
         nothing measured gives a time per token (or there is no pool)."""
         if cap is None:
             return None
-        # NOTE: the completions' pace (scaled to the current step) or the bare step if slower.
-        per_token = max(self.service.per_token_s(step_s=cap.step_now_s) or 0.0, cap.step_now_s) or cap.step_s
+        # NOTE: the completions' time per token (at the workers' current pace) or the bare step if slower.
+        per_token = max(self.service.per_token_s(step_s=cap.decode_step_s) or 0.0, cap.step_now_s) or cap.step_s
         if per_token <= 0 or cap.pool_blocks <= 0:
             return None
         typical = self.service.typical_tokens()

@@ -108,6 +108,10 @@ class WorkerState:
     progress: tuple[int, int] = (0, 0)  # (decode_steps, prefill_tokens_total) of the last report
     progress_time: float = field(default_factory=time.monotonic)
     slowest_step_s: float = 0.0
+    # Seconds per token-producing step over the last report interval it was busy throughout (0.0: none yet):
+    # the pace its running requests get tokens at, every step of the interval counted (prefills included), not
+    # the one step a report carries (reports follow block changes, so they over-sample prefill steps).
+    decode_step_s: float = 0.0
     link_lost_at: float | None = None
     # The process its current WorkerLink Hello came from. NOTE: evidence from a Ray call (a dead
     # actor, a timeout) concerns the process the call went to; it must not take down a fresh
@@ -319,14 +323,16 @@ class WorkerTable:
     def cold_capacity(self, running_tokens: tuple[int, ...] = ()) -> ColdCapacity:
         """What admission may rely on before any drain is measured (kvserve/router/policy/admission.py): the
         fastest and the current (mean) step, the pool blocks and the blocks free now of the serving
-        workers, and the requests running (placed, not finished: the tokens each may still generate)."""
+        workers, the requests running (placed, not finished: the tokens each may still generate), and
+        their mean seconds per token-producing step (``WorkerState.decode_step_s``)."""
         serving = [e for e in self.entries.values() if self.serving(e)]
         steps = [e.report.step_latency_ms / 1000 for e in serving if e.report and e.report.step_latency_ms > 0]
         views = [e.view(True, self.ledger) for e in serving]
         free = sum(max(v.free_blocks + v.cached_evictable_blocks - v.blocks_in_flight, 0) for v in views)
         now = sum(steps) / len(steps) if steps else 0.0
+        paces = [e.decode_step_s for e in serving if e.decode_step_s > 0]
         return ColdCapacity(min(steps, default=0.0), sum(v.total_blocks for v in views), free, len(running_tokens),
-                            now, running_tokens)  # fmt: skip
+                            now, running_tokens, sum(paces) / len(paces) if paces else 0.0)  # fmt: skip
 
     def views(self) -> list[WorkerView]:
         return [e.view(self.serving(e), self.ledger) for e in self.entries.values()]
@@ -533,6 +539,10 @@ class WorkerTable:
         # (a worker cannot write another's metrics, nor mint label values).
         report.worker_id = worker_id
         now = time.monotonic()
+        last, last_time = entry.report, entry.report_time
+        if last is not None and min(last.num_running, report.num_running) > 0:  # busy at both ends of the interval
+            if (stepped := report.decode_steps - last.decode_steps) > 0:
+                entry.decode_step_s = (now - last_time) / stepped
         entry.report, entry.report_time, entry.heard_time, entry.healthy = report, now, now, True
         marker = (report.decode_steps, report.prefill_tokens_total)
         if marker != entry.progress or report.num_running + report.num_waiting + report.num_swapped == 0:
