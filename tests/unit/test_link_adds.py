@@ -93,7 +93,8 @@ def _connect_taking_adds(router: Router, worker_id: str, incarnation: str) -> No
         s.unapplied.clear()
     s.incarnation = incarnation
     s.queue = asyncio.Queue()
-    hello = pb.Hello(worker_id=worker_id, total_blocks=router.table[worker_id].identity.total_blocks, incarnation=incarnation, takes_adds=True)
+    blocks = router.table[worker_id].identity.total_blocks
+    hello = pb.Hello(worker_id=worker_id, total_blocks=blocks, incarnation=incarnation, takes_adds=True)
     router.on_hello(worker_id, hello, restarted)
 
 
@@ -219,3 +220,4 @@ def test_a_worker_queues_link_adds_acks_before_their_first_token_and_runs_them_a
 def _names(msg: pb.WorkerMessage, rid: str) -> bool:
     out = msg.step_outputs
     return rid in out.columns.request_ids or any(o.request_id == rid for o in out.outputs)
+

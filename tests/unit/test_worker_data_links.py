@@ -26,6 +26,7 @@ from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 from kvserve.protos.kvserve.v1 import worker_pb2 as pb
 from kvserve.router.gate.validation import ModelLimits, sampling_params
 from kvserve.router.table.worker_link import WorkerLinkHandler
+from kvserve.workers.core.add_command import add_commands
 from kvserve.workers.core.request import WorkerRequest
 from kvserve.workers.core.sampling_params import SamplingParams
 from kvserve.workers.core.worker_credential import (
@@ -463,3 +464,22 @@ def test_an_owner_that_refuses_the_data_link_orphans_its_requests(
         assert router.finish_reason("own#0") == "abort"
     finally:
         refusing.close()
+
+
+def test_an_owner_cannot_add_requests_over_its_data_link(
+    router: RecordingRouter, owner: RecordingRouter, make_core: Callable[..., WorkerCore]
+) -> None:
+    """Trust boundary owner (frontend) -> worker: only the router adds requests; a data link carries aborts only.
+    An owner that sends ``AddRequests`` (to run work past the router's admission, tenancy and placement) gets
+    ``ok=False`` and nothing runs."""
+    core = make_core("w-add", router.address)
+    core.add_request(_owned("a#0", "k", owner))  # NOTE: so the worker dials the owner's data link
+    owner.wait_tokens("k#0", 1)
+    (command,) = add_commands([WorkerRequest("smuggled#0", (5, 6, 7), SamplingParams(max_tokens=4))])
+    owner.send("w-add", pb.RouterCommand(add_requests=command))
+    acks = owner.wait_for(lambda: owner.acks("w-add"), what="the ack")
+    assert [(a.ok, list(a.refusals)) for a in acks] == [(False, [])]
+    assert "smuggled#0" not in _live(core)
+    assert core.abort("a#0")
+    router.wait_finished(["a#0"])
+    assert not router.outputs("smuggled#0")
