@@ -72,6 +72,10 @@ class RouterConfig:
     link_grace_s: float = knob(
         2.0, help="a worker whose WorkerLink stays down longer than this is down (shorter: it resumes)", check=POSITIVE
     )
+    owner_grace_s: float = knob(
+        10.0, help="how long a frontend's placed requests outlive its broken router stream (it re-opens meanwhile)",
+        check=POSITIVE,
+    )
     # NOTE: keepalive on the router's gRPC server: a client or worker whose TCP peer vanished
     # without a FIN or RST (its host lost power, a partition) is noticed within time + timeout,
     # and its stream ends (a WorkerLink: the link-grace rule takes over; a client: its request is

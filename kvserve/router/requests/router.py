@@ -94,7 +94,7 @@ class Router(WorkerLinkHandler):
                                  self.dispatcher.replay_all, self.dispatcher.holds_requests)  # fmt: skip
         self.mover = Mover(self)
         self.drainer = Drainer(self)
-        self.owned = OwnedRequests(self)
+        self.owned = OwnedRequests(self, owner_grace_s=config.owner_grace_s)
         self.model_id = ""
         self.block_size = 16
         self.watermarks = Watermarks(config.high_watermark, config.low_watermark)
