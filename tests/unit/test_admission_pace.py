@@ -116,6 +116,7 @@ def test_the_pace_is_the_mean_step_over_a_busy_report_interval_not_the_step_a_re
         cap = table.cold_capacity()
         assert cap.decode_step_s == pytest.approx(0.02, rel=0.05)  # "b" has none: the mean of those measured
         assert cap.step_now_s == pytest.approx(0.23)  # the step the report carries ("b" reported none)
+        assert table.pace() == cap.decode_step_s and router.queue.service.step_s() == cap.decode_step_s
         report(6, 170, ago_s=0.2)  # a restarted worker's counters go back: not a pace
         assert table.entries["a"].decode_step_s == pytest.approx(0.02, rel=0.05)
 

@@ -252,6 +252,8 @@ class AdmissionQueue(Generic[T]):
         unknown_retry_ms: the retry hint when the wait cannot be projected (no drain observed).
         cold_capacity: what is known of the workers, for admission before any drain is observed
             (module doc); None: refuse what has others ahead of it then.
+        pace: ``ColdCapacity.decode_step_s`` alone, read with each completion (``self.service``); None:
+            from ``cold_capacity``.
 
     Raises:
         ValueError: a negative bound or a non-positive window or wait.
@@ -267,6 +269,7 @@ class AdmissionQueue(Generic[T]):
         max_wait_s: float = 30.0,
         unknown_retry_ms: int = 1_000,
         cold_capacity: Callable[[], ColdCapacity] | None = None,
+        pace: Callable[[], float] | None = None,
     ) -> None:
         if max_requests < 0 or max_blocks < 0:
             raise ValueError(f"queue bounds must be >= 0, got {max_requests=} {max_blocks=}")
@@ -278,7 +281,7 @@ class AdmissionQueue(Generic[T]):
         self.unknown_retry_ms = unknown_retry_ms
         self.cold_capacity = cold_capacity
         # The router reports each completion to it; it scales them to the workers' current pace (its module doc).
-        self.service = ServiceTimes(clock=clock, step_now=self._step_now_s)
+        self.service = ServiceTimes(clock=clock, step_now=pace or self._step_now_s)
         self._deadlines: list[tuple[float, int, str]] = []  # heap of (deadline, tie, request_id)
         self._deadline_of: dict[str, float] = {}
         self._tie = 0

@@ -81,6 +81,7 @@ class Router(WorkerLinkHandler):
                 r.params.max_tokens - max(len(r.output_ids), r.tokens_received)
                 for r in self.requests.values() if r.request_id not in self.queue
             )),
+            pace=lambda: self.table.pace(),  # read per completion: not cold_capacity (a walk of the requests)
         )  # fmt: skip
         self._expiry: asyncio.TimerHandle | None = None
         self.placement = Placement(config.placement_policy, weights=config.placement_weights())

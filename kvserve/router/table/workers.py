@@ -330,9 +330,17 @@ class WorkerTable:
         views = [e.view(True, self.ledger) for e in serving]
         free = sum(max(v.free_blocks + v.cached_evictable_blocks - v.blocks_in_flight, 0) for v in views)
         now = sum(steps) / len(steps) if steps else 0.0
-        paces = [e.decode_step_s for e in serving if e.decode_step_s > 0]
         return ColdCapacity(min(steps, default=0.0), sum(v.total_blocks for v in views), free, len(running_tokens),
-                            now, running_tokens, sum(paces) / len(paces) if paces else 0.0)  # fmt: skip
+                            now, running_tokens, self._pace(serving))  # fmt: skip
+
+    def pace(self) -> float:
+        """The serving workers' mean ``decode_step_s`` (those that measured one), seconds; 0.0: none."""
+        return self._pace([e for e in self.entries.values() if self.serving(e)])
+
+    @staticmethod
+    def _pace(serving: list[WorkerState]) -> float:
+        paces = [e.decode_step_s for e in serving if e.decode_step_s > 0]
+        return sum(paces) / len(paces) if paces else 0.0
 
     def views(self) -> list[WorkerView]:
         return [e.view(self.serving(e), self.ledger) for e in self.entries.values()]
