@@ -28,8 +28,8 @@ text characters it already yielded: ``ResumeCursor``) to the client's addresses 
 the address that failed (one address: that one again, which behind a shared port reaches a live frontend),
 for up to ``RESUME_WINDOW_S`` (the router keeps a lost owner's requests ``OWNER_GRACE_S``), and goes on
 yielding exactly the tokens after those it already yielded. A refused resume (NOT_FOUND: the request
-ended, or the token does not match) is raised. Without a token (the router direct, or a request with
-logprobs) every error after the first response is raised as the call ended, UNAVAILABLE included; a
+ended, or the token does not match) is raised. Without a token (the router direct) every error after the
+first response is raised as the call ended, UNAVAILABLE included; a
 caller that wants to go on resubmits (greedy and seeded requests produce the same tokens again).
 Every other error is raised at once.
 

@@ -35,7 +35,7 @@ router's stream carries only ``placed`` / ``replays`` / ``errors``. A placed req
 stream: when the stream breaks, the connection re-opens its ``GenerateStream`` at once while it still has
 live requests (a restarted router's replay notices must reach it). A replay notice is answered with a
 ``Resume`` carrying exactly the tokens the client got. A cancel also aborts the request on its data link
-(it works while the router is away). Each owned request without logprobs gets a resume token (its first
+(it works while the router is away). Each owned request gets a resume token (its first
 response's ``resume_token``, granted at the router); ``take_over`` is the other side: a client whose frontend
 died resumes here (docs/architecture.md section 2a, "Resuming through another frontend").
 """
@@ -94,7 +94,7 @@ class RelayedRequest:
         self._first: spb.GenerateResponse | RouterError | None = None
         self._answered = asyncio.Event()
         # The secret its client may resume it with through another frontend (docs/architecture.md section 2a):
-        # on its first response; "" = not resumable (not owned, or it asked for logprobs).
+        # on its first response; "" = not resumable (not owned).
         self.resume_token = ""
 
     def put(self, item: spb.GenerateResponse | RouterError) -> None:
@@ -243,9 +243,9 @@ class MuxConnection:
             wire.CopyFrom(request)
             wire.request_id = owner.key
             request = wire
-            if not request.sampling.HasField("logprobs"):  # NOTE: a worker keeps no logprobs to resend (reown.py)
-                rr.resume_token = secrets.token_hex(16)  # 128 bits
-                grant = spb.ResumeGrant(token=rr.resume_token, request_id=rid)
+            # NOTE: logprobs too: the worker keeps an owned request's to resend (kvserve/workers/transport/reown.py)
+            rr.resume_token = secrets.token_hex(16)  # 128 bits
+            grant = spb.ResumeGrant(token=rr.resume_token, request_id=rid)
         timeout_ms = 0 if timeout_s is None else max(1, math.ceil(timeout_s * 1000))
         # NOTE: token_columns: plain decode tokens come as columns, the router's cheapest path
         # (kvserve/router/requests/mux.py); on each request, not a message of its own, which a router that predates

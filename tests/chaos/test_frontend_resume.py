@@ -119,6 +119,12 @@ def _reference(c: ServedCluster, jobs: list[tuple[list[int], dict[str, Any]]]) -
         return list(pool.map(one, jobs))
 
 
+def _reference_logprobs(c: ServedCluster, job: tuple[list[int], dict[str, Any]]) -> list[dict[int, float]]:
+    """The router direct, undisturbed: each token's logprobs."""
+    with KVServeClient(c.address, auth_token=KEY_A, timeout=TIMEOUT_S) as client:
+        return [dict(lp.logprobs) for resp in client.generate(job[0], **job[1]) for lp in resp.logprobs]
+
+
 @dataclass
 class Reader:
     """One ``generate`` read to its end: what it yielded, its final response, its resumes, what ended it.
@@ -126,6 +132,7 @@ class Reader:
 
     ids: list[int] = field(default_factory=list)
     text: str = ""
+    logprobs: list[dict[int, float]] = field(default_factory=list)  # per token, when it asked for them
     times: list[float] = field(default_factory=list)  # monotonic arrival of each response
     final: spb.GenerateResponse | None = None
     resumes: int = 0
@@ -140,6 +147,7 @@ class Reader:
     def take(self, resp: spb.GenerateResponse) -> None:
         self.ids.extend(resp.token_ids)
         self.text += resp.text_delta
+        self.logprobs.extend(dict(lp.logprobs) for lp in resp.logprobs)
         self.times.append(time.monotonic())
         if resp.finish_reason:
             self.final = resp
@@ -285,14 +293,21 @@ def test_a_killed_frontends_streams_resume_through_the_other_token_identical(fro
     long_tokens, late_tokens = 300, 60
     jobs = [(prompt(100 + i), _kwargs(long_tokens, 9000 + i if i % 2 else None)) for i in range(6)]
     late_job = (prompt(120), _kwargs(late_tokens, None))
+    # NOTE: with logprobs: its worker keeps them, so the catch-up resends them with its tokens
+    logprobs_job = (prompt(150), {**_kwargs(long_tokens, None), "logprobs": 2})
     cancel_job = (prompt(130), _kwargs(long_tokens, None))
     sse_jobs = [(prompt(140 + i), _kwargs(long_tokens, 7000 + i if i else None)) for i in range(2)]
-    *reference, late_ref, cancel_ref, sse_ref0, sse_ref1 = _reference(c, [*jobs, late_job, cancel_job, *sse_jobs])
+    *reference, late_ref, cancel_ref, sse_ref0, sse_ref1, lp_ref = _reference(
+        c, [*jobs, late_job, cancel_job, *sse_jobs, logprobs_job]
+    )
+    lp_ref_logprobs = _reference_logprobs(c, logprobs_job)
     c.wait_idle()
 
     readers = [Reader() for _ in jobs]
     for r, job in zip(readers[:3], jobs[:3], strict=True):
         threading.Thread(target=r.read_sync, args=(addresses, *job), daemon=True).start()
+    with_logprobs = Reader()
+    threading.Thread(target=with_logprobs.read_sync, args=(addresses, *logprobs_job), daemon=True).start()
 
     async def read_async() -> None:
         await asyncio.gather(*(r.read_async(addresses, *job) for r, job in zip(readers[3:], jobs[3:], strict=True)))
@@ -308,19 +323,20 @@ def test_a_killed_frontends_streams_resume_through_the_other_token_identical(fro
     sse = [SseReader(fronts.http, {"prompt": p, **kw}) for p, kw in sse_jobs]
     for s in sse:
         threading.Thread(target=s.run, daemon=True).start()
-    for r in [*readers, late, cancelled, *sse]:
+    for r in [*readers, late, cancelled, *sse, with_logprobs]:
         assert r.started.wait(120) and r.error is None and r.ids, r.error
+    at_kill_logprobs = len(with_logprobs.ids)
     at_kill = [len(r.ids) for r in [*readers, late]]
     t_kill = time.monotonic()
     fronts.procs[0].popen.kill()  # SIGKILL: every stream above is on fe0 (their first address)
     # the late request finishes on its worker (the others, 5x longer, still run): then its client reads on
     deadline = time.monotonic() + 120
-    while c.status().router.requests_in_flight > len(readers) + 1 + len(sse):
+    while c.status().router.requests_in_flight > len(readers) + 2 + len(sse):  # + cancelled, with_logprobs
         assert time.monotonic() < deadline, "the late request never finished on its worker"
         time.sleep(0.05)
     assert not any(r.done.is_set() for r in [*readers, cancelled]), "a long stream ended before the late one"
     late.hold.set()  # type: ignore[union-attr]
-    for r in [*readers, late, cancelled]:
+    for r in [*readers, late, cancelled, with_logprobs]:
         assert r.done.wait(TIMEOUT_S), "a stream hangs"
     for s, ref in zip(sse, [sse_ref0, sse_ref1], strict=True):
         assert s.ended.wait(TIMEOUT_S), "an SSE stream hangs"
@@ -336,6 +352,14 @@ def test_a_killed_frontends_streams_resume_through_the_other_token_identical(fro
         assert r.final.usage.completion_tokens == len(ref[0])
         assert n < len(ref[0]) and r.resumes == 1, (n, r.resumes)
         gaps.append(n)
+    # With logprobs: resumed too, one logprobs entry per token across the cut (none lost or repeated), each the
+    # greedy token's (its own logprob the largest) and equal to the undisturbed run's
+    r = with_logprobs
+    assert r.error is None and r.resumes == 1 and at_kill_logprobs < long_tokens, (r.error, r.resumes)
+    assert (r.ids, r.text) == lp_ref and len(r.logprobs) == len(r.ids)
+    assert all(max(lp, key=lp.__getitem__) == t for lp, t in zip(r.logprobs, r.ids, strict=True))
+    assert [sorted(lp) for lp in r.logprobs] == [sorted(lp) for lp in lp_ref_logprobs]
+    assert max(abs(a[k] - b[k]) for a, b in zip(r.logprobs, lp_ref_logprobs, strict=True) for k in a) < 1e-3
     assert isinstance(cancelled.error, grpc.RpcError) and cancelled.error.code() == grpc.StatusCode.CANCELLED
     assert 150 <= len(cancelled.ids) < long_tokens
     assert cancelled.ids == cancel_ref[0][: len(cancelled.ids)]

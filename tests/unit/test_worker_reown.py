@@ -80,3 +80,53 @@ def test_a_request_finished_while_its_owner_was_unreachable_is_resent_once(
     seq = router.send("w-unread", _reown("gone#2", other_owner, "k10"))
     assert not _ack(router, "w-unread", seq).ok, "one take-over uses it up"
     assert _wait(lambda: len(core._call(lambda: core._finished_owned)) == 0, what="nothing kept")
+
+
+LOGPROBS = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True, logprobs=2)
+
+
+def _logprobs(r: RecordingRouter, rid: str) -> list[dict[int, float]]:
+    return [dict(lp.logprobs) for o in r.outputs(rid) for lp in o.logprobs]
+
+
+def test_a_reowned_request_with_logprobs_resends_them_with_its_tokens(
+    router: RecordingRouter, owner: RecordingRouter, other_owner: RecordingRouter,
+    make_core: Callable[..., WorkerCore],
+) -> None:  # fmt: skip
+    """Its catch-up carries every token's logprobs so far; after a migration too (the worker keeps an owned
+    request's logprobs and the migration carries them), so catch-up + the rest == the undisturbed run's."""
+    src, dst = make_core("w-lp-src", router.address), make_core("w-lp-dst", router.address)
+    src.add_request(WorkerRequest("ref#0", PROMPT, LOGPROBS))
+    router.wait_finished(["ref#0"], timeout=120)
+    reference, ref_logprobs = router.tokens("ref#0"), _logprobs(router, "ref#0")
+    assert len(ref_logprobs) == len(reference) == 200
+    src.add_request(_owned("lp#1", "k1", owner, LOGPROBS))
+    owner.wait_tokens("k1#1", 5)
+    state = src.export_request("lp#1")
+    assert state is not None and len(state.logprobs) == len(owner.tokens("k1#1")) >= 5
+    assert dst.import_request(state) and src.finish_export("lp#1", migrated=True)
+    owner.wait_tokens("k1#1", len(state.logprobs) + 5)
+    seq = router.send("w-lp-dst", _reown("lp#1", other_owner, "k2"))
+    assert _ack(router, "w-lp-dst", seq).ok
+    other_owner.wait_finished(["k2#1"], timeout=120)
+    first = other_owner.outputs("k2#1")[0]
+    assert len(first.logprobs) == len(first.new_token_ids) > len(state.logprobs), "every token's, from token 0"
+    assert other_owner.tokens("k2#1") == reference
+    assert _logprobs(other_owner, "k2#1") == ref_logprobs
+
+
+def test_a_replayed_request_with_logprobs_is_not_taken_over_and_streams_on_to_its_owner(
+    router: RecordingRouter, owner: RecordingRouter, other_owner: RecordingRouter,
+    make_core: Callable[..., WorkerCore],
+) -> None:  # fmt: skip
+    """A replay (``resume_output_ids``) began it after tokens whose logprobs this worker never had: no catch-up
+    could carry them, so the take-over is refused (ok=False: the client hears NOT_FOUND) and nothing moves."""
+    core = make_core("w-lp-replay", router.address)
+    core.add_request(_owned("rp#1", "k1", owner, LOGPROBS, resume_output_ids=(7, 8, 9)))
+    owner.wait_tokens("k1#1", 3)
+    seq = router.send("w-lp-replay", _reown("rp#1", other_owner, "k2"))
+    assert not _ack(router, "w-lp-replay", seq).ok
+    n = len(owner.tokens("k1#1"))
+    owner.wait_tokens("k1#1", n + 3)  # it streams on to its owner
+    assert not other_owner.outputs("k2#1")
+    assert core.abort("rp#1")

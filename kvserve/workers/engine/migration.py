@@ -51,6 +51,9 @@ class MigrationState:
     # worker sets it on export and reads it on import (the engine does not use it). None: the router.
     owner: tuple[str, str] | None = None
     resume_grant: tuple[str, ...] = ()  # its ``WorkerRequest.resume_grant``, carried as ``owner`` is
+    # An owned request's logprobs so far, when it asked for them (the worker's, carried as ``owner`` is: a take-over
+    # after the migration resends them; kvserve/workers/transport/reown.py).
+    logprobs: tuple[dict[int, float], ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -115,6 +115,9 @@ class WorkerCore:
         # Each owned request's resume grant (WorkerRequest.resume_grant): listed in the RequestTable, so that a
         # restarted router can still let its client resume through another frontend.
         self._grants: dict[str, tuple[str, ...]] = {}
+        # Each owned request's logprobs so far, when it asked for them (the engine keeps none): a take-over's
+        # catch-up resends them with its tokens (reown.py). Missing the first ones (a replay): not resumable.
+        self._owned_logprobs: dict[str, list[dict[int, float]]] = {}
         self._finished_owned = FinishedOwned(o.orphan_timeout_s)
         self.data_links = DataLinks(o, hello=self._hello, submit=self._submit, abort=self._abort_owned)
 
@@ -189,7 +192,8 @@ class WorkerCore:
             owner = self._owners.get(request_id)
             if state is None or not owner:
                 return state
-            return dataclasses.replace(state, owner=owner, resume_grant=self._grants.get(request_id, ()))
+            return dataclasses.replace(state, owner=owner, resume_grant=self._grants.get(request_id, ()),
+                                       logprobs=tuple(self._owned_logprobs.get(request_id, ())))  # fmt: skip
 
         return self._call(export)
 
@@ -212,7 +216,7 @@ class WorkerCore:
             ok = self.engine.import_request(state)
             self._num_imports += int(bool(ok))
             if ok and state.owner:
-                self._own(state.request_id, state.owner, state.resume_grant)
+                self._own(state.request_id, state.owner, state.resume_grant, state.logprobs)
             return ok
 
         return self._call(import_)
@@ -410,12 +414,14 @@ class WorkerCore:
                 continue
             address, key = owner
             owned.setdefault(address, []).append(dataclasses.replace(o, request_id=owner_request_id(key, o.request_id)))
+            if o.new_logprobs and (kept := self._owned_logprobs.get(o.request_id)) is not None:
+                kept.extend(o.new_logprobs)
             if (p := self._due_progress(o, now)) is not None:
                 progress.append(p)
             if o.finish_reason is not None:
                 req = self._owned_reqs.get(o.request_id)
                 if req is not None and self.data_links.disconnected_for(address) > 0:
-                    self._finished_owned.keep(o.request_id, req, now)
+                    self._finished_owned.keep(o.request_id, req, now, self._owned_logprobs.get(o.request_id))
                 self._forget(o.request_id)
         for address, outs in owned.items():
             self.data_links.outbox_for(address).put_step(_step_outputs(step, outs), None, None)
@@ -441,10 +447,12 @@ class WorkerCore:
         self._progress[o.request_id] = (now, o.num_preemptions, o.num_swaps)
         return _progress_message(o)
 
-    def _own(self, request_id: str, owner: tuple[str, str], grant: tuple[str, ...] | None = None) -> None:
+    def _own(self, request_id: str, owner: tuple[str, str], grant: tuple[str, ...] | None = None,
+             logprobs: tuple[dict[int, float], ...] = ()) -> None:  # fmt: skip
         """Engine thread: ``request_id`` streams to ``owner`` = (address, key); its data link is dialled now,
         so it is up by the first token (and an owner that never answers orphans the request in time).
-        ``grant``: its resume grant (``WorkerRequest.resume_grant``; None keeps the one it has: a take-over)."""
+        ``grant``: its resume grant (``WorkerRequest.resume_grant``; None keeps the one it has: a take-over).
+        ``logprobs``: those of its tokens so far, when it asked for them (a migration's; kept by a take-over)."""
         self._owners[request_id] = owner
         if grant is not None:
             self._grants[request_id] = grant
@@ -452,6 +460,8 @@ class WorkerCore:
         req = self.engine.requests.get(request_id)
         if req is not None:
             self._owned_reqs[request_id] = req
+            if req.sampling_params.logprobs is not None and request_id not in self._owned_logprobs:
+                self._owned_logprobs[request_id] = list(logprobs)
         self.data_links.outbox_for(owner[0])
 
     def _reown(self, request_id: str, address: str, key: str) -> bool:
@@ -460,10 +470,15 @@ class WorkerCore:
         output there. False: neither here (it moved or ended; the router tells the new owner NOT_FOUND)."""
         req = self.engine.requests.get(request_id) if request_id in self._owners else None
         if req is not None:
-            self._own(request_id, (address, key))
-        elif (req := self._finished_owned.take(request_id)) is None:
+            out = catch_up(req, owner_request_id(key, request_id), self._owned_logprobs.get(request_id))
+            if out is not None:
+                self._own(request_id, (address, key))
+        elif (kept := self._finished_owned.take(request_id)) is None:
             return False
-        out = catch_up(req, owner_request_id(key, request_id))
+        else:
+            out = catch_up(kept[0], owner_request_id(key, request_id), kept[1])
+        if out is None:  # NOTE: its logprobs are not all here (a replay): it stays its owner's; NOT_FOUND to the new
+            return False
         self.data_links.outbox_for(address).put_step(_step_outputs(self.engine.num_steps, [out]), None, None)
         return True
 
@@ -473,6 +488,7 @@ class WorkerCore:
         self._progress.pop(request_id, None)
         self._owned_reqs.pop(request_id, None)
         self._grants.pop(request_id, None)
+        self._owned_logprobs.pop(request_id, None)
 
     def _abort_owned(self, address: str, key: str) -> bool:
         """Engine thread: abort what the owner at ``address`` knows as ``key`` (an Abort on its data link);
