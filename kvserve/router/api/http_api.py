@@ -281,7 +281,7 @@ class OpenAIApi:
             events = self._stream(admitted, head, body.n, chat, k, include_usage, body.return_token_ids, timer)
             headers = {"Cache-Control": "no-cache"}
             token = getattr(admitted[0], "resume_token", "") if len(admitted) == 1 else ""
-            if token:  # NOTE: a frontend's owned request (never logprobs): its client may resume it elsewhere
+            if token:  # NOTE: a frontend's owned request: its client may resume it elsewhere
                 headers[RESUME_HEADER] = f"{admitted[0].request_id} {token}"
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         collect = asyncio.ensure_future(self._collect(admitted, head, body.n, chat, k, body.return_token_ids))
