@@ -17,7 +17,7 @@ from kvserve.workers.core.request import WorkerRequest
 from kvserve.workers.core.sampling_params import SamplingParams
 from kvserve.workers.engine.config import EngineConfig
 from kvserve.workers.engine.kv_cache import bytes_per_block
-from kvserve.workers.engine.memory_budget import CudaMemory
+from kvserve.workers.engine.memory_budget import CudaMemory, ProfileShape
 from kvserve.workers.parallel.engine import TPEngine
 from kvserve.workers.parallel.shard_loader import load_shard
 from tests.model.tp_meter import RankMeter
@@ -33,10 +33,13 @@ def _config(model_dir: Path) -> EngineConfig:
 
 def _expected_blocks(model_dir: Path, rank: int, meter: RankMeter) -> int:
     """What rank ``rank`` alone would allocate: its share next to its shard's weights, its step's and its
-    decode graphs' peaks, no more than its free memory."""
+    decode graphs' peaks and their static inputs, no more than its free memory."""
     shard = load_shard(model_dir, rank, 2)
     weights = sum(t.numel() * t.element_size() for t in itertools.chain(shard.parameters(), shard.buffers()))
-    memory = CudaMemory(meter.totals[rank], meter.frees[rank], 0.5, weights, meter.peak, meter.peak)
+    max_len = shard.config.max_position_embeddings
+    buffers = ProfileShape.of(_config(model_dir), torch.float32, max_len).graph_buffer_bytes
+    assert buffers > 0
+    memory = CudaMemory(meter.totals[rank], meter.frees[rank], 0.5, weights, meter.peak, meter.peak + buffers)
     return memory.kv_blocks(bytes_per_block(shard.config, 4, torch.float32))
 
 

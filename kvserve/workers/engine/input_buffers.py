@@ -218,6 +218,13 @@ class DecodeBuffers:
         self._cu0 = torch.zeros(1, dtype=torch.int32, device=device)
         self._fence = _UploadFence(device)
 
+    @staticmethod
+    def device_bytes(max_batch: int, max_blocks: int) -> int:
+        """What ``__init__`` allocates on the device (the static area, the persistent and the static tables, the
+        empty prefill views): what the KV pool's sizing leaves room for (``memory_budget.ProfileShape``). The
+        step's delta entries grow on demand and are not counted (a few KiB)."""
+        return 32 * max_batch + (2 * max_batch + 1) * max_blocks * 4 + 4
+
     def inputs(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Token ids, positions and metadata of a ``batch_size``-row decode (fresh views of the static
         buffers: the CPU reference kernels key per-step caches on the tensor objects)."""

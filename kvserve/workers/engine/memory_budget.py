@@ -19,6 +19,7 @@ from kvserve.workers.core.sampling_params import SamplingParams
 from kvserve.workers.core.sizes import blocks_for
 from kvserve.workers.engine.config import EngineConfig
 from kvserve.workers.engine.cuda_graphs import decode_buckets
+from kvserve.workers.engine.input_buffers import DecodeBuffers
 from kvserve.workers.engine.kv_cache import KVCache
 from kvserve.workers.engine.model_runner import ModelRunner
 from kvserve.workers.engine.request import Request
@@ -66,20 +67,23 @@ class CudaMeter:
 @dataclass(frozen=True)
 class ProfileShape:
     """What to profile: the KV layout of the model held (a tensor-parallel rank's: its KV heads), the
-    largest step's tokens and the largest decode-graph batch (0: no decode graphs)."""
+    largest step's tokens, the largest decode-graph batch (0: no decode graphs) and the device bytes of the
+    graphs' static inputs (``input_buffers.DecodeBuffers``: block tables as wide as the longest sequence)."""
 
     block_size: int
     kv_dtype: torch.dtype
     utilization: float
     num_tokens: int
     graph_batch: int
+    graph_buffer_bytes: int = 0
 
     @classmethod
     def of(cls, config: EngineConfig, kv_dtype: torch.dtype, max_model_len: int) -> ProfileShape:
         """The shape an engine of ``config`` profiles: a step of its token budget, a decode at its largest bucket."""
         graph_batch = 0 if config.enforce_eager else decode_buckets(config.max_num_seqs)[-1]
         num_tokens = min(config.max_num_batched_tokens, max_model_len)
-        return cls(config.block_size, kv_dtype, config.gpu_memory_utilization, num_tokens, graph_batch)
+        buffers = DecodeBuffers.device_bytes(graph_batch, -(-max_model_len // config.block_size)) if graph_batch else 0
+        return cls(config.block_size, kv_dtype, config.gpu_memory_utilization, num_tokens, graph_batch, buffers)
 
 
 @torch.inference_mode()
@@ -94,7 +98,9 @@ def profile_kv_blocks(
     """
     weights = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
     activation = _probe_peak(meter, model, shape, [shape.num_tokens])
-    graphs = _probe_peak(meter, model, shape, [1] * shape.graph_batch) if shape.graph_batch else 0
+    graphs = 0
+    if shape.graph_batch:  # NOTE: their pool (a decode's peak at the largest bucket) and their static inputs
+        graphs = _probe_peak(meter, model, shape, [1] * shape.graph_batch) + shape.graph_buffer_bytes
     free, total = meter.free_total()
     memory = CudaMemory(total, free, shape.utilization, weights, activation, graphs)
     return memory, memory.kv_blocks(block_bytes)
