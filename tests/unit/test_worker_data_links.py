@@ -461,6 +461,7 @@ def test_an_owner_that_refuses_the_data_link_orphans_its_requests(
         _wait(lambda: refusing.service.refused >= 2, what="the owner refusing the link twice")
         _wait(lambda: "own#0" not in _live(core), timeout=30, what="the refused owner's request orphaned")
         assert time.monotonic() - t0 > 3.0 and not refusing.handler.hellos
+        router.wait_finished(["own#0"])  # NOTE: the abort's progress reaches the router after the engine drops it
         assert router.finish_reason("own#0") == "abort"
     finally:
         refusing.close()
