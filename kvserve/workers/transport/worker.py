@@ -143,13 +143,7 @@ class WorkerCore:
         """Queue a request, or resume one whose worker died (``resume_output_ids``: the output
         tokens its client already has; see ``LLMEngine.add_request``). Raises ValueError (bad
         input) or WorkerError (draining/dead)."""
-
-        def add() -> None:  # NOTE: the engine's Request stays on the engine thread; the caller gets None
-            self.engine.add_request(request)
-            if request.owner:
-                self._own(request.request_id, (request.owner, request.owner_key), request.resume_grant)
-
-        self._call(add)
+        self._call(lambda: self._queue(request))  # NOTE: the engine's Request stays on the engine thread
 
     def add_requests(self, requests: list[WorkerRequest]) -> list[tuple[str, str] | None] | None:
         """``add_request`` for several in one turn of the engine thread (the router batches a burst).
@@ -167,15 +161,19 @@ class WorkerCore:
         """Engine thread: queue ``request`` (the Ray call's, or one of an ``AddRequests``); None, or why it was
         refused: ``("invalid", message)`` for bad input (a ValueError), else ``("error", message)``."""
         try:
-            r = request if isinstance(request, WorkerRequest) else request_from_proto(request)
-            self.engine.add_request(r)
+            self._queue(request if isinstance(request, WorkerRequest) else request_from_proto(request))
         except ValueError as e:
             return ("invalid", str(e))
         except Exception as e:  # noqa: BLE001 - reported for this request alone, as add_request raises it
             return ("error", f"{type(e).__name__}: {e}")
-        if r.owner:
-            self._own(r.request_id, (r.owner, r.owner_key), r.resume_grant)
         return None
+
+    def _queue(self, request: WorkerRequest) -> None:
+        """Engine thread: the engine takes ``request`` (raising as ``LLMEngine.add_request`` does); an owned one
+        streams to its owner from its first output."""
+        self.engine.add_request(request)
+        if request.owner:
+            self._own(request.request_id, (request.owner, request.owner_key), request.resume_grant)
 
     def abort(self, request_id: str) -> bool:
         return self._call(lambda: self._abort(request_id))
