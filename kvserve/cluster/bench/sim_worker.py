@@ -194,7 +194,11 @@ class SimWorker:
 
     def add_request(self, request: WorkerRequest) -> None:
         with self._lock:
-            self._running[request.request_id] = _Running(request, len(request.resume_output_ids))
+            self._take(request)
+
+    def _take(self, request: WorkerRequest) -> None:
+        """Under ``_lock``: ``request`` runs from the next step."""
+        self._running[request.request_id] = _Running(request, len(request.resume_output_ids))
 
     def add_requests(self, requests: list[WorkerRequest]) -> None:
         """As ``Worker.add_requests``: every one queued (None)."""
@@ -231,7 +235,7 @@ class SimWorker:
             requests = [request_from_proto(m) for m in cmd.add_requests.requests]
             with self._lock:  # NOTE: a step sees them only after the ack is logged
                 for request in requests:
-                    self._running[request.request_id] = _Running(request, len(request.resume_output_ids))
+                    self._take(request)
                 self.outbox.put(pb.WorkerMessage(ack=pb.CommandAck(command_seq=cmd.seq, ok=True)))
             return
         rid = cmd.abort.request_id if kind == "abort" else ""
