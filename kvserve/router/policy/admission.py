@@ -380,13 +380,15 @@ class AdmissionQueue(Generic[T]):
         now = self._clock()
         reason = self.check(item, fits_ever=fits_ever)
         wait = self.projected_wait_s(item.num_blocks, item.priority)
-        cap = self.cold_capacity() if self.cold_capacity is not None else None  # one snapshot for the estimates
-        step = cap.decode_step_s if cap is not None else 0.0
-        service = self.service.expected_s(max_tokens, step_s=step) if deadline is not None else 0.0
         if reason is None:
             if deadline is not None and deadline <= now:
                 reason = RejectReason.WAIT_EXCEEDS_DEADLINE
             else:
+                # NOTE: one snapshot for the estimates below (a walk of the running requests), and only here:
+                # a request the bounds refuse costs none
+                cap = self.cold_capacity() if self.cold_capacity is not None else None
+                step = cap.decode_step_s if cap is not None else 0.0
+                service = self.service.expected_s(max_tokens, step_s=step) if deadline is not None else 0.0
                 if wait is None or (len(self._drains) < MIN_TRUSTED_DRAINS and self.cold_capacity is not None):
                     # NOTE: cold: no rate, or one from a handful of pops over an arbitrary span (the
                     # first completions after a start), which would refuse what can start in time.
