@@ -12,7 +12,9 @@ own their requests (data services; real gRPC and HTTP on 127.0.0.1, real Ray).
   undisturbed run (no token duplicated or missing), one of them only after its request finished on its worker
   while its owner was dead (its tail resent once), and one cancelled by its client after its resume (it ends
   CANCELLED with a prefix of the right tokens); two HTTP/SSE completions (greedy, seeded) resume the same way
-  through the other frontend's HTTP API (the ``kvserve-resume`` header); no KV block is left used.
+  through the other frontend's HTTP API (the ``kvserve-resume`` header), and a third (greedy, ``logprobs: 2``)
+  with one logprobs entry per token across the cut, each the greedy token's with the undisturbed run's values;
+  no KV block is left used.
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ from kvserve.cluster.client import AsyncKVServeClient, KVServeClient
 from kvserve.frontend.server import FRONTEND_KEY_ENV
 from kvserve.protos.kvserve.v1 import serving_pb2 as spb
 from kvserve.protos.kvserve.v1 import serving_pb2_grpc
+from kvserve.router.api.openai_output import TokenText
 from kvserve.router.gate.tenancy import hash_key
+from kvserve.workers.text.tokenizer import load_tokenizer
 from tests.chaos.conftest import ServedCluster, serve_cluster, stop_cluster
 from tests.chaos.streams import prompt
 from tests.chaos.test_router_death import ROUTER_RESTARTED
@@ -200,6 +204,10 @@ class SseReader:
     text: str = ""
     done: bool = False  # ``[DONE]`` came
     resumes: int = 0
+    # a completion's ``logprobs`` objects (tokens, token_logprobs, top_logprobs, text_offset) concatenated
+    logprobs: dict[str, list] = field(default_factory=dict)
+    uneven: list[tuple[int, int]] = field(default_factory=list)  # (token ids, logprobs entries) of a chunk unequal
+    cuts: list[tuple[int, int]] = field(default_factory=list)  # (tokens, text characters) it had at each resume
     finish: str = ""
     error: BaseException | None = None
     started: threading.Event = field(default_factory=threading.Event)
@@ -213,6 +221,8 @@ class SseReader:
             for base in self.bases:
                 try:
                     extra = {"kvserve-resume": f"{resume} {len(self.ids)} {len(self.text)}"} if self.resumes else {}
+                    if self.resumes:
+                        self.cuts.append((len(self.ids), len(self.text)))
                     with httpx.stream("POST", f"{base}/completions", json=body, headers={**headers, **extra},
                                       timeout=TIMEOUT_S) as r:  # fmt: skip
                         assert r.status_code == 200, r.read()
@@ -222,6 +232,7 @@ class SseReader:
                                 self.done = True
                             elif line.startswith("data: "):
                                 for choice in json.loads(line[6:])["choices"]:
+                                    self._take_logprobs(choice)
                                     self.ids.extend(choice.get("token_ids") or ())
                                     self.text += choice.get("text") or ""
                                     self.finish = choice.get("finish_reason") or self.finish
@@ -237,6 +248,36 @@ class SseReader:
         finally:
             self.started.set()
             self.ended.set()
+
+    def _take_logprobs(self, choice: dict) -> None:
+        lp, n = choice.get("logprobs") or {}, len(choice.get("token_ids") or ())
+        if "logprobs" not in self.body:
+            return
+        if len(lp.get("tokens", ())) != n:
+            self.uneven.append((n, len(lp.get("tokens", ()))))
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            self.logprobs.setdefault(key, []).extend(lp.get(key, ()))
+
+
+def _check_sse_logprobs(s: SseReader, ref: list[dict[int, float]], text: TokenText) -> None:
+    """A resumed SSE completion's logprobs: one entry per token across the cut (none lost, none repeated), in
+    every chunk; each the greedy token's (its text the top one) with the undisturbed run's values (``ref``: the
+    gRPC logprobs by token id) within 1e-3; its text offsets go on from the text the client had at the cut."""
+    lp, (cut_ids, cut_chars) = s.logprobs, s.cuts[0]
+    assert not s.uneven, f"chunks whose logprobs do not match their tokens (tokens, entries): {s.uneven[:5]}"
+    assert 0 < cut_ids < len(s.ids) and len(ref) == len(s.ids)
+    assert {k: len(v) for k, v in lp.items()} == dict.fromkeys(
+        ("tokens", "token_logprobs", "top_logprobs", "text_offset"), len(s.ids)
+    ), "a logprobs entry lost or repeated across the cut"
+    assert lp["tokens"] == [text(t) for t in s.ids]
+    for i, (t, tops, want) in enumerate(zip(s.ids, lp["top_logprobs"], ref, strict=True)):
+        best = sorted(want.items(), key=lambda kv: -kv[1])[:2]
+        assert best[0][0] == t and max(tops, key=tops.__getitem__) == text(t), (i, t, tops, best)
+        assert abs(lp["token_logprobs"][i] - want[t]) < 1e-3, (i, lp["token_logprobs"][i], want[t])
+        expected = {text(k): v for k, v in best}
+        assert tops.keys() == expected.keys(), (i, tops, expected)
+        assert max(abs(tops[k] - v) for k, v in expected.items()) < 1e-3, (i, tops, expected)
+    assert lp["text_offset"][cut_ids] == cut_chars, "the resumed offsets restart instead of going on"
 
 
 def _resume(address: str, key: str, rid: str, token: str, n: int = 0) -> grpc.RpcError | None:
@@ -297,10 +338,13 @@ def test_a_killed_frontends_streams_resume_through_the_other_token_identical(fro
     logprobs_job = (prompt(150), {**_kwargs(long_tokens, None), "logprobs": 2})
     cancel_job = (prompt(130), _kwargs(long_tokens, None))
     sse_jobs = [(prompt(140 + i), _kwargs(long_tokens, 7000 + i if i else None)) for i in range(2)]
-    *reference, late_ref, cancel_ref, sse_ref0, sse_ref1, lp_ref = _reference(
+    # NOTE: an SSE completion with logprobs (greedy): the catch-up's logprobs come through the other frontend
+    sse_jobs.append((prompt(142), {**_kwargs(long_tokens, None), "logprobs": 2}))
+    *reference, late_ref, cancel_ref, sse_ref0, sse_ref1, sse_lp_ref, lp_ref = _reference(
         c, [*jobs, late_job, cancel_job, *sse_jobs, logprobs_job]
     )
     lp_ref_logprobs = _reference_logprobs(c, logprobs_job)
+    sse_lp_ref_logprobs = _reference_logprobs(c, sse_jobs[2])
     c.wait_idle()
 
     readers = [Reader() for _ in jobs]
@@ -338,11 +382,12 @@ def test_a_killed_frontends_streams_resume_through_the_other_token_identical(fro
     late.hold.set()  # type: ignore[union-attr]
     for r in [*readers, late, cancelled, with_logprobs]:
         assert r.done.wait(TIMEOUT_S), "a stream hangs"
-    for s, ref in zip(sse, [sse_ref0, sse_ref1], strict=True):
+    for s, ref in zip(sse, [sse_ref0, sse_ref1, sse_lp_ref], strict=True):
         assert s.ended.wait(TIMEOUT_S), "an SSE stream hangs"
         assert s.error is None and s.done and s.finish == "length", (s.error, s.done, s.finish)
         assert (s.ids, s.text) == ref, "a resumed SSE stream differs from the undisturbed run"
         assert s.resumes == 1
+    _check_sse_logprobs(sse[2], sse_lp_ref_logprobs, TokenText(load_tokenizer(c.model_dir)))
     gaps = []
     for r, ref, n in zip([*readers, late], [*reference, late_ref], at_kill, strict=True):
         assert r.error is None, r.error
@@ -367,7 +412,8 @@ def test_a_killed_frontends_streams_resume_through_the_other_token_identical(fro
     # the gap each (not held) stream saw: its first response after the kill less its last one before
     gap = max(min(t for t in r.times if t > t_kill) - max(t for t in r.times if t <= t_kill) for r in readers)
     print(
-        f"\nFIGURES frontend SIGKILL under {len(readers) + 2} KVServeClient streams + {len(sse)} SSE (3 sync, "
+        f"\nFIGURES frontend SIGKILL under {len(readers) + 2} KVServeClient streams + {len(sse)} SSE (1 with "
+        f"logprobs, resumed at token {sse[2].cuts[0][0]}; 3 sync, "
         f"3 async, 1 late reader, 1 cancelled after its resume; greedy and seeded): all resumed through the other "
         f"frontend token- and text-identical; tokens at the kill {gaps}; longest gap across the kill {gap:.2f}s; "
         f"all done {time.monotonic() - t_kill:.1f}s after the kill; blocks leaked 0"

@@ -185,9 +185,10 @@ class OpenAIApi:
         )
         return admitted, timer
 
-    async def _resume(self, request: Request, header: str, chat: bool) -> tuple[list[Any], asyncio.TimerHandle]:
+    async def _resume(self, request: Request, header: str, chat: bool) -> tuple[list[Any], asyncio.TimerHandle, int]:
         """Take over the stream ``header`` names (``<request id> <token> <tokens> <text characters>``) for its
-        client, through the backend's ``take_over`` (a frontend's; the router direct has none: 400)."""
+        client, through the backend's ``take_over`` (a frontend's; the router direct has none: 400); with the
+        text characters the client has (its logprobs' text offsets go on from there)."""
         take_over = getattr(self.backend, "take_over", None)
         if take_over is None:
             raise bad_request(RESUME_HEADER, "a stream resumes only through a frontend")
@@ -203,7 +204,7 @@ class OpenAIApi:
         except RouterError as e:
             raise api_error(e, chat) from e
         timer = asyncio.get_running_loop().call_later(timeout_s, self._expire, [handle], timeout_s)
-        return [handle], timer
+        return [handle], timer, resume.resume.num_text_chars
 
     def _expire(self, admitted: list[Any], timeout_s: float) -> None:
         """The HTTP deadline passed: end what still runs with DEADLINE_EXCEEDED and abort it on its
@@ -264,10 +265,11 @@ class OpenAIApi:
 
     async def _generate(self, request: Request, body: Any, requests: list[spb.GenerateRequest], chat: bool) -> Any:
         resume = request.headers.get(RESUME_HEADER)
+        text_offset = 0  # the text characters the client has (a resume's)
         if resume is not None:
             if not body.stream or len(requests) != 1:
                 raise bad_request(RESUME_HEADER, "a resume continues one streamed choice (stream true, n 1)")
-            admitted, timer = await self._resume(request, resume, chat)
+            admitted, timer, text_offset = await self._resume(request, resume, chat)
         else:
             admitted, timer = await self._submit(request, requests, chat)
         head = {
@@ -278,7 +280,8 @@ class OpenAIApi:
         k = top_logprobs(body, chat)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = self._stream(admitted, head, body.n, chat, k, include_usage, body.return_token_ids, timer)
+            events = self._stream(admitted, head, body.n, chat, k, include_usage, body.return_token_ids, timer,
+                                  text_offset)  # fmt: skip
             headers = {"Cache-Control": "no-cache"}
             token = getattr(admitted[0], "resume_token", "") if len(admitted) == 1 else ""
             if token:  # NOTE: a frontend's owned request: its client may resume it elsewhere
@@ -308,9 +311,10 @@ class OpenAIApi:
 
     async def _stream(self, admitted: list[Any], head: dict, n: int, chat: bool, k: int,
                       include_usage: bool, return_ids: bool,
-                      timer: asyncio.TimerHandle) -> AsyncIterator[str]:  # fmt: skip
-        """Server-sent events; the client going away cancels this generator, which cancels the requests."""
-        chunks = Chunks(head, len(admitted), chat, k, self._text, include_usage, return_ids)
+                      timer: asyncio.TimerHandle, text_offset: int = 0) -> AsyncIterator[str]:  # fmt: skip
+        """Server-sent events; the client going away cancels this generator, which cancels the requests.
+        ``text_offset``: the text characters a resuming client has."""
+        chunks = Chunks(head, len(admitted), chat, k, self._text, include_usage, return_ids, text_offset)
         try:
             for event in chunks.opening():
                 yield event

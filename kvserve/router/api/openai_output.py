@@ -143,11 +143,15 @@ class Collected:
 class Chunks:
     """A streamed answer as server-sent events: ``opening`` (chat: each choice's role), one
     ``chunk`` per response, ``usage_chunk`` last (with ``stream_options.include_usage``), then
-    ``DONE``; ``error`` for a stream the router ended abnormally."""
+    ``DONE``; ``error`` for a stream the router ended abnormally.
+
+    ``text_offset``: the text characters its client already has (a resumed stream: the ``kvserve-resume``
+    header's); a completion's logprobs ``text_offset`` goes on from there, as in the stream it resumes."""
 
     def __init__(self, head: dict[str, Any], num_choices: int, chat: bool, k: int, text: TokenText,
-                 include_usage: bool, return_ids: bool) -> None:  # fmt: skip
+                 include_usage: bool, return_ids: bool, text_offset: int = 0) -> None:  # fmt: skip
         self.head, self.chat, self.k, self.text = head, chat, k, text
+        self.text_offset = text_offset
         self.return_ids = return_ids
         self.obj = "chat.completion.chunk" if chat else "text_completion"
         self.choices = [Choice(i) for i in range(num_choices)]
@@ -168,7 +172,8 @@ class Chunks:
     def chunk(self, i: int, resp: spb.GenerateResponse) -> str:
         """Choice ``i``'s next response as one event."""
         c = self.choices[i]
-        lp = _logprobs(resp, self.k, self.text, self.chat, len(c.text)) if self.k or resp.logprobs else None
+        offset = self.text_offset + len(c.text)
+        lp = _logprobs(resp, self.k, self.text, self.chat, offset) if self.k or resp.logprobs else None
         c.text += resp.text_delta
         finish = resp.finish_reason or None
         if finish:
