@@ -78,3 +78,23 @@ def test_the_run_queue_wait_reader_reads_this_thread() -> None:
         pytest.skip("no /proc/self/task/<tid>/schedstat here")
     first = read()
     assert 0.0 <= first <= read()
+
+
+def test_with_no_work_the_probe_wakes_at_its_idle_interval_and_at_its_interval_again_once_work_arrives() -> None:
+    async def run() -> tuple[int, int]:
+        lags: list[float] = []
+        work: list[str] = []
+        watcher = asyncio.get_running_loop().create_task(
+            watch_loop_lag(lags.append, interval_s=0.01, busy=lambda: bool(work), idle_interval_s=0.25)
+        )
+        await asyncio.sleep(0.6)
+        idle_wakes = len(lags)
+        work.append("a request")
+        await asyncio.sleep(0.3)  # NOTE: the idle sleep in progress ends (<= 0.25 s), then 10 ms intervals
+        busy_wakes = len(lags) - idle_wakes
+        watcher.cancel()
+        return idle_wakes, busy_wakes
+
+    idle_wakes, busy_wakes = asyncio.run(run())
+    assert idle_wakes <= 3, idle_wakes  # 0.6 s of 0.25 s sleeps (20 Hz would be ~60)
+    assert busy_wakes >= 4, busy_wakes  # at least 50 ms of 10 ms intervals after the idle sleep ended

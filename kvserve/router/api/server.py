@@ -379,7 +379,8 @@ class RouterService:
         self._health_task = loop.create_task(self.router.table.health_loop())
         self._readiness_task = loop.create_task(self.health.run())
         lag_sink, held_sink = RouterMetrics.loop_lag_sinks()
-        self._lag_task = loop.create_task(watch_loop_lag(lag_sink, observe_held=held_sink))
+        requests = self.router.requests
+        self._lag_task = loop.create_task(watch_loop_lag(lag_sink, observe_held=held_sink, busy=lambda: bool(requests)))
         queue = self.router.queue
         RouterMetrics.watch_queue(lambda: queue.num_requests, lambda: queue.num_blocks, self._projected_wait_s)
         if self.metrics_port is not None:

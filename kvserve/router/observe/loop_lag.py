@@ -20,6 +20,10 @@ import threading
 from collections.abc import Callable
 
 INTERVAL_S = 0.05
+# NOTE: with no request in the router nothing waits on the loop, so a lag has no one to delay: the probe
+# then wakes once a second instead of 20 times (a wake-up, two /proc reads and two observations each were
+# ~4 ms/s of an idle router's loop thread, Zen 3). The first wake-up after work arrives goes back to 20 Hz.
+IDLE_INTERVAL_S = 1.0
 
 
 def run_queue_wait_reader() -> Callable[[], float] | None:
@@ -78,11 +82,14 @@ async def watch_loop_lag(
     observe_held: Callable[[float], None] | None = None,
     run_queue_wait: Callable[[], float] | None = None,
     steal: Callable[[], list[float]] | None = None,
+    busy: Callable[[], bool] | None = None,
+    idle_interval_s: float = IDLE_INTERVAL_S,
 ) -> None:
     """Sleep ``interval_s`` again and again and ``observe`` each oversleep, until cancelled; with
     ``observe_held``, also each oversleep less the loop thread's run-queue wait and the CPUs' steal over
     it (``run_queue_wait`` / ``steal``: the readers to use, default ``run_queue_wait_reader()`` for this
-    thread and ``steal_reader()``)."""
+    thread and ``steal_reader()``). With ``busy``, an interval that begins while ``busy()`` is false sleeps
+    ``idle_interval_s`` instead (its oversleep is measured the same way)."""
     loop = asyncio.get_running_loop()
     waited = run_queue_wait or run_queue_wait_reader()
     stolen = (steal or steal_reader()) if observe_held is not None else None
@@ -93,9 +100,10 @@ async def watch_loop_lag(
     waited_before = waited() if waited else 0.0
     stolen_before = stolen() if stolen else []
     while True:
+        wait = interval_s if busy is None or busy() else idle_interval_s
         began = loop.time()
-        await asyncio.sleep(interval_s)
-        lag = max(loop.time() - began - interval_s, 0.0)
+        await asyncio.sleep(wait)
+        lag = max(loop.time() - began - wait, 0.0)
         observe(lag)
         if observe_held is not None:
             waited_now = waited() if waited else 0.0
