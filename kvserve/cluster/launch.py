@@ -213,16 +213,18 @@ class Cluster:
             from kvserve.cluster.frontends import stop_frontends
 
             stop_frontends(self.frontends)
+        # NOTE: the router stops first: a worker that shut down under a live router would be called down
+        # (its engine thread gone) and killed for a restart, as a failure would be.
+        try:
+            ray.get(self.router.stop.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - best effort on the way down
+            pass
         for handle in self.workers.values():
             try:
                 ray.get(handle.shutdown.remote(), timeout=10)
             except Exception:  # noqa: BLE001 - best effort on the way down
                 pass
             ray.kill(handle)
-        try:
-            ray.get(self.router.stop.remote(), timeout=10)
-        except Exception:  # noqa: BLE001
-            pass
         ray.kill(self.router)
         # NOTE: removing a group also ends any actor still in it (a rank whose worker was killed above).
         for pg in [self.placement_group, *self.tp_groups.values()]:

@@ -483,6 +483,7 @@ class RouterService:
         return self._http_port if self._http is not None else None
 
     async def stop(self, grace: float = 1.0) -> None:
+        self.router.table.close()
         for task in (self._health_task, self._readiness_task, self._lag_task):
             if task is not None:
                 task.cancel()

@@ -247,6 +247,7 @@ class WorkerTable:
         self.entries: dict[str, WorkerState] = {}
         self.ready = asyncio.Event()  # set once a registered worker said Hello (readiness)
         self.kills_total = 0  # actors killed by the liveness rule (Ray restarts them)
+        self.closed = False  # the router is stopping: no worker is called down or killed any more
         self._tasks: set[asyncio.Task] = set()
 
     def __getitem__(self, worker_id: str) -> WorkerState:
@@ -407,6 +408,8 @@ class WorkerTable:
         ``incarnation``: the process the evidence concerns (a Ray call's target when it was made);
         evidence about an earlier process than the one now connected is ignored.
         """
+        if self.closed:
+            return
         if incarnation is not None and incarnation != entry.incarnation:
             logger.info("worker %s: ignoring stale evidence about an earlier process (%s)", entry.worker_id, why)
             return
@@ -424,7 +427,7 @@ class WorkerTable:
     def link_lost(self, entry: WorkerState) -> None:
         """Its WorkerLink broke: no new work; down if it stays broken past ``link_grace_s``
         (``check_liveness``) or at once if Ray says the process is gone or was replaced."""
-        if entry.state != WORKER_UP:
+        if entry.state != WORKER_UP or self.closed:
             return
         entry.link_lost_at = time.monotonic()
         self.metrics.worker_up(entry.worker_id, False)
@@ -444,6 +447,11 @@ class WorkerTable:
             return
         if now_incarnation != incarnation and entry.link_lost_at is not None and entry.state == WORKER_UP:
             self.down(entry, "its WorkerLink broke and Ray restarted its process", incarnation)
+
+    def close(self) -> None:
+        """The router is stopping (an operator's stop, not a failure): from now on no evidence calls a worker
+        down, replays its requests or kills it, so the workers' own shutdown after the router's is quiet."""
+        self.closed = True
 
     def check_liveness(self, now: float) -> None:
         """Apply the liveness rule (kvserve/router/table/liveness.py) to every worker that is up."""
@@ -489,7 +497,7 @@ class WorkerTable:
         """The liveness rule says ``entry`` is down: replay its requests elsewhere (``down``) and
         kill its actor so Ray starts a fresh process (counting toward retirement). Idempotent;
         ``incarnation`` as for ``down``."""
-        if entry.state != WORKER_UP or (incarnation is not None and incarnation != entry.incarnation):
+        if self.closed or entry.state != WORKER_UP or (incarnation is not None and incarnation != entry.incarnation):
             return
         self.down(entry, why)
         self.kills_total += 1
