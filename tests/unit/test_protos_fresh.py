@@ -3,12 +3,27 @@
 from __future__ import annotations
 
 import importlib
+import re
 
+import grpc
 import pytest
 
 pytest.importorskip("grpc_tools", reason="grpcio-tools (dev dependency) regenerates the protos")
 
 from kvserve.protos import regen  # noqa: E402
+
+# NOTE: the grpc modules carry the generator's version as the least grpcio they run on; a newer grpcio-tools
+# stamps its own (1.85.4 vs the checked-in 1.85.1) with the same code. The stamp is compared apart: it must
+# not exceed the grpcio installed here (an older stamp keeps the modules importable by older grpcio).
+_STAMP = re.compile(r"^GRPC_GENERATED_VERSION = '([0-9.]+)'$", re.MULTILINE)
+
+
+def _unstamped(text: str) -> str:
+    return _STAMP.sub("GRPC_GENERATED_VERSION = ''", text)
+
+
+def _version(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in v.split("."))
 
 
 def test_checked_in_generated_files_are_fresh(tmp_path):
@@ -16,8 +31,12 @@ def test_checked_in_generated_files_are_fresh(tmp_path):
     checked_in = {p.name: p.read_text() for p in regen.generated_files(regen.PROTO_ROOT)}
 
     assert sorted(checked_in) == sorted(fresh), "run `python kvserve/protos/regen.py` (files added or removed)"
-    stale = [name for name in fresh if fresh[name] != checked_in[name]]
+    stale = [name for name in fresh if _unstamped(fresh[name]) != _unstamped(checked_in[name])]
     assert not stale, f"stale generated files {stale}: run `python kvserve/protos/regen.py`"
+    installed = _version(grpc.__version__.split("rc")[0])
+    for name, text in checked_in.items():
+        for stamp in _STAMP.findall(text):
+            assert _version(stamp) <= installed, f"{name} needs grpcio>={stamp}, {grpc.__version__} is installed"
 
 
 def test_every_proto_has_generated_modules():
