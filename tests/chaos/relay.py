@@ -213,7 +213,7 @@ class TcpRelay:
                     late += len(data) if self._cut_for(link.pid) is not None else 0
                     continue
                 dst.sendall(data)
-        except OSError:
+        except (OSError, ValueError):  # NOTE: ValueError: the other direction closed the socket (fd -1) mid-select
             pass
         finally:
             link.direction_ended(dst)
