@@ -95,7 +95,8 @@ def test_a_partition_shorter_than_the_grace_replays_nothing(relayed: tuple[Serve
     assert on_victim, "no stream was on the partitioned worker"
 
     _identical(streams, reference)
-    assert all(s.final.num_replays == 0 and s.final.num_migrations == 0 for s in streams)
+    moved = [(s.req.request_id, s.final.num_replays, s.final.num_migrations) for s in streams]
+    assert all(r == 0 and m == 0 for _, r, m in moved), f"(id, replays, migrations): {moved}"
     assert all(set(s.worker_ids) == {victim} for s in on_victim), "a stream of the partitioned worker moved"
     after = c.wait_idle()
     assert c.worker_pid(victim) == pid, "the partitioned process was replaced"
