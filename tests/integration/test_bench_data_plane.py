@@ -11,13 +11,20 @@ import sys
 
 import pytest
 
-from kvserve.cluster.bench.data_plane import percentile, stamps_latency_ms
+from kvserve.cluster.bench.data_plane import AddedLatency, percentile, stamps_latency_ms
 
 
 def test_stamps_and_percentiles() -> None:
     assert stamps_latency_ms("1000000;3000000;", 5_000_000) == [4.0, 2.0]
     assert stamps_latency_ms("", 1) == []
     assert percentile([5.0, 1.0, 3.0], 0.5) == 3.0 and percentile([5.0, 1.0, 3.0], 0.99) == 5.0
+
+
+def test_a_streams_first_response_is_kept_out_of_the_itl() -> None:
+    lat = AddedLatency()
+    lat.add("1000000;", 19_000_000, first=True)  # a first response that paid a data link's dial
+    lat.add("2000000;3000000;", 5_000_000, first=False)
+    assert lat.first == [18.0] and lat.later == [3.0, 2.0]
 
 
 @pytest.mark.parametrize(
@@ -57,6 +64,7 @@ def test_every_emitted_token_is_streamed_and_counted(protocol: str, frontends: i
     assert point["streamed_tokens"] == streams * 20  # none lost, none duplicated
     assert point["streamed_tokens_per_s"] > 0 and point["router_cpu_us_per_token"] > 0
     assert 0 <= point["added_itl_p50_ms"] <= point["added_itl_p99_ms"]
+    assert 0 <= point["added_first_p50_ms"] <= point["added_first_p99_ms"]
     assert point["frontends"] == frontends and (point["frontend_cpu_us_per_token"] > 0) == (frontends > 0)
 
 
