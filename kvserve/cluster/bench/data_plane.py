@@ -405,8 +405,8 @@ def format_table(points: list[PlanePoint]) -> str:
     rows = [
         f"| {p.sim} | {p.protocol} | {p.frontends} | {p.workers} | {p.streams} | {p.tokens_per_step} | {p.step_ms:g} | "
         f"{p.streamed_tokens_per_s:,.0f} | {p.router_cpu_us_per_token:.1f} ({p.router_cpu_us_per_token_steady:.1f}) | "
-        f"{p.frontend_cpu_us_per_token:.1f} | "
-        f"{p.added_itl_p50_ms:.1f} / {p.added_itl_p99_ms:.1f} | {p.added_first_p50_ms:.1f} / {p.added_first_p99_ms:.1f} | "
+        f"{p.frontend_cpu_us_per_token:.1f} | {p.added_itl_p50_ms:.1f} / {p.added_itl_p99_ms:.1f} | "
+        f"{p.added_first_p50_ms:.1f} / {p.added_first_p99_ms:.1f} | "
         f"{p.router_rss_mb:.0f} | {p.failed_streams} |"
         for p in points
     ]
