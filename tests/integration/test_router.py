@@ -411,6 +411,10 @@ def test_forced_migration_is_token_identical(client, cluster, llm):
     assert {r.worker_id for r in responses} == {src, dst}
     st = wait_idle(client, cluster)
     assert next(w for w in st.workers if w.worker_id == src).num_migrations_total >= 1
+    # The KV went from worker to worker: the router never deserialized it, so it never imported torch
+    # (a MigrationState through the router did: ~180 MB of RSS and a stalled loop).
+    router_maps = Path(f"/proc/{ray.get(cluster.router.pid.remote())}/maps").read_text()
+    assert "libtorch" not in router_maps, "the router process loaded torch"
     # Unknown request / same worker / unknown worker: refused, nothing moves.
     assert ray.get(cluster.router.migrate.remote("no-such-request", dst), timeout=30) is False
 

@@ -113,20 +113,31 @@ def test_reopening_without_a_success_doubles_the_time_out_of_placement() -> None
     asyncio.run(test())
 
 
+class ObjectLostError(Exception):
+    """Named as Ray's (the router recognises Ray's errors by class name)."""
+
+
+class OwnerDiedError(ObjectLostError):
+    """As Ray's: the exported state's owner, the source worker, died."""
+
+
 class _RefusingImports(_FailingWorker):
-    """Exports fine; ``import_request`` raises (a live worker that refuses migrations)."""
+    """Exports fine; ``import_request`` raises ``error`` (a live worker that refuses migrations)."""
+
+    error: Exception = RuntimeError("import refused")
 
     def __getattr__(self, name: str) -> Any:
-        if name not in ("import_request", "export_request"):
+        if name not in ("import_request", "export_for_migration"):
             return super().__getattr__(name)
+        outer = self
 
         class _M:
             def remote(self, *args: Any, **kwargs: Any) -> asyncio.Future:
                 fut = asyncio.get_running_loop().create_future()
                 if name == "import_request":
-                    fut.set_exception(RuntimeError("import refused"))
+                    fut.set_exception(outer.error)
                 else:
-                    fut.set_result(SimpleNamespace(num_tokens=8))
+                    fut.set_result(SimpleNamespace(num_tokens=8, state="state-ref"))
                 return fut
 
         return _M()
@@ -149,5 +160,28 @@ def test_failed_migration_imports_count_toward_the_destinations_breaker() -> Non
         assert not await router.mover.migrate(r.request_id, dst)
         assert not router.table.serving(router.table[dst]), "two failed imports must open dst's breaker"
         assert r.worker_id == src and router.table.serving(router.table[src])
+
+    asyncio.run(test())
+
+
+def test_an_import_whose_state_was_lost_does_not_count_against_the_destinations_breaker() -> None:
+    """The source died holding the exported state (Ray: ``OwnerDiedError``): the destination did nothing wrong."""
+
+    async def test() -> None:
+        router = Router(RouterConfig(port=0, breaker_failures=2, breaker_backoff_s=5, enable_migration=False))
+        workers = {"a": _RefusingImports(), "b": _RefusingImports()}
+        for w, handle in workers.items():
+            handle.error = OwnerDiedError("the owner of the exported state died")
+            router.add_worker(w, handle, _identity(w))
+            _connect(router, w, "inc-1")
+        r = router.submit(_req("m0"))
+        await _settle()
+        src = r.worker_id
+        assert src is not None
+        dst = "b" if src == "a" else "a"
+        for _ in range(3):
+            assert not await router.mover.migrate(r.request_id, dst)
+        assert router.table.serving(router.table[dst]), "a lost state opened the destination's breaker"
+        assert r.worker_id == src
 
     asyncio.run(test())

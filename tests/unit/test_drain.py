@@ -82,7 +82,7 @@ def test_a_drain_migrates_started_requests_hands_off_the_rest_restarts_and_takes
         assert newcomer.worker_id == dst
         await _until(lambda: kills, "the drained worker killed")
         assert kills == [(workers[src], False)], "a drain restarts the process (Ray restarts it)"
-        assert started.worker_id == dst and workers[src].calls_of("export_request"), "started: migrated live"
+        assert started.worker_id == dst and workers[src].calls_of("export_for_migration"), "started: migrated live"
         assert fresh.worker_id == dst and fresh.replays == 0, "not started: handed off, not counted as a replay"
         assert router.table[src].state == WORKER_DOWN and router.replays_total == 0
         _connect(router, src, "inc-2")  # the fresh process says Hello
@@ -158,7 +158,7 @@ def test_with_no_migration_every_request_is_handed_off() -> None:
         router._on_output(src, _out(r.worker_rid, [10, 11], 2))
         drain = router.drainer.start(src, 5.0)
         await _until(lambda: drain.progress.phase == RESTARTING, "moved and restarting")
-        assert r.worker_id != src and not workers[src].calls_of("export_request")
+        assert r.worker_id != src and not workers[src].calls_of("export_for_migration")
         assert drain.progress.requests_handed_off == 1 and drain.progress.requests_migrated == 0
 
     asyncio.run(test())

@@ -23,8 +23,14 @@ STALL_S = 0.3  # every migration call is bounded by this (the stall threshold)
 
 @dataclass
 class _State:
+    """A ``MigrationTicket`` as the fake source hands it out (``state`` stands for the object reference)."""
+
     request_id: str
     num_tokens: int = 8
+
+    @property
+    def state(self) -> str:
+        return f"state-of-{self.request_id}"
 
 
 class ActorDiedError(Exception):
@@ -47,7 +53,7 @@ class _Worker(FakeWorker):
                 method.remote(*args, **kwargs)  # recorded
                 fut = asyncio.get_running_loop().create_future()
                 how = outer.behaviour.get(name, None)
-                if name == "export_request" and how is None:
+                if name == "export_for_migration" and how is None:
                     how = _State(args[0])
                 if name == "incarnation":
                     how = "inc-1"
@@ -128,7 +134,7 @@ def test_an_export_that_hangs_gives_up_the_source_and_replays_the_request(kills:
         router, workers, _ = _setup()
         r = await _running(router)
         src, rid = r.worker_id, r.worker_rid
-        workers[src].behaviour["export_request"] = "hang"
+        workers[src].behaviour["export_for_migration"] = "hang"
         assert not await router.mover.migrate(r.request_id, _dst(src))
         await _settle()
         assert router.table[src].state == WORKER_DOWN and kills == [workers[src]]

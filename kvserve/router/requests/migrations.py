@@ -1,9 +1,10 @@
 """Carries out what kvserve/router/policy/rebalance.py plans: watermark migrations (two-phase, over Ray calls) and
 priority preemptions (a Preempt command on the victim's worker, the newcomer dispatched at once).
 
-Migration is ``export_request`` on the source (it pauses the request at a step boundary and hands
-back its ``MigrationState``), ``import_request`` on the destination, then ``finish_export(ok)`` on
-the source (frees it, or resumes it if the import did not fit). A worker takes part in one move
+Migration is ``export_for_migration`` on the source (it pauses the request at a step boundary, keeps its
+``MigrationState`` in Ray's object store and hands back a ``MigrationTicket``), ``import_request`` of the
+ticket's state on the destination (Ray moves the state there: the router never holds the KV), then
+``finish_export(ok)`` on the source (frees it, or resumes it if the import did not fit). A worker takes part in one move
 at a time (``busy``).
 
 The invariant (docs/architecture.md section 5): whatever fails, and wherever (either side dying
@@ -36,6 +37,7 @@ from kvserve.router.policy.rebalance import (
 from kvserve.router.requests.pipeline import RequestPipeline
 from kvserve.router.requests.request import WORKER_UP, RouterRequest
 from kvserve.router.table.workers import WorkerState, actor_dead
+from kvserve.workers.core.migration_ticket import object_lost
 from kvserve.workers.core.sizes import blocks_for
 
 logger = logging.getLogger(__name__)
@@ -106,8 +108,10 @@ class Mover:
         phase = "export"
         try:
             await self._fault("before_export", r, move)
-            state = await self._call(src, src_inc, "export_request", src.handle.export_request.remote(rid))
-            if state is None:
+            # NOTE: a ticket, not the state: the KV goes from the source's object store to the destination
+            # (kvserve/workers/core/migration_ticket.py); the router never deserializes it (nor imports torch).
+            ticket = await self._call(src, src_inc, "export_request", src.handle.export_for_migration.remote(rid))
+            if ticket is None:
                 return False
             exported = True
             phase = "import"
@@ -118,9 +122,10 @@ class Mover:
             # arrive before this call returns); the source's keep counting (its last ones may too).
             r.dispatch_workers.add(dst.worker_id)
             try:
-                ok = await self._call(dst, dst_inc, "import_request", dst.handle.import_request.remote(state))
+                ok = await self._call(dst, dst_inc, "import_request", dst.handle.import_request.remote(ticket.state))
             except Exception as e:  # noqa: BLE001 - counted by dst's circuit breaker, then handled below
-                if not isinstance(e, TimeoutError) and not actor_dead(e):
+                # NOTE: a lost state is the source's failure (it died holding it), not the destination's.
+                if not isinstance(e, TimeoutError) and not actor_dead(e) and not object_lost(e):
                     router.table.dispatch_failed(dst, f"import_request: {e!r}")
                 raise
             router.table.dispatch_ok(dst)
@@ -140,10 +145,10 @@ class Mover:
             r.migrations += 1
             src.migrations_out += 1
             # NOTE: the blocks it holds as exported (it may have grown since the decision).
-            router.ledger.moved(dataclasses.replace(move, blocks=blocks_for(state.num_tokens, router.block_size)))
+            router.ledger.moved(dataclasses.replace(move, blocks=blocks_for(ticket.num_tokens, router.block_size)))
             router.metrics.migrated()
             logger.info("migrated %s from %s to %s (%d tokens)", r.request_id, src.worker_id, dst.worker_id,
-                        state.num_tokens)  # fmt: skip
+                        ticket.num_tokens)  # fmt: skip
             return True
         except Exception as e:  # noqa: BLE001 - every failure ends in the invariant (finally)
             logger.warning("migration of %s from %s to %s failed at %s: %r", r.request_id, move.src, move.dst,
