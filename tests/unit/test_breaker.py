@@ -5,7 +5,6 @@ backoff (no flapping with the health probes), and one success closes the breaker
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -132,13 +131,16 @@ class _RefusingImports(_FailingWorker):
         outer = self
 
         class _M:
-            def remote(self, *args: Any, **kwargs: Any) -> asyncio.Future:
+            def options(self, **options: Any) -> _M:
+                return self
+
+            def remote(self, *args: Any, **kwargs: Any) -> Any:
                 fut = asyncio.get_running_loop().create_future()
                 if name == "import_request":
                     fut.set_exception(outer.error)
-                else:
-                    fut.set_result(SimpleNamespace(num_tokens=8, state="state-ref"))
-                return fut
+                    return fut
+                fut.set_result(8)
+                return fut, "state-ref"  # export_for_migration's two returns
 
         return _M()
 

@@ -7,7 +7,6 @@ reads aborted, and the stream continuing."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -21,16 +20,7 @@ from tests.unit.test_router_failover import FakeWorker, _connect, _identity, _re
 STALL_S = 0.3  # every migration call is bounded by this (the stall threshold)
 
 
-@dataclass
-class _State:
-    """A ``MigrationTicket`` as the fake source hands it out (``state`` stands for the object reference)."""
-
-    request_id: str
-    num_tokens: int = 8
-
-    @property
-    def state(self) -> str:
-        return f"state-of-{self.request_id}"
+NUM_TOKENS = 8  # what a fake export says its state covers
 
 
 class ActorDiedError(Exception):
@@ -49,18 +39,23 @@ class _Worker(FakeWorker):
         outer = self
 
         class _M:
-            def remote(self, *args: Any, **kwargs: Any) -> asyncio.Future:
+            def options(self, **options: Any) -> _M:
+                return self
+
+            def remote(self, *args: Any, **kwargs: Any) -> Any:
                 method.remote(*args, **kwargs)  # recorded
                 fut = asyncio.get_running_loop().create_future()
                 how = outer.behaviour.get(name, None)
                 if name == "export_for_migration" and how is None:
-                    how = _State(args[0])
+                    how = NUM_TOKENS
                 if name == "incarnation":
                     how = "inc-1"
                 if how == "raise":
                     fut.set_exception(ActorDiedError(f"{name}: the actor died"))
                 elif how != "hang":
                     fut.set_result(how)
+                if name == "export_for_migration":  # NOTE: two returns: the count and the state's reference
+                    return fut, f"state-of-{args[0]}"
                 return fut
 
         return _M()

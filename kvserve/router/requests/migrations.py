@@ -1,11 +1,11 @@
 """Carries out what kvserve/router/policy/rebalance.py plans: watermark migrations (two-phase, over Ray calls) and
 priority preemptions (a Preempt command on the victim's worker, the newcomer dispatched at once).
 
-Migration is ``export_for_migration`` on the source (it pauses the request at a step boundary, keeps its
-``MigrationState`` in Ray's object store and hands back a ``MigrationTicket``), ``import_request`` of the
-ticket's state on the destination (Ray moves the state there: the router never holds the KV), then
-``finish_export(ok)`` on the source (frees it, or resumes it if the import did not fit). A worker takes part in one move
-at a time (``busy``).
+Migration is ``export_for_migration`` on the source (it pauses the request at a step boundary and returns
+the state's size and its ``MigrationState`` as two objects the router owns), ``import_request`` of that state's
+reference on the destination (Ray moves the state there from the source's object store: the router never reads
+the KV), then ``finish_export(ok)`` on the source (frees it, or resumes it if the import did not fit). A worker
+takes part in one move at a time (``busy``).
 
 The invariant (docs/architecture.md section 5): whatever fails, and wherever (either side dying
 or hanging at any phase, the client cancelling mid-move), a move ends with exactly one live copy
@@ -36,8 +36,7 @@ from kvserve.router.policy.rebalance import (
 )
 from kvserve.router.requests.pipeline import RequestPipeline
 from kvserve.router.requests.request import WORKER_UP, RouterRequest
-from kvserve.router.table.workers import WorkerState, actor_dead
-from kvserve.workers.core.migration_ticket import object_lost
+from kvserve.router.table.workers import WorkerState, actor_dead, object_lost
 from kvserve.workers.core.sizes import blocks_for
 
 logger = logging.getLogger(__name__)
@@ -108,10 +107,12 @@ class Mover:
         phase = "export"
         try:
             await self._fault("before_export", r, move)
-            # NOTE: a ticket, not the state: the KV goes from the source's object store to the destination
-            # (kvserve/workers/core/migration_ticket.py); the router never deserializes it (nor imports torch).
-            ticket = await self._call(src, src_inc, "export_request", src.handle.export_for_migration.remote(rid))
-            if ticket is None:
+            # NOTE: the state is never awaited here: its reference goes to the destination, which fetches the KV
+            # from the source's object store. The router owns it (a return of its call: it outlives the source's
+            # process) but never deserializes it; it did, on its loop, and imported torch for it (+180 MB RSS).
+            num_ref, state_ref = src.handle.export_for_migration.options(num_returns=2).remote(rid)
+            num_tokens = await self._call(src, src_inc, "export_request", num_ref)
+            if num_tokens is None:
                 return False
             exported = True
             phase = "import"
@@ -122,9 +123,9 @@ class Mover:
             # arrive before this call returns); the source's keep counting (its last ones may too).
             r.dispatch_workers.add(dst.worker_id)
             try:
-                ok = await self._call(dst, dst_inc, "import_request", dst.handle.import_request.remote(ticket.state))
+                ok = await self._call(dst, dst_inc, "import_request", dst.handle.import_request.remote(state_ref))
             except Exception as e:  # noqa: BLE001 - counted by dst's circuit breaker, then handled below
-                # NOTE: a lost state is the source's failure (it died holding it), not the destination's.
+                # NOTE: a lost state (its node died) is the source's failure, not the destination's.
                 if not isinstance(e, TimeoutError) and not actor_dead(e) and not object_lost(e):
                     router.table.dispatch_failed(dst, f"import_request: {e!r}")
                 raise
@@ -145,10 +146,10 @@ class Mover:
             r.migrations += 1
             src.migrations_out += 1
             # NOTE: the blocks it holds as exported (it may have grown since the decision).
-            router.ledger.moved(dataclasses.replace(move, blocks=blocks_for(ticket.num_tokens, router.block_size)))
+            router.ledger.moved(dataclasses.replace(move, blocks=blocks_for(num_tokens, router.block_size)))
             router.metrics.migrated()
             logger.info("migrated %s from %s to %s (%d tokens)", r.request_id, src.worker_id, dst.worker_id,
-                        ticket.num_tokens)  # fmt: skip
+                        num_tokens)  # fmt: skip
             return True
         except Exception as e:  # noqa: BLE001 - every failure ends in the invariant (finally)
             logger.warning("migration of %s from %s to %s failed at %s: %r", r.request_id, move.src, move.dst,

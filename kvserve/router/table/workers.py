@@ -48,6 +48,12 @@ def actor_dead(e: BaseException) -> bool:
     return any(c.__name__ in _ACTOR_DEAD_ERRORS for c in type(e).__mro__)
 
 
+def object_lost(e: BaseException) -> bool:
+    """The Ray error says an object a call needed is gone (``ObjectLostError`` and its kinds: the node that held
+    it died, its owner died): for a migration's import, the source's failure, never the destination's."""
+    return any(c.__name__ == "ObjectLostError" for c in type(e).__mro__)
+
+
 # Every running total a report carries: PressureReport's ``*_total`` fields that count events or tokens
 # (``*_blocks_total`` are pool sizes, not counters).
 _TOTALS = tuple(

@@ -16,7 +16,6 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from kvserve.workers.core.gc_pauses import settle_heap
-from kvserve.workers.core.migration_ticket import MigrationTicket
 
 if TYPE_CHECKING:
     from kvserve.protos.kvserve.v1 import worker_pb2 as pb
@@ -102,13 +101,14 @@ class Worker:
     def export_request(self, request_id: str) -> MigrationState | None:
         return self.core.export_request(request_id)
 
-    def export_for_migration(self, request_id: str) -> MigrationTicket | None:
-        """``export_request``, the state kept in Ray's object store: the router gets a ticket to hand the
-        destination, never the KV itself (kvserve/workers/core/migration_ticket.py)."""
-        import ray
-
+    def export_for_migration(self, request_id: str) -> tuple[int | None, MigrationState | None]:
+        """``export_request`` as two returns (call it with ``.options(num_returns=2)``): the tokens the state covers
+        (None: nothing was exported) and the state. The caller owns both: the router awaits the count only and
+        hands the state's reference to the destination's ``import_request`` unread, so the KV goes from this
+        node's object store to the destination without the router deserializing it, and outlives this process
+        (docs/architecture.md section 2, "Migration")."""
         state = self.core.export_request(request_id)
-        return None if state is None else MigrationTicket(state.num_tokens, ray.put(state))
+        return (None, None) if state is None else (state.num_tokens, state)
 
     def finish_export(self, request_id: str, migrated: bool) -> bool:
         return self.core.finish_export(request_id, migrated)
