@@ -123,7 +123,7 @@ class OwnerDiedError(ObjectLostError):
 class _RefusingImports(_FailingWorker):
     """Exports fine; ``import_request`` raises ``error`` (a live worker that refuses migrations)."""
 
-    error: Exception = RuntimeError("import refused")
+    error: Exception
 
     def __getattr__(self, name: str) -> Any:
         if name not in ("import_request", "export_for_migration"):
@@ -145,18 +145,24 @@ class _RefusingImports(_FailingWorker):
         return _M()
 
 
+async def _refused_migration_setup(error: Exception) -> tuple[Router, Any, str, str]:
+    """Two workers whose imports raise ``error``, one request placed: (router, request, its worker, the other)."""
+    router = Router(RouterConfig(port=0, breaker_failures=2, breaker_backoff_s=5, enable_migration=False))
+    workers = {"a": _RefusingImports(), "b": _RefusingImports()}
+    for w, handle in workers.items():
+        handle.error = error
+        router.add_worker(w, handle, _identity(w))
+        _connect(router, w, "inc-1")
+    r = router.submit(_req("m0"))
+    await _settle()
+    src = r.worker_id
+    assert src is not None
+    return router, r, src, "b" if src == "a" else "a"
+
+
 def test_failed_migration_imports_count_toward_the_destinations_breaker() -> None:
     async def test() -> None:
-        router = Router(RouterConfig(port=0, breaker_failures=2, breaker_backoff_s=5, enable_migration=False))
-        workers = {"a": _RefusingImports(), "b": _RefusingImports()}
-        for w, handle in workers.items():
-            router.add_worker(w, handle, _identity(w))
-            _connect(router, w, "inc-1")
-        r = router.submit(_req("m0"))
-        await _settle()
-        src = r.worker_id
-        assert src is not None
-        dst = "b" if src == "a" else "a"
+        router, r, src, dst = await _refused_migration_setup(RuntimeError("import refused"))
         assert not await router.mover.migrate(r.request_id, dst)
         assert router.table.serving(router.table[dst]), "one failure: still closed"
         assert not await router.mover.migrate(r.request_id, dst)
@@ -167,20 +173,10 @@ def test_failed_migration_imports_count_toward_the_destinations_breaker() -> Non
 
 
 def test_an_import_whose_state_was_lost_does_not_count_against_the_destinations_breaker() -> None:
-    """The source died holding the exported state (Ray: ``OwnerDiedError``): the destination did nothing wrong."""
+    """The exported state is gone (Ray's ``ObjectLostError``, e.g. ``OwnerDiedError``): not the destination's fault."""
 
     async def test() -> None:
-        router = Router(RouterConfig(port=0, breaker_failures=2, breaker_backoff_s=5, enable_migration=False))
-        workers = {"a": _RefusingImports(), "b": _RefusingImports()}
-        for w, handle in workers.items():
-            handle.error = OwnerDiedError("the owner of the exported state died")
-            router.add_worker(w, handle, _identity(w))
-            _connect(router, w, "inc-1")
-        r = router.submit(_req("m0"))
-        await _settle()
-        src = r.worker_id
-        assert src is not None
-        dst = "b" if src == "a" else "a"
+        router, r, src, dst = await _refused_migration_setup(OwnerDiedError("the exported state's owner died"))
         for _ in range(3):
             assert not await router.mover.migrate(r.request_id, dst)
         assert router.table.serving(router.table[dst]), "a lost state opened the destination's breaker"
