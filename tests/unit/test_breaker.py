@@ -117,7 +117,7 @@ class ObjectLostError(Exception):
 
 
 class OwnerDiedError(ObjectLostError):
-    """As Ray's: the exported state's owner, the source worker, died."""
+    """As Ray's: an ``ObjectLostError`` (the object's owner died)."""
 
 
 class _RefusingImports(_FailingWorker):

@@ -111,7 +111,7 @@ class Mover:
             # from the source's object store. The router owns it (a return of its call: it outlives the source's
             # process) but never deserializes it; it did, on its loop, and imported torch for it (+180 MB RSS).
             num_ref, state_ref = src.handle.export_for_migration.options(num_returns=2).remote(rid)
-            num_tokens = await self._call(src, src_inc, "export_request", num_ref)
+            num_tokens = await self._call(src, src_inc, "export_for_migration", num_ref)
             if num_tokens is None:
                 return False
             exported = True
